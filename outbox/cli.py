@@ -1,0 +1,236 @@
+"""``outbox-relay``: the command line.
+
+Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
+reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
+``subscriptions``, ``unsubscribe``. Settings come from ``OUTBOX_*`` environment variables
+(:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
+
+Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
+invalid setting) print one line ``outbox-relay: error: ...`` and exit with status 2;
+never a traceback, never a password.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import ConfigurationError, OutboxError
+from .settings import OutboxSettings
+
+log = logging.getLogger("outbox.cli")
+
+COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "subscriptions", "unsubscribe")
+
+#: run flags -> settings fields
+_RUN_FLAGS = {
+    "concurrency": int, "claim_batch": int, "route_batch": int, "poll_interval": float,
+    "default_lease": float, "reap_interval": float, "shutdown_grace": float,
+    "retention_done": float, "retention_events": float, "prune_interval": float,
+}
+
+
+class UsageError(OutboxError):
+    """A command-line mistake; printed as one line."""
+
+
+def load_app(spec: str) -> Any:
+    """Import ``module:attribute`` and return the :class:`~outbox.Outbox` it names.
+
+    Raises :class:`UsageError` saying which part failed: malformed spec, module not found,
+    module raised on import, attribute missing, or not an ``Outbox``.
+    """
+    from .registry import Outbox
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UsageError(f"--app must look like 'package.module:attribute', got {spec!r}")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # like `python -m`: the current directory is importable
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise UsageError(f"--app {spec!r}: no module named {exc.name!r}") from None
+        raise UsageError(f"--app {spec!r}: importing {module_name} failed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything
+        raise UsageError(f"--app {spec!r}: importing {module_name} raised {type(exc).__name__}: {exc}") from None
+    target: Any = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise UsageError(f"--app {spec!r}: module {module_name} has no attribute {attr!r}") from None
+    if callable(target) and not isinstance(target, Outbox):
+        target = target()
+    if not isinstance(target, Outbox):
+        raise UsageError(f"--app {spec!r} is a {type(target).__name__}, not an outbox.Outbox")
+    return target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="outbox-relay",
+        description="PostgreSQL outbox relay: routes events to consumers' jobs and runs them.",
+        epilog="Without a command, `run` is assumed: outbox-relay --app myapp.jobs:ob",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--database-url", help="database URL (default: $OUTBOX_DATABASE_URL)")
+        p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: $OUTBOX_LOG_LEVEL or INFO)")
+        return p
+
+    run = add("run", "Run the router, the workers of --app's consumers, the reaper and the pruner.")
+    run.add_argument("--app", help="module:attribute naming the outbox.Outbox registry; "
+                                   "omit to run routing and maintenance only")
+    run.add_argument("--no-listen", action="store_true", help="poll only; do not LISTEN")
+    run.add_argument("--no-route", action="store_true", help="do not route events in this process")
+    run.add_argument("--no-maintain", action="store_true", help="do not reap or prune in this process")
+    for flag, kind in _RUN_FLAGS.items():
+        run.add_argument("--" + flag.replace("_", "-"), type=kind, help=OutboxSettings.model_fields[flag].description)
+
+    add("migrate", "Create or upgrade outbox's tables (alembic, version table outbox_alembic_version).")
+
+    demo = add("demo", "Run the order-processing demo on real data: relays are killed and paused on purpose.")
+    from .demo.run import add_arguments as add_demo_arguments
+
+    add_demo_arguments(demo)
+
+    add("status", "Jobs per consumer and status, and unrouted events.")
+    dead = add("dead", "List dead-lettered jobs with their last error.")
+    dead.add_argument("--consumer")
+    dead.add_argument("--limit", type=int, default=50)
+    dead.add_argument("--json", action="store_true", help="one JSON object per line")
+    redrive = add("redrive", "Put dead jobs back to ready with a fresh attempt budget.")
+    redrive.add_argument("ids", nargs="*", type=int, help="job ids (default: all dead jobs of --consumer, or --all)")
+    redrive.add_argument("--consumer")
+    redrive.add_argument("--all", action="store_true", help="redrive every dead job")
+    add("subscriptions", "List the (topic, consumer) subscriptions routing uses.")
+    unsubscribe = add("unsubscribe", "Remove a consumer's subscriptions (new events stop producing its jobs).")
+    unsubscribe.add_argument("consumer")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> OutboxSettings:
+    overrides: dict[str, Any] = {}
+    if getattr(args, "database_url", None):
+        overrides["database_url"] = args.database_url
+    if getattr(args, "log_level", None):
+        overrides["log_level"] = args.log_level
+    for flag in _RUN_FLAGS:
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[flag] = value
+    if getattr(args, "no_listen", False):
+        overrides["listen"] = False
+    return OutboxSettings(**overrides)
+
+
+def _engine(settings: OutboxSettings):
+    from .db.engine import make_engine
+
+    url = settings.url()
+    if url is None:
+        raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
+    return make_engine(url)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``outbox-relay``; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]
+    args = build_parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ValidationError as exc:
+        return _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()))
+    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+    try:
+        return _dispatch(args, settings)
+    except OutboxError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+def _fail(message: str) -> int:
+    print(f"outbox-relay: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
+    from .db.engine import translate_errors
+
+    if args.command == "run":
+        from .registry import Outbox
+        from .relay import Relay
+
+        registry = load_app(args.app) if args.app else Outbox()
+        relay = Relay(registry, settings, route=not args.no_route, maintain=not args.no_maintain)
+        return relay.run()
+    if args.command == "demo":
+        from .demo.run import main as demo_main
+
+        return demo_main(args, settings)
+    engine = _engine(settings)
+    with translate_errors(engine.url):
+        if args.command == "migrate":
+            from .db.migrate import upgrade
+
+            revision = upgrade(engine)
+            print(f"outbox schema at revision {revision}")
+            return 0
+        return _inspect(args, engine)
+
+
+def _inspect(args: argparse.Namespace, engine: Any) -> int:
+    from .db import queries
+    from .db.migrate import check_schema
+    from .maintenance import dead_letters, redrive
+
+    with engine.begin() as conn:
+        check_schema(conn)
+        if args.command == "status":
+            rows = conn.execute(queries.job_count_by_status).all()
+            unrouted = conn.execute(queries.event_unrouted_count).scalar_one()
+            print(f"unrouted events: {unrouted}")
+            print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
+            for r in rows:
+                print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
+        elif args.command == "dead":
+            for r in dead_letters(conn, args.consumer, args.limit):
+                if args.json:
+                    print(json.dumps({**r._asdict(), "finished_at": str(r.finished_at)}))
+                else:
+                    first = (r.last_error or "").splitlines()[0] if r.last_error else ""
+                    print(f"job {r.id} event {r.event_id} {r.consumer} attempts {r.attempts}/{r.max_attempts}: {first}")
+        elif args.command == "redrive":
+            if not args.ids and not args.consumer and not args.all:
+                raise UsageError("redrive needs job ids, --consumer or --all")
+            ids = redrive(conn, args.ids or None, args.consumer)
+            print(f"redriven {len(ids)} jobs" + (f": {ids[:20]}" if ids else ""))
+        elif args.command == "subscriptions":
+            for r in conn.execute(queries.subscription_list):
+                print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
+                      f" priority={r.priority}{' transactional' if r.transactional else ''}")
+        elif args.command == "unsubscribe":
+            topics = list(conn.execute(queries.subscription_delete, {"consumer": args.consumer}).scalars())
+            if not topics:
+                raise UsageError(f"no subscription for consumer {args.consumer!r}")
+            print(f"unsubscribed {args.consumer} from {', '.join(topics)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""Engines, URL handling and the one place database errors are translated.
+
+A URL given as ``postgresql://`` or ``postgres://`` (libpq style) is used with the
+psycopg 3 driver. Passwords never leave this module in clear text: every message that
+names a URL names it through :func:`redact`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+
+from ..errors import ConfigurationError, DatabaseUnavailableError, SchemaNotReadyError
+
+
+def parse_url(url: str | URL) -> URL:
+    """Parse ``url`` and select the psycopg 3 driver.
+
+    Raises :class:`ConfigurationError` (password redacted) when it is not a PostgreSQL URL.
+    """
+    if isinstance(url, URL):
+        parsed = url
+    else:
+        if not isinstance(url, str) or not url.strip():
+            raise ConfigurationError("database URL is empty; set OUTBOX_DATABASE_URL or --database-url")
+        try:
+            parsed = make_url(url.strip())
+        except ArgumentError as exc:
+            raise ConfigurationError(f"database URL is malformed: {redact(url)}") from None
+    if parsed.get_backend_name() not in {"postgresql", "postgres"}:
+        raise ConfigurationError(
+            f"database URL must be a PostgreSQL URL (postgresql://...), got {redact(parsed)}")
+    if parsed.drivername in {"postgresql", "postgres", "postgresql+psycopg2"}:
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    elif parsed.drivername != "postgresql+psycopg":
+        raise ConfigurationError(
+            f"database URL driver {parsed.drivername!r} is not supported; use postgresql+psycopg://")
+    return parsed
+
+
+def redact(url: str | URL) -> str:
+    """``url`` as text with its password replaced by ``***``; safe to log."""
+    try:
+        parsed = url if isinstance(url, URL) else make_url(url)
+        return parsed.render_as_string(hide_password=True)
+    except Exception:
+        return "<unparseable URL>"
+
+
+def make_engine(url: str | URL, *, pool_size: int = 5, application_name: str = "outbox") -> Engine:
+    """A SQLAlchemy engine on psycopg 3 with pre-ping (dead connections after a server
+    restart are replaced, not handed out) and a short connect timeout (5 seconds).
+
+    Raises :class:`ConfigurationError` for a malformed URL.
+    """
+    parsed = parse_url(url)
+    return sa.create_engine(
+        parsed,
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        connect_args={"connect_timeout": 5, "application_name": application_name},
+    )
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """True when ``exc`` means the connection or the server went away (worth a retry)."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, OperationalError)
+
+
+def describe(exc: BaseException) -> str:
+    """One readable line for a database error, without the SQL text or parameters."""
+    orig = getattr(exc, "orig", None) or exc
+    message = str(orig).strip().splitlines()[0] if str(orig).strip() else type(orig).__name__
+    return f"{type(orig).__name__}: {message}"
+
+
+@contextlib.contextmanager
+def translate_errors(url: str | URL) -> Iterator[None]:
+    """Turn connection failures into :class:`DatabaseUnavailableError` and missing tables
+    into :class:`SchemaNotReadyError`, with readable messages; the cause is kept."""
+    try:
+        yield
+    except OperationalError as exc:
+        raise DatabaseUnavailableError(f"cannot reach the database at {redact(url)}: {describe(exc)}") from exc
+    except sa.exc.ProgrammingError as exc:
+        if "outbox_" in str(exc.orig) and "does not exist" in str(exc.orig):
+            raise SchemaNotReadyError(
+                f"outbox tables are missing in {redact(url)}; run `outbox-relay migrate`") from exc
+        raise

@@ -1,0 +1,341 @@
+"""Every runtime statement of outbox, by name: noun first, batch forms end in ``_many``.
+
+Rules every job-changing statement here keeps (DESIGN.md, "Lifecycle"):
+
+* Time comes from the database clock (``now()``), never from the worker; durations are
+  passed in seconds and turned into intervals by ``make_interval``.
+* A statement that changes a claimed job names the fence it holds and requires
+  ``status = 'running'``; the caller reads which rows came back (``RETURNING``) and treats a
+  missing row as a lost lease or a stale report. The reaper's check is the lease itself
+  (``lease_until < now()``).
+* Claiming, routing and reaping lock with ``FOR UPDATE SKIP LOCKED``, so any number of
+  relays may run them at once without waiting on one another (seed article 000).
+* Statements that lock several job rows by id (heartbeat, complete, fail, release) lock
+  them in id order first, so two of them can never deadlock each other.
+
+Arrays are bound as PostgreSQL arrays (``CAST(:ids AS bigint[])``), so a batch costs one
+round trip whatever its size.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import TextClause, text
+
+# --------------------------------------------------------------------------- events
+
+event_route_many: TextClause = text(
+    """
+    WITH batch AS (
+        SELECT id, topic
+        FROM outbox_events
+        WHERE routed_at IS NULL
+        ORDER BY id
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    ), inserted AS (
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts)
+        SELECT b.id, s.consumer, s.priority, s.max_attempts
+        FROM batch b
+        JOIN outbox_subscriptions s ON s.topic = b.topic
+        ORDER BY b.id, s.consumer
+        ON CONFLICT (event_id, consumer) DO NOTHING
+        RETURNING 1
+    ), routed AS (
+        UPDATE outbox_events e
+        SET routed_at = now()
+        FROM batch b
+        WHERE e.id = b.id AND e.routed_at IS NULL
+        RETURNING e.id
+    )
+    SELECT
+        (SELECT count(*) FROM routed) AS events,
+        (SELECT count(*) FROM inserted) AS jobs,
+        (SELECT count(*) FROM batch b
+          WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
+        ) AS unsubscribed
+    """
+)
+"""Route up to ``:limit`` unrouted events: one job per matching subscription, events marked
+routed, in one statement (one transaction). Rows locked by another router are skipped,
+so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
+above the last one seen") picks events, since ids commit out of order. Returns one row:
+events routed, jobs created, events that matched no subscription."""
+
+event_prune_many: TextClause = text(
+    """
+    DELETE FROM outbox_events
+    WHERE id IN (
+        SELECT e.id
+        FROM outbox_events e
+        WHERE e.routed_at IS NOT NULL
+          AND e.routed_at < now() - make_interval(secs => :older_than)
+          AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    """
+)
+"""Delete up to ``:limit`` events routed more than ``:older_than`` seconds ago that have no
+job left (all done and pruned). Events with a live or dead job stay."""
+
+event_unrouted_count: TextClause = text("SELECT count(*) FROM outbox_events WHERE routed_at IS NULL")
+
+# --------------------------------------------------------------------- subscriptions
+
+subscription_upsert_many: TextClause = text(
+    """
+    INSERT INTO outbox_subscriptions AS s
+        (topic, consumer, max_attempts, lease_seconds, priority, transactional)
+    SELECT * FROM unnest(
+        CAST(:topics AS text[]), CAST(:consumers AS text[]), CAST(:max_attempts AS int[]),
+        CAST(:leases AS float8[]), CAST(:priorities AS smallint[]), CAST(:transactional AS bool[]))
+    ON CONFLICT (topic, consumer) DO UPDATE
+    SET max_attempts = EXCLUDED.max_attempts,
+        lease_seconds = EXCLUDED.lease_seconds,
+        priority = EXCLUDED.priority,
+        transactional = EXCLUDED.transactional,
+        updated_at = now()
+    WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional)
+          IS DISTINCT FROM
+          (EXCLUDED.max_attempts, EXCLUDED.lease_seconds, EXCLUDED.priority, EXCLUDED.transactional)
+    """
+)
+"""Write the registry's (topic, consumer) pairs and their options; unchanged rows are left
+alone. Other relays' subscriptions are never removed."""
+
+subscription_delete: TextClause = text(
+    "DELETE FROM outbox_subscriptions WHERE consumer = :consumer RETURNING topic"
+)
+"""Remove a consumer's subscriptions (``outbox-relay unsubscribe``); its existing jobs stay."""
+
+subscription_list: TextClause = text(
+    "SELECT topic, consumer, max_attempts, lease_seconds, priority, transactional"
+    " FROM outbox_subscriptions ORDER BY topic, consumer"
+)
+
+# ------------------------------------------------------------------------------ jobs
+
+_JOB_COLUMNS = """
+    j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
+    e.topic, e.key, e.payload, e.headers, e.created_at AS event_created_at
+"""
+
+job_claim_many: TextClause = text(
+    f"""
+    WITH wanted AS (
+        SELECT *
+        FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
+    ), picked AS (
+        SELECT id
+        FROM outbox_jobs
+        WHERE status = 'ready'
+          AND run_at <= now()
+          AND consumer = ANY (CAST(:consumers AS text[]))
+        ORDER BY priority, run_at, id
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE outbox_jobs j
+    SET status = 'running',
+        attempts = j.attempts + 1,
+        fence = nextval('outbox_fence_seq'),
+        lease_until = now() + make_interval(secs => w.lease_seconds),
+        locked_by = :worker,
+        updated_at = now()
+    FROM picked p, wanted w, outbox_events e
+    WHERE j.id = p.id
+      AND j.status = 'ready'
+      AND w.consumer = j.consumer
+      AND e.id = j.event_id
+    RETURNING {_JOB_COLUMNS}
+    """
+)
+"""Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
+``:consumers[i]``): ``running``, ``attempts + 1``, a new fence from ``outbox_fence_seq``,
+``lease_until = now() + lease``. Returns the job and its event."""
+
+_LOCK_BY_ID = """
+    locked AS (
+        SELECT j.id
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.status = 'running'
+        ORDER BY j.id
+        FOR UPDATE OF j
+    )
+"""
+
+job_heartbeat_many: TextClause = text(
+    f"""
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]), CAST(:leases AS float8[]))
+            AS a(id, fence, lease_seconds)
+    ), {_LOCK_BY_ID}
+    UPDATE outbox_jobs j
+    SET lease_until = now() + make_interval(secs => a.lease_seconds),
+        updated_at = now()
+    FROM locked l, args a
+    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
+    RETURNING j.id
+    """
+)
+"""Renew the leases of many running jobs in one statement. A job missing from the result
+has lost its lease (reaped, re-claimed or released): its worker must stop."""
+
+job_complete_many: TextClause = text(
+    f"""
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+    ), {_LOCK_BY_ID}
+    UPDATE outbox_jobs j
+    SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+    FROM locked l, args a
+    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
+    RETURNING j.id
+    """
+)
+"""Mark many jobs done, each only if it still holds the given fence and is running. Jobs
+missing from the result were stale reports and changed nothing."""
+
+job_complete: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+    WHERE id = :id AND fence = :fence AND status = 'running'
+    """
+)
+"""Mark one job done if it still holds ``:fence``; used inside a transactional handler's
+transaction, so a row count of 0 rolls the handler's writes back."""
+
+job_fail_many: TextClause = text(
+    f"""
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]),
+                             CAST(:delays AS float8[]), CAST(:permanent AS bool[]),
+                             CAST(:errors AS text[]))
+            AS a(id, fence, delay_seconds, permanent, error)
+    ), {_LOCK_BY_ID}
+    UPDATE outbox_jobs j
+    SET status = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+        run_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN j.run_at
+                      ELSE now() + make_interval(secs => a.delay_seconds) END,
+        finished_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN now() END,
+        lease_until = NULL,
+        last_error = a.error,
+        updated_at = now()
+    FROM locked l, args a
+    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
+    RETURNING j.id, j.status
+    """
+)
+"""Record failed attempts: back to ``ready`` at ``now() + delay`` while attempts remain,
+else (or when ``permanent``) ``dead``. Fenced; returns (id, new status) of rows changed."""
+
+job_release_many: TextClause = text(
+    f"""
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+    ), {_LOCK_BY_ID}
+    UPDATE outbox_jobs j
+    SET status = 'ready', attempts = j.attempts - 1, run_at = now(), lease_until = NULL,
+        updated_at = now()
+    FROM locked l, args a
+    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
+    RETURNING j.id
+    """
+)
+"""Hand claimed jobs back at once (shutdown): ``ready`` now, and the attempt is not
+counted, since the handler did not fail. Fenced."""
+
+job_reap_many: TextClause = text(
+    """
+    WITH expired AS (
+        SELECT id
+        FROM outbox_jobs
+        WHERE status = 'running' AND lease_until < now()
+        ORDER BY lease_until
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    UPDATE outbox_jobs j
+    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
+        run_at = now(),
+        lease_until = NULL,
+        last_error = format('LeaseExpired: lease expired at %s on attempt %s of %s (worker %s, fence %s)',
+                            j.lease_until, j.attempts, j.max_attempts,
+                            coalesce(j.locked_by, '?'), j.fence),
+        updated_at = now()
+    FROM expired x
+    WHERE j.id = x.id AND j.status = 'running' AND j.lease_until < now()
+    RETURNING j.id, j.consumer, j.status, j.attempts, j.fence
+    """
+)
+"""Take back up to ``:limit`` jobs whose lease expired: ``ready`` again, or ``dead`` when
+the expired attempt was the last. Jobs another transaction holds are skipped (they are
+being finished right now), so a reaper never overwrites a completion."""
+
+job_prune_done_many: TextClause = text(
+    """
+    DELETE FROM outbox_jobs
+    WHERE id IN (
+        SELECT id FROM outbox_jobs
+        WHERE status = 'done' AND finished_at < now() - make_interval(secs => :older_than)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    """
+)
+"""Delete up to ``:limit`` jobs done more than ``:older_than`` seconds ago."""
+
+job_dead_list: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.finished_at, j.last_error
+    FROM outbox_jobs j
+    WHERE j.status = 'dead' AND (CAST(:consumer AS text) IS NULL OR j.consumer = :consumer)
+    ORDER BY j.id
+    LIMIT :limit
+    """
+)
+
+job_redrive_many: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'ready', attempts = 0, run_at = now(), finished_at = NULL, updated_at = now()
+    WHERE status = 'dead'
+      AND (CAST(:ids AS bigint[]) IS NULL OR id = ANY (CAST(:ids AS bigint[])))
+      AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer)
+    RETURNING id
+    """
+)
+"""Put dead jobs back to ``ready`` with a fresh attempt budget; ``last_error`` is kept
+until the next failure. Only ``dead`` rows change."""
+
+job_count_by_status: TextClause = text(
+    "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
+)
+
+# ---------------------------------------------------------------------------- schema
+
+schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")
+
+# -------------------------------------------------------------------------- publish
+
+event_insert: TextClause = text(
+    """
+    INSERT INTO outbox_events (topic, key, payload, headers)
+    VALUES (:topic, :key, CAST(:payload AS jsonb), CAST(:headers AS jsonb))
+    RETURNING id
+    """
+)
+"""Write one event (payload and headers as JSON text, validated by ``publish``)."""
+
+event_insert_many: TextClause = text(
+    """
+    INSERT INTO outbox_events (topic, key, payload, headers)
+    SELECT * FROM unnest(CAST(:topics AS text[]), CAST(:keys AS text[]),
+                         CAST(:payloads AS jsonb[]), CAST(:headers AS jsonb[]))
+    RETURNING id
+    """
+)
+"""Write many events in one statement, so one round trip whatever their number."""

@@ -1,0 +1,158 @@
+"""SQLAlchemy Core tables of outbox, on one :data:`metadata` with a naming convention.
+
+Applications that keep their own alembic history may include :data:`metadata` in their
+``target_metadata``; otherwise ``outbox-relay migrate`` creates the same schema from the
+migrations shipped in the package (version table ``outbox_alembic_version``). A test
+compares the two so they cannot drift.
+
+Job states (``jobs.status``)::
+
+    ready --claim--> running --complete--> done
+      ^                 |  \\--fail, attempts left / lease expired / release--> ready
+      |                 \\----fail, none left / PermanentError / lease expired, none left--> dead
+      \\--------------------------------- redrive ------------------------------------ dead
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Double,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Sequence,
+    SmallInteger,
+    Table,
+    Text,
+    UniqueConstraint,
+    event,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+#: Every claim takes ``nextval`` of this one sequence, so fences grow across all jobs:
+#: a downstream row guarded by ``WHERE fence < $n`` is never overwritten by a worker that
+#: claimed earlier than the last writer (seed article 000, "Fencing tokens").
+fence_seq = Sequence("outbox_fence_seq", metadata=metadata, start=1)
+
+JOB_STATUSES = ("ready", "running", "done", "dead")
+
+events = Table(
+    "outbox_events",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("key", Text, nullable=True),
+    Column("payload", JSONB, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("routed_at", DateTime(timezone=True), nullable=True),
+    PrimaryKeyConstraint("id"),
+    CheckConstraint("topic <> ''", name="topic_not_empty"),
+    Index("ix_outbox_events_unrouted", "id", postgresql_where=text("routed_at IS NULL")),
+    Index("ix_outbox_events_routed_at", "routed_at", postgresql_where=text("routed_at IS NOT NULL")),
+)
+
+subscriptions = Table(
+    "outbox_subscriptions",
+    metadata,
+    Column("topic", Text, nullable=False),
+    Column("consumer", Text, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    Column("lease_seconds", Double, nullable=False),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
+    Column("transactional", Boolean, nullable=False, server_default=text("false")),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("topic", "consumer"),
+    CheckConstraint("max_attempts >= 1", name="max_attempts_positive"),
+    CheckConstraint("lease_seconds > 0", name="lease_positive"),
+)
+
+jobs = Table(
+    "outbox_jobs",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    Column("event_id", BigInteger, ForeignKey("outbox_events.id", ondelete="CASCADE"), nullable=False),
+    Column("consumer", Text, nullable=False),
+    Column("status", Text, nullable=False, server_default=text("'ready'")),
+    Column("priority", SmallInteger, nullable=False, server_default=text("0")),
+    Column("run_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("max_attempts", Integer, nullable=False),
+    Column("lease_until", DateTime(timezone=True), nullable=True),
+    Column("fence", BigInteger, nullable=False, server_default=text("0")),
+    Column("locked_by", Text, nullable=True),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("finished_at", DateTime(timezone=True), nullable=True),
+    PrimaryKeyConstraint("id"),
+    UniqueConstraint("event_id", "consumer"),
+    CheckConstraint("status IN ('ready', 'running', 'done', 'dead')", name="status_known"),
+    CheckConstraint("attempts >= 0 AND attempts <= max_attempts", name="attempts_in_range"),
+    CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
+    # Claiming reads only ready rows, in claim order; done rows never enter this index.
+    Index("ix_outbox_jobs_ready", "priority", "run_at", "id", postgresql_where=text("status = 'ready'")),
+    # The reaper reads only running rows by lease expiry.
+    Index("ix_outbox_jobs_lease", "lease_until", postgresql_where=text("status = 'running'")),
+    # Pruning reads done rows by age; dead letters are listed by consumer.
+    Index("ix_outbox_jobs_finished", "finished_at", postgresql_where=text("status = 'done'")),
+    Index("ix_outbox_jobs_dead", "consumer", "id", postgresql_where=text("status = 'dead'")),
+)
+
+#: NOTIFY channels. A statement-level trigger on each table sends one notification per
+#: inserting statement; PostgreSQL delivers it only on commit and folds duplicates within a
+#: transaction ("NOTIFY", PostgreSQL docs), so publishing costs no extra round trip.
+EVENTS_CHANNEL = "outbox_events"
+JOBS_CHANNEL = "outbox_jobs"
+
+NOTIFY_DDL = (
+    f"""
+    CREATE OR REPLACE FUNCTION outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify(TG_ARGV[0], '');
+        RETURN NULL;
+    END $$
+    """,
+    f"""
+    CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{EVENTS_CHANNEL}')
+    """,
+    f"""
+    CREATE TRIGGER outbox_jobs_notify AFTER INSERT ON outbox_jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')
+    """,
+)
+NOTIFY_DROP_DDL = (
+    "DROP TRIGGER IF EXISTS outbox_jobs_notify ON outbox_jobs",
+    "DROP TRIGGER IF EXISTS outbox_events_notify ON outbox_events",
+    "DROP FUNCTION IF EXISTS outbox_notify()",
+)
+
+
+def _create_notify_triggers(target, connection, **kw) -> None:
+    for statement in NOTIFY_DDL:
+        connection.exec_driver_sql(statement)
+
+
+event.listen(metadata, "after_create", _create_notify_triggers)

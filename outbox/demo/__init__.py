@@ -1,0 +1,1 @@
+"""The order-processing demo (``outbox-relay demo``)."""

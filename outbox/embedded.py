@@ -1,0 +1,36 @@
+"""The embedded PostgreSQL used when no database is configured (extra ``embedded``:
+``pip install 'outbox[embedded]'``, which installs ``pgserver``, a PostgreSQL server
+shipped in a wheel). Meant for the demo and the test suite, not for production."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .errors import ConfigurationError
+
+log = logging.getLogger("outbox.embedded")
+
+#: Where the embedded server keeps its data unless told otherwise.
+DEFAULT_DATA_DIR = Path(".outbox") / "pgdata"
+
+
+def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
+    """Start (or reuse) an embedded PostgreSQL keeping its files in ``data_dir``; returns
+    its URL (``postgresql://postgres:@/postgres?host=<socket dir>``). It stops when the
+    last process using it exits.
+
+    Raises :class:`ConfigurationError` when the ``embedded`` extra is not installed.
+    """
+    try:
+        import pgserver
+    except ImportError:
+        raise ConfigurationError(
+            "no database configured and the embedded server is not installed: "
+            "set OUTBOX_DATABASE_URL, or pip install 'outbox[embedded]'") from None
+    path = Path(data_dir).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(path, cleanup_mode="stop")
+    log.info("embedded PostgreSQL running with its data in %s", path)
+    return server.get_uri()

@@ -1,0 +1,72 @@
+"""The exception hierarchy: one root, :class:`OutboxError`, and a subclass per thing a
+caller may want to catch.
+
+Database errors are translated once, at the boundary that met them, and the driver's
+exception is kept as ``__cause__`` (``raise ... from``).
+"""
+
+from __future__ import annotations
+
+
+class OutboxError(Exception):
+    """Root of every error outbox raises on purpose."""
+
+
+class ConfigurationError(OutboxError):
+    """A setting, a subscriber declaration or a command-line option is invalid.
+
+    Raised before anything is written; the message names the offending option.
+    """
+
+
+class InvalidEventError(OutboxError, ValueError):
+    """``publish()`` was given an event it refuses to write.
+
+    The message names the field (``topic``, ``key``, ``payload``, ``headers``) and the
+    problem (not JSON-serialisable, holds ``\\u0000``, too large, empty). Raised before
+    anything is sent to the database, so the caller's transaction stays usable.
+    """
+
+    def __init__(self, field: str, problem: str) -> None:
+        self.field = field
+        self.problem = problem
+        super().__init__(f"{field}: {problem}")
+
+
+class PermanentError(OutboxError):
+    """Raise from a handler to dead-letter the job at once, without further retries.
+
+    Use it for failures no retry can fix: a malformed payload, a record that no longer
+    exists, a request the remote side rejected as invalid.
+    """
+
+
+class LeaseLostError(OutboxError):
+    """The worker no longer owns the job: its lease expired and the reaper (or another
+    worker) took it back, or the relay released it while shutting down.
+
+    Raised by :meth:`outbox.Job.check_lease`; the handler should stop, since anything it
+    reports afterwards is discarded (the fence no longer matches).
+    """
+
+
+class StaleFenceError(OutboxError):
+    """A fenced write was refused because a newer fence already wrote the row.
+
+    Raised only by :func:`outbox.fenced_write` with ``raise_on_stale=True``; by default it
+    returns ``False`` instead.
+    """
+
+
+class DatabaseUnavailableError(OutboxError):
+    """The database cannot be reached (refused, timed out, authentication failed).
+
+    The message never contains the password of the URL.
+    """
+
+
+class SchemaNotReadyError(OutboxError):
+    """The database lacks outbox's tables or has an older schema revision.
+
+    Fix: run ``outbox-relay migrate``.
+    """

@@ -1,0 +1,67 @@
+"""fenced_write: guard a downstream table with the job's fencing token.
+
+The row keeps the fence of the last writer; a write applies only when its fence is higher
+(``ON CONFLICT ... DO UPDATE ... WHERE table.fence < EXCLUDED.fence``). Fences come from
+one global sequence and grow with every claim, so a worker that was paused past its lease
+and wakes after another worker re-claimed the job holds a lower fence than the row and is
+refused (seed article 000, "Fencing tokens"; Kleppmann, "How to do distributed locking").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session
+
+from .errors import ConfigurationError, StaleFenceError
+
+log = logging.getLogger("outbox.fencing")
+
+
+def fenced_write(
+    session: Session | Connection,
+    table: Table,
+    key: Mapping[str, Any],
+    values: Mapping[str, Any],
+    fence: int,
+    *,
+    raise_on_stale: bool = False,
+) -> bool:
+    """Insert or update the row of ``table`` identified by ``key`` unless a write with an
+    equal or higher fence got there first. Runs in ``session``'s transaction.
+
+    ``table`` needs a ``fence`` bigint column and a primary key or unique constraint on
+    exactly the columns of ``key`` (a mapping column name -> value). ``values`` are the
+    other columns to write. ``fence`` is :attr:`outbox.Job.fence` (a positive int).
+
+    Returns True when the row was written, False when it was left alone because its stored
+    fence is equal or higher (logged as "stale write rejected"); with ``raise_on_stale``
+    raises :class:`~outbox.errors.StaleFenceError` instead. Raises
+    :class:`~outbox.errors.ConfigurationError` for a table or key that does not fit.
+    """
+    if type(fence) is not int or fence < 1:
+        raise ConfigurationError(f"fence must be a positive int (job.fence), got {fence!r}")
+    if not key:
+        raise ConfigurationError("key must name at least one column")
+    if "fence" not in table.c:
+        raise ConfigurationError(f"table {table.name!r} has no 'fence' column")
+    unknown = [c for c in (*key, *values) if c not in table.c]
+    if unknown or "fence" in key or "fence" in values:
+        raise ConfigurationError(f"table {table.name!r}: bad column names {unknown or ['fence']!r}")
+    insert = pg_insert(table).values({**key, **values, "fence": fence})
+    statement = insert.on_conflict_do_update(
+        index_elements=list(key),
+        set_={**{c: insert.excluded[c] for c in values}, "fence": insert.excluded.fence},
+        where=table.c.fence < insert.excluded.fence,
+    )
+    applied = session.execute(statement).rowcount == 1
+    if not applied:
+        log.info("stale write rejected: %s %s at fence %s (a newer fence wrote it)", table.name, dict(key), fence)
+        if raise_on_stale:
+            raise StaleFenceError(f"{table.name} {dict(key)}: fence {fence} is not newer than the stored one")
+    return applied

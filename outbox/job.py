@@ -1,0 +1,64 @@
+"""Job: what a handler receives for one (event, consumer) pair on one attempt."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from .errors import LeaseLostError
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """One claimed job.
+
+    ``id`` is the job row, ``event_id``/``topic``/``key``/``payload``/``headers`` come from
+    the event, ``consumer`` is the subscriber's name. ``attempt`` counts from 1 and reaches
+    at most ``max_attempts``. ``fence`` is the fencing token of this claim: larger than any
+    fence handed out before it, for any job; pass it to :func:`outbox.fenced_write`.
+    ``idempotency_key`` is the same on every attempt of this job (``consumer:event_id``):
+    give it to external systems that deduplicate (payment APIs, mailers, brokers).
+    """
+
+    id: int
+    event_id: int
+    consumer: str
+    topic: str
+    key: str | None
+    payload: Any
+    headers: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    fence: int
+    lease_seconds: float
+    event_created_at: datetime | None = None
+    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def idempotency_key(self) -> str:
+        """Stable across retries of this job: ``"<consumer>:<event_id>"``."""
+        return f"{self.consumer}:{self.event_id}"
+
+    @property
+    def lease_lost(self) -> bool:
+        """True once the relay learnt that this worker no longer owns the job (a heartbeat
+        matched no row, or the relay released it on shutdown). Whatever the handler reports
+        afterwards is dropped."""
+        return self._lease_lost.is_set()
+
+    def check_lease(self) -> None:
+        """Raise :class:`~outbox.errors.LeaseLostError` if the lease is lost; call it between
+        steps of a long handler to stop early."""
+        if self._lease_lost.is_set():
+            raise LeaseLostError(f"job {self.id} ({self.consumer}) lost its lease at fence {self.fence}")
+
+    def wait_lease_lost(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, waking early if the lease is lost; returns
+        :attr:`lease_lost`. Use instead of ``time.sleep`` in handlers that wait."""
+        return self._lease_lost.wait(timeout)
+
+    def mark_lease_lost(self) -> None:
+        """Record that the lease is gone (used by the relay)."""
+        self._lease_lost.set()

@@ -1,0 +1,73 @@
+"""Maintenance: the reaper, the pruner, dead letters and redrive.
+
+Reaper: a job whose lease expired (its worker crashed, hung or was paused longer than the
+lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, with
+``last_error`` saying the lease expired. It locks with ``SKIP LOCKED``, so any number of
+relays may reap at once, and a job being completed at that very moment (its row locked)
+is skipped rather than overwritten; the completion's own fence check then decides.
+
+Pruner: deletes done jobs older than ``retention_done`` seconds, then events older than
+``retention_events`` seconds that have no job left. Dead jobs are never pruned: they wait
+for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
+batches, so pruning never holds long locks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from .db import queries
+
+log = logging.getLogger("outbox.maintenance")
+
+REAP_BATCH = 1000
+PRUNE_BATCH = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    """Jobs taken back by one reaper round."""
+
+    retried: int
+    dead: int
+
+
+def reap_expired(conn: Connection, limit: int = REAP_BATCH) -> ReapResult:
+    """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
+    transaction; logs one line per job dead-lettered."""
+    rows = conn.execute(queries.job_reap_many, {"limit": limit}).all()
+    dead = [r for r in rows if r.status == "dead"]
+    for r in dead:
+        log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts)
+    if len(rows) > len(dead):
+        log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead))
+    return ReapResult(retried=len(rows) - len(dead), dead=len(dead))
+
+
+def prune(conn: Connection, done_older_than: float, events_older_than: float,
+          limit: int = PRUNE_BATCH) -> tuple[int, int]:
+    """Delete up to ``limit`` done jobs older than ``done_older_than`` seconds and up to
+    ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
+    (jobs, events)."""
+    jobs = conn.execute(queries.job_prune_done_many, {"older_than": done_older_than, "limit": limit}).rowcount
+    events = conn.execute(queries.event_prune_many, {"older_than": events_older_than, "limit": limit}).rowcount
+    return jobs, events
+
+
+def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100) -> list[Any]:
+    """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
+    finished_at, last_error."""
+    return conn.execute(queries.job_dead_list, {"consumer": consumer, "limit": limit}).all()
+
+
+def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None) -> list[int]:
+    """Put dead jobs back to ``ready`` with a fresh attempt budget: the ones in ``ids``, or
+    all of ``consumer``, or (both None) every dead job. Returns the ids redriven; jobs
+    that are not dead are left alone."""
+    return list(conn.execute(queries.job_redrive_many, {
+        "ids": list(ids) if ids is not None else None, "consumer": consumer}).scalars())

@@ -1,0 +1,83 @@
+"""LISTEN/NOTIFY wake-ups. A notification is a hint, never the only trigger: the router
+and the dispatcher also poll every ``poll_interval`` seconds, so a notification missed
+while the listener was reconnecting only costs latency, never an event.
+
+The listener holds its own autocommit psycopg connection (not one from the pool) and
+``LISTEN``s on ``outbox_events`` (sent on commit of a publish) and ``outbox_jobs`` (sent on
+commit of routing). When the connection breaks, for instance because the server restarted
+or ``pg_terminate_backend`` ended it, it reconnects with capped backoff, listens again and
+wakes everyone once, since it may have missed notifications meanwhile. While idle it sends
+a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+from sqlalchemy.engine import URL
+
+from . import backoff
+from .db.tables import EVENTS_CHANNEL, JOBS_CHANNEL
+
+log = logging.getLogger("outbox.notify")
+
+
+class Listener:
+    """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
+    ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL."""
+
+    def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event,
+                 stop: threading.Event, *, reconnect_max: float = 10.0, keepalive: float = 15.0) -> None:
+        self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.wake_router = wake_router
+        self.wake_workers = wake_workers
+        self.stop = stop
+        self.reconnect_max = reconnect_max
+        self.keepalive = keepalive
+        self.connected = threading.Event()
+        self.reconnects = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        while not self.stop.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5,
+                                     application_name="outbox-listener") as conn:
+                    conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+                    conn.execute(f"LISTEN {JOBS_CHANNEL}")
+                    self.connected.set()
+                    if failures:
+                        log.info("listening again after %d failed tries", failures)
+                        self.reconnects += 1
+                    failures = 0
+                    # Anything may have been published while we were not listening.
+                    self.wake_router.set()
+                    self.wake_workers.set()
+                    self._listen(conn)
+            except psycopg.Error as exc:
+                self.connected.clear()
+                failures += 1
+                if failures == 1:
+                    log.warning("LISTEN connection lost (%s); reconnecting with backoff", type(exc).__name__)
+                self.stop.wait(backoff.retry_delay(failures, base=0.2, cap=self.reconnect_max, jitter=0.5))
+        self.connected.clear()
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        last_check = time.monotonic()
+        while not self.stop.is_set():
+            for note in conn.notifies(timeout=1.0, stop_after=64):
+                if note.channel == EVENTS_CHANNEL:
+                    self.wake_router.set()
+                else:
+                    self.wake_workers.set()
+            if time.monotonic() - last_check >= self.keepalive:
+                conn.execute("SELECT 1")
+                last_check = time.monotonic()

@@ -1,0 +1,236 @@
+"""publish(): write events in the caller's transaction.
+
+The event is an ordinary row, inserted through the caller's own ``Session``,
+``AsyncSession``, ``Connection`` or ``AsyncConnection``; outbox never commits. So the event
+exists exactly when the caller's transaction (or SAVEPOINT) commits: rolled back means
+never delivered, committed means delivered at least once to every subscribed consumer
+(DESIGN.md, "Lifecycle" 1; seed article 002, "Enqueue with your data").
+
+A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
+commit, so relays wake at once without an extra round trip here.
+
+Everything is validated before the first byte is sent; a bad event raises
+:class:`~outbox.errors.InvalidEventError` naming the field and the problem, and the
+caller's transaction is untouched and still usable.
+
+Payload encoding: JSON objects with string keys, arrays (``list`` or ``tuple``; a tuple
+comes back as a list), strings, finite numbers, booleans and null. Anything else (sets,
+bytes, datetimes, custom objects, non-string keys, NaN) is refused rather than converted,
+so what a handler receives is what was published.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+from sqlalchemy.orm import Session
+
+from .db import queries
+from .errors import InvalidEventError
+
+#: Longest topic, key or consumer name, in characters.
+MAX_NAME_LENGTH = 255
+MAX_KEY_LENGTH = 1024
+#: Deepest nesting of objects and arrays accepted in a payload or headers.
+MAX_DEPTH = 64
+#: Largest payload accepted when no settings are passed: 1 MiB of encoded JSON.
+DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
+#: Largest encoded headers object, bytes.
+MAX_HEADERS_BYTES = 65_536
+
+
+@dataclass(frozen=True, slots=True)
+class EventDraft:
+    """One validated event, ready to insert: JSON text for payload and headers."""
+
+    topic: str
+    key: str | None
+    payload: str
+    headers: str
+
+
+def check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
+    """Validate a topic or consumer name: a non-empty ``str`` of at most ``limit``
+    characters without NUL or unpaired surrogates. Any other character is allowed (names
+    are always bound as parameters, never spliced into SQL). Raises InvalidEventError."""
+    if not isinstance(value, str):
+        raise InvalidEventError(field, f"must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidEventError(field, "must not be empty")
+    if len(value) > limit:
+        raise InvalidEventError(field, f"is {len(value)} characters long, the limit is {limit}")
+    _check_text(value, field)
+    return value
+
+
+def _check_text(value: str, where: str) -> None:
+    if "\x00" in value:
+        raise InvalidEventError(where, "contains a NUL character (\\u0000), which PostgreSQL cannot store")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidEventError(where, "contains an unpaired surrogate, which is not valid Unicode") from None
+
+
+def _check_json(value: Any, where: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise InvalidEventError(where, f"nests deeper than {MAX_DEPTH} levels")
+    if value is None or value is True or value is False:
+        return
+    kind = type(value)
+    if kind is str:
+        _check_text(value, where)
+    elif kind is int:
+        return
+    elif kind is float:
+        if not math.isfinite(value):
+            raise InvalidEventError(where, f"{value!r} is not a JSON number")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidEventError(where, f"has a key of type {type(k).__name__}; JSON keys must be str")
+            _check_text(k, f"{where} key {k[:40]!r}")
+            _check_json(v, f"{where}[{k[:40]!r}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, (str, int, float)):  # subclasses such as IntEnum or str enums
+        _check_json(_plain(value), where, depth)
+    else:
+        raise InvalidEventError(where, f"{type(value).__name__} is not JSON-serialisable")
+
+
+def _plain(value: str | int | float) -> str | int | float:
+    for base in (int, float, str):
+        if isinstance(value, base):
+            return base(value)
+    raise AssertionError(type(value))
+
+
+def _encode(value: Any, field: str, limit: int) -> str:
+    _check_json(value, field)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
+    return text
+
+
+def make_event(
+    topic: str,
+    payload: Any,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> EventDraft:
+    """Validate one event and encode it; see :func:`publish` for the rules.
+
+    Raises :class:`InvalidEventError` naming ``topic``, ``key``, ``payload`` or ``headers``.
+    """
+    check_name(topic, "topic")
+    if key is not None:
+        check_name(key, "key", MAX_KEY_LENGTH)
+    if headers is None:
+        headers = {}
+    elif not isinstance(headers, Mapping):
+        raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
+    return EventDraft(
+        topic=topic,
+        key=key,
+        payload=_encode(payload, "payload", max_payload_bytes),
+        headers=_encode(dict(headers), "headers", MAX_HEADERS_BYTES),
+    )
+
+
+def publish(
+    session: Session | Connection | AsyncSession | AsyncConnection,
+    topic: str,
+    payload: Any,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> Any:
+    """Write one event in ``session``'s current transaction; never commits.
+
+    ``session`` is a SQLAlchemy ``Session`` or Core ``Connection`` (returns the new event
+    id, an ``int``), or an ``AsyncSession`` / ``AsyncConnection`` (returns an awaitable of
+    the id: ``await publish(...)``). ``topic`` is a non-empty ``str`` of at most 255
+    characters; ``key`` (optional, at most 1,024 characters) names the aggregate the event
+    is about; ``payload`` is JSON (see the module notes) of at most ``max_payload_bytes``
+    encoded bytes (default 1 MiB); ``headers`` an optional JSON object of at most 64 KiB.
+    No string anywhere may contain ``\\u0000`` (PostgreSQL's ``jsonb`` and ``text`` refuse it).
+
+    Raises :class:`~outbox.errors.InvalidEventError` before anything is written; the
+    transaction stays usable. Database errors propagate as SQLAlchemy raises them.
+    """
+    event = make_event(topic, payload, key, headers, max_payload_bytes=max_payload_bytes)
+    params = {"topic": event.topic, "key": event.key, "payload": event.payload, "headers": event.headers}
+    if isinstance(session, (AsyncSession, AsyncConnection)):
+        return _publish_async(session, params)
+    _check_session(session)
+    return session.execute(queries.event_insert, params).scalar_one()
+
+
+async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
+    result = await session.execute(queries.event_insert, params)
+    return result.scalar_one()
+
+
+def publish_many(
+    session: Session | Connection | AsyncSession | AsyncConnection,
+    events: Iterable[Mapping[str, Any] | tuple],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+) -> Any:
+    """Write many events in one statement (one round trip) in ``session``'s transaction.
+
+    ``events`` yields mappings with keys ``topic``, ``payload`` and optionally ``key`` and
+    ``headers``, or tuples ``(topic, payload[, key[, headers]])``. Every event is validated
+    first: one bad event raises :class:`~outbox.errors.InvalidEventError` (its index in the
+    message) and none is written. Returns the new ids in insertion order (a ``list[int]``,
+    or an awaitable of it for async sessions).
+    """
+    drafts: list[EventDraft] = []
+    for index, item in enumerate(events):
+        fields = dict(item) if isinstance(item, Mapping) else dict(zip(("topic", "payload", "key", "headers"), item))
+        unknown = set(fields) - {"topic", "payload", "key", "headers"}
+        if unknown or "topic" not in fields or "payload" not in fields:
+            raise InvalidEventError(f"events[{index}]", "needs topic and payload, and only key and headers besides")
+        try:
+            drafts.append(make_event(max_payload_bytes=max_payload_bytes, **fields))
+        except InvalidEventError as exc:
+            raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
+    params = {
+        "topics": [d.topic for d in drafts],
+        "keys": [d.key for d in drafts],
+        "payloads": [d.payload for d in drafts],
+        "headers": [d.headers for d in drafts],
+    }
+    if isinstance(session, (AsyncSession, AsyncConnection)):
+        return _publish_many_async(session, params, bool(drafts))
+    _check_session(session)
+    if not drafts:
+        return []
+    return sorted(session.execute(queries.event_insert_many, params).scalars())
+
+
+async def _publish_many_async(session: AsyncSession | AsyncConnection, params: dict[str, Any], any_: bool) -> list[int]:
+    if not any_:
+        return []
+    result = await session.execute(queries.event_insert_many, params)
+    return sorted(result.scalars())
+
+
+def _check_session(session: Any) -> None:
+    if not isinstance(session, (Session, Connection)):
+        raise TypeError(
+            "publish() needs a SQLAlchemy Session, AsyncSession, Connection or AsyncConnection, "
+            f"got {type(session).__name__}")

@@ -1,0 +1,209 @@
+"""Relay: the process that runs the router, the job runner, the reaper and the pruner.
+
+Start-up: connect (an unreachable database or a missing/old schema is an error, reported
+in one line), write this registry's subscriptions, then start the threads:
+
+* ``outbox-router``: route events until none are left, then wait for ``NOTIFY
+  outbox_events`` or ``poll_interval``;
+* the job runner's threads (:mod:`outbox.worker`), woken by ``NOTIFY outbox_jobs`` or by
+  the router of this process;
+* ``outbox-maintenance``: reaper every ``reap_interval``, pruner every ``prune_interval``;
+* ``outbox-listener`` (:mod:`outbox.notify`) when ``listen`` is on.
+
+Once running, a lost database connection is never fatal: each loop logs it once, retries
+with capped backoff and carries on.
+
+SIGTERM or SIGINT: stop claiming, give in-flight handlers ``shutdown_grace`` seconds,
+release what is still held (fenced) so another relay takes it at once, flush outcomes,
+return exit status 0. A second signal skips the rest of the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from types import FrameType
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+from .db import queries
+from .db.engine import make_engine, parse_url, redact, translate_errors
+from .db.migrate import check_schema
+from .maintenance import prune, reap_expired
+from .notify import Listener
+from .registry import Outbox
+from .router import route_batch
+from .settings import OutboxSettings
+from .worker import JobRunner, _backoff, _recovered
+
+log = logging.getLogger("outbox.relay")
+
+
+def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
+    """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``."""
+    subs = list(registry)
+    if not subs:
+        return
+    with engine.begin() as conn:
+        conn.execute(queries.subscription_upsert_many, {
+            "topics": [s.topic for s in subs],
+            "consumers": [s.consumer for s in subs],
+            "max_attempts": [s.max_attempts for s in subs],
+            "leases": [s.lease or settings.default_lease for s in subs],
+            "priorities": [s.priority for s in subs],
+            "transactional": [s.transactional for s in subs],
+        })
+
+
+class Relay:
+    """One relay: ``registry``'s handlers plus routing and maintenance for the whole
+    database, configured by ``settings`` (``settings.database_url`` is required).
+
+    ``route``, ``work`` and ``maintain`` turn the router, the job runner and the
+    reaper/pruner on or off (all on by default). Use :meth:`run` in a process (handles
+    signals), or :meth:`start` / :meth:`stop` when embedding it (tests, an app's own
+    process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
+    :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
+    from :meth:`start` when it cannot begin.
+    """
+
+    def __init__(self, registry: Outbox, settings: OutboxSettings, *, route: bool = True,
+                 work: bool = True, maintain: bool = True, worker_id: str | None = None) -> None:
+        from .errors import ConfigurationError
+
+        url = settings.url()
+        if url is None:
+            raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
+        self.url = parse_url(url)
+        self.registry = registry
+        self.settings = settings
+        self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.stop_event = threading.Event()
+        self.wake_router = threading.Event()
+        self.wake_workers = threading.Event()
+        self.engine = make_engine(self.url, pool_size=settings.concurrency + 4, application_name="outbox-relay")
+        self.runner = JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers) if work else None
+        self.listener = (Listener(self.url, self.wake_router, self.wake_workers, self.stop_event,
+                                  reconnect_max=settings.reconnect_max) if settings.listen else None)
+        self._route = route
+        self._maintain = maintain
+        self._threads: list[threading.Thread] = []
+        self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
+                                      "reaped": 0, "reaped_dead": 0, "pruned_jobs": 0, "pruned_events": 0}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Check the database and schema, register subscriptions, start every thread."""
+        with translate_errors(self.url):
+            with self.engine.connect() as conn:
+                check_schema(conn)
+            register_subscriptions(self.engine, self.registry, self.settings)
+        log.info("relay started: worker %s, consumers %s, concurrency %d, database %s", self.worker_id,
+                 self.registry.consumers or "none", self.settings.concurrency, redact(self.url))
+        if self.listener:
+            self.listener.start()
+        if self._route:
+            self._spawn("outbox-router", self._router_loop)
+        if self.runner:
+            self.runner.start()
+        if self._maintain:
+            self._spawn("outbox-maintenance", self._maintenance_loop)
+
+    def stop(self, grace: float | None = None, cut_short: threading.Event | None = None) -> None:
+        """Stop as on SIGTERM: stop claiming and routing, let in-flight handlers run for up
+        to ``grace`` seconds (default ``shutdown_grace``; ``cut_short`` ends the wait
+        early), release the rest (fenced), stop every thread, close the pool."""
+        grace = self.settings.shutdown_grace if grace is None else grace
+        self.stop_event.set()
+        self.wake_router.set()
+        if self.runner:
+            self.runner.stop(grace, cut_short)
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.engine.dispose()
+        stats = {**self.stats, **(self.runner.stats if self.runner else {})}
+        log.info("relay stopped: %s", ", ".join(f"{k}={v}" for k, v in stats.items()))
+
+    def run(self) -> int:
+        """Start, then block until SIGTERM or SIGINT; drain and return exit status 0."""
+        self.start()
+        grace_over = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            if not self.stop_event.is_set():
+                log.info("%s received: draining (grace %.0fs)", signal.Signals(signum).name,
+                         self.settings.shutdown_grace)
+                self.stop_event.set()
+            else:
+                log.info("second signal: releasing in-flight jobs now")
+                grace_over.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not self.stop_event.wait(0.5):
+                pass
+            self.stop(cut_short=grace_over)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        return 0
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # ---------------------------------------------------------------- loops
+
+    def _router_loop(self) -> None:
+        failures = 0
+        limit = self.settings.route_batch
+        while not self.stop_event.is_set():
+            try:
+                with self.engine.begin() as conn:
+                    result = route_batch(conn, limit)
+                failures = _recovered(failures, "router")
+            except DBAPIError as exc:
+                failures = _backoff(failures, "router", exc, self.settings, self.stop_event)
+                continue
+            if result.jobs:
+                self.wake_workers.set()
+            self.stats["events_routed"] += result.events
+            self.stats["jobs_created"] += result.jobs
+            if result.unsubscribed:
+                self.stats["events_unsubscribed"] += result.unsubscribed
+                log.info("router: %d events matched no subscription (marked routed, no jobs)", result.unsubscribed)
+            if result.events < limit:
+                self.wake_router.wait(self.settings.poll_interval)
+                self.wake_router.clear()
+
+    def _maintenance_loop(self) -> None:
+        failures = 0
+        next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
+        while not self.stop_event.wait(self.settings.reap_interval if not failures else 0):
+            try:
+                with self.engine.begin() as conn:
+                    reaped = reap_expired(conn)
+                self.stats["reaped"] += reaped.retried + reaped.dead
+                self.stats["reaped_dead"] += reaped.dead
+                if reaped.retried:
+                    self.wake_workers.set()
+                if time.monotonic() >= next_prune:
+                    with self.engine.begin() as conn:
+                        jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events)
+                    self.stats["pruned_jobs"] += jobs
+                    self.stats["pruned_events"] += events
+                    if jobs or events:
+                        log.info("pruned %d done jobs and %d finished events", jobs, events)
+                    next_prune = time.monotonic() + self.settings.prune_interval
+                failures = _recovered(failures, "maintenance")
+            except DBAPIError as exc:
+                failures = _backoff(failures, "maintenance", exc, self.settings, self.stop_event)

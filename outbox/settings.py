@@ -1,0 +1,55 @@
+"""OutboxSettings: the one settings object, read from ``OUTBOX_*`` environment variables
+(pydantic-settings), validated when built and never at import time. The CLI builds it
+and lays its flags on top.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class OutboxSettings(BaseSettings):
+    """Configuration of publishing and of the relay process.
+
+    Every field can be set as an environment variable named ``OUTBOX_<FIELD>`` (for
+    example ``OUTBOX_DATABASE_URL``, ``OUTBOX_CONCURRENCY``). Durations are seconds.
+    Raises :class:`pydantic.ValidationError` naming the field when a value is invalid.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore")
+
+    database_url: SecretStr | None = Field(
+        default=None,
+        description="SQLAlchemy or libpq URL of the database. Default: none; the demo and "
+        "the tests then start an embedded PostgreSQL (extra 'embedded').",
+    )
+    concurrency: int = Field(default=8, ge=1, le=512, description="Worker threads per relay. Default 8.")
+    claim_batch: int = Field(default=50, ge=1, le=10_000, description="Most jobs claimed per round trip. Default 50.")
+    route_batch: int = Field(default=500, ge=1, le=100_000, description="Most events routed per transaction. Default 500.")
+    poll_interval: float = Field(default=1.0, gt=0, le=3600, description="Seconds between polls when no NOTIFY arrives. Default 1.0.")
+    listen: bool = Field(default=True, description="Use LISTEN/NOTIFY wake-ups (polling stays on). Default true.")
+    default_lease: float = Field(default=30.0, gt=0, le=86_400, description="Lease of a job whose subscriber sets none, seconds. Default 30.")
+    reap_interval: float = Field(default=2.0, gt=0, le=3600, description="Seconds between reaper runs. Default 2.")
+    shutdown_grace: float = Field(default=10.0, ge=0, le=3600, description="Seconds in-flight jobs get to finish after SIGTERM. Default 10.")
+    backoff_base: float = Field(default=1.0, gt=0, le=86_400, description="First retry delay, seconds. Default 1.")
+    backoff_cap: float = Field(default=3600.0, gt=0, le=30 * 86_400, description="Longest retry delay, seconds. Default 3600.")
+    backoff_jitter: float = Field(default=0.25, ge=0, le=1, description="Share of each delay that is random. Default 0.25.")
+    max_payload_bytes: int = Field(default=1_048_576, ge=1, le=256 * 1_048_576, description="Largest encoded payload publish() accepts, bytes. Default 1 MiB.")
+    retention_done: float = Field(default=86_400.0, ge=0, description="How long done jobs are kept, seconds. Default 1 day.")
+    retention_events: float = Field(default=7 * 86_400.0, ge=0, description="How long fully finished events are kept, seconds. Default 7 days.")
+    prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
+    reconnect_max: float = Field(default=10.0, gt=0, le=600, description="Longest wait between reconnect attempts, seconds. Default 10.")
+    log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level_known(cls, value: str) -> str:
+        value = value.upper()
+        if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    def url(self) -> str | None:
+        """The database URL in clear text, or None when none is configured."""
+        return self.database_url.get_secret_value() if self.database_url else None

@@ -1,0 +1,491 @@
+"""The job runner: claim, run the handler, heartbeat, finish.
+
+Threads (one concurrency model: threads, with one event loop per worker thread for
+``async def`` handlers):
+
+* the **dispatcher** claims up to ``free slots`` (at most ``claim_batch``) due jobs of this
+  process's consumers in one short transaction and queues them;
+* ``concurrency`` **worker threads** run handlers;
+* the **completer** writes outcomes in batches (one ``job_complete_many`` /
+  ``job_fail_many`` / ``job_release_many`` each per round);
+* the **heartbeat** renews the leases of every job this process holds in one statement,
+  every lease/3 (of the shortest lease).
+
+Every write that changes a claimed job names its fence and requires ``status='running'``;
+a row that does not come back means the report was stale and changed nothing: it is
+dropped and logged (DESIGN.md, "Lifecycle" 4-5).
+
+Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
+(reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``
+raises, and the handler's result is dropped.
+
+Transactional mode: the handler runs as ``handler(job, session)`` inside a transaction that
+ends with the fenced completion; if the fence no longer matches, the whole transaction,
+handler writes included, rolls back.
+
+Failures: an exception puts the job back to ``ready`` after :func:`outbox.backoff.retry_delay`
+or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
+to ``dead`` at once. ``last_error`` holds the type, message and a bounded traceback.
+
+Database outages: every loop retries with capped backoff and carries on; an outcome that
+could not be written is retried until it is, or until the relay stops (then the lease
+expires and the reaper takes the job back: at-least-once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
+
+from . import backoff
+from .db import queries
+from .db.engine import describe, is_disconnect
+from .errors import ConfigurationError, LeaseLostError, PermanentError
+from .job import Job
+from .registry import Outbox, Subscriber
+from .settings import OutboxSettings
+
+log = logging.getLogger("outbox.worker")
+
+#: Longest ``last_error`` kept, in characters (type + message + traceback).
+MAX_ERROR_CHARS = 8192
+MAX_MESSAGE_CHARS = 2048
+
+
+# ------------------------------------------------------------------- error text
+
+
+def format_error(exc: BaseException, limit: int = MAX_ERROR_CHARS) -> str:
+    """``last_error`` text for ``exc``: ``Type: message`` and the innermost traceback
+    frames, at most ``limit`` characters. Safe for any exception: a ``str()`` that raises,
+    a message of many megabytes, NUL bytes and unpaired surrogates all give valid text."""
+    try:
+        message = str(exc)
+    except BaseException as err:  # noqa: BLE001 - a broken __str__ must not lose the failure
+        message = f"<str() raised {type(err).__name__}>"
+    message = _clean(message[: MAX_MESSAGE_CHARS * 2])
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[:MAX_MESSAGE_CHARS] + f"... [{len(message)} chars, truncated]"
+    head = f"{_clean(type(exc).__qualname__)}: {message}"
+    try:
+        frames = "".join(traceback.format_tb(exc.__traceback__, limit=-8)) if exc.__traceback__ else ""
+    except BaseException:  # noqa: BLE001
+        frames = ""
+    text = head + ("\n" + _clean(frames) if frames else "")
+    return text if len(text) <= limit else text[: limit - 15] + "... [truncated]"
+
+
+def _clean(text: str) -> str:
+    """Text PostgreSQL accepts: NUL removed, unpaired surrogates escaped."""
+    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# --------------------------------------------------------------- job statements
+
+
+def job_from_row(row: Any, lease_seconds: float) -> Job:
+    return Job(
+        id=row.id, event_id=row.event_id, consumer=row.consumer, topic=row.topic, key=row.key,
+        payload=row.payload, headers=row.headers or {}, attempt=row.attempts,
+        max_attempts=row.max_attempts, fence=row.fence, lease_seconds=lease_seconds,
+        event_created_at=row.event_created_at,
+    )
+
+
+def claim_jobs(conn: Connection, leases: dict[str, float], limit: int, worker_id: str) -> list[Job]:
+    """Claim up to ``limit`` due jobs of the consumers in ``leases`` (consumer -> lease
+    seconds) in ``conn``'s transaction; the caller commits."""
+    consumers = list(leases)
+    rows = conn.execute(queries.job_claim_many, {
+        "consumers": consumers, "leases": [leases[c] for c in consumers],
+        "limit": limit, "worker": worker_id,
+    }).all()
+    return [job_from_row(r, leases[r.consumer]) for r in rows]
+
+
+def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
+    return {"ids": [j.id for j in jobs], "fences": [j.fence for j in jobs]}
+
+
+def heartbeat_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+    """Renew the leases of ``jobs``; returns the ids still owned (fence and status match)."""
+    if not jobs:
+        return set()
+    params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
+    return set(conn.execute(queries.job_heartbeat_many, params).scalars())
+
+
+def complete_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+    """Mark ``jobs`` done (fenced); returns the ids that changed."""
+    if not jobs:
+        return set()
+    return set(conn.execute(queries.job_complete_many, _ids_fences(jobs)).scalars())
+
+
+def release_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+    """Hand ``jobs`` back as ready now, attempt not counted (fenced); returns changed ids."""
+    if not jobs:
+        return set()
+    return set(conn.execute(queries.job_release_many, _ids_fences(jobs)).scalars())
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """A failed attempt: retry after ``delay`` seconds, unless ``permanent`` or out of attempts."""
+
+    delay: float
+    permanent: bool
+    error: str
+
+
+def fail_jobs(conn: Connection, failures: list[tuple[Job, Failure]]) -> dict[int, str]:
+    """Record failed attempts (fenced); returns ``{id: new status}`` for rows that changed."""
+    if not failures:
+        return {}
+    rows = conn.execute(queries.job_fail_many, {
+        "ids": [j.id for j, _ in failures], "fences": [j.fence for j, _ in failures],
+        "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
+        "errors": [f.error for _, f in failures],
+    }).all()
+    return {r.id: r.status for r in rows}
+
+
+# ------------------------------------------------------------------ the runner
+
+_DONE = "done"          # lease mode: handler returned
+_COMMITTED = "committed"  # transactional mode: completion already committed
+_STALE = "stale"        # nothing to write: the fence no longer matches
+_RELEASE = "release"
+
+
+class _StaleCompletion(Exception):
+    """The fenced completion inside a transactional handler's transaction matched no row."""
+
+
+class HandlerSession(Session):
+    """The ``Session`` given to transactional handlers. The relay owns the transaction:
+    ``commit()`` raises, since the job's completion must commit with the handler's writes.
+    Use ``flush()`` to send writes early, or a SAVEPOINT (``begin_nested()``)."""
+
+    _outbox_owned = False
+
+    def commit(self) -> None:
+        if not self._outbox_owned:
+            raise ConfigurationError(
+                "a transactional handler must not commit: outbox commits its writes together with the job's completion")
+        super().commit()
+
+
+class JobRunner:
+    """Claims and runs the jobs of ``registry``'s consumers until :meth:`stop` is called.
+
+    ``wake`` is set (by LISTEN or the router) when new jobs may be ready; polling every
+    ``settings.poll_interval`` seconds is the fallback.
+    """
+
+    def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
+                 worker_id: str, wake: threading.Event) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.worker_id = worker_id
+        self.wake = wake
+        self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
+        self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
+        self.stats: dict[str, int] = {k: 0 for k in (
+            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released")}
+        self._inflight: dict[int, Job] = {}
+        self._finishing: set[int] = set()
+        self._lock = threading.Lock()
+        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
+        self._slot = threading.Event()
+        self._stop_claiming = threading.Event()
+        self._draining = threading.Event()
+        self._stopped = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._warned_return: set[str] = set()
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the dispatcher, worker, completer and heartbeat threads (daemon threads,
+        so a handler stuck past the shutdown grace period cannot keep the process alive)."""
+        if not self.subscribers:
+            return
+        self._spawn("outbox-dispatcher", self._dispatch_loop)
+        for n in range(self.settings.concurrency):
+            self._spawn(f"outbox-worker-{n}", self._work_loop)
+        self._spawn("outbox-completer", self._complete_loop)
+        self._spawn("outbox-heartbeat", self._heartbeat_loop)
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
+    def stop(self, grace: float, cut_short: threading.Event | None = None) -> None:
+        """Stop claiming; let running handlers finish for up to ``grace`` seconds (or until
+        ``cut_short`` is set); release (fenced) what is still held so other relays can
+        claim it at once; flush outcomes."""
+        if not self._threads:
+            return
+        self._stop_claiming.set()
+        self._draining.set()
+        self.wake.set()
+        self._slot.set()
+        deadline = time.monotonic() + grace
+        while self.in_flight() and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
+            time.sleep(0.02)
+        with self._lock:
+            left = [j for j in self._inflight.values() if j.id not in self._finishing]
+        if left:
+            for job in left:
+                job.mark_lease_lost()
+            self._release_now(left)
+        for _ in range(self.settings.concurrency):
+            self._todo.put(None)
+        self._outcomes.put(None)
+        self._stopped.set()
+        for thread in self._threads:
+            thread.join(timeout=max(0.5, deadline - time.monotonic()) if thread.name == "outbox-completer" else 0.05)
+
+    def _release_now(self, jobs: list[Job]) -> None:
+        try:
+            with self.engine.begin() as conn:
+                released = release_jobs(conn, jobs)
+        except DBAPIError as exc:
+            log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
+            return
+        self.stats["released"] += len(released)
+        log.info("released %d jobs still running after the grace period", len(released))
+        with self._lock:
+            for job in jobs:
+                self._inflight.pop(job.id, None)
+
+    # ------------------------------------------------------------- dispatcher
+
+    def _dispatch_loop(self) -> None:
+        failures = 0
+        while not self._stop_claiming.is_set():
+            self._slot.clear()
+            free = self.settings.concurrency - self.in_flight()
+            if free <= 0:
+                self._slot.wait(self.settings.poll_interval)
+                continue
+            want = min(free, self.settings.claim_batch)
+            try:
+                with self.engine.begin() as conn:
+                    jobs = claim_jobs(conn, self.leases, want, self.worker_id)
+                failures = _recovered(failures, "claim")
+            except DBAPIError as exc:
+                failures = _backoff(failures, "claim", exc, self.settings, self._stop_claiming)
+                continue
+            if jobs:
+                self.stats["claimed"] += len(jobs)
+                with self._lock:
+                    for job in jobs:
+                        self._inflight[job.id] = job
+                for job in jobs:
+                    self._todo.put(job)
+            if len(jobs) < want:
+                self.wake.wait(self.settings.poll_interval)
+                self.wake.clear()
+
+    # ------------------------------------------------------------- workers
+
+    def _work_loop(self) -> None:
+        loop: asyncio.AbstractEventLoop | None = None
+        while True:
+            job = self._todo.get()
+            if job is None:
+                break
+            if self._draining.is_set() or job.lease_lost:
+                self._outcomes.put((job, _RELEASE))
+                continue
+            sub = self.subscribers[job.consumer]
+            if sub.is_async and loop is None:
+                loop = asyncio.new_event_loop()
+            outcome = self._run_transactional(job, sub) if sub.transactional else self._run_lease_mode(job, sub, loop)
+            with self._lock:
+                self._finishing.add(job.id)
+            self._outcomes.put((job, outcome))
+        if loop is not None:
+            loop.close()
+
+    def _run_lease_mode(self, job: Job, sub: Subscriber, loop: asyncio.AbstractEventLoop | None) -> Any:
+        try:
+            if loop is not None:
+                result = loop.run_until_complete(sub.handler(job))
+            else:
+                result = sub.handler(job)
+        except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
+            return self._failure(job, exc)
+        self._warn_return(sub, result)
+        return _DONE
+
+    def _run_transactional(self, job: Job, sub: Subscriber) -> Any:
+        session = HandlerSession(self.engine)
+        try:
+            with session:
+                session.begin()
+                result = sub.handler(job, session)
+                session.flush()
+                with self._lock:
+                    self._finishing.add(job.id)
+                if session.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).rowcount != 1:
+                    raise _StaleCompletion()
+                session._outbox_owned = True
+                session.commit()
+        except _StaleCompletion:
+            return _STALE
+        except BaseException as exc:  # noqa: BLE001
+            with self._lock:
+                self._finishing.discard(job.id)
+            return self._failure(job, exc)
+        self._warn_return(sub, result)
+        return _COMMITTED
+
+    def _failure(self, job: Job, exc: BaseException) -> Any:
+        if isinstance(exc, LeaseLostError) or job.lease_lost:
+            return _STALE
+        s = self.settings
+        return Failure(
+            delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),
+            permanent=isinstance(exc, PermanentError),
+            error=format_error(exc),
+        )
+
+    def _warn_return(self, sub: Subscriber, result: Any) -> None:
+        if result is not None and sub.consumer not in self._warned_return:
+            self._warned_return.add(sub.consumer)
+            log.warning("handler of %s returned %s; the value is ignored (handlers return None)",
+                        sub.consumer, type(result).__name__)
+
+    # ------------------------------------------------------------- completer
+
+    def _complete_loop(self) -> None:
+        failures = 0
+        while True:
+            item = self._outcomes.get()
+            batch = [item]
+            while len(batch) < 1000:
+                try:
+                    batch.append(self._outcomes.get_nowait())
+                except queue.Empty:
+                    break
+            closing = any(i is None for i in batch)
+            batch = [i for i in batch if i is not None]
+            while batch:
+                try:
+                    self._write_outcomes(batch)
+                    failures = _recovered(failures, "completion")
+                    break
+                except DBAPIError as exc:
+                    if self._stopped.is_set() or (not is_disconnect(exc) and failures >= 3):
+                        # A closing relay, or an error that retrying will not fix: the leases
+                        # expire and the reaper hands the jobs out again (at-least-once).
+                        log.error("dropping %d outcomes (%s); the jobs return when their leases expire",
+                                  len(batch), describe(exc))
+                        self._forget(j for j, _ in batch)
+                        break
+                    failures = _backoff(failures, "completion", exc, self.settings, None)
+            if closing:
+                return
+
+    def _write_outcomes(self, batch: list[tuple[Job, Any]]) -> None:
+        done = [j for j, o in batch if o == _DONE and not j.lease_lost]
+        failed = [(j, o) for j, o in batch if isinstance(o, Failure) and not j.lease_lost]
+        release = [j for j, o in batch if o == _RELEASE and not j.lease_lost]
+        with self.engine.begin() as conn:
+            completed = complete_jobs(conn, done)
+            statuses = fail_jobs(conn, failed)
+            released = release_jobs(conn, release)
+        stale = [j for j in done if j.id not in completed] + [j for j, _ in failed if j.id not in statuses]
+        stale += [j for j, o in batch if o == _STALE or (j.lease_lost and o != _COMMITTED)]
+        for job in stale:
+            log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job", job.id, job.consumer, job.fence)
+        for job, failure in failed:
+            status = statuses.get(job.id)
+            if status == "dead":
+                log.error("dead-lettered job %s (%s, event %s) after attempt %s/%s: %s", job.id, job.consumer,
+                          job.event_id, job.attempt, job.max_attempts, failure.error.splitlines()[0][:300])
+            elif status == "ready":
+                log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", job.id, job.consumer, job.attempt,
+                         job.max_attempts, failure.delay, failure.error.splitlines()[0][:200])
+        self.stats["completed"] += len(completed) + sum(1 for _, o in batch if o == _COMMITTED)
+        self.stats["retried"] += sum(1 for s in statuses.values() if s == "ready")
+        self.stats["dead"] += sum(1 for s in statuses.values() if s == "dead")
+        self.stats["stale"] += len(stale)
+        self.stats["released"] += len(released)
+        self._forget(j for j, _ in batch)
+
+    def _forget(self, jobs: Any) -> None:
+        with self._lock:
+            for job in jobs:
+                self._inflight.pop(job.id, None)
+                self._finishing.discard(job.id)
+        self._slot.set()
+
+    # ------------------------------------------------------------- heartbeat
+
+    def _heartbeat_loop(self) -> None:
+        interval = min(self.leases.values()) / 3
+        failures = 0
+        while not self._stopped.wait(interval if not failures else 0.5):
+            with self._lock:
+                jobs = [j for j in self._inflight.values() if not j.lease_lost]
+            if not jobs:
+                continue
+            try:
+                with self.engine.begin() as conn:
+                    owned = heartbeat_jobs(conn, jobs)
+                failures = _recovered(failures, "heartbeat")
+            except DBAPIError as exc:
+                failures = _backoff(failures, "heartbeat", exc, self.settings, self._stopped, wait=False)
+                continue
+            with self._lock:
+                lost = [j for j in jobs if j.id not in owned and j.id in self._inflight and j.id not in self._finishing]
+            for job in lost:
+                job.mark_lease_lost()
+                self.stats["lease_lost"] += 1
+                log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
+                            job.id, job.consumer, job.fence)
+
+
+# --------------------------------------------------------------- loop helpers
+
+
+def _backoff(failures: int, what: str, exc: BaseException, settings: OutboxSettings,
+             stop: threading.Event | None, wait: bool = True) -> int:
+    """Log a failed database round trip and sleep a capped, jittered delay."""
+    failures += 1
+    delay = backoff.retry_delay(failures, base=0.2, cap=settings.reconnect_max, jitter=0.5)
+    if failures == 1 or not is_disconnect(exc):
+        log.warning("database error in %s (%s); retrying with backoff", what, describe(exc))
+    if wait:
+        if stop is not None:
+            stop.wait(delay)
+        else:
+            time.sleep(delay)
+    return failures
+
+
+def _recovered(failures: int, what: str) -> int:
+    if failures:
+        log.info("database reachable again (%s) after %d failed tries", what, failures)
+    return 0

@@ -1,0 +1,65 @@
+"""Fixtures: a real PostgreSQL (OUTBOX_TEST_DATABASE_URL / OUTBOX_DATABASE_URL, else the
+embedded one), one migrated template database per run, and a fresh copy of it per test,
+dropped afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+
+from outbox.db.engine import make_engine
+from outbox.settings import OutboxSettings
+from outbox.testing import drop_database, migrated_template, server_url, temporary_database
+
+
+@pytest.fixture(scope="session")
+def server() -> tuple[URL, bool]:
+    return server_url()
+
+
+@pytest.fixture(scope="session")
+def embedded(server: tuple[URL, bool]) -> bool:
+    return server[1]
+
+
+@pytest.fixture(scope="session")
+def template(server: tuple[URL, bool]) -> Iterator[URL]:
+    url = migrated_template(server[0])
+    yield url
+    drop_database(url)
+
+
+@pytest.fixture
+def db_url(server: tuple[URL, bool], template: URL) -> Iterator[URL]:
+    """A migrated database of this test's own."""
+    with temporary_database(server[0], template=template.database) as url:
+        yield url
+
+
+@pytest.fixture
+def empty_db_url(server: tuple[URL, bool]) -> Iterator[URL]:
+    """A database of this test's own with no tables at all."""
+    with temporary_database(server[0]) as url:
+        yield url
+
+
+@pytest.fixture
+def engine(db_url: URL) -> Iterator[sa.Engine]:
+    engine = make_engine(db_url, pool_size=10)
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture
+def settings(db_url: URL) -> Callable[..., OutboxSettings]:
+    """Build settings pointing at this test's database; keyword arguments override."""
+
+    def build(**overrides) -> OutboxSettings:
+        base = dict(database_url=db_url.render_as_string(hide_password=False), poll_interval=0.2,
+                    reap_interval=0.2, shutdown_grace=2.0, backoff_base=0.05, backoff_cap=0.2)
+        return OutboxSettings(_env_file=None, **{**base, **overrides})
+
+    return build
