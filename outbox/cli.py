@@ -34,6 +34,7 @@ _RUN_FLAGS = {
     "concurrency": int, "claim_batch": int, "route_batch": int, "poll_interval": float,
     "default_lease": float, "reap_interval": float, "shutdown_grace": float,
     "retention_done": float, "retention_events": float, "prune_interval": float,
+    "backoff_base": float, "backoff_cap": float, "backoff_jitter": float, "reconnect_max": float,
 }
 
 

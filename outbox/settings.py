@@ -35,7 +35,6 @@ class OutboxSettings(BaseSettings):
     backoff_base: float = Field(default=1.0, gt=0, le=86_400, description="First retry delay, seconds. Default 1.")
     backoff_cap: float = Field(default=3600.0, gt=0, le=30 * 86_400, description="Longest retry delay, seconds. Default 3600.")
     backoff_jitter: float = Field(default=0.25, ge=0, le=1, description="Share of each delay that is random. Default 0.25.")
-    max_payload_bytes: int = Field(default=1_048_576, ge=1, le=256 * 1_048_576, description="Largest encoded payload publish() accepts, bytes. Default 1 MiB.")
     retention_done: float = Field(default=86_400.0, ge=0, description="How long done jobs are kept, seconds. Default 1 day.")
     retention_events: float = Field(default=7 * 86_400.0, ge=0, description="How long fully finished events are kept, seconds. Default 7 days.")
     prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
