@@ -28,14 +28,19 @@ def retry_delay(
     ``rng`` defaults to the module's shared generator. Raises ValueError on out-of-range
     arguments.
     """
-    if attempt < 1:
-        raise ValueError(f"attempt must be >= 1, got {attempt}")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise ValueError(f"attempt must be an int >= 1, got {attempt!r}")
     if not (0 < base <= cap) or not math.isfinite(cap):
         raise ValueError(f"need 0 < base <= cap < inf, got base={base}, cap={cap}")
     if not 0 <= jitter <= 1:
         raise ValueError(f"jitter must be within [0, 1], got {jitter}")
-    # 2**e * base reaches cap once e >= log2(cap / base); stop raising there.
-    exponent = min(attempt - 1, math.ceil(math.log2(cap / base)) + 1)
-    delay = min(cap, base * (2.0 ** exponent))
+    # 2**e * base reaches cap once e >= log2(cap) - log2(base) (at most 2098 for finite
+    # floats: log2(cap / base) itself may overflow); stop raising there. A product past
+    # the largest float is past cap too.
+    exponent = min(attempt - 1, math.ceil(math.log2(cap) - math.log2(base)) + 1)
+    try:
+        delay = min(cap, math.ldexp(base, exponent))
+    except OverflowError:
+        delay = cap
     draw = (rng or random).random()
     return delay * (1.0 - jitter * draw)

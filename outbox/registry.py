@@ -118,7 +118,9 @@ def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease
         raise ConfigurationError(f"subscriber {consumer!r}: transactional must be True or False, got {transactional!r}")
     if type(priority) is not int or not -32768 <= priority <= 32767:
         raise ConfigurationError(f"subscriber {consumer!r}: priority must be an int in -32768..32767, got {priority!r}")
-    is_async = inspect.iscoroutinefunction(handler)
+    # An object whose __call__ is ``async def`` is a coroutine function too; missing it
+    # would let the relay drop the never-awaited coroutine and mark the job done.
+    is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
     if transactional and is_async:
         raise ConfigurationError(f"subscriber {consumer!r}: a transactional handler must be a plain def (it runs in a sync Session)")
     _check_arity(consumer, handler, 2 if transactional else 1)

@@ -5,8 +5,12 @@ and lays its flags on top.
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+#: Longest retention, seconds (100 years): PostgreSQL cannot compute ``now()`` minus much more.
+MAX_RETENTION = 100 * 365 * 86_400.0
 
 
 class OutboxSettings(BaseSettings):
@@ -35,10 +39,10 @@ class OutboxSettings(BaseSettings):
     backoff_base: float = Field(default=1.0, gt=0, le=86_400, description="First retry delay, seconds. Default 1.")
     backoff_cap: float = Field(default=3600.0, gt=0, le=30 * 86_400, description="Longest retry delay, seconds. Default 3600.")
     backoff_jitter: float = Field(default=0.25, ge=0, le=1, description="Share of each delay that is random. Default 0.25.")
-    retention_done: float = Field(default=86_400.0, ge=0, description="How long done jobs are kept, seconds. Default 1 day.")
-    retention_events: float = Field(default=7 * 86_400.0, ge=0, description="How long fully finished events are kept, seconds. Default 7 days.")
+    retention_done: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION, description="How long done jobs are kept, seconds (at most 100 years). Default 1 day.")
+    retention_events: float = Field(default=7 * 86_400.0, ge=0, le=MAX_RETENTION, description="How long fully finished events are kept, seconds (at most 100 years). Default 7 days.")
     prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
-    reconnect_max: float = Field(default=10.0, gt=0, le=600, description="Longest wait between reconnect attempts, seconds. Default 10.")
+    reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
 
     @field_validator("log_level")
@@ -48,6 +52,12 @@ class OutboxSettings(BaseSettings):
         if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown log level {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _backoff_ordered(self) -> OutboxSettings:
+        if self.backoff_base > self.backoff_cap:
+            raise ValueError(f"backoff_base ({self.backoff_base:g}) must not exceed backoff_cap ({self.backoff_cap:g})")
+        return self
 
     def url(self) -> str | None:
         """The database URL in clear text, or None when none is configured."""

@@ -1,0 +1,125 @@
+"""OutboxSettings: OUTBOX_* environment variables, read when built (never at import time),
+validated with errors that name the field; the CLI's flags win over the environment."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from outbox import OutboxSettings
+from outbox.backoff import retry_delay
+from outbox.cli import _settings, build_parser
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("OUTBOX_"):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_without_environment():
+    s = OutboxSettings()
+    assert s.database_url is None and s.url() is None
+    assert (s.concurrency, s.claim_batch, s.poll_interval, s.listen, s.default_lease) == (8, 50, 1.0, True, 30.0)
+    assert (s.backoff_base, s.backoff_cap, s.backoff_jitter) == (1.0, 3600.0, 0.25)
+    assert s.log_level == "INFO"
+
+
+def test_environment_is_read_when_built_not_at_import(monkeypatch):
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://app:s3cretPW@db.internal:5433/shop")
+    monkeypatch.setenv("OUTBOX_CONCURRENCY", "3")
+    monkeypatch.setenv("OUTBOX_POLL_INTERVAL", "0.25")
+    monkeypatch.setenv("OUTBOX_LISTEN", "false")
+    monkeypatch.setenv("OUTBOX_LOG_LEVEL", "debug")
+    monkeypatch.setenv("OUTBOX_BACKOFF_CAP", "60")
+    monkeypatch.setenv("OUTBOX_RETENTION_EVENTS", "0")
+    s = OutboxSettings()
+    assert s.url() == "postgresql://app:s3cretPW@db.internal:5433/shop"
+    assert (s.concurrency, s.poll_interval, s.listen, s.log_level, s.backoff_cap, s.retention_events) == (
+        3, 0.25, False, "DEBUG", 60.0, 0.0)
+
+
+def test_environment_names_are_case_insensitive_and_unknown_ones_ignored(monkeypatch):
+    monkeypatch.setenv("outbox_concurrency", "5")
+    monkeypatch.setenv("OUTBOX_NO_SUCH_SETTING", "whatever")
+    assert OutboxSettings().concurrency == 5
+
+
+def test_password_is_never_in_repr_or_str(monkeypatch):
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://app:s3cretPW@db/shop")
+    s = OutboxSettings()
+    assert "s3cretPW" not in repr(s)
+    assert "s3cretPW" not in str(s)
+    assert "s3cretPW" not in s.model_dump_json()
+
+
+@pytest.mark.parametrize("name, value", [
+    ("OUTBOX_CONCURRENCY", "abc"),
+    ("OUTBOX_CONCURRENCY", "0"),
+    ("OUTBOX_CONCURRENCY", "513"),
+    ("OUTBOX_CONCURRENCY", "1.5"),
+    ("OUTBOX_CLAIM_BATCH", "0"),
+    ("OUTBOX_ROUTE_BATCH", "-1"),
+    ("OUTBOX_POLL_INTERVAL", "0"),
+    ("OUTBOX_POLL_INTERVAL", "nan"),
+    ("OUTBOX_POLL_INTERVAL", "inf"),
+    ("OUTBOX_LISTEN", "maybe"),
+    ("OUTBOX_DEFAULT_LEASE", "-5"),
+    ("OUTBOX_SHUTDOWN_GRACE", "-1"),
+    ("OUTBOX_BACKOFF_BASE", "0"),
+    ("OUTBOX_BACKOFF_JITTER", "1.5"),
+    ("OUTBOX_RETENTION_DONE", "-1"),
+    ("OUTBOX_RETENTION_DONE", "inf"),
+    ("OUTBOX_RETENTION_EVENTS", "1e12"),
+    ("OUTBOX_RECONNECT_MAX", "0.1"),
+    ("OUTBOX_LOG_LEVEL", "loud"),
+])
+def test_invalid_environment_value_names_the_field(monkeypatch, name, value):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValidationError) as info:
+        OutboxSettings()
+    field = name.removeprefix("OUTBOX_").lower()
+    assert [e["loc"] for e in info.value.errors()] == [(field,)]
+
+
+def test_backoff_base_above_cap_is_refused():
+    # retry_delay() refuses base > cap; the settings must refuse it when built, not when
+    # the first job fails.
+    with pytest.raises(ValueError):
+        retry_delay(1, base=10.0, cap=5.0)
+    with pytest.raises(ValidationError, match="backoff_base .* must not exceed backoff_cap"):
+        OutboxSettings(backoff_base=10, backoff_cap=5)
+
+
+def test_smallest_reconnect_max_works_with_the_reconnect_backoff():
+    # The relay's reconnect loops call retry_delay(n, base=0.2, cap=reconnect_max).
+    s = OutboxSettings(reconnect_max=0.2)
+    assert retry_delay(50, base=0.2, cap=s.reconnect_max, jitter=0.5) <= 0.2
+
+
+def test_cli_flags_override_environment(monkeypatch):
+    monkeypatch.setenv("OUTBOX_DATABASE_URL", "postgresql://env@127.0.0.1/env")
+    monkeypatch.setenv("OUTBOX_CONCURRENCY", "7")
+    monkeypatch.setenv("OUTBOX_CLAIM_BATCH", "9")
+    monkeypatch.setenv("OUTBOX_LISTEN", "true")
+    monkeypatch.setenv("OUTBOX_LOG_LEVEL", "ERROR")
+    args = build_parser().parse_args([
+        "run", "--database-url", "postgresql://flag@127.0.0.1/flag", "--concurrency", "3",
+        "--no-listen", "--log-level", "warning", "--backoff-cap", "30"])
+    s = _settings(args)
+    assert s.url() == "postgresql://flag@127.0.0.1/flag"
+    assert s.concurrency == 3
+    assert s.listen is False
+    assert s.log_level == "WARNING"
+    assert s.backoff_cap == 30.0
+    assert s.claim_batch == 9  # not given as a flag: the environment's value stays
+
+
+def test_cli_flag_values_are_validated_like_the_environment(monkeypatch):
+    args = build_parser().parse_args(["run", "--concurrency", "0"])
+    with pytest.raises(ValidationError) as info:
+        _settings(args)
+    assert [e["loc"] for e in info.value.errors()] == [("concurrency",)]
