@@ -58,8 +58,9 @@ def fenced_write(
         index_elements=list(key),
         set_={**{c: insert.excluded[c] for c in values}, "fence": insert.excluded.fence},
         where=table.c.fence < insert.excluded.fence,
-    )
-    applied = session.execute(statement).rowcount == 1
+    ).returning(table.c.fence)
+    # RETURNING, not rowcount: SQLAlchemy 2 does not keep an INSERT's rowcount (it reads -1).
+    applied = session.execute(statement).first() is not None
     if not applied:
         log.info("stale write rejected: %s %s at fence %s (a newer fence wrote it)", table.name, dict(key), fence)
         if raise_on_stale:
