@@ -113,9 +113,16 @@ def _plain(value: str | int | float) -> str | int | float:
     raise AssertionError(type(value))
 
 
+def _mapping_as_dict(value: Any) -> dict:
+    # _check_json accepts any Mapping as a JSON object; json.dumps knows only dict.
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
 def _encode(value: Any, field: str, limit: int) -> str:
     _check_json(value, field)
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_mapping_as_dict)
     size = len(text.encode("utf-8"))
     if size > limit:
         raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")

@@ -1,0 +1,196 @@
+"""Schema and migrations: `outbox-relay migrate` creates exactly what ``outbox.db.tables``
+declares, keeps its own version table beside an application's, is idempotent and
+reversible; ``metadata.create_all`` gives the same schema."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy.engine import URL
+
+from outbox.cli import main
+from outbox.db.engine import make_engine
+from outbox.db.migrate import downgrade, head_revision
+from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
+
+#: outbox's own alembic version table (outbox/migrations/env.py, a script, not importable).
+VERSION_TABLE = "outbox_alembic_version"
+
+#: The partial indexes of DESIGN.md ("Tables"), as PostgreSQL prints them.
+PARTIAL_INDEXES = {
+    "ix_outbox_events_unrouted": "ON public.outbox_events USING btree (id) WHERE (routed_at IS NULL)",
+    "ix_outbox_events_routed_at": "ON public.outbox_events USING btree (routed_at) WHERE (routed_at IS NOT NULL)",
+    "ix_outbox_jobs_ready": "ON public.outbox_jobs USING btree (priority, run_at, id) WHERE (status = 'ready'::text)",
+    "ix_outbox_jobs_lease": "ON public.outbox_jobs USING btree (lease_until) WHERE (status = 'running'::text)",
+    "ix_outbox_jobs_finished": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'done'::text)",
+    "ix_outbox_jobs_dead": "ON public.outbox_jobs USING btree (consumer, id) WHERE (status = 'dead'::text)",
+}
+
+OUTBOX_TABLES = {"outbox_events", "outbox_subscriptions", "outbox_jobs"}
+
+
+@pytest.fixture
+def empty_engine(empty_db_url: URL) -> Iterator[sa.Engine]:
+    engine = make_engine(empty_db_url)
+    yield engine
+    engine.dispose()
+
+
+def cli_migrate(url: URL, capsys) -> str:
+    status = main(["migrate", "--database-url", url.render_as_string(hide_password=False)])
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    assert "Traceback" not in err
+    return out
+
+
+def drift(engine: sa.Engine) -> list:
+    """alembic's autogenerate diff between the database and ``metadata``, configured as
+    ``outbox/migrations/env.py`` configures it (plus type and default comparison)."""
+    with engine.connect() as conn:
+        context = MigrationContext.configure(conn, opts={
+            "target_metadata": metadata,
+            "version_table": VERSION_TABLE,
+            "compare_type": True,
+            "compare_server_default": True,
+        })
+        return compare_metadata(context, metadata)
+
+
+def snapshot(engine: sa.Engine) -> dict[str, object]:
+    """Everything in schema ``public`` that outbox owns, as PostgreSQL describes it."""
+    queries = {
+        "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'",
+        "columns": """
+            SELECT table_name, column_name, ordinal_position, data_type, is_nullable, column_default,
+                   is_identity, identity_generation
+            FROM information_schema.columns WHERE table_schema = 'public'""",
+        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'",
+        "constraints": """
+            SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)
+            FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
+            WHERE n.nspname = 'public'""",
+        "sequences": """
+            SELECT sequencename, data_type::text, start_value, increment_by, cycle
+            FROM pg_sequences WHERE schemaname = 'public'""",
+        "triggers": """
+            SELECT t.tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t
+            JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+            WHERE NOT t.tgisinternal AND n.nspname = 'public'""",
+        "functions": """
+            SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p
+            JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'""",
+    }
+    with engine.connect() as conn:
+        return {name: sorted(tuple(r) for r in conn.exec_driver_sql(sql)) for name, sql in queries.items()}
+
+
+def without_version_table(snap: dict[str, object]) -> dict[str, object]:
+    def keep(row: tuple) -> bool:
+        return not any(isinstance(v, str) and VERSION_TABLE in v for v in row)
+
+    return {name: [r for r in rows if keep(r)] for name, rows in snap.items()}
+
+
+def table_oids(engine: sa.Engine) -> dict[str, int]:
+    with engine.connect() as conn:
+        return dict(conn.exec_driver_sql(
+            "SELECT relname, oid::int FROM pg_class WHERE relnamespace = 'public'::regnamespace").all())
+
+
+def test_migrate_on_empty_database_creates_the_schema(empty_db_url, empty_engine, capsys):
+    out = cli_migrate(empty_db_url, capsys)
+    head = head_revision()
+    assert out.strip() == f"outbox schema at revision {head}"
+    snap = snapshot(empty_engine)
+    assert {t for (t,) in snap["tables"]} == OUTBOX_TABLES | {VERSION_TABLE}
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalars().all() == [head]
+    assert drift(empty_engine) == []
+
+
+def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engine):
+    snap = snapshot(engine)
+    assert ("outbox_fence_seq", "bigint", 1, 1, False) in snap["sequences"]
+    triggers = dict(snap["triggers"])
+    assert set(triggers) == {"outbox_events_notify", "outbox_jobs_notify"}
+    assert triggers["outbox_events_notify"] == (
+        "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{EVENTS_CHANNEL}')")
+    assert triggers["outbox_jobs_notify"] == (
+        "CREATE TRIGGER outbox_jobs_notify AFTER INSERT ON public.outbox_jobs "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')")
+    indexes = dict(snap["indexes"])
+    for name, definition in PARTIAL_INDEXES.items():
+        assert indexes.get(name) == f"CREATE INDEX {name} {definition}"
+    # Every non-unique index outbox creates is partial, so none grows with done rows.
+    assert {n for n, d in indexes.items() if "UNIQUE" not in d} == set(PARTIAL_INDEXES)
+    # fences come from the one sequence, in order
+    with engine.begin() as conn:
+        first, second = (conn.exec_driver_sql("SELECT nextval('outbox_fence_seq')").scalar() for _ in range(2))
+    assert second == first + 1
+
+
+def test_no_drift_between_migrations_and_metadata(db_url, engine):
+    assert drift(engine) == []
+
+
+def test_drift_check_sees_a_difference(db_url, engine):
+    # The comparison itself works: an extra column and a dropped index are both reported.
+    with engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE outbox_jobs ADD COLUMN extra int")
+        conn.exec_driver_sql("DROP INDEX ix_outbox_jobs_lease")
+    kinds = {diff[0] for diff in drift(engine)}
+    assert {"remove_column", "add_index"} <= kinds
+
+
+def test_migrate_again_is_a_no_op(empty_db_url, empty_engine, capsys):
+    cli_migrate(empty_db_url, capsys)
+    before, oids = snapshot(empty_engine), table_oids(empty_engine)
+    with empty_engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO outbox_events (topic, payload) VALUES ('t', '{\"kept\": true}')")
+    out = cli_migrate(empty_db_url, capsys)
+    assert out.strip() == f"outbox schema at revision {head_revision()}"
+    assert snapshot(empty_engine) == before
+    assert table_oids(empty_engine) == oids  # nothing dropped and recreated
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT payload FROM outbox_events").scalars().all() == [{"kept": True}]
+
+
+def test_application_alembic_version_table_is_untouched(empty_db_url, empty_engine, capsys):
+    with empty_engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE alembic_version (version_num varchar(32) PRIMARY KEY)")
+        conn.exec_driver_sql("INSERT INTO alembic_version VALUES ('app_rev_42')")
+        conn.exec_driver_sql("CREATE TABLE orders (id int PRIMARY KEY)")
+    cli_migrate(empty_db_url, capsys)
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars().all() == ["app_rev_42"]
+        assert conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalars().all() == [head_revision()]
+    downgrade(empty_engine, "base")
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars().all() == ["app_rev_42"]
+        assert conn.exec_driver_sql("SELECT count(*) FROM orders").scalar() == 0
+
+
+def test_downgrade_to_base_removes_everything(empty_db_url, empty_engine, capsys):
+    pristine = snapshot(empty_engine)
+    cli_migrate(empty_db_url, capsys)
+    downgrade(empty_engine, "base")
+    after = snapshot(empty_engine)
+    # alembic keeps its (now empty) version table; nothing else of outbox remains.
+    assert without_version_table(after) == pristine
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {VERSION_TABLE}").scalar() == 0
+    # and it can be migrated up again
+    cli_migrate(empty_db_url, capsys)
+    assert drift(empty_engine) == []
+
+
+def test_create_all_gives_the_same_schema_as_the_migrations(server, db_url, engine, empty_engine):
+    metadata.create_all(empty_engine)
+    assert drift(empty_engine) == []
+    assert snapshot(empty_engine) == without_version_table(snapshot(engine))
