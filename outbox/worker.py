@@ -119,11 +119,13 @@ def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
 
 
 def heartbeat_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
-    """Renew the leases of ``jobs``; returns the ids still owned (fence and status match)."""
+    """Renew the leases of ``jobs``; returns the fences of the claims still owned (fence and
+    status match). Fences, not ids: one process may hold a job's old claim (its worker
+    paused past the lease) and its new claim at once, and only the new one is owned."""
     if not jobs:
         return set()
     params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
-    return set(conn.execute(queries.job_heartbeat_many, params).scalars())
+    return {r.fence for r in conn.execute(queries.job_heartbeat_many, params)}
 
 
 def complete_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
@@ -204,8 +206,10 @@ class JobRunner:
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
         self.stats: dict[str, int] = {k: 0 for k in (
             "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released")}
+        # Claims held, by fence: a fence names one claim, while a job id may be held twice
+        # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
-        self._finishing: set[int] = set()
+        self._finishing: set[int] = set()  # fences whose outcome is being written
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
@@ -252,7 +256,7 @@ class JobRunner:
         while self.in_flight() and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
             time.sleep(0.02)
         with self._lock:
-            left = [j for j in self._inflight.values() if j.id not in self._finishing]
+            left = [j for j in self._inflight.values() if j.fence not in self._finishing]
         if left:
             for job in left:
                 job.mark_lease_lost()
@@ -275,7 +279,7 @@ class JobRunner:
         log.info("released %d jobs still running after the grace period", len(released))
         with self._lock:
             for job in jobs:
-                self._inflight.pop(job.id, None)
+                self._inflight.pop(job.fence, None)
 
     # ------------------------------------------------------------- dispatcher
 
@@ -299,7 +303,7 @@ class JobRunner:
                 self.stats["claimed"] += len(jobs)
                 with self._lock:
                     for job in jobs:
-                        self._inflight[job.id] = job
+                        self._inflight[job.fence] = job
                 for job in jobs:
                     self._todo.put(job)
             if len(jobs) < want:
@@ -322,7 +326,7 @@ class JobRunner:
                 loop = asyncio.new_event_loop()
             outcome = self._run_transactional(job, sub) if sub.transactional else self._run_lease_mode(job, sub, loop)
             with self._lock:
-                self._finishing.add(job.id)
+                self._finishing.add(job.fence)
             self._outcomes.put((job, outcome))
         if loop is not None:
             loop.close()
@@ -346,7 +350,7 @@ class JobRunner:
                 result = sub.handler(job, session)
                 session.flush()
                 with self._lock:
-                    self._finishing.add(job.id)
+                    self._finishing.add(job.fence)
                 if session.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).rowcount != 1:
                     raise _StaleCompletion()
                 session._outbox_owned = True
@@ -355,7 +359,7 @@ class JobRunner:
             return _STALE
         except BaseException as exc:  # noqa: BLE001
             with self._lock:
-                self._finishing.discard(job.id)
+                self._finishing.discard(job.fence)
             return self._failure(job, exc)
         self._warn_return(sub, result)
         return _COMMITTED
@@ -437,8 +441,8 @@ class JobRunner:
     def _forget(self, jobs: Any) -> None:
         with self._lock:
             for job in jobs:
-                self._inflight.pop(job.id, None)
-                self._finishing.discard(job.id)
+                self._inflight.pop(job.fence, None)
+                self._finishing.discard(job.fence)
         self._slot.set()
 
     # ------------------------------------------------------------- heartbeat
@@ -459,7 +463,8 @@ class JobRunner:
                 failures = _backoff(failures, "heartbeat", exc, self.settings, self._stopped, wait=False)
                 continue
             with self._lock:
-                lost = [j for j in jobs if j.id not in owned and j.id in self._inflight and j.id not in self._finishing]
+                lost = [j for j in jobs
+                        if j.fence not in owned and j.fence in self._inflight and j.fence not in self._finishing]
             for job in lost:
                 job.mark_lease_lost()
                 self.stats["lease_lost"] += 1

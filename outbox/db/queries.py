@@ -176,11 +176,11 @@ job_heartbeat_many: TextClause = text(
         updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
-    RETURNING j.id
+    RETURNING j.id, j.fence
     """
 )
-"""Renew the leases of many running jobs in one statement. A job missing from the result
-has lost its lease (reaped, re-claimed or released): its worker must stop."""
+"""Renew the leases of many running jobs in one statement. A claim (id, fence) missing
+from the result has lost its lease (reaped, re-claimed or released): its worker must stop."""
 
 job_complete_many: TextClause = text(
     f"""

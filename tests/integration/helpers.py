@@ -1,0 +1,61 @@
+"""Small helpers shared by the router, job, handler and fencing tests: subscriptions,
+events, routed jobs, and reading job rows back, all on a real PostgreSQL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, publish_many
+from outbox.relay import register_subscriptions
+from outbox.router import route_all
+from outbox.settings import OutboxSettings
+
+
+def subscribe(engine: sa.Engine, topic: str, consumers: Iterable[str], **options: Any) -> Outbox:
+    """A registry with one no-op lease-mode subscriber per consumer on ``topic``, written
+    to ``outbox_subscriptions``."""
+    ob = Outbox()
+    for consumer in consumers:
+        ob.subscriber(topic, consumer=consumer, **options)(lambda job: None)
+    register_subscriptions(engine, ob, OutboxSettings(_env_file=None))
+    return ob
+
+
+def publish_events(engine: sa.Engine, topic: str, payloads: Iterable[dict[str, Any]]) -> list[int]:
+    """Publish ``payloads`` on ``topic`` in one committed transaction; returns the event ids."""
+    with Session(engine) as s, s.begin():
+        return publish_many(s, [(topic, p) for p in payloads])
+
+
+def routed_jobs(engine: sa.Engine, topic: str, consumers: Iterable[str], n: int = 1, **options: Any) -> list[int]:
+    """Subscribe ``consumers`` to ``topic``, publish ``n`` events and route them; returns
+    the ids of the ready jobs created, in id order."""
+    consumers = list(consumers)
+    subscribe(engine, topic, consumers, **options)
+    publish_events(engine, topic, [{"n": i} for i in range(n)])
+    route_all(engine)
+    with engine.connect() as c:
+        return list(c.execute(sa.text("SELECT id FROM outbox_jobs ORDER BY id")).scalars())
+
+
+def job_row(conn: sa.Connection | sa.Engine, job_id: int) -> dict[str, Any]:
+    """Every column of job ``job_id`` as a dict."""
+    if isinstance(conn, sa.Engine):
+        with conn.connect() as c:
+            return job_row(c, job_id)
+    return dict(conn.execute(sa.text("SELECT * FROM outbox_jobs WHERE id = :id"), {"id": job_id}).mappings().one())
+
+
+def expire_lease(conn: sa.Connection, job_id: int) -> None:
+    """Move job ``job_id``'s lease into the past (in ``conn``'s transaction)."""
+    conn.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() - interval '1 second' WHERE id = :id"),
+                 {"id": job_id})
+
+
+def db_now(conn: sa.Connection) -> Any:
+    """The database clock in ``conn``'s transaction (``now()``: the transaction's start)."""
+    return conn.execute(sa.text("SELECT now()")).scalar_one()
