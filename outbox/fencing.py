@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Table
+from sqlalchemy import Table, UniqueConstraint
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
@@ -53,6 +53,9 @@ def fenced_write(
     unknown = [c for c in (*key, *values) if c not in table.c]
     if unknown or "fence" in key or "fence" in values:
         raise ConfigurationError(f"table {table.name!r}: bad column names {unknown or ['fence']!r}")
+    if frozenset(key) not in _unique_keys(table):
+        raise ConfigurationError(
+            f"table {table.name!r} declares no primary key or unique constraint on exactly {sorted(key)!r}")
     insert = pg_insert(table).values({**key, **values, "fence": fence})
     statement = insert.on_conflict_do_update(
         index_elements=list(key),
@@ -66,3 +69,15 @@ def fenced_write(
         if raise_on_stale:
             raise StaleFenceError(f"{table.name} {dict(key)}: fence {fence} is not newer than the stored one")
     return applied
+
+
+def _unique_keys(table: Table) -> set[frozenset[str]]:
+    """Column sets of ``table``'s primary key, unique constraints and unique indexes: the
+    keys ``ON CONFLICT`` can name. Checked before writing, so a key that does not fit is a
+    :class:`ConfigurationError` and the caller's transaction is not aborted by the server."""
+    keys = {frozenset(c.name for c in table.primary_key.columns)}
+    keys |= {frozenset(c.name for c in k.columns) for k in table.constraints if isinstance(k, UniqueConstraint)}
+    keys |= {frozenset(c.name for c in i.columns) for i in table.indexes
+             if i.unique and i.dialect_options["postgresql"].get("where") is None}  # partial: not a key
+    keys |= {frozenset([c.name]) for c in table.columns if c.unique}
+    return keys
