@@ -70,7 +70,10 @@ def load_app(spec: str) -> Any:
         except AttributeError:
             raise UsageError(f"--app {spec!r}: module {module_name} has no attribute {attr!r}") from None
     if callable(target) and not isinstance(target, Outbox):
-        target = target()
+        try:
+            target = target()  # a factory returning the registry
+        except Exception as exc:  # noqa: BLE001 - the user's factory may raise anything
+            raise UsageError(f"--app {spec!r}: calling {attr} raised {type(exc).__name__}: {exc}") from None
     if not isinstance(target, Outbox):
         raise UsageError(f"--app {spec!r} is a {type(target).__name__}, not an outbox.Outbox")
     return target
@@ -157,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()))
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+    # alembic announces every plugin it loads at INFO: noise before a one-line error.
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:
         return _dispatch(args, settings)
     except OutboxError as exc:
@@ -166,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str) -> int:
+    # One line, whatever the message (a user's exception text may span several).
+    message = " / ".join(line.strip() for line in message.splitlines() if line.strip())
     print(f"outbox-relay: error: {message}", file=sys.stderr)
     return 2
 

@@ -29,7 +29,7 @@ def parse_url(url: str | URL) -> URL:
             raise ConfigurationError("database URL is empty; set OUTBOX_DATABASE_URL or --database-url")
         try:
             parsed = make_url(url.strip())
-        except ArgumentError as exc:
+        except (ArgumentError, ValueError):  # ValueError: a port that is not a number
             raise ConfigurationError(f"database URL is malformed: {redact(url)}") from None
     if parsed.get_backend_name() not in {"postgresql", "postgres"}:
         raise ConfigurationError(
@@ -84,14 +84,17 @@ def describe(exc: BaseException) -> str:
 
 @contextlib.contextmanager
 def translate_errors(url: str | URL) -> Iterator[None]:
-    """Turn connection failures into :class:`DatabaseUnavailableError` and missing tables
-    into :class:`SchemaNotReadyError`, with readable messages; the cause is kept."""
+    """Turn connection failures into :class:`DatabaseUnavailableError`, a URL whose options
+    the driver refuses into :class:`ConfigurationError` and missing tables into
+    :class:`SchemaNotReadyError`, with readable messages; the cause is kept."""
     try:
         yield
     except OperationalError as exc:
         raise DatabaseUnavailableError(f"cannot reach the database at {redact(url)}: {describe(exc)}") from exc
-    except sa.exc.ProgrammingError as exc:
-        if "outbox_" in str(exc.orig) and "does not exist" in str(exc.orig):
+    except DBAPIError as exc:
+        if exc.statement is None:  # refused before any statement: an option of the URL is wrong
+            raise ConfigurationError(f"database URL {redact(url)} is not usable: {describe(exc)}") from exc
+        if isinstance(exc, sa.exc.ProgrammingError) and "outbox_" in str(exc.orig) and "does not exist" in str(exc.orig):
             raise SchemaNotReadyError(
                 f"outbox tables are missing in {redact(url)}; run `outbox-relay migrate`") from exc
         raise
