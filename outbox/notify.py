@@ -24,6 +24,10 @@ from .db.tables import EVENTS_CHANNEL, JOBS_CHANNEL
 
 log = logging.getLogger("outbox.notify")
 
+#: Longest wait for notifications before checking ``stop`` again, seconds: how long
+#: :meth:`Listener.join` may take after ``stop`` is set.
+STOP_CHECK = 0.25
+
 
 class Listener:
     """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
@@ -44,6 +48,12 @@ class Listener:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
         self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout`` seconds) until the listener, once ``stop`` is set, has
+        closed its connection, so nothing of the relay stays connected after it stopped."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         failures = 0
@@ -73,7 +83,7 @@ class Listener:
     def _listen(self, conn: psycopg.Connection) -> None:
         last_check = time.monotonic()
         while not self.stop.is_set():
-            for note in conn.notifies(timeout=1.0, stop_after=64):
+            for note in conn.notifies(timeout=STOP_CHECK, stop_after=64):
                 if note.channel == EVENTS_CHANNEL:
                     self.wake_router.set()
                 else:

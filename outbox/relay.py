@@ -128,6 +128,8 @@ class Relay:
             self.runner.stop(grace, cut_short)
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.listener:
+            self.listener.join(timeout=5)
         self.engine.dispose()
         stats = {**self.stats, **(self.runner.stats if self.runner else {})}
         log.info("relay stopped: %s", ", ".join(f"{k}={v}" for k, v in stats.items()))
