@@ -164,14 +164,15 @@ def test_relay_process_runs_events_end_to_end_and_logs_state_changes(engine, rel
     [dead] = _jobs(engine, "poison")
     assert dead["attempts"] == 1 and "PermanentError: order 7 cannot be handled" in dead["last_error"]
     wait_for(lambda: "dead-lettered job" in relay.log, timeout=10, what="dead-letter log line")
-    assert sorted(j for j, *_ in runs("end") if j in {x["id"] for x in _jobs(engine, "worker")}) == \
-        sorted(x["id"] for x in _jobs(engine, "worker"))
+    worker_ids = sorted(x["id"] for x in _jobs(engine, "worker"))
+    assert sorted(r[0] for r in runs("end") if r[0] in worker_ids) == worker_ids  # each ran once
 
     # Take the sticky job's lease away (as if its worker had paused): the relay's heartbeat
     # notices, tells the handler and logs it; the re-claim finishes the job.
-    wait_for(lambda: any(r[3] == "start" for r in runs() if r[0] == _jobs(engine, "sticky")[0]["id"]),
-             timeout=10, what="sticky handler running")
+    wait_for(lambda: _all(engine, "sticky", "running", 1), timeout=10, what="sticky job claimed")
     [job] = _jobs(engine, "sticky")
+    wait_for(lambda: (job["id"], 1, job["fence"], "start") in [r[:4] for r in runs()], timeout=10,
+             what="sticky handler running")
     with engine.begin() as conn:
         conn.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() - interval '1 second' WHERE id = :id"),
                      {"id": job["id"]})
@@ -196,8 +197,9 @@ def test_sigterm_lets_in_flight_jobs_finish_and_exits_0(engine, relays, runs):
     assert time.monotonic() - t0 < 10
     assert len(runs("end")) == 4
     jobs = _jobs(engine, "worker")
+    assert [j["id"] for j in jobs] == sorted(r[0] for r in runs("end"))
     assert [j["status"] for j in jobs] == ["done"] * 4 and [j["attempts"] for j in jobs] == [1] * 4
-    assert len(ids) == 4
+    assert sorted(j["event_id"] for j in jobs) == ids
     assert "SIGTERM received" in relay.log and "released" not in relay.log.split("SIGTERM received")[1].split(
         "relay stopped")[0]
 
