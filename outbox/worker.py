@@ -333,7 +333,7 @@ class JobRunner:
 
     def _run_lease_mode(self, job: Job, sub: Subscriber, loop: asyncio.AbstractEventLoop | None) -> Any:
         try:
-            if loop is not None:
+            if sub.is_async:  # not "loop is not None": once made, the loop stays for sync handlers too
                 result = loop.run_until_complete(sub.handler(job))
             else:
                 result = sub.handler(job)
