@@ -2,7 +2,7 @@
 
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
 reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
-``subscriptions``, ``unsubscribe``. Settings come from ``OUTBOX_*`` environment variables
+``subscriptions``, ``unsubscribe``, ``psql``. Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
@@ -27,7 +27,7 @@ from .settings import OutboxSettings
 
 log = logging.getLogger("outbox.cli")
 
-COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "subscriptions", "unsubscribe")
+COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "subscriptions", "unsubscribe", "psql")
 
 #: run flags -> settings fields
 _RUN_FLAGS = {
@@ -94,13 +94,18 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     run = add("run", "Run the router, the workers of --app's consumers, the reaper and the pruner.")
-    run.add_argument("--app", help="module:attribute naming the outbox.Outbox registry; "
+    run.description = (run.description + " SIGTERM or SIGINT drains: in-flight jobs get --shutdown-grace "
+                       "seconds, the rest are released for other relays; exit status 0. Errors before "
+                       "start (bad --app, unreachable database, missing migrations): one line, status 2.")
+    run.add_argument("--app", help="module:attribute naming the outbox.Outbox registry (or a function "
+                                   "returning one), imported with the current directory on sys.path; "
                                    "omit to run routing and maintenance only")
     run.add_argument("--no-listen", action="store_true", help="poll only; do not LISTEN")
     run.add_argument("--no-route", action="store_true", help="do not route events in this process")
     run.add_argument("--no-maintain", action="store_true", help="do not reap or prune in this process")
     for flag, kind in _RUN_FLAGS.items():
-        run.add_argument("--" + flag.replace("_", "-"), type=kind, help=OutboxSettings.model_fields[flag].description)
+        run.add_argument("--" + flag.replace("_", "-"), type=kind,
+                         help=f"{OutboxSettings.model_fields[flag].description} Env: OUTBOX_{flag.upper()}.")
 
     add("migrate", "Create or upgrade outbox's tables (alembic, version table outbox_alembic_version).")
 
@@ -111,16 +116,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("status", "Jobs per consumer and status, and unrouted events.")
     dead = add("dead", "List dead-lettered jobs with their last error.")
-    dead.add_argument("--consumer")
-    dead.add_argument("--limit", type=int, default=50)
+    dead.add_argument("--consumer", help="only this consumer's dead jobs")
+    dead.add_argument("--limit", type=int, default=50, help="most jobs listed, oldest first (default 50)")
     dead.add_argument("--json", action="store_true", help="one JSON object per line")
     redrive = add("redrive", "Put dead jobs back to ready with a fresh attempt budget.")
     redrive.add_argument("ids", nargs="*", type=int, help="job ids (default: all dead jobs of --consumer, or --all)")
-    redrive.add_argument("--consumer")
+    redrive.add_argument("--consumer", help="every dead job of this consumer")
     redrive.add_argument("--all", action="store_true", help="redrive every dead job")
     add("subscriptions", "List the (topic, consumer) subscriptions routing uses.")
     unsubscribe = add("unsubscribe", "Remove a consumer's subscriptions (new events stop producing its jobs).")
     unsubscribe.add_argument("consumer")
+    psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured.")
+    psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
+    psql.add_argument("--pgdata", help="data folder of the embedded server (default ./.outbox/pgdata)")
     return parser
 
 
@@ -157,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = _settings(args)
     except ValidationError as exc:
-        return _fail("; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors()))
+        return _fail("; ".join(_setting_error(e) for e in exc.errors()))
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
     # alembic announces every plugin it loads at INFO: noise before a one-line error.
@@ -168,6 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _setting_error(error: Any) -> str:
+    field = ".".join(map(str, error["loc"]))
+    if not field:
+        return f"settings: {error['msg']}"
+    return f"{field} (OUTBOX_{field.upper()} or --{field.replace('_', '-')}): {error['msg']}"
 
 
 def _fail(message: str) -> int:
@@ -191,6 +206,8 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         from .demo.run import main as demo_main
 
         return demo_main(args, settings)
+    if args.command == "psql":
+        return _psql(args, settings)
     engine = _engine(settings)
     with translate_errors(engine.url):
         if args.command == "migrate":
@@ -200,6 +217,35 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
             print(f"outbox schema at revision {revision}")
             return 0
         return _inspect(args, engine)
+
+
+def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
+    """Run psql on the configured database, or on the embedded server (kept running while
+    psql runs). The embedded server's own psql binary is used for it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from .db.engine import parse_url
+
+    url = settings.url()
+    if url is None:
+        from .embedded import DEFAULT_DATA_DIR, psql_binary, start_embedded
+
+        data_dir = Path(args.pgdata) if args.pgdata else DEFAULT_DATA_DIR
+        if not (data_dir / "PG_VERSION").exists():
+            raise UsageError(f"no embedded database in {data_dir.resolve()}; run `outbox-relay demo` first "
+                             "or set OUTBOX_DATABASE_URL")
+        url, binary = start_embedded(data_dir), psql_binary()
+    else:
+        binary = shutil.which("psql")
+        if binary is None:
+            raise UsageError("psql is not installed (it comes with the PostgreSQL client package)")
+    target = parse_url(url)
+    if args.db_name:
+        target = target.set(database=args.db_name)
+    conninfo = target.set(drivername="postgresql").render_as_string(hide_password=False)
+    return subprocess.call([binary, conninfo])
 
 
 def _inspect(args: argparse.Namespace, engine: Any) -> int:
@@ -217,7 +263,10 @@ def _inspect(args: argparse.Namespace, engine: Any) -> int:
             for r in rows:
                 print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
         elif args.command == "dead":
-            for r in dead_letters(conn, args.consumer, args.limit):
+            rows = dead_letters(conn, args.consumer, args.limit)
+            if not rows and not args.json:
+                print("no dead jobs" + (f" for consumer {args.consumer}" if args.consumer else ""))
+            for r in rows:
                 if args.json:
                     print(json.dumps({**r._asdict(), "finished_at": str(r.finished_at)}))
                 else:
@@ -227,9 +276,15 @@ def _inspect(args: argparse.Namespace, engine: Any) -> int:
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")
             ids = redrive(conn, args.ids or None, args.consumer)
-            print(f"redriven {len(ids)} jobs" + (f": {ids[:20]}" if ids else ""))
+            print(f"redriven {len(ids)} job{'s' if len(ids) != 1 else ''}" + (f": {ids[:20]}" if ids else ""))
+            missing = sorted(set(args.ids) - set(ids))
+            if missing:
+                print(f"not redriven (no such job, or not dead): {missing[:20]}")
         elif args.command == "subscriptions":
-            for r in conn.execute(queries.subscription_list):
+            rows = conn.execute(queries.subscription_list).all()
+            if not rows:
+                print("no subscriptions (a relay writes its registry's when it starts)")
+            for r in rows:
                 print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
                       f" priority={r.priority}{' transactional' if r.transactional else ''}")
         elif args.command == "unsubscribe":

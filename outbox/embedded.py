@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -23,14 +24,26 @@ def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
 
     Raises :class:`ConfigurationError` when the ``embedded`` extra is not installed.
     """
+    logging.getLogger("pgserver").setLevel(logging.WARNING)  # it narrates every pg_ctl call at INFO
     try:
-        import pgserver
+        with warnings.catch_warnings():  # its platformdirs complains when XDG_RUNTIME_DIR is unset
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            import pgserver
     except ImportError:
         raise ConfigurationError(
             "no database configured and the embedded server is not installed: "
             "set OUTBOX_DATABASE_URL, or pip install 'outbox[embedded]'") from None
     path = Path(data_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)
-    server = pgserver.get_server(path, cleanup_mode="stop")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+        server = pgserver.get_server(path, cleanup_mode="stop")
     log.info("embedded PostgreSQL running with its data in %s", path)
     return server.get_uri()
+
+
+def psql_binary() -> str:
+    """Path of the psql program shipped with the embedded server."""
+    import pgserver
+
+    return str(Path(pgserver.__file__).parent / "pginstall" / "bin" / "psql")

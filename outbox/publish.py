@@ -21,18 +21,21 @@ so what a handler receives is what was published.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from .db import queries
-from .errors import InvalidEventError
+from .errors import InvalidEventError, SchemaNotReadyError
 
 #: Longest topic, key or consumer name, in characters.
 MAX_NAME_LENGTH = 255
@@ -176,19 +179,34 @@ def publish(
     No string anywhere may contain ``\\u0000`` (PostgreSQL's ``jsonb`` and ``text`` refuse it).
 
     Raises :class:`~outbox.errors.InvalidEventError` before anything is written; the
-    transaction stays usable. Database errors propagate as SQLAlchemy raises them.
+    transaction stays usable. Raises :class:`~outbox.errors.SchemaNotReadyError` when
+    outbox's tables do not exist (the transaction is then aborted, as after any failed
+    statement). Other database errors propagate as SQLAlchemy raises them.
     """
     event = make_event(topic, payload, key, headers, max_payload_bytes=max_payload_bytes)
     params = {"topic": event.topic, "key": event.key, "payload": event.payload, "headers": event.headers}
     if isinstance(session, (AsyncSession, AsyncConnection)):
         return _publish_async(session, params)
     _check_session(session)
-    return session.execute(queries.event_insert, params).scalar_one()
+    with _schema_hint():
+        return session.execute(queries.event_insert, params).scalar_one()
 
 
 async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
-    result = await session.execute(queries.event_insert, params)
+    with _schema_hint():
+        result = await session.execute(queries.event_insert, params)
     return result.scalar_one()
+
+
+@contextlib.contextmanager
+def _schema_hint() -> Iterator[None]:
+    """Say "run outbox-relay migrate" when the events table does not exist."""
+    try:
+        yield
+    except ProgrammingError as exc:
+        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
+            raise SchemaNotReadyError("table outbox_events does not exist; run `outbox-relay migrate`") from exc
+        raise
 
 
 def publish_many(
@@ -226,13 +244,15 @@ def publish_many(
     _check_session(session)
     if not drafts:
         return []
-    return sorted(session.execute(queries.event_insert_many, params).scalars())
+    with _schema_hint():
+        return sorted(session.execute(queries.event_insert_many, params).scalars())
 
 
 async def _publish_many_async(session: AsyncSession | AsyncConnection, params: dict[str, Any], any_: bool) -> list[int]:
     if not any_:
         return []
-    result = await session.execute(queries.event_insert_many, params)
+    with _schema_hint():
+        result = await session.execute(queries.event_insert_many, params)
     return sorted(result.scalars())
 
 

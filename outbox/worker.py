@@ -210,6 +210,7 @@ class JobRunner:
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
         self._finishing: set[int] = set()  # fences whose outcome is being written
+        self._released: set[int] = set()  # fences released at shutdown while their handler ran
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
@@ -280,6 +281,7 @@ class JobRunner:
         with self._lock:
             for job in jobs:
                 self._inflight.pop(job.fence, None)
+                self._released.add(job.fence)
 
     # ------------------------------------------------------------- dispatcher
 
@@ -421,6 +423,10 @@ class JobRunner:
             released = release_jobs(conn, release)
         stale = [j for j in done if j.id not in completed] + [j for j, _ in failed if j.id not in statuses]
         stale += [j for j, o in batch if o == _STALE or (j.lease_lost and o != _COMMITTED)]
+        released_here = [j for j in stale if j.fence in self._released]
+        stale = [j for j in stale if j.fence not in self._released]
+        for job in released_here:
+            log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer)
         for job in stale:
             log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job", job.id, job.consumer, job.fence)
         for job, failure in failed:

@@ -63,3 +63,14 @@ def settings(db_url: URL) -> Callable[..., OutboxSettings]:
         return OutboxSettings(_env_file=None, **{**base, **overrides})
 
     return build
+
+
+def pytest_report_header(config) -> str:
+    import os
+
+    url = os.environ.get("OUTBOX_TEST_DATABASE_URL") or os.environ.get("OUTBOX_DATABASE_URL")
+    if url:
+        from outbox.db.engine import redact
+
+        return f"outbox: testing against {redact(url)} (from the environment)"
+    return "outbox: testing against an embedded PostgreSQL (OUTBOX_DATABASE_URL is not set)"

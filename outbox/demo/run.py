@@ -87,11 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--seed", type=int, default=2, help="random seed of the producer (default 2)")
     faults = parser.add_argument_group("fault schedule (seconds from the first order)")
     faults.add_argument("--lease", type=float, default=3.0, help="job lease of the relays, seconds (default 3)")
-    faults.add_argument("--kill-at", type=float, default=15.0,
-                        help="SIGKILL one relay at (default 15; waits up to 4 s more for it to hold jobs)")
-    faults.add_argument("--stop-at", type=float, default=30.0,
-                        help="SIGSTOP another relay at (default 30; waits up to 7 s more for it to hold an open "
-                             "invoice transaction and other jobs)")
+    faults.add_argument("--kill-at", type=float, default=None,
+                        help="SIGKILL one relay at (default a quarter of --duration, 15 s; waits up to 4 s more "
+                             "for it to hold jobs)")
+    faults.add_argument("--stop-at", type=float, default=None,
+                        help="SIGSTOP another relay at (default half of --duration, 30 s; waits up to 7 s more "
+                             "for it to hold an open invoice transaction and other jobs)")
     faults.add_argument("--stop-for", type=float, default=None,
                         help="seconds the stopped relay stays stopped (default 3 x --lease)")
     faults.add_argument("--no-faults", action="store_true", help="neither kill nor pause any relay")
@@ -155,9 +156,12 @@ class DemoConfig:
         need(args.relays >= 2, "--relays must be at least 2 (one is killed, another paused)")
         need(1 <= args.concurrency <= 64, "--concurrency must be within 1..64")
         need(0.5 <= args.lease <= 600, "--lease must be within 0.5..600 seconds")
-        need(args.kill_at >= 0 and args.stop_at >= 0, "--kill-at and --stop-at must be >= 0")
-        need(args.no_faults or (args.kill_at < args.duration and args.stop_at < args.duration),
-             "--kill-at and --stop-at must fall within --duration, while orders flow")
+        kill_at = args.duration / 4 if args.kill_at is None else args.kill_at
+        stop_at = args.duration / 2 if args.stop_at is None else args.stop_at
+        need(kill_at >= 0 and stop_at >= 0, "--kill-at and --stop-at must be >= 0")
+        need(args.no_faults or (kill_at < args.duration and stop_at < args.duration) or args.duration == 0,
+             f"--kill-at ({kill_at:g}s) and --stop-at ({stop_at:g}s) must fall within --duration "
+             f"({args.duration:g}s), while orders flow; or pass --no-faults")
         stop_for = 3 * args.lease if args.stop_for is None else args.stop_for
         need(stop_for > args.lease, f"--stop-for ({stop_for:g}s) must be longer than --lease ({args.lease:g}s)")
         need(0 <= args.grace <= 600, "--grace must be within 0..600 seconds")
@@ -170,7 +174,7 @@ class DemoConfig:
         return cls(
             orders=args.orders, duration=args.duration, rollback_share=args.rollback_share, relays=args.relays,
             concurrency=args.concurrency, seed=args.seed, lease=args.lease, faults=not args.no_faults,
-            kill_at=args.kill_at, stop_at=args.stop_at, stop_for=stop_for, grace=args.grace,
+            kill_at=kill_at, stop_at=stop_at, stop_for=stop_for, grace=args.grace,
             work_ms=args.work_ms, fail_share=args.fail_share, slow_share=args.slow_share, slow_ms=args.slow_ms,
             db_name=args.db_name, log_dir=Path(args.log_dir), pgdata=Path(args.pgdata) if args.pgdata else None,
             progress_every=args.progress_every, drain_timeout=args.drain_timeout,
@@ -709,7 +713,8 @@ class Demo:
             f"{x.name} exit {x.exit_code}" + (f" in {x.exit_seconds:.1f}s" if x.exit_seconds is not None else "")
             for x in stopped) + f" after SIGTERM (grace {cfg.grace:g}s)"
             + (f"; {self.state.killed.name} SIGKILLed" if self.state.killed else ""))
-        row("runtime", f"{runtime:.1f}s; inspect with: psql {redact(self.url) if self.url else ''} "
+        where = f" --pgdata {cfg.pgdata}" if cfg.pgdata else ""
+        row("runtime", f"{runtime:.1f}s; inspect with: outbox-relay psql --db-name {cfg.db_name}{where} "
                        f"(tables demo_*, outbox_*); logs in {cfg.log_dir.resolve()}")
 
         check("drained: every committed order's event routed, every job done or dead", drained)

@@ -246,10 +246,10 @@ def test_database_without_migrations(cli, empty_db_url, command):
 
 
 @pytest.mark.parametrize("env, args, fragment", [
-    ({"OUTBOX_CONCURRENCY": "abc"}, [], "concurrency: Input should be a valid integer"),
+    ({"OUTBOX_CONCURRENCY": "abc"}, [], "concurrency (OUTBOX_CONCURRENCY or --concurrency): Input should be a valid integer"),
     ({"OUTBOX_LOG_LEVEL": "loud"}, [], "log_level"),
-    ({"OUTBOX_POLL_INTERVAL": "-1"}, [], "poll_interval: Input should be greater than 0"),
-    ({}, ["--concurrency", "0"], "concurrency: Input should be greater than or equal to 1"),
+    ({"OUTBOX_POLL_INTERVAL": "-1"}, [], "poll_interval (OUTBOX_POLL_INTERVAL or --poll-interval): Input should be greater than 0"),
+    ({}, ["--concurrency", "0"], "concurrency (OUTBOX_CONCURRENCY or --concurrency): Input should be greater than or equal to 1"),
     ({}, ["--backoff-base", "10", "--backoff-cap", "5"], "backoff_base (10) must not exceed backoff_cap (5)"),
     ({"OUTBOX_BACKOFF_CAP": "5"}, ["--backoff-base", "10"], "must not exceed backoff_cap"),
 ])

@@ -527,3 +527,17 @@ def test_hostile_names_are_stored_verbatim(engine):
     with engine.connect() as conn:  # and the table is still there, with exactly these rows
         assert conn.execute(sa.text("SELECT count(*) FROM outbox_events WHERE topic = :t"),
                             {"t": HOSTILE[0]}).scalar() == 2
+
+
+def test_publish_without_migrations_says_run_migrate(empty_db_url):
+    """Publishing into a database that was never migrated names the fix, not a raw SQL error."""
+    from outbox import SchemaNotReadyError
+    from outbox.db.engine import make_engine
+
+    engine = make_engine(empty_db_url)
+    try:
+        with engine.connect() as conn:
+            with pytest.raises(SchemaNotReadyError, match="outbox-relay migrate"):
+                publish(conn, "order.placed", {"order_id": 1})
+    finally:
+        engine.dispose()
