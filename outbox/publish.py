@@ -46,6 +46,10 @@ MAX_DEPTH = 64
 DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
 #: Largest encoded headers object, bytes.
 MAX_HEADERS_BYTES = 65_536
+#: Longest integer accepted in a payload, in decimal digits (Python refuses to print ints
+#: past 4,300 digits by default; no JSON consumer needs more).
+MAX_INT_DIGITS = 1000
+_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)  # log2(10): below 10**1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +94,8 @@ def _check_json(value: Any, where: str, depth: int = 0) -> None:
     if kind is str:
         _check_text(value, where)
     elif kind is int:
-        return
+        if value.bit_length() > _MAX_INT_BITS:
+            raise InvalidEventError(where, f"is an integer of more than {MAX_INT_DIGITS} digits")
     elif kind is float:
         if not math.isfinite(value):
             raise InvalidEventError(where, f"{value!r} is not a JSON number")

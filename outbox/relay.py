@@ -52,14 +52,20 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
     if not subs:
         return
     with engine.begin() as conn:
-        conn.execute(queries.subscription_upsert_many, {
+        changed = conn.execute(queries.subscription_upsert_many, {
             "topics": [s.topic for s in subs],
             "consumers": [s.consumer for s in subs],
             "max_attempts": [s.max_attempts for s in subs],
             "leases": [s.lease or settings.default_lease for s in subs],
             "priorities": [s.priority for s in subs],
             "transactional": [s.transactional for s in subs],
-        })
+        }).all()
+    for row in changed:
+        if row.updated:
+            log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "
+                        "priority=%s, transactional=%s); another registry declaring it differently would be "
+                        "overwritten the same way", row.consumer, row.topic, row.max_attempts, row.lease_seconds,
+                        row.priority, row.transactional)
 
 
 class Relay:
@@ -88,7 +94,9 @@ class Relay:
         self.stop_event = threading.Event()
         self.wake_router = threading.Event()
         self.wake_workers = threading.Event()
-        self.engine = make_engine(self.url, pool_size=settings.concurrency + 4, application_name="outbox-relay")
+        longest_lease = max([s.lease or settings.default_lease for s in registry] + [settings.default_lease])
+        self.engine = make_engine(self.url, pool_size=settings.concurrency + 4, application_name="outbox-relay",
+                                  idle_in_transaction_timeout=longest_lease)
         self.runner = JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers) if work else None
         self.listener = (Listener(self.url, self.wake_router, self.wake_workers, self.stop_event,
                                   reconnect_max=settings.reconnect_max) if settings.listen else None)
@@ -135,8 +143,9 @@ class Relay:
         log.info("relay stopped: %s", ", ".join(f"{k}={v}" for k, v in stats.items()))
 
     def run(self) -> int:
-        """Start, then block until SIGTERM or SIGINT; drain and return exit status 0."""
-        self.start()
+        """Start, then block until SIGTERM or SIGINT; drain and return exit status 0.
+        Signals are handled from before start-up, so a SIGTERM that arrives while the relay
+        is starting still drains and exits 0."""
         grace_over = threading.Event()
 
         def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -150,6 +159,7 @@ class Relay:
 
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
+            self.start()
             while not self.stop_event.wait(0.5):
                 pass
             self.stop(cut_short=grace_over)
@@ -170,7 +180,8 @@ class Relay:
         limit = self.settings.route_batch
         while not self.stop_event.is_set():
             try:
-                with self.engine.begin() as conn:
+                # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                     result = route_batch(conn, limit)
                 failures = _recovered(failures, "router")
             except DBAPIError as exc:

@@ -71,7 +71,8 @@ def format_error(exc: BaseException, limit: int = MAX_ERROR_CHARS) -> str:
     frames, at most ``limit`` characters. Safe for any exception: a ``str()`` that raises,
     a message of many megabytes, NUL bytes and unpaired surrogates all give valid text."""
     try:
-        message = str(exc)
+        # A database error's str() carries the SQL and its parameters: keep the server's words.
+        message = describe(exc).partition(": ")[2] if isinstance(exc, DBAPIError) else str(exc)
     except BaseException as err:  # noqa: BLE001 - a broken __str__ must not lose the failure
         message = f"<str() raised {type(err).__name__}>"
     message = _clean(message[: MAX_MESSAGE_CHARS * 2])
@@ -269,6 +270,12 @@ class JobRunner:
         for thread in self._threads:
             thread.join(timeout=max(0.5, deadline - time.monotonic()) if thread.name == "outbox-completer" else 0.05)
 
+    def _autocommit(self) -> Connection:
+        """A pooled connection on which each statement commits by itself: the claim, the
+        heartbeat and each outcome statement are single atomic statements, so an explicit
+        transaction would only add BEGIN and COMMIT round trips."""
+        return self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
     def _release_now(self, jobs: list[Job]) -> None:
         try:
             with self.engine.begin() as conn:
@@ -295,7 +302,7 @@ class JobRunner:
                 continue
             want = min(free, self.settings.claim_batch)
             try:
-                with self.engine.begin() as conn:
+                with self._autocommit() as conn:
                     jobs = claim_jobs(conn, self.leases, want, self.worker_id)
                 failures = _recovered(failures, "claim")
             except DBAPIError as exc:
@@ -362,6 +369,13 @@ class JobRunner:
         except BaseException as exc:  # noqa: BLE001
             with self._lock:
                 self._finishing.discard(job.fence)
+            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                # The connection broke (server restart, terminated backend): not the
+                # handler's failure, so the attempt does not count. The release is fenced:
+                # if the commit did happen before the connection broke, it changes nothing.
+                log.warning("job %s (%s): database connection lost during its transaction (%s); releasing it",
+                            job.id, job.consumer, describe(exc))
+                return _RELEASE
             return self._failure(job, exc)
         self._warn_return(sub, result)
         return _COMMITTED
@@ -417,7 +431,10 @@ class JobRunner:
         done = [j for j, o in batch if o == _DONE and not j.lease_lost]
         failed = [(j, o) for j, o in batch if isinstance(o, Failure) and not j.lease_lost]
         release = [j for j, o in batch if o == _RELEASE and not j.lease_lost]
-        with self.engine.begin() as conn:
+        # Each statement commits on its own (autocommit): each locks its rows in id order, so
+        # with no transaction holding one statement's locks while the next one waits, neither
+        # they nor a concurrent heartbeat can deadlock. Each is fenced, so each alone is safe.
+        with self._autocommit() as conn:
             completed = complete_jobs(conn, done)
             statuses = fail_jobs(conn, failed)
             released = release_jobs(conn, release)
@@ -462,7 +479,7 @@ class JobRunner:
             if not jobs:
                 continue
             try:
-                with self.engine.begin() as conn:
+                with self._autocommit() as conn:
                     owned = heartbeat_jobs(conn, jobs)
                 failures = _recovered(failures, "heartbeat")
             except DBAPIError as exc:

@@ -51,20 +51,30 @@ def redact(url: str | URL) -> str:
         return "<unparseable URL>"
 
 
-def make_engine(url: str | URL, *, pool_size: int = 5, application_name: str = "outbox") -> Engine:
+def make_engine(url: str | URL, *, pool_size: int = 5, application_name: str = "outbox",
+                idle_in_transaction_timeout: float | None = None) -> Engine:
     """A SQLAlchemy engine on psycopg 3 with pre-ping (dead connections after a server
     restart are replaced, not handed out) and a short connect timeout (5 seconds).
 
-    Raises :class:`ConfigurationError` for a malformed URL.
+    ``idle_in_transaction_timeout`` (seconds), when given, makes the server end a session
+    of this engine that sits idle inside a transaction for longer, releasing its row locks
+    ("idle_in_transaction_session_timeout", PostgreSQL docs, client connection defaults).
+    The relay sets it to its longest lease: a worker paused or hung inside a transaction
+    has lost its lease by then anyway, and must not keep blocking the worker that took the
+    job over. Raises :class:`ConfigurationError` for a malformed URL.
     """
     parsed = parse_url(url)
+    connect_args: dict[str, object] = {"connect_timeout": 5, "application_name": application_name}
+    if idle_in_transaction_timeout is not None:
+        millis = max(1, int(idle_in_transaction_timeout * 1000))
+        connect_args["options"] = f"-c idle_in_transaction_session_timeout={millis}"
     return sa.create_engine(
         parsed,
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
         pool_recycle=1800,
-        connect_args={"connect_timeout": 5, "application_name": application_name},
+        connect_args=connect_args,
     )
 
 

@@ -98,10 +98,14 @@ subscription_upsert_many: TextClause = text(
     WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional)
           IS DISTINCT FROM
           (EXCLUDED.max_attempts, EXCLUDED.lease_seconds, EXCLUDED.priority, EXCLUDED.transactional)
+    RETURNING s.topic, s.consumer, s.max_attempts, s.lease_seconds, s.priority, s.transactional,
+              (s.xmax <> 0) AS updated
     """
 )
 """Write the registry's (topic, consumer) pairs and their options; unchanged rows are left
-alone. Other relays' subscriptions are never removed."""
+alone. Other relays' subscriptions are never removed. Returns the rows inserted or
+changed; ``updated`` is true for an existing subscription whose options changed (a
+non-zero ``xmax`` marks the ON CONFLICT update)."""
 
 subscription_delete: TextClause = text(
     "DELETE FROM outbox_subscriptions WHERE consumer = :consumer RETURNING topic"

@@ -541,3 +541,10 @@ def test_publish_without_migrations_says_run_migrate(empty_db_url):
                 publish(conn, "order.placed", {"order_id": 1})
     finally:
         engine.dispose()
+
+
+def test_huge_integer_is_refused_with_its_path(engine):
+    with engine.connect() as conn:
+        with pytest.raises(InvalidEventError, match=r"payload\['a'\].*1000 digits"):
+            publish(conn, "t", {"a": 10**5000})
+        publish(conn, "t", {"a": 10**999})  # the largest size accepted still works

@@ -8,7 +8,7 @@ import threading
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import publish
+from outbox import Outbox, OutboxSettings, publish
 from outbox.router import RouteResult, route_all, route_batch
 
 from .helpers import publish_events, subscribe
@@ -122,3 +122,23 @@ def test_rolled_back_event_is_never_routed(engine):
     with engine.connect() as c:
         assert c.execute(sa.text("SELECT count(*) FROM outbox_events")).scalar_one() == 0
     assert _jobs(engine) == []
+
+
+def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
+    """Two registries sharing a database and a consumer name with different options: the
+    later relay's options win, and it says so instead of taking over silently."""
+    import logging
+
+    from outbox.relay import register_subscriptions
+
+    first, second = Outbox(), Outbox()
+    first.subscriber("t", consumer="shared", max_attempts=4)(lambda job: None)
+    second.subscriber("t", consumer="shared", max_attempts=1)(lambda job: None)
+    settings = OutboxSettings(_env_file=None)
+    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+        register_subscriptions(engine, first, settings)
+        register_subscriptions(engine, first, settings)  # same options again: silent
+        assert not caplog.records
+        register_subscriptions(engine, second, settings)
+    assert any("subscription shared on t now has this registry's options (max_attempts=1" in r.getMessage()
+               for r in caplog.records)
