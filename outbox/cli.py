@@ -80,6 +80,7 @@ def load_app(spec: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``outbox-relay``: one subcommand per command in COMMANDS."""
     parser = argparse.ArgumentParser(
         prog="outbox-relay",
         description="PostgreSQL outbox relay: routes events to consumers' jobs and runs them.",

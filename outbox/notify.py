@@ -46,6 +46,7 @@ class Listener:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        """Start listening in a daemon thread; returns at once (see :attr:`connected`)."""
         self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
         self._thread.start()
 

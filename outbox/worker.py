@@ -96,6 +96,7 @@ def _clean(text: str) -> str:
 
 
 def job_from_row(row: Any, lease_seconds: float) -> Job:
+    """A :class:`Job` from a row returned by ``job_claim_many``."""
     return Job(
         id=row.id, event_id=row.event_id, consumer=row.consumer, topic=row.topic, key=row.key,
         payload=row.payload, headers=row.headers or {}, attempt=row.attempts,
@@ -184,6 +185,7 @@ class HandlerSession(Session):
     _outbox_owned = False
 
     def commit(self) -> None:
+        """Refused inside a handler (ConfigurationError); outbox commits."""
         if not self._outbox_owned:
             raise ConfigurationError(
                 "a transactional handler must not commit: outbox commits its writes together with the job's completion")
@@ -241,6 +243,7 @@ class JobRunner:
         self._threads.append(thread)
 
     def in_flight(self) -> int:
+        """Claims this runner holds: queued, running, or waiting for their outcome to be written."""
         with self._lock:
             return len(self._inflight)
 
