@@ -241,15 +241,16 @@ job_release_many: TextClause = text(
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
     ), {_LOCK_BY_ID}
     UPDATE outbox_jobs j
-    SET status = 'ready', attempts = j.attempts - 1, run_at = now(), lease_until = NULL,
-        updated_at = now()
+    SET status = 'ready', attempts = j.attempts - 1, lease_until = NULL, updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
     RETURNING j.id
     """
 )
-"""Hand claimed jobs back at once (shutdown): ``ready`` now, and the attempt is not
-counted, since the handler did not fail. Fenced."""
+"""Hand claimed jobs back at once (shutdown): ``ready``, and the attempt is not counted,
+since the handler did not fail. ``run_at`` is kept (it is already due: the job was
+claimed), so the job keeps its place at the head of the queue instead of waiting behind
+every job that became due while it ran. Fenced."""
 
 job_reap_many: TextClause = text(
     """

@@ -481,11 +481,12 @@ def test_claim_and_route_use_their_partial_indexes_with_many_done_rows(engine):
 
 def test_release_hands_the_job_back_without_counting_the_attempt(engine):
     [job_id] = routed_jobs(engine, "t", ["a"], n=1)
+    due = job_row(engine, job_id)["run_at"]
     [job] = _claim(engine)
     with engine.begin() as conn:
-        now = db_now(conn)
         assert release_jobs(conn, [job]) == {job_id}
     row = job_row(engine, job_id)
-    assert (row["status"], row["attempts"], row["run_at"], row["lease_until"]) == ("ready", 0, now, None)
+    # Due as before: it keeps its place in the queue rather than going behind newer jobs.
+    assert (row["status"], row["attempts"], row["run_at"], row["lease_until"]) == ("ready", 0, due, None)
     [again] = _claim(engine)
     assert again.attempt == 1 and again.fence > job.fence
