@@ -61,6 +61,8 @@ log = logging.getLogger("outbox.worker")
 #: Longest ``last_error`` kept, in characters (type + message + traceback).
 MAX_ERROR_CHARS = 8192
 MAX_MESSAGE_CHARS = 2048
+#: SQLSTATE of "terminating connection due to idle-in-transaction timeout".
+IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 
 
 # ------------------------------------------------------------------- error text
@@ -373,6 +375,15 @@ class JobRunner:
             with self._lock:
                 self._finishing.discard(job.fence)
             if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                if getattr(exc.orig, "sqlstate", None) == IDLE_IN_TRANSACTION_TIMEOUT:
+                    # The server ended the session because the handler sat idle inside its
+                    # transaction for longer than the lease: the handler's doing, so the
+                    # attempt counts (released, a handler that is always this slow would be
+                    # retried forever). Fenced: if a pause cost this worker the job, the
+                    # failure report changes nothing.
+                    log.warning("job %s (%s): its transaction sat idle longer than the lease and the server ended "
+                                "it; counted as a failed attempt", job.id, job.consumer)
+                    return self._failure(job, exc)
                 # The connection broke (server restart, terminated backend): not the
                 # handler's failure, so the attempt does not count. The release is fenced:
                 # if the commit did happen before the connection broke, it changes nothing.
