@@ -1,0 +1,391 @@
+"""What every scenario shares: the sizes, throw-away databases, the relay subprocess,
+process CPU and memory readings, and small statistics.
+
+Databases: one migrated template per invocation (``outbox_bench_tpl_<hex>``); every
+benchmark gets its own copy (``outbox_bench_<hex>``), dropped when it ends, so no
+benchmark sees another's rows, dead tuples or statistics, and nothing else on the server
+is touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+from sqlalchemy.engine import URL, Engine
+
+from outbox.db.engine import make_engine, parse_url
+from outbox.testing import create_database, drop_database, migrated_template
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TOPIC = "bench.event"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------ sizes
+
+
+@dataclass(frozen=True)
+class Size:
+    """How big each scenario runs. ``runs``: repetitions behind every median."""
+
+    name: str
+    runs: int = 3
+    # 1 raw limit
+    pgbench_seconds: float = 3.0          # 0: a fixed 20 script runs per client (smoke size)
+    pgbench_pool: int = 150_000          # ready jobs present before a batched run
+    loop_seconds: float = 4.0
+    # 2 end-to-end fan-out, 3 peers
+    events: int = 50_000                 # events published at the best settings; jobs = 3x
+    default_events: int = 10_000         # events published at the relay's defaults (slower)
+    sweep_events: int = 6_000            # events per configuration of the short sweep
+    sweep: tuple[tuple[int, int], ...] = ((8, 50), (16, 50), (32, 64), (64, 128))
+    procrastinate_cap: float = 15.0      # seconds procrastinate drains before it is stopped
+    # 4 publish cost
+    publish_txns: int = 2_000
+    publish_many_txns: int = 10
+    # 5 latency
+    latency_seconds: float = 30.0
+    latency_rate: float = 200.0
+    # 6 scale
+    scale_rows: int = 1_000_000
+    scale_events: int = 3_000            # unrouted events routed per measurement
+    # 7 soak
+    soak_seconds: float = 60.0
+    soak_rate: float = 200.0
+    snapshot_seconds: float = 30.0
+    after_seconds: float = 20.0
+    retention: float = 10.0              # retention_done during the soak, seconds
+    notes: tuple[str, ...] = field(default=())
+
+
+SIZES = {
+    "quick": Size(
+        name="quick", pgbench_seconds=0, pgbench_pool=10_000, loop_seconds=0.5, events=1_000,
+        default_events=500, sweep_events=500, sweep=((8, 50), (32, 64)), procrastinate_cap=2.0,
+        publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
+        soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0),
+    "default": Size(name="default"),
+    "full": Size(
+        name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
+        default_events=50_000, sweep_events=20_000, sweep=((4, 50), (8, 50), (16, 50), (32, 64), (64, 128), (128, 256)),
+        procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
+        soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0),
+}
+
+
+# ------------------------------------------------------------------- statistics
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100) of ``values``."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
+    return ordered[rank - 1]
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -------------------------------------------------------------------- databases
+
+
+LOCAL = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+
+def server_url() -> URL:
+    """The server: ``BENCH_DATABASE_URL``, else ``OUTBOX_DATABASE_URL``, else a local one on
+    127.0.0.1:5432 (user postgres) if it answers, else the embedded server the tests use."""
+    url = os.environ.get("BENCH_DATABASE_URL") or os.environ.get("OUTBOX_DATABASE_URL")
+    if url:
+        return parse_url(url)
+    try:
+        psycopg.connect(LOCAL, connect_timeout=2).close()
+        return parse_url(LOCAL)
+    except psycopg.Error:
+        from outbox.testing import server_url as test_server
+
+        log("no server on 127.0.0.1:5432 and none configured: using the embedded one")
+        return test_server()[0]
+
+
+def find_binary(name: str) -> str | None:
+    """A PostgreSQL client program: on PATH, in the server packages, or in pgserver's wheel."""
+    import glob
+    import shutil
+
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)), None)
+    if found:
+        return found
+    with contextlib.suppress(ImportError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # its platformdirs warns when XDG_RUNTIME_DIR is unset
+        import pgserver
+
+        candidate = Path(pgserver.__file__).parent / "pginstall" / "bin" / name
+        if candidate.exists():
+            return str(candidate)
+    return None
+
+
+def conninfo(url: URL) -> str:
+    """libpq form of a SQLAlchemy URL (for psycopg, pgbench and the peers)."""
+    return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+class Databases:
+    """Creates the template once and hands out fresh copies of it."""
+
+    def __init__(self, server: URL) -> None:
+        self.server = server
+        self.template: URL | None = None
+
+    def __enter__(self) -> Databases:
+        self.template = migrated_template(self.server)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.template is not None:
+            drop_quietly(self.template)
+
+    @contextlib.contextmanager
+    def fresh(self, migrated: bool = True) -> Iterator[URL]:
+        """A new database (outbox's schema when ``migrated``), dropped afterwards."""
+        template = self.template.database if migrated and self.template is not None else None
+        url = create_database(self.server, "outbox_bench", template=template)
+        try:
+            yield url
+        finally:
+            drop_quietly(url)
+
+
+def wait_for_server(url: URL, timeout: float = 90.0) -> bool:
+    """Wait until the server accepts connections again (another user may restart it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with psycopg.connect(conninfo(url.set(database="postgres")), autocommit=True, connect_timeout=3) as c:
+                c.execute("SELECT 1")
+                return True
+        except psycopg.Error:
+            time.sleep(1.0)
+    return False
+
+
+def drop_quietly(url: URL) -> None:
+    """Drop ``url``'s database, waiting out a server restart; log instead of raising."""
+    for attempt in range(3):
+        try:
+            drop_database(url)
+            return
+        except Exception as exc:  # noqa: BLE001 - a leftover database must not lose the results
+            log(f"could not drop {url.database} ({type(exc).__name__}); retrying")
+            wait_for_server(url)
+    log(f"left database {url.database} behind; drop it by hand")
+
+
+def is_server_restart(exc: BaseException) -> bool:
+    """True for the errors a server restart or shutdown causes mid-run."""
+    text = f"{exc} {getattr(exc, 'orig', '')}".lower()
+    return any(s in text for s in ("terminating connection", "shutting down", "server closed the connection",
+                                   "connection failed", "starting up", "connection refused", "consuming input failed"))
+
+
+def engine(url: URL, pool_size: int = 5) -> Engine:
+    return make_engine(url, pool_size=pool_size, application_name="outbox-bench")
+
+
+def server_facts(url: URL) -> dict[str, Any]:
+    """PostgreSQL version and the settings that matter, the CPU, the load."""
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        facts: dict[str, Any] = {"postgres": conn.execute("SELECT version()").fetchone()[0]}
+        for name in ("server_version", "synchronous_commit", "shared_buffers", "fsync", "wal_level",
+                     "max_connections", "work_mem", "autovacuum", "jit"):
+            facts[name] = conn.execute(f"SHOW {name}").fetchone()[0]
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    facts.update(cpu=cpu, cpus=os.cpu_count(), python=sys.version.split()[0],
+                 load_before=os.getloadavg(), mem_gb=_mem_gb())
+    return facts
+
+
+def _mem_gb() -> float | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return round(int(line.split()[1]) / 1024 / 1024, 1)
+    return None
+
+
+# ---------------------------------------------------------------- process stats
+
+
+def proc_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) used so far by process ``pid``, or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_rss_mb(pid: int) -> float | None:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return None
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs so far, from /proc/stat."""
+    parts = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = parts[3] + parts[4]
+    return sum(parts) - idle, sum(parts)
+
+
+def backend_pids(conn: psycopg.Connection, dbname: str) -> list[int]:
+    return [r[0] for r in conn.execute(
+        "SELECT pid FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()", (dbname,))]
+
+
+def backends_cpu(conn: psycopg.Connection, dbname: str) -> float:
+    """CPU seconds used so far by the server processes serving ``dbname`` (this one excluded)."""
+    return sum(c for c in (proc_cpu(p) for p in backend_pids(conn, dbname)) if c is not None)
+
+
+# ------------------------------------------------------------------------ relay
+
+
+class RelayProcess:
+    """``python -m outbox.cli run --app bench.apps:fanout`` as a subprocess on ``url``.
+
+    ``settings`` are CLI flags (``concurrency=16`` -> ``--concurrency 16``), ``env`` extra
+    environment (``BENCH_CONSUMERS``, ``BENCH_RECORD``); its log goes to ``log_path``.
+    """
+
+    def __init__(self, url: URL, log_path: Path, settings: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None, listen: bool = True) -> None:
+        args = [sys.executable, "-m", "outbox.cli", "run", "--app", "bench.apps:fanout",
+                "--database-url", conninfo(url), "--log-level", "WARNING"]
+        for key, value in (settings or {}).items():
+            args += ["--" + key.replace("_", "-"), str(value)]
+        if not listen:
+            args.append("--no-listen")
+        self.url = url
+        self.listen = listen
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, consumers: int, timeout: float = 30.0) -> None:
+        """Wait until the relay wrote its subscriptions and (unless ``--no-listen``) its
+        listener is connected; its threads start right after."""
+        deadline = time.monotonic() + timeout
+        with psycopg.connect(conninfo(self.url), autocommit=True) as conn:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"relay exited with {self.proc.returncode}: {self.log_path.read_text()[-2000:]}")
+                n = conn.execute("SELECT count(*) FROM outbox_subscriptions").fetchone()[0]
+                listening = conn.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND application_name = 'outbox-listener'").fetchone()[0]
+                if n >= consumers and (listening or not self.listen):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("relay did not start in time")
+                time.sleep(0.05)
+        time.sleep(0.3)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+# ------------------------------------------------------------------- workload
+
+
+def publish_events(eng: Engine, n: int, per_txn: int = 500, consumers_topic: str = TOPIC) -> float:
+    """Publish ``n`` small events with ``publish_many``, ``per_txn`` per transaction;
+    returns the seconds it took."""
+    from outbox import publish_many
+
+    start = time.perf_counter()
+    done = 0
+    while done < n:
+        k = min(per_txn, n - done)
+        with eng.begin() as conn:
+            publish_many(conn, [(consumers_topic, {"n": done + i}) for i in range(k)])
+        done += k
+    return time.perf_counter() - start
+
+
+def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, timeout: float = 1800.0,
+                 interval: float = 0.1) -> None:
+    """Wait until no event is unrouted and no job is ready or running (and, when given,
+    ``expected_jobs`` jobs exist). Reads the partial indexes only, so it stays cheap."""
+    deadline = time.monotonic() + timeout
+    while True:
+        unrouted, pending = conn.execute(
+            "SELECT (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
+            " (SELECT count(*) FROM outbox_jobs WHERE status = 'ready')"
+            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'running')").fetchone()
+        if unrouted == 0 and pending == 0:
+            if expected_jobs is None:
+                return
+            if conn.execute("SELECT count(*) FROM outbox_jobs").fetchone()[0] >= expected_jobs:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not drained after {timeout}s: {unrouted} unrouted events, {pending} pending jobs")
+        time.sleep(interval)
+
+
+def subscribe(conn: psycopg.Connection, consumers: int, topic: str = TOPIC) -> None:
+    """Write ``consumers`` subscriptions (c1..cK) on ``topic`` as a relay would."""
+    conn.execute(
+        "INSERT INTO outbox_subscriptions (topic, consumer, max_attempts, lease_seconds)"
+        " SELECT %s, 'c' || i, 5, 30 FROM generate_series(1, %s) i ON CONFLICT DO NOTHING",
+        (topic, consumers))
+
+
+def sql_for_psycopg(statement: sa.TextClause) -> str:
+    """An outbox named statement with ``:name`` binds turned into ``%(name)s``."""
+    import re
+
+    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", statement.text)

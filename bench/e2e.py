@@ -1,0 +1,113 @@
+"""Scenario 2, end-to-end fan-out: publish N events to 3 consumers and run one relay.
+
+A relay (``outbox-relay run --app bench.apps:fanout`` as a subprocess, no-op handlers)
+is started on a fresh database and waits; then the harness publishes N events with
+``publish_many`` (500 per transaction) and waits until every event is routed and every
+job is done. Jobs/s is ``3 N / (last finished_at - first event created_at)``, both read
+from the database clock, so it spans first publish to last job done, routing included.
+
+A short sweep over (concurrency, claim_batch) on fewer events (one run each) picks the
+best settings; then the best settings (N events) and the relay's defaults
+(``default_events``, fewer, since they are slower) run ``runs`` times each, interleaved.
+The relay's and the database backends' CPU seconds are recorded per job, so the report
+can say where the time goes on a machine with two cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from .common import (
+    Databases,
+    RelayProcess,
+    Size,
+    backends_cpu,
+    conninfo,
+    engine,
+    log,
+    machine_busy,
+    median,
+    proc_cpu,
+    proc_rss_mb,
+    publish_events,
+    wait_drained,
+)
+
+CONSUMERS = 3
+
+
+def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path, tag: str,
+            consumers: int = CONSUMERS, hooks: Any = None) -> dict[str, Any]:
+    """Publish ``events`` events with a relay running ``settings``; measure until drained.
+    ``hooks`` (optional) has ``started(pid)`` and ``drained(pid)``, called around the load."""
+    with dbs.fresh() as url:
+        relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", settings,
+                             env={"BENCH_CONSUMERS": str(consumers)})
+        try:
+            relay.wait_ready(consumers)
+            eng = engine(url)
+            with psycopg.connect(conninfo(url), autocommit=True) as mon:
+                if hooks:
+                    hooks.started(relay.pid)
+                cpu0, busy0 = proc_cpu(relay.pid), machine_busy()
+                publish_seconds = publish_events(eng, events)
+                wait_drained(mon, expected_jobs=events * consumers)
+                cpu1, busy1 = proc_cpu(relay.pid), machine_busy()
+                if hooks:
+                    hooks.drained(relay.pid)
+                db_cpu = backends_cpu(mon, url.database)
+                rss = proc_rss_mb(relay.pid)
+                t0, t1, jobs = mon.execute(
+                    "SELECT (SELECT min(created_at) FROM outbox_events),"
+                    " (SELECT max(finished_at) FROM outbox_jobs),"
+                    " (SELECT count(*) FROM outbox_jobs WHERE status = 'done')").fetchone()
+            eng.dispose()
+        finally:
+            code = relay.stop()
+    elapsed = (t1 - t0).total_seconds()
+    relay_cpu = (cpu1 - cpu0) if cpu0 is not None and cpu1 is not None else None
+    busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+    out = {
+        "events": events, "jobs": jobs, "seconds": elapsed, "jobs_per_s": jobs / elapsed,
+        "publish_seconds": publish_seconds, "settings": settings,
+        "relay_cpu_us_per_job": relay_cpu / jobs * 1e6 if relay_cpu is not None else None,
+        "db_cpu_us_per_job": db_cpu / jobs * 1e6, "machine_busy": busy, "relay_rss_mb": rss,
+        "relay_exit": code,
+    }
+    log(f"e2e {tag}: {out['jobs_per_s']:,.0f} jobs/s ({jobs} jobs in {elapsed:.1f}s; relay CPU"
+        f" {out['relay_cpu_us_per_job'] or 0:.0f} us/job, db CPU {out['db_cpu_us_per_job']:.0f} us/job,"
+        f" machine {busy:.0%} busy)")
+    return out
+
+
+def label(settings: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
+
+
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("jobs_per_s", "seconds", "relay_cpu_us_per_job", "db_cpu_us_per_job", "machine_busy")
+    return {**{k: median([r[k] for r in runs if r[k] is not None]) for k in keys},
+            "settings": runs[0]["settings"], "runs": runs}
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    sweep = []
+    for concurrency, claim_batch in size.sweep:
+        settings = {"concurrency": concurrency, "claim_batch": claim_batch}
+        sweep.append(one_run(dbs, size.sweep_events, settings, results, f"sweep-c{concurrency}-b{claim_batch}"))
+    best_settings = max(sweep, key=lambda r: r["jobs_per_s"])["settings"]
+    default_runs, best_runs = [], []
+    for rep in range(size.runs):
+        default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}"))
+        best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}"))
+    return {
+        "events": size.events, "consumers": CONSUMERS,
+        "sweep": [{"settings": r["settings"], "jobs_per_s": r["jobs_per_s"], "events": r["events"],
+                   "relay_cpu_us_per_job": r["relay_cpu_us_per_job"],
+                   "db_cpu_us_per_job": r["db_cpu_us_per_job"]} for r in sweep],
+        "default": summary(default_runs),
+        "best": summary(best_runs),
+    }

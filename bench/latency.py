@@ -1,0 +1,78 @@
+"""Scenario 5, latency: commit-to-handler-start at a steady rate, LISTEN/NOTIFY on and off.
+
+A relay (subprocess, ``BENCH_RECORD`` set, so each handler notes ``time.time()`` as it
+starts) serves 3 consumers. The harness publishes one event per domain transaction
+(``publish()`` through a SQLAlchemy connection) at ``latency_rate`` events/s for
+``latency_seconds``, on a fixed schedule, and notes ``time.time()`` right after each
+commit returns. Latency of a job = its handler start - its event's commit (same machine,
+same clock). The run is cut into three equal windows by commit time; each percentile
+reported is the median over the windows (each window is one "run"), the pooled values
+are kept in the JSON. With LISTEN off the relay relies on ``poll_interval`` (default 1 s).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import sqlalchemy as sa
+
+from outbox import publish
+
+from .common import TOPIC, Databases, RelayProcess, Size, conninfo, log, median, percentile, wait_drained
+
+CONSUMERS = 3
+WINDOWS = 3
+
+
+def one_mode(dbs: Databases, size: Size, results: Path, listen: bool) -> dict[str, Any]:
+    tag = "listen" if listen else "poll"
+    record = results / "logs" / f"latency-{tag}.json"
+    with dbs.fresh() as url:
+        relay = RelayProcess(url, results / "logs" / f"relay-latency-{tag}.log", listen=listen,
+                             env={"BENCH_CONSUMERS": str(CONSUMERS), "BENCH_RECORD": str(record)})
+        try:
+            relay.wait_ready(CONSUMERS)
+            eng = sa.create_engine(url, pool_size=1)
+            commits: dict[int, float] = {}
+            n = int(size.latency_rate * size.latency_seconds)
+            start = time.perf_counter()
+            for i in range(n):
+                delay = start + i / size.latency_rate - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                with eng.begin() as conn:
+                    event_id = publish(conn, TOPIC, {"n": i})
+                commits[event_id] = time.time()
+            achieved = n / (time.perf_counter() - start)
+            eng.dispose()
+            with psycopg.connect(conninfo(url), autocommit=True) as mon:
+                wait_drained(mon, expected_jobs=n * CONSUMERS)
+        finally:
+            relay.stop()
+    samples = json.loads(record.read_text())
+    latencies = sorted((commits[e], (t - commits[e]) * 1000) for e, _c, t in samples if e in commits)
+    ms = [l for _, l in latencies]
+    per_window = []
+    chunk = len(latencies) // WINDOWS
+    for w in range(WINDOWS):
+        part = [l for _, l in latencies[w * chunk:(w + 1) * chunk]]
+        per_window.append({q: percentile(part, q) for q in (50, 95, 99)})
+    out = {
+        "listen": listen, "events": n, "jobs": len(ms), "rate": achieved,
+        "p50_ms": median([w[50] for w in per_window]), "p95_ms": median([w[95] for w in per_window]),
+        "p99_ms": median([w[99] for w in per_window]), "max_ms": max(ms),
+        "pooled": {f"p{q}_ms": percentile(ms, q) for q in (50, 95, 99)},
+        "windows": per_window, "latencies_ms": [round(x, 3) for x in ms],
+    }
+    log(f"latency {tag}: p50 {out['p50_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms, p99 {out['p99_ms']:.1f} ms"
+        f" ({len(ms)} jobs at {achieved:.0f} events/s)")
+    return out
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    return {"rate": size.latency_rate, "seconds": size.latency_seconds, "consumers": CONSUMERS,
+            "listen": one_mode(dbs, size, results, True), "poll": one_mode(dbs, size, results, False)}

@@ -1,0 +1,93 @@
+"""Scenario 3, the peers: PgQueuer and procrastinate on the same number of jobs as the
+end-to-end scenario (3 N), on the same server, in the same invocation.
+
+They live in their own virtualenv, ``bench/.venv-peers``, built from
+``bench/requirements-peers.txt`` on first use (and rebuilt when that file changes); their
+workloads run there as subprocesses (``bench/peer_pgqueuer.py``,
+``bench/peer_procrastinate.py``), each on a fresh database. Neither is ever a dependency
+of outbox.
+
+PgQueuer: a short sweep over driver and batch size (on the sweep size), then its best
+configuration ``runs`` times on 3 N jobs. procrastinate: concurrency 8, ``runs`` times,
+each drain stopped after ``procrastinate_cap`` seconds (see peer_procrastinate.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from .common import BENCH, Databases, Size, conninfo, log, median
+
+VENV = BENCH / ".venv-peers"
+REQUIREMENTS = BENCH / "requirements-peers.txt"
+PGQ_SWEEP = (("apg", 10), ("apg", 50), ("apg", 200), ("apgpool", 50), ("psy", 50))
+
+
+def venv_python() -> Path:
+    return VENV / "bin" / "python"
+
+
+def ensure_venv() -> Path:
+    """Create or refresh bench/.venv-peers from requirements-peers.txt; returns its python."""
+    stamp = VENV / ".requirements.sha256"
+    digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
+    if venv_python().exists() and stamp.exists() and stamp.read_text() == digest:
+        return venv_python()
+    log(f"creating the peers' venv {VENV.relative_to(BENCH.parent)} from {REQUIREMENTS.name} (first use)")
+    if not venv_python().exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    subprocess.run([str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    "-r", str(REQUIREMENTS)], check=True)
+    stamp.write_text(digest)
+    return venv_python()
+
+
+def peer(script: str, url: Any, *args: str) -> dict[str, Any]:
+    out = subprocess.run([str(venv_python()), str(BENCH / script), conninfo(url), *args],
+                         capture_output=True, text=True, check=False)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{script} failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    ensure_venv()
+    versions = subprocess.run([str(venv_python()), "-c",
+                               "import importlib.metadata as m; print(m.version('pgqueuer'), m.version('procrastinate'))"],
+                              capture_output=True, text=True, check=True).stdout.split()
+    jobs, sweep_jobs = size.events * 3, size.sweep_events * 3
+    sweep = []
+    for driver, batch in PGQ_SWEEP:
+        with dbs.fresh(migrated=False) as url:
+            r = peer("peer_pgqueuer.py", url, "--jobs", str(sweep_jobs), "--driver", driver, "--batch", str(batch))
+        log(f"pgqueuer sweep driver={driver} batch={batch}: {r['jobs_per_s']:,.0f} jobs/s")
+        sweep.append(r)
+    best = max(sweep, key=lambda r: r["jobs_per_s"])
+    pgq_runs, pro_runs = [], []
+    for rep in range(size.runs):
+        with dbs.fresh(migrated=False) as url:
+            r = peer("peer_pgqueuer.py", url, "--jobs", str(jobs), "--driver", best["driver"],
+                     "--batch", str(best["batch"]))
+        log(f"pgqueuer driver={r['driver']} batch={r['batch']}: {r['jobs_per_s']:,.0f} jobs/s ({r['done']} jobs)")
+        pgq_runs.append(r)
+        with dbs.fresh(migrated=False) as url:
+            r = peer("peer_procrastinate.py", url, "--jobs", str(jobs), "--concurrency", "8",
+                     "--cap", str(size.procrastinate_cap))
+        log(f"procrastinate concurrency 8: {r['jobs_per_s']:,.0f} jobs/s ({r['done']} of {jobs} jobs"
+            f"{', capped' if r['capped'] else ''})")
+        pro_runs.append(r)
+    return {
+        "versions": {"pgqueuer": versions[0], "procrastinate": versions[1]},
+        "jobs": jobs,
+        "pgqueuer": {"jobs_per_s": median([r["jobs_per_s"] for r in pgq_runs]), "driver": best["driver"],
+                     "batch": best["batch"], "dequeue": best["dequeue"], "sweep": sweep, "runs": pgq_runs},
+        "procrastinate": {"jobs_per_s": median([r["jobs_per_s"] for r in pro_runs]), "concurrency": 8,
+                          "capped": any(r["capped"] for r in pro_runs), "cap_seconds": size.procrastinate_cap,
+                          "runs": pro_runs},
+    }

@@ -1,0 +1,80 @@
+"""Scenario 4, publish cost, through SQLAlchemy Core connections as an application uses them.
+
+(a) A domain transaction inserting one row into ``bench_orders``, without and with one
+``publish()`` of an event about it; blocks of 50 transactions alternate between the two
+so drift in the machine's load hits both alike. Reported: transactions/s of each and the
+overhead ``time_with / time_without - 1``.
+
+(b) 1,000 events in one transaction, with ``publish_many`` (one statement) and with
+``publish`` called 1,000 times; events/s (commit included) and their ratio.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from outbox import publish, publish_many
+
+from .common import TOPIC, Databases, Size, log, median
+
+ORDERS = sa.table("bench_orders", sa.column("id"), sa.column("customer"), sa.column("total_cents"))
+INSERT = sa.text("INSERT INTO bench_orders (customer, total_cents) VALUES (:customer, :total) RETURNING id")
+BLOCK = 50
+
+
+def domain_txns(eng: sa.Engine, n: int, with_publish: bool) -> float:
+    start = time.perf_counter()
+    for i in range(n):
+        with eng.begin() as conn:
+            order_id = conn.execute(INSERT, {"customer": "dave", "total": 2500 + i}).scalar_one()
+            if with_publish:
+                publish(conn, "order.placed", {"order_id": order_id, "total_cents": 2500 + i}, key=f"order:{order_id}")
+    return time.perf_counter() - start
+
+
+def thousand(eng: sa.Engine, txns: int, many: bool) -> float:
+    start = time.perf_counter()
+    for t in range(txns):
+        with eng.begin() as conn:
+            if many:
+                publish_many(conn, [(TOPIC, {"order_id": t * 1000 + i}, f"order:{i}") for i in range(1000)])
+            else:
+                for i in range(1000):
+                    publish(conn, TOPIC, {"order_id": t * 1000 + i}, key=f"order:{i}")
+    return time.perf_counter() - start
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    runs: list[dict[str, float]] = []
+    with dbs.fresh() as url:
+        eng = sa.create_engine(url, pool_size=1)  # an application's plain engine (no pre-ping)
+        with eng.begin() as conn:
+            conn.exec_driver_sql("CREATE TABLE bench_orders (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,"
+                                 " customer text NOT NULL, total_cents int NOT NULL)")
+        domain_txns(eng, 100, True)  # warm up: connection, prepared statements, caches
+        thousand(eng, 1, True)
+        thousand(eng, 1, False)
+        for rep in range(size.runs):
+            plain = with_ = 0.0
+            for b in range(max(1, size.publish_txns // BLOCK)):
+                plain += domain_txns(eng, BLOCK, False)
+                with_ += domain_txns(eng, BLOCK, True)
+            n = max(1, size.publish_txns // BLOCK) * BLOCK
+            many = loop = 0.0
+            for _ in range(size.publish_many_txns):
+                many += thousand(eng, 1, True)
+                loop += thousand(eng, 1, False)
+            k = size.publish_many_txns * 1000
+            r = {"txn_per_s_without": n / plain, "txn_per_s_with": n / with_, "overhead": with_ / plain - 1,
+                 "publish_many_events_per_s": k / many, "publish_loop_events_per_s": k / loop,
+                 "many_over_loop": loop / many}
+            runs.append(r)
+            log(f"publish: {r['txn_per_s_without']:,.0f} txn/s without, {r['txn_per_s_with']:,.0f} with"
+                f" (+{r['overhead']:.0%}); 1,000 per txn: publish_many {r['publish_many_events_per_s']:,.0f}"
+                f" events/s, publish loop {r['publish_loop_events_per_s']:,.0f} events/s")
+        eng.dispose()
+    return {key: median([r[key] for r in runs]) for key in runs[0]} | {"runs": runs}

@@ -1,0 +1,142 @@
+"""The markdown report of one invocation: the machine, then one table with every figure,
+the targets of issue 4 and whether each is met. Ratios only combine figures measured in
+the same invocation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _n(x: float | None, digits: int = 0) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.{digits}f}"
+
+
+def _ok(flag: bool | None) -> str:
+    return "n/a" if flag is None else ("**yes**" if flag else "**no**")
+
+
+def machine(data: dict[str, Any]) -> str:
+    f = data["facts"]
+    return (f"{f['cpu']}, {f['cpus']} CPUs, {f.get('mem_gb')} GB; PostgreSQL {f['server_version']} "
+            f"(synchronous_commit={f['synchronous_commit']}, shared_buffers={f['shared_buffers']}, "
+            f"fsync={f['fsync']}, jit={f['jit']}); Python {f['python']}; load average before "
+            f"{'/'.join(f'{x:.2f}' for x in f['load_before'])}, after "
+            f"{'/'.join(f'{x:.2f}' for x in data.get('load_after', (0, 0, 0)))}")
+
+
+def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """(scenario, measure, result, target, met) rows."""
+    out: list[tuple[str, str, str, str, str]] = []
+    raw, e2e, peers = data.get("raw"), data.get("e2e"), data.get("peers")
+    if raw:
+        for batch in (1, 50) if raw["pgbench"] else ():
+            vals = [raw["pgbench"][f"b{batch}_c{c}"]["jobs_per_s"] for c in (1, 4, 8)]
+            drained = any(raw["pgbench"][f"b{batch}_c{c}"]["drained"] for c in (1, 4, 8))
+            out.append(("1 raw", f"pgbench claim + fenced complete, batch {batch}, clients 1 / 4 / 8",
+                        " / ".join(_n(v) for v in vals) + " jobs/s" + (" (pool ran dry: lower bound)" if drained else ""),
+                        "", ""))
+        out.append(("1 raw", "minimal psycopg loop, batch 50, one connection",
+                    f"{_n(raw['psycopg_loop']['jobs_per_s'])} jobs/s", "", ""))
+    if e2e:
+        d, b = e2e["default"], e2e["best"]
+        out.append(("2 e2e", f"{d['runs'][0]['events']:,} events x 3 consumers, one relay at its defaults "
+                    "(concurrency 8, claim_batch 50)", f"{_n(d['jobs_per_s'])} jobs/s", "", ""))
+        best = ", ".join(f"{k}={v}" for k, v in b["settings"].items())
+        out.append(("2 e2e", f"{e2e['events']:,} events x 3 consumers, best settings of the sweep ({best})",
+                    f"{_n(b['jobs_per_s'])} jobs/s", "", ""))
+        out.append(("2 e2e", "CPU per job (best): relay process / database backends",
+                    f"{_n(b['relay_cpu_us_per_job'])} / {_n(b['db_cpu_us_per_job'])} us; machine "
+                    f"{b['machine_busy']:.0%} busy", "", ""))
+        if raw:
+            ratio = b["jobs_per_s"] / raw["limit_jobs_per_s"]
+            limit = (f"pgbench batch 50, {raw['limit_config'].split('_c')[1]} clients"
+                     if raw["pgbench"] else raw["limit_config"])
+            out.append(("2 e2e", f"end to end (best) / raw limit ({limit})", f"{ratio:.0%}", ">= 35%",
+                        _ok(ratio >= 0.35)))
+    if peers:
+        p, r = peers["pgqueuer"], peers["procrastinate"]
+        out.append(("3 peers", f"PgQueuer {peers['versions']['pgqueuer']} drain, {peers['jobs']:,} jobs "
+                    f"(driver {p['driver']}, batch {p['batch']}, {p['dequeue']} dequeuers)", f"{_n(p['jobs_per_s'])} jobs/s", "", ""))
+        cap = f", stopped after {r['cap_seconds']:.0f} s" if r["capped"] else ""
+        out.append(("3 peers", f"procrastinate {peers['versions']['procrastinate']}, concurrency 8{cap}",
+                    f"{_n(r['jobs_per_s'])} jobs/s", "", ""))
+        if e2e:
+            b = e2e["best"]["jobs_per_s"]
+            out.append(("3 peers", "outbox end to end (best) / PgQueuer best", f"{b / p['jobs_per_s']:.2f}x", ">= 1.5x",
+                        _ok(b / p["jobs_per_s"] >= 1.5)))
+            out.append(("3 peers", "outbox end to end (best) / procrastinate", f"{b / r['jobs_per_s']:.1f}x", ">= 20x",
+                        _ok(b / r["jobs_per_s"] >= 20)))
+    pub = data.get("publish")
+    if pub:
+        out.append(("4 publish", "one-row domain transaction without / with publish()",
+                    f"{_n(pub['txn_per_s_without'])} / {_n(pub['txn_per_s_with'])} txn/s (+{pub['overhead']:.0%})",
+                    "<= +30%", _ok(pub["overhead"] <= 0.30)))
+        out.append(("4 publish", "1,000 events in one transaction, publish_many",
+                    f"{_n(pub['publish_many_events_per_s'])} events/s", ">= 50,000/s",
+                    _ok(pub["publish_many_events_per_s"] >= 50_000)))
+        out.append(("4 publish", "1,000 events in one transaction, publish() in a loop",
+                    f"{_n(pub['publish_loop_events_per_s'])} events/s (publish_many is {pub['many_over_loop']:.1f}x)",
+                    "", ""))
+    lat = data.get("latency")
+    if lat:
+        for key, label in (("listen", "LISTEN/NOTIFY on"), ("poll", "polling only")):
+            m = lat[key]
+            target = "p50 <= 10, p99 <= 50 ms" if key == "listen" else ""
+            met = _ok(m["p50_ms"] <= 10 and m["p99_ms"] <= 50) if key == "listen" else ""
+            out.append(("5 latency", f"commit to handler start, {lat['rate']:.0f} events/s x 3 consumers, {label}",
+                        f"p50 {m['p50_ms']:.1f} / p95 {m['p95_ms']:.1f} / p99 {m['p99_ms']:.1f} ms", target, met))
+    sc = data.get("scale")
+    if sc:
+        e, b = sc["empty"], sc["big"]
+        rows_ = f"{sc['rows']:,}"
+        out.append(("6 scale", f"claim 50 jobs: empty vs {rows_} done jobs + routed events",
+                    f"{e['claim_ms']:.2f} -> {b['claim_ms']:.2f} ms ({sc['claim_ratio']:.2f}x)", "<= 1.2x",
+                    _ok(sc["claim_ratio"] <= 1.2)))
+        out.append(("6 scale", "route 100 events (3 consumers): same",
+                    f"{e['route_ms']:.2f} -> {b['route_ms']:.2f} ms ({sc['route_ratio']:.2f}x)", "<= 1.2x",
+                    _ok(sc["route_ratio"] <= 1.2)))
+        out.append(("6 scale", "complete 50 jobs: same",
+                    f"{e['complete_ms']:.2f} -> {b['complete_ms']:.2f} ms ({sc['complete_ratio']:.2f}x)", "", ""))
+        used = sc["partial_index_used"]
+        out.append(("6 scale", f"partial index in the plan with {rows_} rows (claim / route)",
+                    f"{'yes' if used['claim'] else 'NO'} / {'yes' if used['route'] else 'NO'}", "", ""))
+        k = sc["by_consumers"]
+        out.append(("6 scale", "route 100 events with K = 1 / 3 / 10 consumers",
+                    " / ".join(f"{k[x]['route_ms']:.2f}" for x in ("1", "3", "10")) + " ms ("
+                    + " / ".join(f"{k[x]['route_us_per_job']:.0f}" for x in ("1", "3", "10")) + " us per job)", "", ""))
+        out.append(("6 scale", "claim 50 jobs with K = 1 / 3 / 10 consumers",
+                    " / ".join(f"{k[x]['claim_ms']:.2f}" for x in ("1", "3", "10")) + " ms", "", ""))
+    soak = data.get("soak")
+    if soak:
+        s, n = soak["steady"], soak["snapshot"]
+        out.append(("7 soak", f"relay RSS over {s['seconds']:.0f} s at {s['rate']:.0f} events/s x 3",
+                    f"{s['rss_start_mb']:.1f} -> {s['rss_end_mb']:.1f} MB ({s['rss_growth']:+.1%})", "< +10%",
+                    _ok(s["rss_growth"] < 0.10)))
+        out.append(("7 soak", f"jobs table with retention {s['settings']['retention_done']:.0f} s (pruning every "
+                    f"{s['settings']['prune_interval']:.0f} s): rows (2nd half, max) / oldest done row",
+                    f"{s['rows_max_second_half']:,} rows (bound {s['rows_bound']:,.0f}) / {s['oldest_done_s_max']:.1f} s "
+                    f"(window {s['retention_window_s']:.0f} s)", "within the window", _ok(s["bounded"])))
+        out.append(("7 soak", "dead tuples in outbox_jobs (end / max); table size mid -> end",
+                    f"{s['dead_tuples_end']:,} / {s['dead_tuples_max']:,}; {s['bytes_mid'] / 1e6:.1f} -> "
+                    f"{s['bytes_end'] / 1e6:.1f} MB", "", ""))
+        out.append(("7 soak", f"jobs/s flat out: before / while a REPEATABLE READ snapshot is held "
+                    f"{n['hold_seconds']:.0f} s (last window) / after",
+                    f"{_n(n['before_jobs_per_s'])} / {_n(n['during_jobs_per_s'])} ({_n(n['during_last_jobs_per_s'])})"
+                    f" / {_n(n['after_jobs_per_s'])} ({n['during_over_before']:.2f}x, {n['after_over_before']:.2f}x"
+                    " of before)", "", ""))
+    return out
+
+
+def markdown(data: dict[str, Any]) -> str:
+    lines = [f"## outbox benchmark: {data['size']} size, {data['started']}, commit {data['commit']}", "",
+             f"Machine: {machine(data)}.", "",
+             f"Every figure is the median of {data['runs']} runs; ratios are between figures of this invocation.", "",
+             "| scenario | measure | result | target | met |", "|---|---|---|---|---|"]
+    lines += [f"| {' | '.join(r)} |" for r in rows(data)]
+    if data.get("errors"):
+        lines += ["", "Errors: " + "; ".join(f"{k}: {v}" for k, v in data["errors"].items())]
+    lines += ["", "Scenario runtimes: " + ", ".join(f"{k} {v:.0f} s" for k, v in data["timings"].items())
+              + f"; total {data['total_seconds']:.0f} s."]
+    return "\n".join(lines) + "\n"
