@@ -1,0 +1,578 @@
+"""Process-level fault suite (issue 3, section 1): real relay processes run the workload of
+:mod:`tests.acceptance.workload` against a real PostgreSQL while they are killed, paused,
+cut off from the database and shut down under load, or while the server restarts. Every
+scenario ends with the same invariant check (:func:`workload.check`), then SIGTERMs the
+relays that are left: all of them must still be running (none crashed) and exit 0.
+
+Size: ``OUTBOX_FAULT_EVENTS`` events per scenario (default 300, a couple of minutes for the
+whole file on two cores); ``OUTBOX_FAULT_EVENTS=5000`` is the full-size run described in
+``docs/reliability.md``. Faults are scheduled at times; everything else waits on
+conditions in the database or the relays' logs, with deadlines.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+
+from outbox.testing import wait_for
+
+from . import workload
+
+ROOT = Path(__file__).resolve().parents[2]
+EVENTS = int(os.environ.get("OUTBOX_FAULT_EVENTS", "300"))
+#: Seconds over which a scenario's events are published: faults land while they flow.
+DURATION = max(5.0, EVENTS / 60)
+#: Longest wait for the work to drain after the last event and fault.
+DRAIN = 60 + EVENTS / 20
+LEASE = 2.0
+
+BASE_FLAGS = ("--default-lease", str(LEASE), "--reap-interval", "0.3", "--concurrency", "4",
+              "--poll-interval", "1", "--backoff-base", "0.05", "--backoff-cap", "0.3",
+              "--reconnect-max", "1", "--shutdown-grace", "3")
+
+
+class RelayProcess:
+    """One ``python -m outbox.cli run --app tests.acceptance.workload:ob`` subprocess."""
+
+    def __init__(self, name: str, log_path: Path, url: str, flags: tuple[str, ...], env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        environ = {**os.environ, "OUTBOX_DATABASE_URL": url, "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env}
+        environ.pop("OUTBOX_TEST_DATABASE_URL", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "outbox.cli", "run", "--app", "tests.acceptance.workload:ob",
+             "--database-url", url, *BASE_FLAGS, *flags],
+            cwd=log_path.parent, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+        self.killed = False
+        self.stopped = False
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def started(self) -> bool:
+        return "relay started" in self.log
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+        self.stopped = signum == signal.SIGSTOP
+
+
+class Fleet:
+    """The relays of one scenario: started, killed on purpose, and counted."""
+
+    def __init__(self, directory: Path, url: str) -> None:
+        self.directory = directory
+        self.url = url
+        self.relays: list[RelayProcess] = []
+
+    def start(self, *flags: str, env: dict[str, str] | None = None, wait: bool = True) -> RelayProcess:
+        relay = RelayProcess(f"relay{len(self.relays)}", self.directory / f"relay{len(self.relays)}.log",
+                             self.url, flags, env or {})
+        self.relays.append(relay)
+        if wait:
+            wait_for(lambda: relay.started() or relay.proc.poll() is not None, timeout=30,
+                     what=f"{relay.name} to start")
+            assert relay.proc.poll() is None, relay.log
+        return relay
+
+    def kill(self, relay: RelayProcess) -> None:
+        relay.killed = True
+        relay.proc.kill()
+        relay.proc.wait(10)
+
+    def terminate(self, relay: RelayProcess, timeout: float) -> int:
+        """SIGTERM ``relay`` on purpose and wait for it; returns its exit status."""
+        relay.killed = True
+        relay.proc.send_signal(signal.SIGTERM)
+        return relay.proc.wait(timeout)
+
+    def alive(self) -> list[RelayProcess]:
+        return [r for r in self.relays if r.proc.poll() is None]
+
+    def check_count(self) -> None:
+        """The relays alive are exactly those started minus those killed or stopped on purpose."""
+        crashed = [r for r in self.relays if not r.killed and r.proc.poll() is not None]
+        assert not crashed, "relays exited on their own:\n" + "\n".join(
+            f"--- {r.name} (exit {r.proc.returncode})\n{r.log[-3000:]}" for r in crashed)
+        killed = sum(r.killed for r in self.relays)
+        assert len(self.alive()) == len(self.relays) - killed
+
+    def terminate_all(self, timeout: float = 20.0) -> None:
+        """SIGTERM every live relay; each must exit 0 within ``timeout`` seconds."""
+        live = self.alive()
+        for relay in live:
+            if relay.stopped:
+                relay.signal(signal.SIGCONT)
+            relay.proc.send_signal(signal.SIGTERM)
+        for relay in live:
+            code = relay.proc.wait(timeout)
+            assert code == 0, f"{relay.name} exited {code}:\n{relay.log[-3000:]}"
+
+    def logs(self) -> str:
+        return "\n".join(f"=== {r.name} (pid {r.pid})\n{r.log}" for r in self.relays)
+
+    def cleanup(self) -> None:
+        for relay in self.relays:
+            if relay.proc.poll() is None:
+                if relay.stopped:
+                    os.kill(relay.pid, signal.SIGCONT)
+                relay.proc.kill()
+                relay.proc.wait(10)
+            relay._log.close()
+
+
+class Scenario:
+    """A test's database, its engine, its relays and the checks every scenario ends with."""
+
+    def __init__(self, engine: sa.Engine, url: URL, fleet: Fleet) -> None:
+        self.engine = engine
+        self.url = url
+        self.fleet = fleet
+
+    def publisher(self, events: int = EVENTS, duration: float = DURATION, **kwargs: Any) -> workload.Publisher:
+        return workload.Publisher(self.engine, events, duration, **kwargs)
+
+    def held(self, relay: RelayProcess, consumer: str | None = None) -> list[Any]:
+        """Jobs ``relay`` holds now (running, claimed by its pid)."""
+        with self.engine.connect() as c:
+            return c.execute(sa.text(
+                "SELECT id, event_id, consumer, fence, attempts, lease_until FROM outbox_jobs WHERE status = 'running'"
+                " AND locked_by LIKE :p AND (CAST(:c AS text) IS NULL OR consumer = :c) ORDER BY id"),
+                {"p": f"%:{relay.pid}:%", "c": consumer}).all()
+
+    def now(self) -> Any:
+        with self.engine.connect() as c:
+            return c.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
+
+    def finish(self, published: workload.Published, *, fault_dead_allowed: int = 0,
+               expect: Any = None) -> workload.Report:
+        """Wait until drained, check the relay count, SIGTERM the relays (exit 0), check
+        the logs and every invariant; returns the report."""
+        try:
+            wait_for(lambda: workload.drained(self.engine, published), timeout=DRAIN, interval=0.2,
+                     what="the work to drain")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {workload.progress(self.engine)}\n{self.fleet.logs()[-6000:]}") from None
+        self.fleet.check_count()
+        wait_for(lambda: all(r.started() for r in self.fleet.alive()), timeout=30, what="every relay to be up")
+        self.fleet.terminate_all()
+        logs = self.fleet.logs()
+        for bad in ("Traceback", "deadlock detected", "CheckViolation"):
+            assert bad not in logs, f"{bad!r} in a relay log:\n" + _around(logs, bad)
+        report = workload.check(self.engine, published, fault_dead_allowed=fault_dead_allowed, expect=expect)
+        print(report)
+        assert report, str(report)
+        return report
+
+
+def _around(text: str, needle: str, width: int = 3000) -> str:
+    at = text.find(needle)
+    return text[max(0, at - width // 3): at + width]
+
+
+@pytest.fixture
+def scenario(tmp_path: Path, db_url: URL, engine: sa.Engine) -> Iterator[Scenario]:
+    workload.create_tables(engine)
+    fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False))
+    try:
+        yield Scenario(engine, db_url, fleet)
+    finally:
+        fleet.cleanup()
+
+
+def _at(t0: float, seconds: float) -> None:
+    """Sleep until ``seconds`` after ``t0``: a scheduled fault time, not synchronisation."""
+    time.sleep(max(0.0, t0 + seconds - time.monotonic()))
+
+
+# ------------------------------------------------------------------------ scenarios
+
+
+@pytest.mark.slow
+def test_repeated_sigkill_and_restart(scenario: Scenario) -> None:
+    """SIGKILL a relay at random points (a relay holding jobs when there is one), at least
+    ten times, starting a replacement each time. Nothing is lost, nothing runs twice in
+    effect, jobs of killed relays come back through the reaper."""
+    fleet = scenario.fleet
+    for _ in range(3):
+        fleet.start()
+    publisher = scenario.publisher()
+    publisher.start()
+    rng = random.Random(11)
+    kills = max(10, int(DURATION / 1.5))
+    t0 = time.monotonic()
+    interval = DURATION / (kills + 1)
+    held_at_kill = 0
+    for i in range(kills):
+        _at(t0, interval * (i + rng.uniform(0.6, 1.4)))
+        alive = [r for r in fleet.alive() if r.started()] or fleet.alive()
+        holding = [r for r in alive if scenario.held(r)]
+        victim = rng.choice(holding or alive)
+        held_at_kill += len(scenario.held(victim))
+        fleet.kill(victim)
+        fleet.start(wait=False)
+    publisher.join()
+    assert sum(r.killed for r in fleet.relays) >= 10
+    assert held_at_kill > 0, "no kill hit a relay holding jobs"
+    report = scenario.finish(publisher.result, fault_dead_allowed=max(3, EVENTS // 100))
+    print(f"{kills} kills, {held_at_kill} jobs held by the killed relays")
+    assert report.counts["events"] >= len(publisher.result.committed)
+
+
+@pytest.mark.slow
+def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
+    """SIGSTOP a relay while it holds jobs, among them an invoice transaction left open
+    mid-handler and ledger runs about to write, until the other relay has reaped, re-run
+    and finished every one of them; then SIGCONT. The paused relay's heartbeats and
+    completions change nothing, its ledger writes are refused by their fence, its open
+    transaction was ended by the server (idle in transaction past the lease) and commits
+    nothing; the successors' results stand."""
+    fleet = scenario.fleet
+    paused = fleet.start(env={"WL_SLOW_MS": "600", "WL_WORK_MS": "200"})
+    fleet.start()
+    publisher = scenario.publisher()
+    publisher.start()
+
+    def in_handler(phase: str, recent: bool) -> str:
+        # Runs of the current claim that reached ``phase`` (``recent``: less than 150 ms
+        # ago) and neither ended nor wrote their fenced row yet.
+        return ("SELECT r.job_id, r.fence FROM wl_runs r JOIN outbox_jobs j ON j.id = r.job_id AND j.fence = r.fence"
+                f" WHERE r.phase = '{phase}' AND r.pid = :pid AND j.status = 'running'"
+                + (" AND r.at > clock_timestamp() - interval '150 milliseconds'" if recent else "")
+                + " AND NOT EXISTS (SELECT 1 FROM wl_runs e WHERE e.job_id = r.job_id AND e.fence = r.fence"
+                " AND e.phase = 'end')"
+                " AND NOT EXISTS (SELECT 1 FROM wl_fence_history h WHERE h.event_id = r.event_id"
+                " AND h.new_fence = r.fence)")
+
+    def mid_handler(recent: bool) -> tuple[dict[int, int], dict[int, int]] | None:
+        with scenario.engine.connect() as c:
+            slow = dict(c.execute(sa.text(in_handler("slow", recent)), {"pid": paused.pid}).all())
+            ledger = dict(c.execute(sa.text(in_handler("start", recent) + " AND r.consumer = 'ledger'"),
+                                    {"pid": paused.pid}).all())
+        return (slow, ledger) if slow and ledger else None
+
+    # Pause it just after an invoice run entered its slow part and a ledger run started.
+    wait_for(lambda: mid_handler(recent=True), timeout=DURATION + 10, interval=0.01,
+             what="the relay to hold an open invoice transaction and a ledger run")
+    paused.signal(signal.SIGSTOP)
+    stopped_at = scenario.now()
+    slow_jobs, ledger_jobs = mid_handler(recent=False) or ({}, {})
+    held = scenario.held(paused)
+    assert slow_jobs and ledger_jobs, "the paused relay finished its handlers before SIGSTOP landed"
+
+    def taken_over() -> bool:
+        with scenario.engine.connect() as c:
+            rows = c.execute(sa.text("SELECT id, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"),
+                             {"ids": [h.id for h in held]}).all()
+        before = {h.id: h.fence for h in held}
+        return all(r.fence > before[r.id] and r.status in ("done", "dead") for r in rows)
+
+    wait_for(taken_over, timeout=LEASE * 3 + 20, interval=0.1,
+             what="the other relay to re-claim and finish every job of the paused relay")
+    assert (scenario.now() - stopped_at).total_seconds() > LEASE
+    paused.signal(signal.SIGCONT)
+
+    # The ledger runs caught mid-handler wake up and write with their old fence: refused.
+    def refused() -> bool:
+        with scenario.engine.connect() as c:
+            stale = set(c.execute(sa.text("SELECT job_id, fence FROM wl_stale_writes WHERE pid = :pid"),
+                                  {"pid": paused.pid}).all())
+        return all((j, f) in stale for j, f in ledger_jobs.items())
+
+    wait_for(refused, timeout=15, what="the paused ledger writes to be refused")
+    # The open invoice transaction: the server ended the session (idle in transaction past
+    # the lease), so the handler's write fails and the job is released (fenced: a no-op).
+    wait_for(lambda: all(f"job {j} (invoice)" in paused.log for j in slow_jobs), timeout=15,
+             what="the resumed relay to report its invoice transactions gone")
+    wait_for(lambda: "stale report dropped" in paused.log or "lease lost" in paused.log, timeout=15,
+             what="the resumed relay to notice it lost its jobs")
+    publisher.join()
+    scenario.finish(publisher.result)
+
+    with scenario.engine.connect() as c:
+        final = {r.id: r for r in c.execute(sa.text(
+            "SELECT id, consumer, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"), {"ids": [h.id for h in held]})}
+        written = {(r.tbl, r.event_id, r.new_fence) for r in c.execute(sa.text(
+            "SELECT tbl, event_id, new_fence FROM wl_fence_history"))}
+    for h in held:
+        assert final[h.id].fence > h.fence  # the successor's claim is the one that stands
+        if h.id in slow_jobs:
+            assert ("wl_invoices", h.event_id, h.fence) not in written  # nothing committed at the old fence
+        if h.id in ledger_jobs:
+            assert ("wl_ledger", h.event_id, h.fence) not in written
+            assert ("wl_ledger", h.event_id, final[h.id].fence) in written
+
+
+def _backends(scenario: Scenario) -> dict[str, set[int]]:
+    with scenario.engine.connect() as c:
+        rows = c.execute(sa.text(
+            "SELECT application_name, pid FROM pg_stat_activity"
+            " WHERE datname = :db AND application_name IN ('outbox-relay', 'outbox-listener')"),
+            {"db": scenario.url.database}).all()
+    found: dict[str, set[int]] = {"outbox-relay": set(), "outbox-listener": set()}
+    for name, pid in rows:
+        found[name].add(pid)
+    return found
+
+
+@pytest.mark.slow
+def test_pg_terminate_backend_of_the_relays_including_listen(scenario: Scenario) -> None:
+    """Twice during the run, terminate every database backend of the relays, LISTEN
+    connections included. Work continues, each relay listens again, and afterwards a new
+    event is handled well within the poll interval: the wake-ups are back."""
+    fleet = scenario.fleet
+    poll = 4.0
+    relays = [fleet.start("--poll-interval", str(poll)) for _ in range(2)]
+    wait_for(lambda: len(_backends(scenario)["outbox-listener"]) == 2, timeout=15, what="two LISTEN connections")
+    publisher = scenario.publisher()
+    publisher.start()
+    t0 = time.monotonic()
+    for k in (1, 2):
+        _at(t0, DURATION * k / 3)
+        before = _backends(scenario)
+        with scenario.engine.connect() as c:
+            killed = c.execute(sa.text(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = :db AND application_name IN ('outbox-relay', 'outbox-listener')"),
+                {"db": scenario.url.database}).scalar_one()
+        assert killed >= len(before["outbox-listener"]) == 2
+        wait_for(lambda: len(_backends(scenario)["outbox-listener"] - before["outbox-listener"]) == 2, timeout=15,
+                 what="both relays to LISTEN again")
+    publisher.join()
+    wait_for(lambda: workload.drained(scenario.engine, publisher.result), timeout=DRAIN, interval=0.2,
+             what="the work to drain")
+    for relay in relays:
+        assert relay.log.count("listening again") >= 2, relay.log[-3000:]
+
+    # Wake-ups work again: new events start well before any poll would have found them.
+    t1 = time.monotonic()
+    probe = publisher.publish_batch(6)
+    wanted = len(probe) * len(workload.CONSUMERS)
+
+    def probe_started() -> bool:
+        with scenario.engine.connect() as c:
+            return c.execute(sa.text("SELECT count(DISTINCT job_id) FROM wl_runs WHERE n = ANY(:ns)"),
+                             {"ns": probe}).scalar_one() == wanted
+
+    wait_for(probe_started, timeout=poll / 2, interval=0.02, what="the probe events to start via NOTIFY")
+    print(f"probe events started {time.monotonic() - t1:.2f}s after commit (poll interval {poll}s)")
+    scenario.finish(publisher.result)
+
+
+def _local_cluster(server: URL, embedded: bool) -> tuple[str, str] | None:
+    if embedded or server.host not in ("127.0.0.1", "localhost") or (server.port or 5432) != 5432:
+        return None
+    if shutil.which("pg_ctlcluster") is None or shutil.which("pg_isready") is None:
+        return None
+    engine = sa.create_engine(server, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect() as c:
+            name = c.execute(sa.text("SHOW cluster_name")).scalar_one()
+    finally:
+        engine.dispose()
+    version, _, cluster = name.partition("/")
+    return (version, cluster) if version and cluster else None
+
+
+def _pg_ready() -> bool:
+    return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"]).returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.needs_server_restart
+def test_postgres_restart_mid_run(scenario: Scenario, server: tuple[URL, bool]) -> None:
+    """Restart the PostgreSQL server while events flow: the relays reconnect with backoff
+    and finish the work; none exits. Only against the local server at 127.0.0.1:5432
+    (restarted with pg_ctlcluster, and always left running)."""
+    cluster = _local_cluster(*server)
+    if cluster is None:
+        pytest.skip("needs the local PostgreSQL cluster at 127.0.0.1:5432 (pg_ctlcluster); "
+                    "the embedded or a remote server is not restarted")
+    fleet = scenario.fleet
+    relays = [fleet.start() for _ in range(2)]
+    publisher = scenario.publisher()
+    publisher.start()
+    _at(time.monotonic(), DURATION / 2)
+    try:
+        restart = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "restart"],
+                                 capture_output=True, text=True, timeout=120)
+        assert restart.returncode == 0, restart.stderr
+    finally:
+        if not _pg_ready():
+            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], timeout=120)
+        wait_for(_pg_ready, timeout=60, interval=0.2, what="PostgreSQL to accept connections again")
+    publisher.join()
+    report = scenario.finish(publisher.result, fault_dead_allowed=max(3, EVENTS // 100))
+    for relay in relays:
+        assert "database reachable again" in relay.log or "listening again" in relay.log, relay.log[-3000:]
+    print(f"publisher: {len(publisher.result.unknown)} events in transactions cut by the restart; {report.counts}")
+
+
+@pytest.mark.slow
+def test_sigterm_under_heavy_load(scenario: Scenario) -> None:
+    """SIGTERM a relay that holds many jobs while a backlog waits, some of its handlers
+    running far past the grace period. It finishes or releases every job within the grace
+    period and exits 0; the other relay takes the released jobs at once, long before their
+    lease would have expired, and the released attempt is not counted."""
+    fleet = scenario.fleet
+    lease, grace = 15.0, 2.0
+    holds = {n: {"hold": 120} for n in range(1, 60, 9)}  # ledger runs that outlast any grace
+    publisher = scenario.publisher(extra=holds)
+    first = fleet.start("--concurrency", "12", "--default-lease", str(lease), "--shutdown-grace", str(grace),
+                        env={"WL_HOLD": "1", "WL_WORK_MS": "30"})
+    for _ in range(EVENTS // 8 + 1):
+        publisher.publish_batch(8)
+    hold_ns = sorted(n for n in holds if n in publisher.result.committed)
+    second = fleet.start("--concurrency", "4", "--default-lease", str(lease), env={"WL_WORK_MS": "30"})
+
+    def holding() -> list[Any]:
+        held = scenario.held(first)
+        with scenario.engine.connect() as c:
+            holding_ns = c.execute(sa.text(
+                "SELECT count(*) FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id"
+                " WHERE j.consumer = 'ledger' AND j.status = 'running' AND j.locked_by LIKE :p"
+                " AND (e.payload->>'n')::int = ANY(:ns)"), {"p": f"%:{first.pid}:%", "ns": hold_ns}).scalar_one()
+            backlog = c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = 'ready'")).scalar_one()
+        return held if holding_ns >= 3 and len(held) >= 8 and backlog >= 100 else []
+
+    wait_for(holding, timeout=30, interval=0.02, what="the first relay to hold jobs, long ones among them")
+    held = {h.id: h for h in scenario.held(first)}
+    sigterm_at = scenario.now()
+    t0 = time.monotonic()
+    assert fleet.terminate(first, grace + 8) == 0, first.log[-3000:]
+    exit_seconds = time.monotonic() - t0
+    assert exit_seconds < grace + 4, exit_seconds
+    assert "released" in first.log
+
+    with scenario.engine.connect() as c:
+        after = {r.id: r for r in c.execute(sa.text(
+            "SELECT id, consumer, status, fence, attempts, locked_by FROM outbox_jobs WHERE id = ANY(:ids)"),
+            {"ids": list(held)})}
+        released = [i for i, h in held.items() if after[i].fence == h.fence and after[i].status == "ready"
+                    and after[i].attempts == h.attempts - 1]
+        taken = [i for i, h in held.items() if after[i].fence > h.fence]  # released, already re-claimed
+        finished = [i for i, h in held.items() if after[i].fence == h.fence and (
+            after[i].status in ("done", "dead") or (after[i].status == "ready" and after[i].attempts == h.attempts))]
+    still_running = [i for i, h in held.items() if after[i].status == "running" and after[i].fence == h.fence]
+    assert not still_running, f"jobs still running under the stopped relay's fence: {still_running}"
+    assert len(released) + len(taken) + len(finished) == len(held)
+    long_jobs = [i for i, h in held.items() if h.consumer == "ledger" and _n(scenario, h.event_id) in hold_ns]
+    assert long_jobs and all(i in released or i in taken for i in long_jobs)
+
+    # The second relay starts every released job at once, ahead of the backlog: long
+    # before the lease the first relay held would have expired (15 s).
+    def restarted() -> dict[int, Any] | None:
+        with scenario.engine.connect() as c:
+            starts = {r.job_id: r.at for r in c.execute(sa.text(
+                "SELECT job_id, min(at) AS at FROM wl_runs WHERE job_id = ANY(:ids) AND pid = :pid AND phase = 'start'"
+                " GROUP BY job_id"), {"ids": long_jobs, "pid": second.pid})}
+        return starts if len(starts) == len(long_jobs) else None
+
+    starts = wait_for(restarted, timeout=lease, interval=0.05, what="the second relay to start the released jobs")
+    delays = sorted(round((at - sigterm_at).total_seconds(), 2) for at in starts.values())
+    print(f"first relay exited {exit_seconds:.2f}s after SIGTERM holding {len(held)} jobs: "
+          f"{len(finished)} finished, {len(released) + len(taken)} released; released long jobs "
+          f"restarted {delays} s after SIGTERM (grace {grace} s, lease {lease} s)")
+    assert all(at < held[i].lease_until for i, at in starts.items())
+    assert delays[-1] < grace + 2.0, f"released jobs waited {delays} s after SIGTERM"
+    report = scenario.finish(publisher.result)
+    with scenario.engine.connect() as c:
+        rows = c.execute(sa.text("SELECT attempts, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
+                         {"ids": long_jobs}).all()
+    assert all(r.attempts == 1 and r.last_error is None for r in rows), rows  # released: attempt not counted
+    assert report.counts["fault_dead"] == 0
+
+
+def _n(scenario: Scenario, event_id: int) -> int:
+    with scenario.engine.connect() as c:
+        return c.execute(sa.text("SELECT (payload->>'n')::int FROM outbox_events WHERE id = :id"),
+                         {"id": event_id}).scalar_one()
+
+
+@pytest.mark.slow
+def test_crash_on_the_last_allowed_attempt(scenario: Scenario) -> None:
+    """A relay is SIGKILLed while running a job's last allowed attempt: once the lease
+    expires the job is dead-lettered with the reason, never left running and never run
+    again."""
+    fleet = scenario.fleet
+    for _ in range(2):
+        fleet.start()
+    crash_n = 5
+    publisher = scenario.publisher(extra={crash_n: {"crash_last": True}})
+    publisher.start()
+
+    def holder() -> Any:
+        with scenario.engine.connect() as c:
+            return c.execute(sa.text(
+                "SELECT r.job_id, r.pid, r.attempt, j.max_attempts FROM wl_runs r JOIN outbox_jobs j ON j.id = r.job_id"
+                " WHERE r.consumer = 'flaky' AND r.n = :n AND r.phase = 'hold'"), {"n": crash_n}).first()
+
+    job_id, pid, attempt, max_attempts = wait_for(holder, timeout=DURATION + 20, interval=0.05,
+                                                  what="the last attempt to run")
+    assert attempt == max_attempts
+    [victim] = [r for r in fleet.relays if r.pid == pid]
+    fleet.kill(victim)
+    killed_at = scenario.now()
+    fleet.start(wait=False)
+
+    def dead() -> Any:
+        with scenario.engine.connect() as c:
+            row = c.execute(sa.text("SELECT status, attempts, max_attempts, finished_at, last_error, lease_until"
+                                    " FROM outbox_jobs WHERE id = :id"), {"id": job_id}).one()
+        return row if row.status != "running" else None
+
+    row = wait_for(dead, timeout=LEASE + 10, interval=0.05, what="the reaper to take the job back")
+    assert row.status == "dead" and row.attempts == row.max_attempts == max_attempts, row
+    assert row.last_error.startswith("LeaseExpired") and row.lease_until is None, row
+    assert (row.finished_at - killed_at).total_seconds() < LEASE + 3.0  # the lease, a reaper round, slack
+    publisher.join()
+    scenario.finish(publisher.result)
+    with scenario.engine.connect() as c:
+        runs = c.execute(sa.text("SELECT attempt, pid, at FROM wl_runs WHERE job_id = :id AND phase = 'start'"
+                                 " ORDER BY id"), {"id": job_id}).all()
+        status = c.execute(sa.text("SELECT status FROM outbox_jobs WHERE id = :id"), {"id": job_id}).scalar_one()
+    assert [r.attempt for r in runs] == list(range(1, max_attempts + 1)), runs  # never run again
+    assert all(r.at < killed_at for r in runs) and status == "dead"
+
+
+@pytest.mark.slow
+def test_transactional_handler_idle_in_its_transaction_past_the_lease(scenario: Scenario) -> None:
+    """A transactional handler that sits inside its transaction for longer than the lease
+    (not paused: its heartbeats keep the lease) has its session ended by the server
+    (idle_in_transaction_session_timeout = the longest lease). That is the handler's
+    failure, so the attempt counts and the job ends dead after max_attempts with the reason,
+    instead of being released and retried forever; its writes never commit."""
+    fleet = scenario.fleet
+    fleet.start("--default-lease", "1", env={"WL_SLOW_MS": "1300"})
+    publisher = scenario.publisher(events=21, duration=1)
+    publisher.start()
+    publisher.join()
+
+    def stuck(consumer: str, payload: dict[str, Any]) -> str | None:
+        return "exhausted" if consumer == "invoice" and payload["n"] % 7 == 3 else None
+
+    scenario.finish(publisher.result, expect=stuck)
+    with scenario.engine.connect() as c:
+        rows = c.execute(sa.text(
+            "SELECT j.status, j.attempts, j.max_attempts, j.last_error FROM outbox_jobs j"
+            " JOIN outbox_events e ON e.id = j.event_id"
+            " WHERE j.consumer = 'invoice' AND (e.payload->>'n')::int % 7 = 3")).all()
+    assert len(rows) == 3 and all(r.status == "dead" and r.attempts == r.max_attempts for r in rows), rows
+    assert all("idle-in-transaction timeout" in r.last_error for r in rows), rows
