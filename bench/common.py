@@ -53,6 +53,7 @@ class Size:
     default_events: int = 10_000         # events published at the relay's defaults (slower)
     sweep_events: int = 6_000            # events per configuration of the short sweep
     sweep: tuple[tuple[int, int], ...] = ((8, 50), (16, 50), (32, 64), (64, 128))
+    e2e_cap: float = 60.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 15.0      # seconds procrastinate drains before it is stopped
     # 4 publish cost
     publish_txns: int = 2_000
@@ -81,7 +82,7 @@ SIZES = {
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
-        default_events=50_000, sweep_events=20_000, sweep=((4, 50), (8, 50), (16, 50), (32, 64), (64, 128), (128, 256)),
+        default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50), (8, 50), (16, 50), (32, 64), (64, 128), (128, 256)),
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0),
 }
@@ -357,9 +358,10 @@ def publish_events(eng: Engine, n: int, per_txn: int = 500, consumers_topic: str
 
 
 def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, timeout: float = 1800.0,
-                 interval: float = 0.1) -> None:
+                 interval: float = 0.1, raise_on_timeout: bool = True) -> bool:
     """Wait until no event is unrouted and no job is ready or running (and, when given,
-    ``expected_jobs`` jobs exist). Reads the partial indexes only, so it stays cheap."""
+    ``expected_jobs`` jobs exist); True when drained, False on timeout unless
+    ``raise_on_timeout``. Reads the partial indexes only, so it stays cheap."""
     deadline = time.monotonic() + timeout
     while True:
         unrouted, pending = conn.execute(
@@ -368,10 +370,12 @@ def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, tim
             " + (SELECT count(*) FROM outbox_jobs WHERE status = 'running')").fetchone()
         if unrouted == 0 and pending == 0:
             if expected_jobs is None:
-                return
+                return True
             if conn.execute("SELECT count(*) FROM outbox_jobs").fetchone()[0] >= expected_jobs:
-                return
+                return True
         if time.monotonic() > deadline:
+            if not raise_on_timeout:
+                return False
             raise RuntimeError(f"not drained after {timeout}s: {unrouted} unrouted events, {pending} pending jobs")
         time.sleep(interval)
 

@@ -9,12 +9,15 @@ from the database clock, so it spans first publish to last job done, routing inc
 A short sweep over (concurrency, claim_batch) on fewer events (one run each) picks the
 best settings; then the best settings (N events) and the relay's defaults
 (``default_events``, fewer, since they are slower) run ``runs`` times each, interleaved.
+A run still going after ``e2e_cap`` seconds (half that in the sweep) is cut short and its
+rate is the jobs done by then over the time taken; the report says how many were cut.
 The relay's and the database backends' CPU seconds are recorded per job, so the report
 can say where the time goes on a machine with two cores.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +43,9 @@ CONSUMERS = 3
 
 
 def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path, tag: str,
-            consumers: int = CONSUMERS, hooks: Any = None) -> dict[str, Any]:
-    """Publish ``events`` events with a relay running ``settings``; measure until drained.
+            consumers: int = CONSUMERS, hooks: Any = None, cap: float = 1800.0) -> dict[str, Any]:
+    """Publish ``events`` events with a relay running ``settings``; measure until drained,
+    or for ``cap`` seconds (then the rate is the jobs done so far over the time taken).
     ``hooks`` (optional) has ``started(pid)`` and ``drained(pid)``, called around the load."""
     with dbs.fresh() as url:
         relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", settings,
@@ -53,8 +57,10 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 if hooks:
                     hooks.started(relay.pid)
                 cpu0, busy0 = proc_cpu(relay.pid), machine_busy()
+                started = time.monotonic()
                 publish_seconds = publish_events(eng, events)
-                wait_drained(mon, expected_jobs=events * consumers)
+                drained = wait_drained(mon, expected_jobs=events * consumers, raise_on_timeout=False,
+                                       timeout=max(1.0, cap - (time.monotonic() - started)))
                 cpu1, busy1 = proc_cpu(relay.pid), machine_busy()
                 if hooks:
                     hooks.drained(relay.pid)
@@ -62,7 +68,7 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 rss = proc_rss_mb(relay.pid)
                 t0, t1, jobs = mon.execute(
                     "SELECT (SELECT min(created_at) FROM outbox_events),"
-                    " (SELECT max(finished_at) FROM outbox_jobs),"
+                    f" {'(SELECT max(finished_at) FROM outbox_jobs)' if drained else 'clock_timestamp()'},"
                     " (SELECT count(*) FROM outbox_jobs WHERE status = 'done')").fetchone()
             eng.dispose()
         finally:
@@ -75,9 +81,10 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
         "publish_seconds": publish_seconds, "settings": settings,
         "relay_cpu_us_per_job": relay_cpu / jobs * 1e6 if relay_cpu is not None else None,
         "db_cpu_us_per_job": db_cpu / jobs * 1e6, "machine_busy": busy, "relay_rss_mb": rss,
-        "relay_exit": code,
+        "relay_exit": code, "capped": not drained,
     }
-    log(f"e2e {tag}: {out['jobs_per_s']:,.0f} jobs/s ({jobs} jobs in {elapsed:.1f}s; relay CPU"
+    log(f"e2e {tag}: {out['jobs_per_s']:,.0f} jobs/s ({jobs} {'of ' + str(events * consumers) + ' ' if not drained else ''}"
+        f"jobs in {elapsed:.1f}s{', CAPPED' if not drained else ''}; relay CPU"
         f" {out['relay_cpu_us_per_job'] or 0:.0f} us/job, db CPU {out['db_cpu_us_per_job']:.0f} us/job,"
         f" machine {busy:.0%} busy)")
     return out
@@ -90,23 +97,24 @@ def label(settings: dict[str, Any]) -> str:
 def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("jobs_per_s", "seconds", "relay_cpu_us_per_job", "db_cpu_us_per_job", "machine_busy")
     return {**{k: median([r[k] for r in runs if r[k] is not None]) for k in keys},
-            "settings": runs[0]["settings"], "runs": runs}
+            "settings": runs[0]["settings"], "capped": sum(r["capped"] for r in runs), "runs": runs}
 
 
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     sweep = []
     for concurrency, claim_batch in size.sweep:
         settings = {"concurrency": concurrency, "claim_batch": claim_batch}
-        sweep.append(one_run(dbs, size.sweep_events, settings, results, f"sweep-c{concurrency}-b{claim_batch}"))
+        sweep.append(one_run(dbs, size.sweep_events, settings, results, f"sweep-c{concurrency}-b{claim_batch}",
+                             cap=size.e2e_cap / 2))
     best_settings = max(sweep, key=lambda r: r["jobs_per_s"])["settings"]
     default_runs, best_runs = [], []
     for rep in range(size.runs):
-        default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}"))
-        best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}"))
+        default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}", cap=size.e2e_cap))
+        best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}", cap=size.e2e_cap))
     return {
         "events": size.events, "consumers": CONSUMERS,
         "sweep": [{"settings": r["settings"], "jobs_per_s": r["jobs_per_s"], "events": r["events"],
-                   "relay_cpu_us_per_job": r["relay_cpu_us_per_job"],
+                   "relay_cpu_us_per_job": r["relay_cpu_us_per_job"], "capped": r["capped"],
                    "db_cpu_us_per_job": r["db_cpu_us_per_job"]} for r in sweep],
         "default": summary(default_runs),
         "best": summary(best_runs),

@@ -49,7 +49,7 @@ def ensure_venv() -> Path:
 
 def peer(script: str, url: Any, *args: str) -> dict[str, Any]:
     out = subprocess.run([str(venv_python()), str(BENCH / script), conninfo(url), *args],
-                         capture_output=True, text=True, check=False)
+                         capture_output=True, text=True, check=False, timeout=900)
     lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
     if out.returncode != 0 or not lines:
         raise RuntimeError(f"{script} failed ({out.returncode}): {out.stderr[-2000:]}")

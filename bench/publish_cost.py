@@ -7,6 +7,11 @@ overhead ``time_with / time_without - 1``.
 
 (b) 1,000 events in one transaction, with ``publish_many`` (one statement) and with
 ``publish`` called 1,000 times; events/s (commit included) and their ratio.
+
+To say where the cost is, two more variants of (a) run in the same blocks: the same
+``publish()`` with the NOTIFY trigger disabled, and a bare ``INSERT INTO outbox_events``
+of the same row (no validation, no encoding by outbox); and for (b), validating and
+encoding 1,000 events without sending them (``make_event``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import publish, publish_many
+from outbox.publish import make_event
 
 from .common import TOPIC, Databases, Size, log, median
 
@@ -26,14 +32,26 @@ INSERT = sa.text("INSERT INTO bench_orders (customer, total_cents) VALUES (:cust
 BLOCK = 50
 
 
-def domain_txns(eng: sa.Engine, n: int, with_publish: bool) -> float:
+BARE = sa.text("INSERT INTO outbox_events (topic, key, payload, headers) VALUES (:topic, :key,"
+               " CAST(:payload AS jsonb), CAST('{}' AS jsonb)) RETURNING id")
+
+
+def domain_txns(eng: sa.Engine, n: int, with_publish: bool, bare: bool = False) -> float:
     start = time.perf_counter()
     for i in range(n):
         with eng.begin() as conn:
             order_id = conn.execute(INSERT, {"customer": "dave", "total": 2500 + i}).scalar_one()
-            if with_publish:
+            if bare:
+                conn.execute(BARE, {"topic": "order.placed", "key": f"order:{order_id}",
+                                    "payload": f'{{"order_id":{order_id},"total_cents":{2500 + i}}}'}).scalar_one()
+            elif with_publish:
                 publish(conn, "order.placed", {"order_id": order_id, "total_cents": 2500 + i}, key=f"order:{order_id}")
     return time.perf_counter() - start
+
+
+def notify_trigger(eng: sa.Engine, enabled: bool) -> None:
+    with eng.begin() as conn:
+        conn.exec_driver_sql(f"ALTER TABLE outbox_events {'ENABLE' if enabled else 'DISABLE'} TRIGGER outbox_events_notify")
 
 
 def thousand(eng: sa.Engine, txns: int, many: bool) -> float:
@@ -59,19 +77,29 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         thousand(eng, 1, True)
         thousand(eng, 1, False)
         for rep in range(size.runs):
-            plain = with_ = 0.0
+            plain = with_ = quiet = bare = 0.0
             for b in range(max(1, size.publish_txns // BLOCK)):
                 plain += domain_txns(eng, BLOCK, False)
                 with_ += domain_txns(eng, BLOCK, True)
+                bare += domain_txns(eng, BLOCK, True, bare=True)
+                notify_trigger(eng, False)
+                quiet += domain_txns(eng, BLOCK, True)
+                notify_trigger(eng, True)
             n = max(1, size.publish_txns // BLOCK) * BLOCK
             many = loop = 0.0
             for _ in range(size.publish_many_txns):
                 many += thousand(eng, 1, True)
                 loop += thousand(eng, 1, False)
             k = size.publish_many_txns * 1000
+            t = time.perf_counter()
+            for j in range(size.publish_many_txns):
+                [make_event(TOPIC, {"order_id": j * 1000 + i}, f"order:{i}") for i in range(1000)]
+            encode = time.perf_counter() - t
             r = {"txn_per_s_without": n / plain, "txn_per_s_with": n / with_, "overhead": with_ / plain - 1,
+                 "overhead_without_notify": quiet / plain - 1, "overhead_bare_insert": bare / plain - 1,
                  "publish_many_events_per_s": k / many, "publish_loop_events_per_s": k / loop,
-                 "many_over_loop": loop / many}
+                 "many_over_loop": loop / many, "encode_events_per_s": k / encode,
+                 "encode_share_of_publish_many": encode / many}
             runs.append(r)
             log(f"publish: {r['txn_per_s_without']:,.0f} txn/s without, {r['txn_per_s_with']:,.0f} with"
                 f" (+{r['overhead']:.0%}); 1,000 per txn: publish_many {r['publish_many_events_per_s']:,.0f}"

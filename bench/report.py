@@ -41,11 +41,16 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{_n(raw['psycopg_loop']['jobs_per_s'])} jobs/s", "", ""))
     if e2e:
         d, b = e2e["default"], e2e["best"]
+        cut = lambda r: f" ({r['capped']} of {len(r['runs'])} runs cut at {data['sizes']['e2e_cap']:.0f} s)" if r.get("capped") else ""  # noqa: E731
         out.append(("2 e2e", f"{d['runs'][0]['events']:,} events x 3 consumers, one relay at its defaults "
-                    "(concurrency 8, claim_batch 50)", f"{_n(d['jobs_per_s'])} jobs/s", "", ""))
+                    "(concurrency 8, claim_batch 50)", f"{_n(d['jobs_per_s'])} jobs/s{cut(d)}", "", ""))
         best = ", ".join(f"{k}={v}" for k, v in b["settings"].items())
         out.append(("2 e2e", f"{e2e['events']:,} events x 3 consumers, best settings of the sweep ({best})",
-                    f"{_n(b['jobs_per_s'])} jobs/s", "", ""))
+                    f"{_n(b['jobs_per_s'])} jobs/s{cut(b)}", "", ""))
+        sw = " / ".join(f"{s['settings']['concurrency']}: {_n(s['jobs_per_s'])}" + ("*" if s.get("capped") else "")
+                        for s in e2e["sweep"])
+        out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: concurrency: jobs/s",
+                    sw, "", ""))
         out.append(("2 e2e", "CPU per job (best): relay process / database backends",
                     f"{_n(b['relay_cpu_us_per_job'])} / {_n(b['db_cpu_us_per_job'])} us; machine "
                     f"{b['machine_busy']:.0%} busy", "", ""))
@@ -73,9 +78,16 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("4 publish", "one-row domain transaction without / with publish()",
                     f"{_n(pub['txn_per_s_without'])} / {_n(pub['txn_per_s_with'])} txn/s (+{pub['overhead']:.0%})",
                     "<= +30%", _ok(pub["overhead"] <= 0.30)))
+        if "overhead_bare_insert" in pub:
+            out.append(("4 publish", "overhead of the same event: NOTIFY trigger disabled / bare INSERT (no validation)",
+                        f"+{pub['overhead_without_notify']:.0%} / +{pub['overhead_bare_insert']:.0%}", "", ""))
         out.append(("4 publish", "1,000 events in one transaction, publish_many",
                     f"{_n(pub['publish_many_events_per_s'])} events/s", ">= 50,000/s",
                     _ok(pub["publish_many_events_per_s"] >= 50_000)))
+        if "encode_events_per_s" in pub:
+            out.append(("4 publish", "validation and JSON encoding alone (make_event, no database)",
+                        f"{_n(pub['encode_events_per_s'])} events/s ({pub['encode_share_of_publish_many']:.0%} of "
+                        "publish_many's time)", "", ""))
         out.append(("4 publish", "1,000 events in one transaction, publish() in a loop",
                     f"{_n(pub['publish_loop_events_per_s'])} events/s (publish_many is {pub['many_over_loop']:.1f}x)",
                     "", ""))
@@ -108,6 +120,12 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     + " / ".join(f"{k[x]['route_us_per_job']:.0f}" for x in ("1", "3", "10")) + " us per job)", "", ""))
         out.append(("6 scale", "claim 50 jobs with K = 1 / 3 / 10 consumers",
                     " / ".join(f"{k[x]['claim_ms']:.2f}" for x in ("1", "3", "10")) + " ms", "", ""))
+        bl = sc.get("backlog")
+        if bl:
+            out.append(("6 scale", f"claim 8 / 50 jobs with {bl['ready_jobs']:,} ready jobs, before the first ANALYZE"
+                        " vs after", f"{bl['claim8_ms_unanalyzed']:.2f} / {bl['claim50_ms_unanalyzed']:.2f} ms vs "
+                        f"{bl['claim8_ms_analyzed']:.2f} / {bl['claim50_ms_analyzed']:.2f} ms "
+                        f"({bl['claim8_ms_unanalyzed'] / bl['claim8_ms_analyzed']:.1f}x)", "", ""))
     soak = data.get("soak")
     if soak:
         s, n = soak["steady"], soak["snapshot"]
@@ -126,6 +144,21 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{_n(n['before_jobs_per_s'])} / {_n(n['during_jobs_per_s'])} ({_n(n['during_last_jobs_per_s'])})"
                     f" / {_n(n['after_jobs_per_s'])} ({n['during_over_before']:.2f}x, {n['after_over_before']:.2f}x"
                     " of before)", "", ""))
+    prof = data.get("profile")
+    if prof:
+        for tag in ("default", "best"):
+            if tag not in prof:
+                continue
+            t, c, e = prof[tag]["round_trips"], prof[tag]["cpu"], prof[tag]["e2e"]
+            st = t["statements"]
+            claim, done = st.get("job_claim_many", {}), st.get("job_complete_many", {})
+            out.append(("profile", f"{tag} settings: round trips per job (jobs per claim / per completion)",
+                        f"{t['round_trips_per_job']:.2f} ({claim.get('rows_per_call', 0):.1f} / "
+                        f"{done.get('rows_per_call', 0):.1f})", "", ""))
+            if "threads" in c:
+                pk = ", ".join(f"{k} {v:.0%}" for k, v in list(c["self_by_package"].items())[:4])
+                out.append(("profile", f"{tag} settings: CPU per job relay / database; relay Python time by package",
+                            f"{_n(e['relay_cpu_us_per_job'])} / {_n(e['db_cpu_us_per_job'])} us; {pk}", "", ""))
     return out
 
 

@@ -1,8 +1,8 @@
 """Scenario 6, scale: do claim and route stay cheap when the tables are big?
 
 Each measurement publishes ``scale_events`` unrouted events on a table just vacuumed and
-analysed, routes them with ``route_batch`` (100 events per statement), then claims with
-``claim_jobs`` (50 per statement) and completes each batch with ``complete_jobs`` until
+analysed, routes them with ``route_batch`` (100 events per statement), analyses
+``outbox_jobs`` again, then claims with ``claim_jobs`` (50 per statement) and completes each batch with ``complete_jobs`` until
 none is left; every statement is timed on its own (the ``execute`` call, not the commit).
 Reported: the median time per statement (median of ``runs`` repetitions).
 
@@ -11,6 +11,11 @@ events and ``scale_rows`` done jobs (over the same consumers) were added and vac
 as autovacuum would leave them; the ratio big/empty and both ``EXPLAIN (ANALYZE,
 BUFFERS)`` plans of the route and claim statements are kept. K = 1, 3, 10 consumers per
 event: the same measurement on an empty database with K subscriptions.
+
+Backlog: a burst of ``sweep_events`` events (3 jobs each) routed into a fresh database,
+then claims of 8 and of 50 jobs timed before ``outbox_jobs`` was ever analysed (what a
+relay meets after a burst, until autovacuum's analyze runs) and after ``ANALYZE``, with
+both plans: the claim's cost must not grow with the number of ready jobs.
 """
 
 from __future__ import annotations
@@ -71,6 +76,8 @@ def measure(url: Any, consumers: int, events: int) -> dict[str, float]:
         if result.events < ROUTE_LIMIT:
             route.pop()  # the last, partial batch
             break
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        conn.execute("ANALYZE outbox_jobs")  # claims with current statistics (see backlog() for stale ones)
     while True:
         with eng.begin() as conn:
             t = time.perf_counter()
@@ -110,6 +117,41 @@ def fill(url: Any, rows: int) -> float:
     return time.perf_counter() - start
 
 
+def backlog(dbs: Databases, size: Size) -> dict[str, Any]:
+    """Claim time with a ready backlog, before and after the first ANALYZE of outbox_jobs."""
+    from outbox.router import route_all
+
+    claim = sql_for_psycopg(queries.job_claim_many)
+    out: dict[str, Any] = {"events": size.sweep_events, "ready_jobs": size.sweep_events * 3}
+    with dbs.fresh() as url, psycopg.connect(conninfo(url), autocommit=True) as conn:
+        subscribe(conn, 3)
+        eng = engine(url)
+        publish_events(eng, size.sweep_events)
+        route_all(eng)
+        eng.dispose()
+        for state in ("unanalyzed", "analyzed"):
+            for limit in (8, 50):
+                params = {"consumers": ["c1", "c2", "c3"], "leases": [30.0] * 3, "limit": limit, "worker": "bench"}
+                times = []
+                for _ in range(7):
+                    with conn.transaction(force_rollback=True):  # same backlog for every sample
+                        t = time.perf_counter()
+                        conn.execute(claim, params).fetchall()
+                        times.append((time.perf_counter() - t) * 1000)
+                out[f"claim{limit}_ms_{state}"] = median(times)
+            with conn.transaction(force_rollback=True):
+                plan = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim, params).fetchall()
+            out[f"plan_{state}"] = "\n".join(r[0] for r in plan)
+            conn.execute("ANALYZE outbox_jobs")
+    return out
+
+
+def publish_some(url: Any, events: int) -> None:
+    eng = engine(url)
+    publish_events(eng, events)
+    eng.dispose()
+
+
 def uses(plan: str, index: str) -> bool:
     return index in plan
 
@@ -120,10 +162,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         with psycopg.connect(conninfo(url), autocommit=True) as conn:
             subscribe(conn, 3)
         empty = repeated(url, 3, size)
-        publish_events(engine(url), 200)
+        publish_some(url, 200)
         empty_plans = explain(url, 3)
         log(f"scale empty: route {empty['route_ms']:.2f} ms/100 events, claim {empty['claim_ms']:.2f} ms/50 jobs")
-        publish_events(engine(url), ROUTE_LIMIT * 3)  # leave nothing half-done: route what explain left
         fill_seconds = fill(url, size.scale_rows)
         log(f"scale: filled {size.scale_rows:,} routed events and done jobs in {fill_seconds:.0f}s")
         big = repeated(url, 3, size)
@@ -131,7 +172,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
             sizes = dict(conn.execute(
                 "SELECT relname, pg_size_pretty(pg_total_relation_size(oid)) FROM pg_class"
                 " WHERE relname IN ('outbox_jobs', 'outbox_events')").fetchall())
-        publish_events(engine(url), 200)
+        publish_some(url, 200)
         big_plans = explain(url, 3)
         log(f"scale 1M: route {big['route_ms']:.2f} ms/100 events, claim {big['claim_ms']:.2f} ms/50 jobs")
     for name, plans in (("empty", empty_plans), ("big", big_plans)):
@@ -157,4 +198,11 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         log(f"scale K={k}: route {m['route_ms']:.2f} ms/100 events ({m['route_us_per_job']:.0f} us/job),"
             f" claim {m['claim_ms']:.2f} ms/50 jobs")
     out["by_consumers"] = by_k
+    b = backlog(dbs, size)
+    (results / "plan-claim-backlog-unanalyzed.txt").write_text(b["plan_unanalyzed"] + "\n")
+    (results / "plan-claim-backlog-analyzed.txt").write_text(b["plan_analyzed"] + "\n")
+    log(f"scale backlog of {b['ready_jobs']:,} ready jobs: claim 8 {b['claim8_ms_unanalyzed']:.2f} ms before the first"
+        f" ANALYZE, {b['claim8_ms_analyzed']:.2f} ms after; claim 50 {b['claim50_ms_unanalyzed']:.2f} -> "
+        f"{b['claim50_ms_analyzed']:.2f} ms")
+    out["backlog"] = b
     return out
