@@ -45,18 +45,18 @@ class Size:
     name: str
     runs: int = 3
     # 1 raw limit
-    pgbench_seconds: float = 3.0          # 0: a fixed 20 script runs per client (smoke size)
+    pgbench_seconds: float = 2.0          # 0: a fixed 20 script runs per client (smoke size)
     pgbench_pool: int = 150_000          # ready jobs present before a batched run
     loop_seconds: float = 4.0
     # 2 end-to-end fan-out, 3 peers
     events: int = 50_000                 # events published at the best settings; jobs = 3x
-    default_events: int = 10_000         # events published at the relay's defaults (slower)
+    default_events: int = 6_000          # events published at the relay's defaults (slower)
     sweep_events: int = 6_000            # events per configuration of the short sweep
     sweep: tuple[tuple[int, int], ...] = ((8, 50), (16, 50), (32, 64), (64, 128))
-    e2e_cap: float = 60.0                # seconds an end-to-end run may take (half in the sweep)
-    procrastinate_cap: float = 15.0      # seconds procrastinate drains before it is stopped
+    e2e_cap: float = 30.0                # seconds an end-to-end run may take (half in the sweep)
+    procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
     # 4 publish cost
-    publish_txns: int = 2_000
+    publish_txns: int = 1_000
     publish_many_txns: int = 10
     # 5 latency
     latency_seconds: float = 30.0

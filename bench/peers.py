@@ -25,7 +25,7 @@ from .common import BENCH, Databases, Size, conninfo, log, median
 
 VENV = BENCH / ".venv-peers"
 REQUIREMENTS = BENCH / "requirements-peers.txt"
-PGQ_SWEEP = (("apg", 10), ("apg", 50), ("apg", 200), ("apgpool", 50), ("psy", 50))
+PGQ_SWEEP = (("apg", 10), ("apg", 50), ("apg", 200), ("psy", 200))  # driver, batch size
 
 
 def venv_python() -> Path:

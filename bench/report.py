@@ -17,6 +17,12 @@ def _ok(flag: bool | None) -> str:
     return "n/a" if flag is None else ("**yes**" if flag else "**no**")
 
 
+def _also(e2e: dict[str, Any], denominator: float, fmt: str) -> str:
+    """The same ratio for the run with current statistics, in parentheses."""
+    a = e2e.get("best_analyzed")
+    return f" ({fmt.format(a['jobs_per_s'] / denominator)} with current statistics)" if a else ""
+
+
 def machine(data: dict[str, Any]) -> str:
     f = data["facts"]
     return (f"{f['cpu']}, {f['cpus']} CPUs, {f.get('mem_gb')} GB; PostgreSQL {f['server_version']} "
@@ -47,6 +53,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         best = ", ".join(f"{k}={v}" for k, v in b["settings"].items())
         out.append(("2 e2e", f"{e2e['events']:,} events x 3 consumers, best settings of the sweep ({best})",
                     f"{_n(b['jobs_per_s'])} jobs/s{cut(b)}", "", ""))
+        if "best_analyzed" in e2e:
+            a = e2e["best_analyzed"]
+            out.append(("2 e2e", f"same, statistics kept current (harness runs ANALYZE outbox_jobs every "
+                        f"{a['analyze_every']:.0f} s)", f"{_n(a['jobs_per_s'])} jobs/s{cut(a)}", "", ""))
         sw = " / ".join(f"{s['settings']['concurrency']}: {_n(s['jobs_per_s'])}" + ("*" if s.get("capped") else "")
                         for s in e2e["sweep"])
         out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: concurrency: jobs/s",
@@ -56,9 +66,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{b['machine_busy']:.0%} busy", "", ""))
         if raw:
             ratio = b["jobs_per_s"] / raw["limit_jobs_per_s"]
+            also = _also(e2e, raw["limit_jobs_per_s"], "{:.0%}")
             limit = (f"pgbench batch 50, {raw['limit_config'].split('_c')[1]} clients"
                      if raw["pgbench"] else raw["limit_config"])
-            out.append(("2 e2e", f"end to end (best) / raw limit ({limit})", f"{ratio:.0%}", ">= 35%",
+            out.append(("2 e2e", f"end to end (best) / raw limit ({limit})", f"{ratio:.0%}{also}", ">= 35%",
                         _ok(ratio >= 0.35)))
     if peers:
         p, r = peers["pgqueuer"], peers["procrastinate"]
@@ -69,9 +80,11 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{_n(r['jobs_per_s'])} jobs/s", "", ""))
         if e2e:
             b = e2e["best"]["jobs_per_s"]
-            out.append(("3 peers", "outbox end to end (best) / PgQueuer best", f"{b / p['jobs_per_s']:.2f}x", ">= 1.5x",
+            out.append(("3 peers", "outbox end to end (best) / PgQueuer best",
+                        f"{b / p['jobs_per_s']:.2f}x{_also(e2e, p['jobs_per_s'], '{:.2f}x')}", ">= 1.5x",
                         _ok(b / p["jobs_per_s"] >= 1.5)))
-            out.append(("3 peers", "outbox end to end (best) / procrastinate", f"{b / r['jobs_per_s']:.1f}x", ">= 20x",
+            out.append(("3 peers", "outbox end to end (best) / procrastinate",
+                        f"{b / r['jobs_per_s']:.1f}x{_also(e2e, r['jobs_per_s'], '{:.1f}x')}", ">= 20x",
                         _ok(b / r["jobs_per_s"] >= 20)))
     pub = data.get("publish")
     if pub:
