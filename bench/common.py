@@ -53,7 +53,7 @@ class Size:
     default_events: int = 6_000          # events published at the relay's defaults (slower)
     sweep_events: int = 6_000            # events per configuration of the short sweep
     sweep: tuple[tuple[int, int], ...] = ((8, 50), (16, 50), (32, 64), (64, 128))
-    e2e_cap: float = 30.0                # seconds an end-to-end run may take (half in the sweep)
+    e2e_cap: float = 40.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
     # 4 publish cost
     publish_txns: int = 1_000

@@ -16,6 +16,11 @@ analyze catches up, the planner may claim through a bitmap scan and sort of ever
 job, so each claim costs in proportion to the backlog (scenario 6 measures it). That run
 shows what the relay does once the statistics are current, with nothing else changed.
 
+Before each repetition a short pgbench run (scenario 1's claim + complete, batch 50, 4
+clients) measures the raw limit on a fresh database, so "end to end / raw limit" is also
+reported as the median of ratios of neighbouring runs (``paired_limit``), which a busy
+machine disturbs less than a ratio of figures taken minutes apart.
+
 A run still going after ``e2e_cap`` seconds (half that in the sweep) is cut short and its
 rate is the jobs done by then over the time taken; the report says how many were cut.
 The relay's and the database backends' CPU seconds are recorded per job, so the report
@@ -141,8 +146,11 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         sweep.append(one_run(dbs, size.sweep_events, settings, results, f"sweep-c{concurrency}-b{claim_batch}",
                              cap=size.e2e_cap / 2))
     best_settings = max(sweep, key=lambda r: r["jobs_per_s"])["settings"]
-    default_runs, best_runs, analyzed_runs = [], [], []
+    from .raw import probe
+
+    default_runs, best_runs, analyzed_runs, limits = [], [], [], []
     for rep in range(size.runs):
+        limits.append(probe(dbs, size))
         default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}", cap=size.e2e_cap))
         best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}", cap=size.e2e_cap))
         analyzed_runs.append(one_run(dbs, size.events, best_settings, results, f"best-analyzed-{rep}",
@@ -155,4 +163,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         "default": summary(default_runs),
         "best": summary(best_runs),
         "best_analyzed": summary(analyzed_runs) | {"analyze_every": ANALYZE_EVERY},
+        "paired_limit": {
+            "jobs_per_s": median([l for l in limits if l]) if any(limits) else None, "runs": limits,
+            "best_ratio": median([r["jobs_per_s"] / l for r, l in zip(best_runs, limits) if l]) if any(limits) else None,
+            "best_analyzed_ratio": (median([r["jobs_per_s"] / l for r, l in zip(analyzed_runs, limits) if l])
+                                    if any(limits) else None)},
     }

@@ -95,6 +95,22 @@ def psycopg_loop(url: Any, seconds: float, batch: int = 50) -> dict[str, float]:
     return {"jobs_per_s": jobs / elapsed, "rounds": rounds, "seconds": elapsed}
 
 
+def probe(dbs: Databases, size: Size, clients: int = 4, batch: int = 50) -> float | None:
+    """A short pgbench run (batch 50, 4 clients) on a fresh database: the raw limit measured
+    right beside another run, so the two can be paired into one ratio. None without pgbench."""
+    if find_binary("pgbench") is None:
+        return None
+    script = Path(tempfile.mkdtemp(prefix="outbox-bench-")) / "claim_complete.sql"
+    script.write_text(pgbench_script())
+    seconds = max(size.pgbench_seconds, 0)
+    with dbs.fresh() as url, psycopg.connect(conninfo(url), autocommit=True) as conn:
+        top_up(conn, max(clients * 20 * batch + 100, int(size.pgbench_pool * (0.4 if seconds else 1))))
+        before = done_count(conn)
+        out = run_pgbench(url, script, clients, batch, seconds)
+        jobs = done_count(conn) - before
+    return out["tps"] * jobs / max(1, out["transactions"])
+
+
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     script = Path(tempfile.mkdtemp(prefix="outbox-bench-")) / "claim_complete.sql"
     script.write_text(pgbench_script())

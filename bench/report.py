@@ -61,6 +61,12 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                         for s in e2e["sweep"])
         out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: concurrency: jobs/s",
                     sw, "", ""))
+        pl = e2e.get("paired_limit") or {}
+        if pl.get("best_ratio"):
+            out.append(("2 e2e", "end to end (best) / raw limit measured beside each run (pgbench batch 50, 4 clients:"
+                        f" {_n(pl['jobs_per_s'])} jobs/s), median of paired ratios",
+                        f"{pl['best_ratio']:.0%} ({pl['best_analyzed_ratio']:.0%} with current statistics)", ">= 35%",
+                        _ok(pl["best_ratio"] >= 0.35)))
         out.append(("2 e2e", "CPU per job (best): relay process / database backends",
                     f"{_n(b['relay_cpu_us_per_job'])} / {_n(b['db_cpu_us_per_job'])} us; machine "
                     f"{b['machine_busy']:.0%} busy", "", ""))
