@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     if name == "profile":
                         best = (data.get("e2e", {}).get("best", {}).get("settings")
-                                or {"concurrency": 32, "claim_batch": 64})
+                                or {"concurrency": 64, "claim_batch": 128})
                         data["profile"] = profile.run(dbs, size, results, best)
                     else:
                         data[name] = modules[name].run(dbs, size, results)

@@ -35,6 +35,12 @@ def throughput(data: dict, out: Path) -> bool:
         ax.plot([p[0] for p in points], [p[1] for p in points], "D-", color="tab:green",
                 label="outbox end to end (relay concurrency; sweep)")
         ax.plot([8], [e2e["default"]["jobs_per_s"]], "*", ms=12, color="tab:red", label="outbox end to end, defaults")
+        c = e2e["best"]["settings"].get("concurrency", 8)
+        ax.plot([c], [e2e["best"]["jobs_per_s"]], "v", ms=9, color="tab:olive",
+                label=f"outbox, best settings, {e2e['events']:,} events")
+        if "best_analyzed" in e2e:
+            ax.plot([c], [e2e["best_analyzed"]["jobs_per_s"]], "^", ms=9, color="tab:cyan",
+                    label="same, statistics kept current")
     if peers:
         ax.axhline(peers["pgqueuer"]["jobs_per_s"], color="tab:purple", ls="-.",
                    label=f"PgQueuer drain ({peers['pgqueuer']['driver']}, batch {peers['pgqueuer']['batch']})")

@@ -73,7 +73,8 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         if raw:
             ratio = b["jobs_per_s"] / raw["limit_jobs_per_s"]
             also = _also(e2e, raw["limit_jobs_per_s"], "{:.0%}")
-            limit = (f"pgbench batch 50, {raw['limit_config'].split('_c')[1]} clients"
+            clients = raw["limit_config"].split("_c")[-1]
+            limit = (f"pgbench batch 50, {clients} client{'' if clients == '1' else 's'}, scenario 1"
                      if raw["pgbench"] else raw["limit_config"])
             out.append(("2 e2e", f"end to end (best) / raw limit ({limit})", f"{ratio:.0%}{also}", ">= 35%",
                         _ok(ratio >= 0.35)))
@@ -189,6 +190,8 @@ def markdown(data: dict[str, Any]) -> str:
     lines += [f"| {' | '.join(r)} |" for r in rows(data)]
     if data.get("errors"):
         lines += ["", "Errors: " + "; ".join(f"{k}: {v}" for k, v in data["errors"].items())]
+    again = (f" (run again after the server restarted under them: {', '.join(data['restarts'])})"
+             if data.get("restarts") else "")
     lines += ["", "Scenario runtimes: " + ", ".join(f"{k} {v:.0f} s" for k, v in data["timings"].items())
-              + f"; total {data['total_seconds']:.0f} s."]
+              + f"; total {data['total_seconds']:.0f} s{again}."]
     return "\n".join(lines) + "\n"
