@@ -242,6 +242,17 @@ def test_database_without_migrations(cli, empty_db_url, command):
                           "outbox tables are missing", "run `outbox-relay migrate`", secret=secret)
 
 
+@pytest.mark.parametrize("command", [["status"], ["run", "--app", "good_app:ob"]])
+def test_database_at_another_schema_revision(cli, db_url, command):
+    """A database migrated by an older (or newer) outbox: every command refuses to run on it
+    and says which revision it found and which it needs."""
+    with sa.create_engine(db_url, poolclass=sa.pool.NullPool).begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_alembic_version SET version_num = '0000_older'"))
+    url, secret = with_secret(db_url)
+    assert_one_error_line(cli(*command, "--database-url", url),
+                          "schema is at revision 0000_older", "run `outbox-relay migrate`", secret=secret)
+
+
 # ------------------------------------------------------------------ settings
 
 

@@ -142,3 +142,25 @@ def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
         register_subscriptions(engine, second, settings)
     assert any("subscription shared on t now has this registry's options (max_attempts=1" in r.getMessage()
                for r in caplog.records)
+
+
+def test_hostile_topic_and_consumer_names_are_routed_and_run(engine, settings):
+    """Names full of quotes, semicolons and SQL are data, never SQL: routed and run end to end."""
+    from outbox.relay import Relay
+    from outbox.testing import wait_for
+
+    topic = "order'; DROP TABLE outbox_jobs; --"
+    consumer = 'c"; SELECT pg_sleep(10); -- \\ $1 %s {0}'
+    seen: list[str] = []
+    ob = Outbox()
+    ob.subscriber(topic, consumer=consumer)(lambda job: seen.append(job.consumer))
+    publish_events(engine, topic, [{"n": 1}, {"n": 2}])
+    relay = Relay(ob, settings())
+    relay.start()
+    try:
+        wait_for(lambda: len(seen) == 2, timeout=15, what="both jobs run")
+    finally:
+        relay.stop()
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT consumer, status FROM outbox_jobs")).all()
+    assert seen == [consumer, consumer] and sorted(rows) == [(consumer, "done")] * 2
