@@ -38,7 +38,7 @@ def ensure_venv() -> Path:
     digest = hashlib.sha256(REQUIREMENTS.read_bytes()).hexdigest()
     if venv_python().exists() and stamp.exists() and stamp.read_text() == digest:
         return venv_python()
-    log(f"creating the peers' venv {VENV.relative_to(BENCH.parent)} from {REQUIREMENTS.name} (first use)")
+    log(f"creating the peers' venv {VENV} from {REQUIREMENTS.name} (first use, about 20 s)")
     if not venv_python().exists():
         subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     subprocess.run([str(venv_python()), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
