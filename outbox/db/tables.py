@@ -156,3 +156,26 @@ def _create_notify_triggers(target, connection, **kw) -> None:
 
 
 event.listen(metadata, "after_create", _create_notify_triggers)
+
+#: Autovacuum storage parameters of the two queue tables (migration 0002 gives the
+#: reasons): ``metadata.create_all`` sets them right after creating each table, so it makes
+#: the same schema as ``outbox-relay migrate``.
+STORAGE_PARAMETERS: dict[str, dict[str, float]] = {
+    table: {
+        "autovacuum_vacuum_threshold": 5000,
+        "autovacuum_vacuum_scale_factor": 0.01,
+        "autovacuum_analyze_threshold": 1000,
+        "autovacuum_analyze_scale_factor": 0.02,
+        "autovacuum_vacuum_cost_limit": 1000,
+    }
+    for table in ("outbox_events", "outbox_jobs")
+}
+
+
+def _set_storage_parameters(target: Table, connection, **kw) -> None:
+    parameters = ", ".join(f"{name} = {value}" for name, value in STORAGE_PARAMETERS[target.name].items())
+    connection.exec_driver_sql(f"ALTER TABLE {target.name} SET ({parameters})")
+
+
+for _table in (events, jobs):
+    event.listen(_table, "after_create", _set_storage_parameters)

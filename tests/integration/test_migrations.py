@@ -32,6 +32,16 @@ PARTIAL_INDEXES = {
 
 OUTBOX_TABLES = {"outbox_events", "outbox_subscriptions", "outbox_jobs"}
 
+#: Autovacuum storage parameters of migration 0002, as ``pg_class.reloptions`` lists them.
+QUEUE_TABLE_OPTIONS = sorted([
+    "autovacuum_vacuum_threshold=5000",
+    "autovacuum_vacuum_scale_factor=0.01",
+    "autovacuum_analyze_threshold=1000",
+    "autovacuum_analyze_scale_factor=0.02",
+    "autovacuum_vacuum_cost_limit=1000",
+])
+STORAGE_PARAMETERS = {"outbox_events": QUEUE_TABLE_OPTIONS, "outbox_jobs": QUEUE_TABLE_OPTIONS}
+
 
 @pytest.fixture
 def empty_engine(empty_db_url: URL) -> Iterator[sa.Engine]:
@@ -84,6 +94,9 @@ def snapshot(engine: sa.Engine) -> dict[str, object]:
         "functions": """
             SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p
             JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'""",
+        "storage_parameters": """
+            SELECT relname, array_to_string(reloptions, ',') FROM pg_class
+            WHERE relnamespace = 'public'::regnamespace AND reloptions IS NOT NULL""",
     }
     with engine.connect() as conn:
         return {name: sorted(tuple(r) for r in conn.exec_driver_sql(sql)) for name, sql in queries.items()}
@@ -94,6 +107,14 @@ def without_version_table(snap: dict[str, object]) -> dict[str, object]:
         return not any(isinstance(v, str) and VERSION_TABLE in v for v in row)
 
     return {name: [r for r in rows if keep(r)] for name, rows in snap.items()}
+
+
+def storage_parameters(engine: sa.Engine) -> dict[str, list[str]]:
+    """``pg_class.reloptions`` of every table in schema ``public`` that has any, sorted."""
+    with engine.connect() as conn:
+        return {name: sorted(options) for name, options in conn.exec_driver_sql(
+            "SELECT relname, reloptions FROM pg_class"
+            " WHERE relnamespace = 'public'::regnamespace AND relkind = 'r' AND reloptions IS NOT NULL")}
 
 
 def table_oids(engine: sa.Engine) -> dict[str, int]:
@@ -133,6 +154,20 @@ def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engin
     with engine.begin() as conn:
         first, second = (conn.exec_driver_sql("SELECT nextval('outbox_fence_seq')").scalar() for _ in range(2))
     assert second == first + 1
+
+
+def test_queue_tables_carry_their_autovacuum_storage_parameters(db_url, engine):
+    assert storage_parameters(engine) == STORAGE_PARAMETERS
+
+
+def test_downgrade_of_0002_resets_the_storage_parameters(empty_db_url, empty_engine, capsys):
+    cli_migrate(empty_db_url, capsys)
+    downgrade(empty_engine, "0001")
+    assert storage_parameters(empty_engine) == {}  # back to the server's defaults
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalars().all() == ["0001"]
+    cli_migrate(empty_db_url, capsys)
+    assert storage_parameters(empty_engine) == STORAGE_PARAMETERS
 
 
 def test_no_drift_between_migrations_and_metadata(db_url, engine):
