@@ -10,16 +10,29 @@ values are taken at insert time but become visible at commit, out of order.
 
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
+
+Statistics (:class:`StatisticsKeeper`): the router is the one part that knows when
+``outbox_jobs`` has just received many ready jobs, so it keeps the planner's statistics
+of that table current. Without them a burst into a table that was never analysed (or
+analysed while quiet) makes every claim sort the whole ready backlog instead of reading
+``ix_outbox_jobs_ready`` in claim order, and autovacuum's analyze comes a minute or more
+later (docs/performance.md, finding 1). An ANALYZE that cannot get its lock at once, or
+fails, is skipped and tried again later; it never stops routing.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
+import time
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
+from . import backoff
 from .db import queries
+from .db.engine import describe
 
 log = logging.getLogger("outbox.router")
 
@@ -51,3 +64,110 @@ def route_all(engine: Engine, limit: int = 500) -> RouteResult:
         unsubscribed += result.unsubscribed
         if result.events < limit:
             return RouteResult(events, jobs, unsubscribed)
+
+
+class AnalyzeOutcome(enum.Enum):
+    """What one call of :meth:`StatisticsKeeper.routed` did."""
+
+    #: Nothing: too few jobs routed since the last ANALYZE, or waiting to retry.
+    NOT_DUE = "not due"
+    #: ``ANALYZE outbox_jobs`` ran and committed.
+    ANALYZED = "analyzed"
+    #: Another session held a conflicting lock for longer than ``lock_timeout``
+    #: (autovacuum, another relay's ANALYZE, a schema change): tried again later.
+    SKIPPED = "skipped"
+    #: Any other database error (logged at INFO): tried again later.
+    FAILED = "failed"
+
+
+class StatisticsKeeper:
+    """Runs ``ANALYZE outbox_jobs`` after the router has created many jobs relative to
+    what the table held at its last analyze, so the claim's plan follows bursts.
+
+    Rule: ANALYZE once the jobs routed since this keeper's last ANALYZE exceed
+    ``max(floor, fraction * reltuples)``, where ``reltuples`` is ``pg_class.reltuples`` of
+    ``outbox_jobs`` (the row count at the last ANALYZE or VACUUM by anyone; a table never
+    analysed counts as 0). ``floor`` (jobs, default 1,000) spares a nearly empty table an
+    ANALYZE every round; ``fraction`` (default 0.1, autovacuum's own default analyze scale
+    factor) scales the trigger with the table: ANALYZE reads a sample of at most 30,000
+    rows at the default statistics target, so it costs milliseconds on a small table and
+    tens of them (more when the sample is not cached) on a large one, and a table of done
+    jobs kept for a day is not analysed for every small burst. ``reltuples`` is read only
+    when the count passes the trigger computed from the previous read, so a round that is
+    not due costs no query. With several relays each counts the jobs it routed itself; an
+    ANALYZE by any of them, or by autovacuum, raises ``reltuples`` and so the others' trigger.
+
+    Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
+    transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE
+    UPDATE EXCLUSIVE lock, which conflicts with autovacuum and with another relay's
+    ANALYZE, but not with routing, claiming or any other job statement. A lock timeout
+    means someone else is vacuuming or analysing the table: the keeper skips quietly
+    (DEBUG) and tries again after a capped, jittered backoff (``retry_base`` doubling up to
+    ``retry_cap`` seconds) on a later call. Keeping the timeout below the server's
+    ``deadlock_timeout`` (1 s by default) also means the keeper never waits long enough to
+    make PostgreSQL cancel an autovacuum that holds the lock ("Routine Vacuuming", "The
+    Autovacuum Daemon": a conflicting lock request interrupts autovacuum). Any other
+    database error is logged at INFO and retried the same way; nothing is raised.
+
+    The relay's role must own ``outbox_jobs`` (it does when it ran the migrations);
+    otherwise PostgreSQL skips the ANALYZE with a warning and the statistics are left to
+    autovacuum. Not thread-safe: one keeper per router loop. ``analyzed``, ``skipped`` and
+    ``failed`` count the outcomes; ``pending`` is the jobs routed since the last ANALYZE.
+    """
+
+    def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 0.1, lock_timeout: float = 0.1,
+                 retry_base: float = 1.0, retry_cap: float = 60.0) -> None:
+        self.engine = engine
+        self.floor = floor
+        self.fraction = fraction
+        self.lock_timeout = lock_timeout
+        self.retry_base = retry_base
+        self.retry_cap = retry_cap
+        self.pending = 0
+        self.analyzed = self.skipped = self.failed = 0
+        self._trigger = float(floor)  # from the last reltuples read
+        self._misses = 0  # skips and failures in a row
+        self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
+
+    def routed(self, jobs: int) -> AnalyzeOutcome:
+        """Count ``jobs`` just created by the router and ANALYZE ``outbox_jobs`` if the rule
+        says so. Call it after every routing round, also with 0: a skipped ANALYZE is
+        retried on a later call even when no more jobs arrive. Never raises for database
+        errors; returns what it did."""
+        self.pending += jobs
+        if self.pending <= self._trigger or time.monotonic() < self._retry_at:
+            return AnalyzeOutcome.NOT_DUE
+        started = time.perf_counter()
+        try:
+            with self.engine.begin() as conn:
+                before = conn.execute(queries.job_table_reltuples).scalar_one()
+                self._trigger = max(float(self.floor), self.fraction * before)
+                if self.pending <= self._trigger:  # analysed or vacuumed by someone else meanwhile
+                    return AnalyzeOutcome.NOT_DUE
+                timeout = f"{max(1, round(self.lock_timeout * 1000))}ms"
+                conn.execute(queries.lock_timeout_set_local, {"timeout": timeout})
+                conn.execute(queries.job_table_analyze)
+                after = conn.execute(queries.job_table_reltuples).scalar_one()
+        except SQLAlchemyError as exc:
+            return self._missed(exc)
+        log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",
+                  self.pending, before, after, (time.perf_counter() - started) * 1000)
+        self.analyzed += 1
+        self.pending = 0
+        self._trigger = max(float(self.floor), self.fraction * after)
+        self._misses = 0
+        self._retry_at = 0.0
+        return AnalyzeOutcome.ANALYZED
+
+    def _missed(self, exc: SQLAlchemyError) -> AnalyzeOutcome:
+        self._misses += 1
+        delay = backoff.retry_delay(self._misses, base=self.retry_base, cap=self.retry_cap, jitter=0.5)
+        self._retry_at = time.monotonic() + delay
+        if isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
+            self.skipped += 1
+            log.debug("ANALYZE outbox_jobs skipped: another session holds a conflicting lock (autovacuum or "
+                      "another relay's ANALYZE); next try in %.1fs", delay)
+            return AnalyzeOutcome.SKIPPED
+        self.failed += 1
+        log.info("ANALYZE outbox_jobs failed (%s); routing goes on, next try in %.1fs", describe(exc), delay)
+        return AnalyzeOutcome.FAILED

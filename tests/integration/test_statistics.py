@@ -1,0 +1,206 @@
+"""Planner statistics of ``outbox_jobs``: the router's :class:`StatisticsKeeper` analyses
+the table after bursts, so the claim keeps reading ``ix_outbox_jobs_ready`` in claim order
+instead of sorting the whole ready backlog (docs/performance.md, finding 1); an ANALYZE
+that cannot get its lock is skipped and never holds routing up.
+
+Each test turns autovacuum off for its own ``outbox_jobs``: only the relay's ANALYZE may
+refresh the statistics, so what the tests see does not depend on when autovacuum wakes.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox.db import queries
+from outbox.relay import Relay
+from outbox.router import AnalyzeOutcome, StatisticsKeeper, route_all, route_batch
+from outbox.testing import wait_for
+
+from .helpers import publish_events, subscribe
+
+CONSUMERS = ["a", "b", "c"]
+
+
+def _no_autovacuum(engine: sa.Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_jobs SET (autovacuum_enabled = false)"))
+
+
+def _publish(engine: sa.Engine, events: int) -> None:
+    for start in range(0, events, 1000):
+        publish_events(engine, "t", [{"n": n} for n in range(start, min(events, start + 1000))])
+
+
+def _reltuples(engine: sa.Engine) -> float:
+    """``pg_class.reltuples`` as stored: -1 while never analysed or vacuumed."""
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT reltuples FROM pg_class WHERE oid = 'outbox_jobs'::regclass")).scalar_one()
+
+
+def _unrouted(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(queries.event_unrouted_count).scalar_one()
+
+
+def _claim_plan(engine: sa.Engine, limit: int) -> str:
+    """EXPLAIN of the claim as a relay with consumers a, b, c would run it (not executed)."""
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("EXPLAIN " + queries.job_claim_many.text), {
+            "consumers": CONSUMERS, "leases": [30.0] * len(CONSUMERS), "limit": limit, "worker": "plan-guard",
+        }).scalars().all()
+        conn.rollback()
+    return "\n".join(rows)
+
+
+def _route_with_relay(ob: Outbox, settings, **overrides) -> Relay:
+    """Start a relay that only routes (no workers, no maintenance), as the CLI would run it."""
+    relay = Relay(ob, settings(**overrides), work=False, maintain=False)
+    relay.start()
+    return relay
+
+
+# ------------------------------------------------------------------ plan guard
+
+
+def test_claim_reads_the_ready_index_after_a_burst_into_a_never_analysed_table(engine, settings):
+    ob = subscribe(engine, "t", CONSUMERS)
+    _no_autovacuum(engine)
+    assert _reltuples(engine) == -1  # freshly migrated: never analysed
+
+    # Precondition, the failure this guards against: 21,000 ready jobs routed without the
+    # keeper (plain route_all) leave the planner believing the table is nearly empty, so
+    # the claim sorts every ready job (Bitmap Heap Scan + Sort) to take a few of them.
+    _publish(engine, 7000)
+    assert route_all(engine).jobs == 21_000
+    for limit in (8, 50, 128):
+        plan = _claim_plan(engine, limit)
+        assert "Bitmap Heap Scan on outbox_jobs" in plan and "Sort Key: outbox_jobs.priority" in plan, plan
+    assert _reltuples(engine) == -1
+
+    # The relay's router path: its keeper analyses the table as the burst comes in.
+    _publish(engine, 7000)
+    relay = _route_with_relay(ob, settings)
+    try:
+        wait_for(lambda: _unrouted(engine) == 0, timeout=60, what="every event routed")
+    finally:
+        relay.stop()
+    assert relay.stats["jobs_created"] == 21_000
+    assert relay.job_statistics.analyzed >= 1
+    assert _reltuples(engine) > 20_000
+
+    # 42,000 ready jobs: the claim takes the first `limit` in (priority, run_at, id) order
+    # straight from the partial index, at a cost that does not grow with the backlog.
+    for limit in (8, 50, 128):
+        plan = _claim_plan(engine, limit)
+        assert "Index Scan using ix_outbox_jobs_ready on outbox_jobs" in plan, plan
+        assert "Bitmap Heap Scan on outbox_jobs" not in plan, plan
+        assert "Sort" not in plan, plan
+        assert "Seq Scan on outbox_jobs" not in plan, plan
+
+
+# ------------------------------------------------------------------ the rule
+
+
+def test_keeper_analyses_only_past_its_trigger(engine):
+    subscribe(engine, "t", ["a"])
+    _no_autovacuum(engine)
+    keeper = StatisticsKeeper(engine, floor=1000, fraction=0.5)
+
+    _publish(engine, 1000)
+    with engine.begin() as conn:
+        assert route_batch(conn, 1000).jobs == 1000
+    assert keeper.routed(1000) is AnalyzeOutcome.NOT_DUE  # not above the floor
+    assert _reltuples(engine) == -1
+
+    _publish(engine, 1)
+    with engine.begin() as conn:
+        assert route_batch(conn, 1000).jobs == 1
+    assert keeper.routed(1) is AnalyzeOutcome.ANALYZED  # never analysed counts as 0 rows: the floor rules
+    assert _reltuples(engine) == 1001
+    assert (keeper.pending, keeper.analyzed) == (0, 1)
+
+    # Analysed at 1,001 rows: the trigger is max(1,000, 0.5 * 1,001) = 1,000 jobs.
+    _publish(engine, 1001)
+    assert route_all(engine).jobs == 1001
+    assert keeper.routed(1000) is AnalyzeOutcome.NOT_DUE
+    assert keeper.routed(0) is AnalyzeOutcome.NOT_DUE
+    assert keeper.routed(1) is AnalyzeOutcome.ANALYZED
+    assert _reltuples(engine) == 2002
+    # Analysed at 2,002 rows: the trigger is max(1,000, 0.5 * 2,002) = 1,001 jobs.
+    assert keeper.routed(1001) is AnalyzeOutcome.NOT_DUE
+    assert keeper.routed(1) is AnalyzeOutcome.ANALYZED
+    assert (keeper.analyzed, keeper.skipped, keeper.failed) == (3, 0, 0)
+
+
+def test_keeper_does_not_analyse_again_what_someone_else_just_analysed(engine):
+    subscribe(engine, "t", ["a"])
+    _no_autovacuum(engine)
+    _publish(engine, 3000)
+    route_all(engine)
+    keeper = StatisticsKeeper(engine, floor=1000, fraction=0.5)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("ANALYZE outbox_jobs"))  # another relay, or autovacuum
+    # 1,200 routed since its own (never run) ANALYZE, but the table was analysed at 3,000
+    # rows: the trigger is 1,500, read from pg_class, so no second ANALYZE yet.
+    assert keeper.routed(1200) is AnalyzeOutcome.NOT_DUE
+    assert keeper.analyzed == 0
+    assert keeper.routed(301) is AnalyzeOutcome.ANALYZED
+
+
+# ------------------------------------------------------------------ failures
+
+
+def test_analyze_is_skipped_while_another_session_holds_a_conflicting_lock(engine, settings):
+    ob = subscribe(engine, "t", ["a"])
+    _no_autovacuum(engine)
+    holder = engine.connect()
+    holder.begin()
+    # What autovacuum or another relay's ANALYZE holds; it does not conflict with routing.
+    holder.execute(sa.text("LOCK TABLE outbox_jobs IN SHARE UPDATE EXCLUSIVE MODE"))
+    try:
+        _publish(engine, 3000)
+        relay = _route_with_relay(ob, settings)
+        try:
+            wait_for(lambda: _unrouted(engine) == 0 and relay.job_statistics.skipped >= 1, timeout=30,
+                     what="every event routed while the ANALYZE is skipped")
+            assert relay.stats["jobs_created"] == 3000
+            assert (relay.job_statistics.analyzed, relay.job_statistics.failed) == (0, 0)
+            assert _reltuples(engine) == -1
+
+            holder.rollback()  # the lock goes; the keeper tries again on a later round
+            wait_for(lambda: relay.job_statistics.analyzed == 1, timeout=30, what="the retried ANALYZE")
+        finally:
+            relay.stop()
+    finally:
+        holder.close()
+    assert _reltuples(engine) == 3000
+    assert relay.job_statistics.pending == 0
+
+
+def test_keeper_reports_a_lock_timeout_as_skipped_and_waits_before_retrying(engine):
+    subscribe(engine, "t", ["a"])
+    _no_autovacuum(engine)
+    _publish(engine, 1500)
+    route_all(engine)
+    keeper = StatisticsKeeper(engine, floor=1000, retry_base=60.0, retry_cap=60.0)
+    with engine.connect() as holder:
+        holder.execute(sa.text("LOCK TABLE outbox_jobs IN SHARE UPDATE EXCLUSIVE MODE"))
+        assert keeper.routed(1500) is AnalyzeOutcome.SKIPPED
+        assert keeper.routed(10) is AnalyzeOutcome.NOT_DUE  # backing off: no second wait on the lock
+        holder.rollback()
+    assert (keeper.analyzed, keeper.skipped, keeper.failed, keeper.pending) == (0, 1, 0, 1510)
+    assert _reltuples(engine) == -1
+
+
+def test_keeper_survives_a_database_without_the_table(empty_db_url):
+    from outbox.db.engine import make_engine
+
+    engine = make_engine(empty_db_url)
+    try:
+        keeper = StatisticsKeeper(engine, floor=10)
+        assert keeper.routed(11) is AnalyzeOutcome.FAILED  # logged, not raised
+        assert (keeper.analyzed, keeper.skipped, keeper.failed) == (0, 0, 1)
+    finally:
+        engine.dispose()
