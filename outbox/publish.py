@@ -17,6 +17,16 @@ Payload encoding: JSON objects with string keys, arrays (``list`` or ``tuple``; 
 comes back as a list), strings, finite numbers, booleans and null. Anything else (sets,
 bytes, datetimes, custom objects, non-string keys, NaN) is refused rather than converted,
 so what a handler receives is what was published.
+
+How validation stays cheap: most payloads are built only of ``dict``, ``list``, ``tuple``
+and exact ``str``/``int``/``float``/``bool``/``None``. For those a quick walk looks at
+types, key types, integer sizes and depth only; one ``json.dumps`` pass then does the rest,
+and the rules on strings are checked on its output (NUL is the only character JSON writes
+as ``\\u0000``; an unpaired surrogate fails the UTF-8 encoding that measures the size;
+``allow_nan=False`` refuses NaN and infinities). Anything else, or any doubt (a literal
+backslash before ``u0000`` in a string, say), goes through the full walk of every value,
+which accepts and refuses exactly the same events and names the exact place of the
+problem. Either way nothing has been sent yet.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import json
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
 import psycopg
@@ -52,6 +63,10 @@ MAX_INT_DIGITS = 1000
 _MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)  # log2(10): below 10**1000
 
 
+#: (topic, key, payload JSON, headers JSON) of one validated event.
+_Row = tuple[str, str | None, str, str]
+
+
 @dataclass(frozen=True, slots=True)
 class EventDraft:
     """One validated event, ready to insert: JSON text for payload and headers."""
@@ -66,6 +81,9 @@ def check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
     """Validate a topic or consumer name: a non-empty ``str`` of at most ``limit``
     characters without NUL or unpaired surrogates. Any other character is allowed (names
     are always bound as parameters, never spliced into SQL). Raises InvalidEventError."""
+    if type(value) is str and 0 < len(value) <= limit and value.isascii() and "\x00" not in value \
+            and not value.isspace():
+        return value  # the usual case, decided without the checks below (ASCII has no surrogates)
     if not isinstance(value, str):
         raise InvalidEventError(field, f"must be a str, got {type(value).__name__}")
     if not value.strip():
@@ -128,13 +146,90 @@ def _mapping_as_dict(value: Any) -> dict:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
-def _encode(value: Any, field: str, limit: int) -> str:
+def _encode_checked(value: Any, field: str, limit: int) -> str:
+    """The full walk, then the encoding: the reference for what is accepted and refused."""
     _check_json(value, field)
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_mapping_as_dict)
     size = len(text.encode("utf-8"))
     if size > limit:
         raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
     return text
+
+
+#: Exact types a plain value may hold besides containers and ints (ints are checked for size).
+_PLAIN_LEAVES = frozenset({str, float, bool, type(None)})
+
+
+def _is_plain(value: Any, depth: int = 0) -> bool:
+    """True when ``value`` holds only ``dict`` with ``str`` keys, ``list``, ``tuple``, exact
+    ``str``/``float``/``bool``/``None`` and ints of at most ``MAX_INT_DIGITS`` digits, no
+    deeper than ``MAX_DEPTH``. Subclasses (enums, other mappings) answer False: the full walk
+    takes them. A circular value answers False once it passes ``MAX_DEPTH``."""
+    kind = type(value)
+    if kind is dict:
+        if value and depth >= MAX_DEPTH:
+            return False
+        for key, item in value.items():
+            if type(key) is not str:
+                return False
+            kind = type(item)
+            if kind in _PLAIN_LEAVES or (kind is int and item.bit_length() <= _MAX_INT_BITS):
+                continue
+            if not _is_plain(item, depth + 1):
+                return False
+        return True
+    if kind is list or kind is tuple:
+        if value and depth >= MAX_DEPTH:
+            return False
+        for item in value:
+            kind = type(item)
+            if kind in _PLAIN_LEAVES or (kind is int and item.bit_length() <= _MAX_INT_BITS):
+                continue
+            if not _is_plain(item, depth + 1):
+                return False
+        return True
+    if kind is int:
+        return value.bit_length() <= _MAX_INT_BITS
+    return kind in _PLAIN_LEAVES
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+if c_make_encoder is not None:
+    # json.dumps's own C encoder, built once rather than per call (json.dumps with options
+    # builds a JSONEncoder each time). No circular check: it only ever sees plain values,
+    # whose depth _is_plain bounded.
+    _plain_encoder = c_make_encoder(None, _refuse, encode_basestring, None, ":", ",", False, False, False)
+
+    def _dumps_plain(value: Any) -> str:
+        return "".join(_plain_encoder(value, 0))
+else:  # pragma: no cover - CPython always has the C encoder
+    _dumps_plain = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                    check_circular=False, default=_refuse).encode
+
+
+def _encode(value: Any, field: str, limit: int) -> str:
+    """Validate ``value`` and return its JSON text (compact, non-ASCII kept), at most
+    ``limit`` UTF-8 bytes. Raises InvalidEventError naming ``field`` and the problem."""
+    if _is_plain(value):
+        try:
+            text = _dumps_plain(value)
+        except ValueError:  # NaN or an infinity: the full walk names where
+            return _encode_checked(value, field, limit)
+        if "\\u0000" not in text:  # else a NUL, or a literal backslash before "u0000"
+            if text.isascii():
+                size = len(text)
+            else:
+                try:
+                    size = len(text.encode("utf-8"))
+                except UnicodeEncodeError:  # an unpaired surrogate
+                    return _encode_checked(value, field, limit)
+            if size > limit:
+                raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
+            return text
+    return _encode_checked(value, field, limit)
 
 
 def make_event(
@@ -149,19 +244,22 @@ def make_event(
 
     Raises :class:`InvalidEventError` naming ``topic``, ``key``, ``payload`` or ``headers``.
     """
+    return EventDraft(*_validate(topic, payload, key, headers, max_payload_bytes))
+
+
+def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_bytes: int) -> _Row:
+    """(topic, key, payload JSON, headers JSON) of a valid event; raises InvalidEventError
+    for the first problem, checking topic, key, headers' type, payload, headers in turn."""
     check_name(topic, "topic")
     if key is not None:
         check_name(key, "key", MAX_KEY_LENGTH)
     if headers is None:
-        headers = {}
-    elif not isinstance(headers, Mapping):
-        raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
-    return EventDraft(
-        topic=topic,
-        key=key,
-        payload=_encode(payload, "payload", max_payload_bytes),
-        headers=_encode(dict(headers), "headers", MAX_HEADERS_BYTES),
-    )
+        return topic, key, _encode(payload, "payload", max_payload_bytes), "{}"
+    if type(headers) is not dict:
+        if not isinstance(headers, Mapping):
+            raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
+        headers = dict(headers)
+    return topic, key, _encode(payload, "payload", max_payload_bytes), _encode(headers, "headers", MAX_HEADERS_BYTES)
 
 
 def publish(
@@ -188,8 +286,8 @@ def publish(
     outbox's tables do not exist (the transaction is then aborted, as after any failed
     statement). Other database errors propagate as SQLAlchemy raises them.
     """
-    event = make_event(topic, payload, key, headers, max_payload_bytes=max_payload_bytes)
-    params = {"topic": event.topic, "key": event.key, "payload": event.payload, "headers": event.headers}
+    topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes)
+    params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
     if isinstance(session, (AsyncSession, AsyncConnection)):
         return _publish_async(session, params)
     _check_session(session)
@@ -228,22 +326,17 @@ def publish_many(
     message) and none is written. Returns the new ids in insertion order (a ``list[int]``,
     or an awaitable of it for async sessions).
     """
-    drafts: list[EventDraft] = []
+    drafts: list[_Row] = []
     for index, item in enumerate(events):
-        fields = dict(item) if isinstance(item, Mapping) else dict(zip(("topic", "payload", "key", "headers"), item))
-        unknown = set(fields) - {"topic", "payload", "key", "headers"}
-        if unknown or "topic" not in fields or "payload" not in fields:
+        fields = _fields(item)
+        if fields is None:
             raise InvalidEventError(f"events[{index}]", "needs topic and payload, and only key and headers besides")
         try:
-            drafts.append(make_event(max_payload_bytes=max_payload_bytes, **fields))
+            drafts.append(_validate(*fields, max_payload_bytes))
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-    params = {
-        "topics": [d.topic for d in drafts],
-        "keys": [d.key for d in drafts],
-        "payloads": [d.payload for d in drafts],
-        "headers": [d.headers for d in drafts],
-    }
+    topics, keys, payloads, headers = (list(column) for column in zip(*drafts)) if drafts else ([], [], [], [])
+    params = {"topics": topics, "keys": keys, "payloads": payloads, "headers": headers}
     if isinstance(session, (AsyncSession, AsyncConnection)):
         return _publish_many_async(session, params, bool(drafts))
     _check_session(session)
@@ -259,6 +352,27 @@ async def _publish_many_async(session: AsyncSession | AsyncConnection, params: d
     with _schema_hint():
         result = await session.execute(queries.event_insert_many, params)
     return sorted(result.scalars())
+
+
+_FIELD_NAMES = ("topic", "payload", "key", "headers")
+_FIELDS = frozenset(_FIELD_NAMES)
+
+
+def _fields(item: Any) -> tuple[Any, Any, Any, Any] | None:
+    """(topic, payload, key, headers) of one ``publish_many`` item, None when it lacks topic
+    or payload or has other keys. A sequence is read by position (past four items, the rest
+    is ignored); a missing key or headers is None."""
+    if type(item) is tuple and 2 <= len(item) <= 4:
+        return item + (None,) * (4 - len(item))
+    if type(item) is dict:
+        fields = item
+    elif isinstance(item, Mapping):
+        fields = dict(item)
+    else:
+        fields = dict(zip(_FIELD_NAMES, item))
+    if not fields.keys() <= _FIELDS or "topic" not in fields or "payload" not in fields:
+        return None
+    return fields["topic"], fields["payload"], fields.get("key"), fields.get("headers")
 
 
 def _check_session(session: Any) -> None:

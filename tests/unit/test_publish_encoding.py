@@ -1,0 +1,288 @@
+"""Validation and encoding of events, without a database: the fast path of ``publish`` and
+``publish_many`` accepts and refuses exactly what the full walk of every value (kept below
+as the reference, as it was before the fast path existed) accepts and refuses, with the
+same JSON text and the same error message."""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import decimal
+import enum
+import json
+import math
+import types
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from outbox.errors import InvalidEventError
+from outbox.publish import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_DEPTH,
+    MAX_HEADERS_BYTES,
+    MAX_INT_DIGITS,
+    MAX_KEY_LENGTH,
+    MAX_NAME_LENGTH,
+    EventDraft,
+    make_event,
+)
+
+# ------------------------------------------------------------- the reference walk
+
+_REF_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)
+
+
+def ref_check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
+    if not isinstance(value, str):
+        raise InvalidEventError(field, f"must be a str, got {type(value).__name__}")
+    if not value.strip():
+        raise InvalidEventError(field, "must not be empty")
+    if len(value) > limit:
+        raise InvalidEventError(field, f"is {len(value)} characters long, the limit is {limit}")
+    ref_check_text(value, field)
+    return value
+
+
+def ref_check_text(value: str, where: str) -> None:
+    if "\x00" in value:
+        raise InvalidEventError(where, "contains a NUL character (\\u0000), which PostgreSQL cannot store")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidEventError(where, "contains an unpaired surrogate, which is not valid Unicode") from None
+
+
+def ref_check_json(value: Any, where: str, depth: int = 0) -> None:
+    if depth > MAX_DEPTH:
+        raise InvalidEventError(where, f"nests deeper than {MAX_DEPTH} levels")
+    if value is None or value is True or value is False:
+        return
+    kind = type(value)
+    if kind is str:
+        ref_check_text(value, where)
+    elif kind is int:
+        if value.bit_length() > _REF_MAX_INT_BITS:
+            raise InvalidEventError(where, f"is an integer of more than {MAX_INT_DIGITS} digits")
+    elif kind is float:
+        if not math.isfinite(value):
+            raise InvalidEventError(where, f"{value!r} is not a JSON number")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidEventError(where, f"has a key of type {type(k).__name__}; JSON keys must be str")
+            ref_check_text(k, f"{where} key {k[:40]!r}")
+            ref_check_json(v, f"{where}[{k[:40]!r}]", depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            ref_check_json(v, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, (str, int, float)):
+        ref_check_json(ref_plain(value), where, depth)
+    else:
+        raise InvalidEventError(where, f"{type(value).__name__} is not JSON-serialisable")
+
+
+def ref_plain(value: str | int | float) -> str | int | float:
+    for base in (int, float, str):
+        if isinstance(value, base):
+            return base(value)
+    raise AssertionError(type(value))
+
+
+def ref_mapping_as_dict(value: Any) -> dict:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+def ref_encode(value: Any, field: str, limit: int) -> str:
+    ref_check_json(value, field)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=ref_mapping_as_dict)
+    size = len(text.encode("utf-8"))
+    if size > limit:
+        raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
+    return text
+
+
+def ref_make_event(topic: Any, payload: Any, key: Any = None, headers: Any = None, *,
+                   max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> EventDraft:
+    ref_check_name(topic, "topic")
+    if key is not None:
+        ref_check_name(key, "key", MAX_KEY_LENGTH)
+    if headers is None:
+        headers = {}
+    elif not isinstance(headers, Mapping):
+        raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
+    return EventDraft(topic=topic, key=key, payload=ref_encode(payload, "payload", max_payload_bytes),
+                      headers=ref_encode(dict(headers), "headers", MAX_HEADERS_BYTES))
+
+
+def outcome(function: Any, *args: Any, **kwargs: Any) -> tuple[str, Any]:
+    """("ok", result) or ("refused", message); any other exception propagates."""
+    try:
+        return "ok", function(*args, **kwargs)
+    except InvalidEventError as exc:
+        return "refused", (exc.field, exc.problem)
+
+
+def assert_same(*args: Any, **kwargs: Any) -> None:
+    assert outcome(make_event, *args, **kwargs) == outcome(ref_make_event, *args, **kwargs)
+
+
+# ------------------------------------------------------------------- strategies
+
+
+class Color(str, enum.Enum):
+    RED = "red"
+
+
+class Size(enum.IntEnum):
+    L = 3
+
+
+class Rate(float, enum.Enum):
+    HALF = 0.5
+
+
+Point = collections.namedtuple("Point", "x y")
+
+# Any code point, unpaired surrogates and NUL included, and the characters JSON escapes.
+characters = st.characters(codec=None, categories=None)
+texts = st.one_of(
+    st.text(characters, max_size=12),
+    st.text(st.sampled_from("a\\u0\x00\"\n\ud800\udc00é🙂 "), max_size=12),
+    st.sampled_from(["\\u0000", "\\\\u0000", "a\\u0000b", "\\\\\x00", "\x00", "\ud83d", " ", "\t\n", ""]),
+)
+# Around the size limit (and past the 4,300 digits Python refuses to print), either sign.
+big_ints = st.tuples(
+    st.one_of(st.sampled_from([999, 1000, 4299, 4300, 5000]).map(lambda digits: 10**digits),
+              st.sampled_from([-1, 0, 1]).map(lambda offset: 2**_REF_MAX_INT_BITS + offset),
+              st.sampled_from([-1, 0]).map(lambda offset: 10**1000 + offset)),
+    st.sampled_from([1, -1]),
+).map(lambda pair: pair[0] * pair[1])
+leaves = st.one_of(
+    st.none(), st.booleans(), st.integers(), big_ints,
+    st.floats(),  # NaN and infinities included
+    texts,
+    st.sampled_from([Color.RED, Size.L, Rate.HALF, True, False, 0, -0.0, 1e308]),
+    st.sampled_from([b"bytes", {1, 2}, frozenset(), decimal.Decimal("1.5"), dt.date(2024, 1, 1), object, len]),
+)
+keys = st.one_of(texts, texts, st.integers(), st.none(), st.booleans(), st.floats(), st.tuples(st.integers()),
+                 st.sampled_from([Color.RED, Size.L]))
+
+
+def containers(children: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(keys, children, max_size=4),
+        st.dictionaries(texts, children, max_size=4),
+        st.dictionaries(texts, children, max_size=3).map(types.MappingProxyType),
+        st.dictionaries(texts, children, max_size=3).map(collections.OrderedDict),
+        st.tuples(children, children).map(lambda t: Point(*t)),
+    )
+
+
+json_like = st.recursive(leaves, containers, max_leaves=20)
+
+
+@st.composite
+def deep(draw: st.DrawFn) -> Any:
+    """A value wrapped in 60..70 levels of lists and dicts, around the depth limit."""
+    value = draw(st.one_of(st.sampled_from([1, "x", None, [], {}, (), [1], {"k": None}]), json_like))
+    for kind in draw(st.lists(st.sampled_from(["list", "dict", "tuple"]), min_size=MAX_DEPTH - 4,
+                              max_size=MAX_DEPTH + 6)):
+        value = [value] if kind == "list" else (value,) if kind == "tuple" else {"k": value}
+    return value
+
+
+payloads = st.one_of(json_like, deep())
+names = st.one_of(
+    texts, st.text(st.characters(codec="ascii"), min_size=1, max_size=20),
+    st.sampled_from(["t" * MAX_NAME_LENGTH, "t" * (MAX_NAME_LENGTH + 1), "k" * MAX_KEY_LENGTH,
+                     "k" * (MAX_KEY_LENGTH + 1), "\u3000", "a\u3000", "order.placed", Color.RED]),
+    st.sampled_from([None, 4, b"t", 1.5]),
+)
+
+
+# ------------------------------------------------------------------- properties
+
+
+@settings(max_examples=2000, deadline=None)
+@given(payload=payloads, limit=st.sampled_from([DEFAULT_MAX_PAYLOAD_BYTES, 2, 40, 100]))
+@example(payload={"a": "\x00"}, limit=100)
+@example(payload="\\u0000", limit=100)
+@example(payload={"\\u0000": 1}, limit=100)
+@example(payload=[math.nan], limit=100)
+@example(payload={1: 2}, limit=100)
+@example(payload={"a": 10**1000}, limit=DEFAULT_MAX_PAYLOAD_BYTES)
+@example(payload={"a": 2**_REF_MAX_INT_BITS}, limit=DEFAULT_MAX_PAYLOAD_BYTES)
+@example(payload={"a": 2**_REF_MAX_INT_BITS - 1}, limit=DEFAULT_MAX_PAYLOAD_BYTES)
+@example(payload="é" * 60, limit=100)
+@example(payload="\ud800", limit=100)
+def test_payload_same_as_reference(payload: Any, limit: int) -> None:
+    assert_same("t", payload, max_payload_bytes=limit)
+
+
+@settings(max_examples=500, deadline=None)
+@given(headers=st.one_of(st.none(), json_like, containers(json_like)))
+def test_headers_same_as_reference(headers: Any) -> None:
+    assert_same("t", {}, headers=headers)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(topic=names, key=st.one_of(st.none(), names))
+def test_names_same_as_reference(topic: Any, key: Any) -> None:
+    assert_same(topic, {"n": 1}, key=key)
+
+
+@settings(max_examples=500, deadline=None)
+@given(topic=names, key=st.one_of(st.none(), names), payload=payloads, headers=st.one_of(st.none(), json_like))
+def test_whole_event_same_as_reference(topic: Any, key: Any, payload: Any, headers: Any) -> None:
+    """Several problems at once: the first one reported is the same (topic, key, headers'
+    type, payload, headers in turn)."""
+    assert_same(topic, payload, key=key, headers=headers, max_payload_bytes=200)
+
+
+# ---------------------------------------------------------------- chosen cases
+
+
+def _circular() -> dict:
+    d: dict[str, Any] = {}
+    d["self"] = [d]
+    return d
+
+
+@pytest.mark.parametrize("payload", [
+    pytest.param(_circular(), id="circular"),
+    pytest.param({"a": [1, {"b": "\x00"}]}, id="nul-deep"),
+    pytest.param({"a": "\\u0000"}, id="escaped-backslash-not-nul"),
+    pytest.param({"a": "\\\x00"}, id="backslash-then-nul"),
+    pytest.param({"big": [10**999, 10**1000]}, id="int-one-digit-too-many"),
+    pytest.param({"a": [math.inf]}, id="inf-deep"),
+    pytest.param({"x": "x" * (DEFAULT_MAX_PAYLOAD_BYTES + 1)}, id="over-limit"),
+    pytest.param({"e": Color.RED, "s": Size.L, "m": types.MappingProxyType({"a": 1})}, id="subclasses"),
+    pytest.param({"ok": [1, 2.5, "s", None, True, {"n": []}]}, id="plain"),
+])
+def test_chosen_payloads_same_as_reference(payload: Any) -> None:
+    assert_same("t", payload)
+
+
+@pytest.mark.parametrize("levels", [MAX_DEPTH - 1, MAX_DEPTH, MAX_DEPTH + 1, 10_000])
+@pytest.mark.parametrize("kind", ["list", "dict", "tuple"])
+@pytest.mark.parametrize("leaf", [1, [], {}, "x"])
+def test_depth_limit_same_as_reference(levels: int, kind: str, leaf: Any) -> None:
+    value = leaf
+    for _ in range(levels):
+        value = [value] if kind == "list" else (value,) if kind == "tuple" else {"k": value}
+    assert_same("t", value)
+
+
+def test_plain_payload_encodes_compact_and_keeps_non_ascii() -> None:
+    draft = make_event("order.placed", {"id": 4, "name": "ünï 🙂", "tags": ("a", "b"), "x": 0.1}, key="order:4",
+                       headers={"trace": "abc"})
+    assert draft == EventDraft("order.placed", "order:4", '{"id":4,"name":"ünï 🙂","tags":["a","b"],"x":0.1}',
+                               '{"trace":"abc"}')
