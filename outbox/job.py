@@ -9,6 +9,8 @@ from typing import Any
 
 from .errors import LeaseLostError
 
+_EVENT_LOCK = threading.Lock()
+
 
 @dataclass(slots=True, eq=False)
 class Job:
@@ -34,7 +36,10 @@ class Job:
     fence: int
     lease_seconds: float
     event_created_at: datetime | None = None
-    _lease_lost: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lost: bool = field(default=False, repr=False)
+    # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event per
+    # claimed job was a measurable share of the relay's time (docs/performance.md).
+    _lost_event: threading.Event | None = field(default=None, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -46,19 +51,31 @@ class Job:
         """True once the relay learnt that this worker no longer owns the job (a heartbeat
         matched no row, or the relay released it on shutdown). Whatever the handler reports
         afterwards is dropped."""
-        return self._lease_lost.is_set()
+        return self._lost
 
     def check_lease(self) -> None:
         """Raise :class:`~outbox.errors.LeaseLostError` if the lease is lost; call it between
         steps of a long handler to stop early."""
-        if self._lease_lost.is_set():
+        if self._lost:
             raise LeaseLostError(f"job {self.id} ({self.consumer}) lost its lease at fence {self.fence}")
 
     def wait_lease_lost(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, waking early if the lease is lost; returns
         :attr:`lease_lost`. Use instead of ``time.sleep`` in handlers that wait."""
-        return self._lease_lost.wait(timeout)
+        with _EVENT_LOCK:
+            if self._lost_event is None:
+                self._lost_event = threading.Event()
+            event = self._lost_event
+        # mark_lease_lost sets _lost before it looks for the event, and the event exists
+        # before _lost is read here: whichever runs first, the wait cannot miss the loss.
+        if self._lost:
+            return True
+        return event.wait(timeout)
 
     def mark_lease_lost(self) -> None:
         """Record that the lease is gone (used by the relay)."""
-        self._lease_lost.set()
+        self._lost = True
+        with _EVENT_LOCK:
+            event = self._lost_event
+        if event is not None:
+            event.set()

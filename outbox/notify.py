@@ -29,11 +29,51 @@ log = logging.getLogger("outbox.notify")
 STOP_CHECK = 0.25
 
 
+class Wakeup:
+    """Wakes the job runner's dispatcher for one of two reasons, told apart: :meth:`set`
+    says due jobs may be waiting (a NOTIFY on ``outbox_jobs``, the router created jobs, the
+    reaper took some back); :meth:`poke` says a worker has an outcome to write. The
+    dispatcher only polls the jobs table on the first reason (or after ``poll_interval``),
+    but writes outcomes at once on the second. ``set`` has the meaning of
+    ``threading.Event.set``, so a Wakeup goes wherever an event of "jobs ready" did."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs = False
+        self._poked = False
+
+    def set(self) -> None:
+        """Due jobs may be waiting."""
+        with self._cond:
+            self._jobs = True
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        """True while a :meth:`set` has not been taken by :meth:`wait`."""
+        return self._jobs
+
+    def poke(self) -> None:
+        """An outcome (or a stop) wants the dispatcher's attention."""
+        with self._cond:
+            self._poked = True
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> tuple[bool, bool]:
+        """Block until :meth:`set` or :meth:`poke` (or ``timeout`` seconds, None = forever);
+        returns and clears ``(jobs_hint, poked)``."""
+        with self._cond:
+            if not (self._jobs or self._poked):
+                self._cond.wait(timeout)
+            woke = (self._jobs, self._poked)
+            self._jobs = self._poked = False
+            return woke
+
+
 class Listener:
     """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
     ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL."""
 
-    def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event,
+    def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event | Wakeup,
                  stop: threading.Event, *, reconnect_max: float = 10.0, keepalive: float = 15.0) -> None:
         self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
         self.wake_router = wake_router

@@ -37,9 +37,9 @@ from .db import queries
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import prune, reap_expired
-from .notify import Listener
+from .notify import Listener, Wakeup
 from .registry import Outbox
-from .router import route_batch
+from .router import StatisticsKeeper, route_batch
 from .settings import OutboxSettings
 from .worker import JobRunner, _backoff, _recovered
 
@@ -93,7 +93,7 @@ class Relay:
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.stop_event = threading.Event()
         self.wake_router = threading.Event()
-        self.wake_workers = threading.Event()
+        self.wake_workers = Wakeup()
         longest_lease = max([s.lease or settings.default_lease for s in registry] + [settings.default_lease])
         self.engine = make_engine(self.url, pool_size=settings.concurrency + 4, application_name="outbox-relay",
                                   idle_in_transaction_timeout=longest_lease)
@@ -101,6 +101,7 @@ class Relay:
         self.listener = (Listener(self.url, self.wake_router, self.wake_workers, self.stop_event,
                                   reconnect_max=settings.reconnect_max) if settings.listen else None)
         self._route = route
+        self.job_statistics = StatisticsKeeper(self.engine)  # the router loop's ANALYZE after bursts
         self._maintain = maintain
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
@@ -189,6 +190,7 @@ class Relay:
                 continue
             if result.jobs:
                 self.wake_workers.set()
+            self.job_statistics.routed(result.jobs)  # never raises; 0 jobs lets a skipped ANALYZE retry
             self.stats["events_routed"] += result.events
             self.stats["jobs_created"] += result.jobs
             if result.unsubscribed:

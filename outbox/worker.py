@@ -3,13 +3,16 @@
 Threads (one concurrency model: threads, with one event loop per worker thread for
 ``async def`` handlers):
 
-* the **dispatcher** claims up to ``free slots`` (at most ``claim_batch``) due jobs of this
-  process's consumers in one short transaction and queues them;
-* ``concurrency`` **worker threads** run handlers;
-* the **completer** writes outcomes in batches (one ``job_complete_many`` /
-  ``job_fail_many`` / ``job_release_many`` each per round);
-* the **heartbeat** renews the leases of every job this process holds in one statement,
-  every lease/3 (of the shortest lease).
+* the **dispatcher** owns one autocommit connection and does all the claiming and
+  finishing: each round it takes the outcomes the workers posted and, when the local
+  buffer has room, claims more. Completions and the claim travel in one statement
+  (``job_complete_claim_many``), so a busy runner pays one round trip and one commit per
+  batch; failures and releases have their own statements. It holds at most
+  ``concurrency + prefetch`` claims whose handlers have not returned;
+* ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
+  handler returns (the claim stays held, and heartbeated, until its outcome is written);
+* the **heartbeat** renews the leases of every claim this process holds, buffered ones
+  included, in one statement every lease/3 (of the shortest lease).
 
 Every write that changes a claimed job names its fence and requires ``status='running'``;
 a row that does not come back means the report was stale and changed nothing: it is
@@ -44,6 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import psycopg
+from sqlalchemy import TextClause
+from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
@@ -53,6 +59,7 @@ from .db import queries
 from .db.engine import describe, is_disconnect
 from .errors import ConfigurationError, LeaseLostError, PermanentError
 from .job import Job
+from .notify import Wakeup
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
 
@@ -95,55 +102,82 @@ def _clean(text: str) -> str:
 
 
 # --------------------------------------------------------------- job statements
+#
+# Each function takes either a SQLAlchemy ``Connection`` (tests, tools, the heartbeat) or a
+# bare psycopg ``Connection`` (the runner's dispatcher, which skips SQLAlchemy's per-statement
+# work on its hot path); the SQL is the same named statement of ``db/queries.py`` either way.
+
+Executor = Connection | psycopg.Connection[Any]
+
+_PSYCOPG_DIALECT = psycopg_dialect.dialect()
+_COMPILED: dict[int, str] = {}
+
+
+def _rows(conn: Executor, statement: TextClause, params: dict[str, Any]) -> list[Any]:
+    """Run ``statement`` on ``conn`` and return its rows (indexable by column position)."""
+    if isinstance(conn, psycopg.Connection):
+        sql = _COMPILED.get(id(statement))
+        if sql is None:  # statements are module constants: compile each once, for psycopg's paramstyle
+            sql = _COMPILED[id(statement)] = str(statement.compile(dialect=_PSYCOPG_DIALECT))
+        return conn.execute(sql, params).fetchall()
+    return list(conn.execute(statement, params).all())
 
 
 def job_from_row(row: Any, lease_seconds: float) -> Job:
-    """A :class:`Job` from a row returned by ``job_claim_many``."""
-    return Job(
-        id=row.id, event_id=row.event_id, consumer=row.consumer, topic=row.topic, key=row.key,
-        payload=row.payload, headers=row.headers or {}, attempt=row.attempts,
-        max_attempts=row.max_attempts, fence=row.fence, lease_seconds=lease_seconds,
-        event_created_at=row.event_created_at,
-    )
+    """A :class:`Job` from a row of ``job_claim_many`` (columns in its ``RETURNING`` order)."""
+    return Job(row[0], row[1], row[2], row[7], row[8], row[9], row[10] or {}, row[3], row[4], row[5],
+               lease_seconds, row[11])
 
 
-def claim_jobs(conn: Connection, leases: dict[str, float], limit: int, worker_id: str) -> list[Job]:
+def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
+    consumers = list(leases)
+    return {"consumers": consumers, "leases": [leases[c] for c in consumers], "limit": limit, "worker": worker_id}
+
+
+def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: str) -> list[Job]:
     """Claim up to ``limit`` due jobs of the consumers in ``leases`` (consumer -> lease
     seconds) in ``conn``'s transaction; the caller commits."""
-    consumers = list(leases)
-    rows = conn.execute(queries.job_claim_many, {
-        "consumers": consumers, "leases": [leases[c] for c in consumers],
-        "limit": limit, "worker": worker_id,
-    }).all()
-    return [job_from_row(r, leases[r.consumer]) for r in rows]
+    rows = _rows(conn, queries.job_claim_many, _claim_params(leases, limit, worker_id))
+    return [job_from_row(r, leases[r[2]]) for r in rows]
+
+
+def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
+                            worker_id: str) -> tuple[set[int], list[Job]]:
+    """Mark ``done`` completed (fenced) and claim up to ``limit`` due jobs, in one statement
+    (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
+    missing from the ids was a stale report and changed nothing."""
+    rows = _rows(conn, queries.job_complete_claim_many,
+                 {**_ids_fences(done), **_claim_params(leases, limit, worker_id)})
+    completed = {r[0] for r in rows if r[12]}
+    return completed, [job_from_row(r, leases[r[2]]) for r in rows if not r[12]]
 
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
     return {"ids": [j.id for j in jobs], "fences": [j.fence for j in jobs]}
 
 
-def heartbeat_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+def heartbeat_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
     """Renew the leases of ``jobs``; returns the fences of the claims still owned (fence and
     status match). Fences, not ids: one process may hold a job's old claim (its worker
     paused past the lease) and its new claim at once, and only the new one is owned."""
     if not jobs:
         return set()
     params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
-    return {r.fence for r in conn.execute(queries.job_heartbeat_many, params)}
+    return {r[1] for r in _rows(conn, queries.job_heartbeat_many, params)}
 
 
-def complete_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+def complete_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
     """Mark ``jobs`` done (fenced); returns the ids that changed."""
     if not jobs:
         return set()
-    return set(conn.execute(queries.job_complete_many, _ids_fences(jobs)).scalars())
+    return {r[0] for r in _rows(conn, queries.job_complete_many, _ids_fences(jobs))}
 
 
-def release_jobs(conn: Connection, jobs: list[Job]) -> set[int]:
+def release_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
     """Hand ``jobs`` back as ready now, attempt not counted (fenced); returns changed ids."""
     if not jobs:
         return set()
-    return set(conn.execute(queries.job_release_many, _ids_fences(jobs)).scalars())
+    return {r[0] for r in _rows(conn, queries.job_release_many, _ids_fences(jobs))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,16 +189,16 @@ class Failure:
     error: str
 
 
-def fail_jobs(conn: Connection, failures: list[tuple[Job, Failure]]) -> dict[int, str]:
+def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]]) -> dict[int, str]:
     """Record failed attempts (fenced); returns ``{id: new status}`` for rows that changed."""
     if not failures:
         return {}
-    rows = conn.execute(queries.job_fail_many, {
+    rows = _rows(conn, queries.job_fail_many, {
         "ids": [j.id for j, _ in failures], "fences": [j.fence for j, _ in failures],
         "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
         "errors": [f.error for _, f in failures],
-    }).all()
-    return {r.id: r.status for r in rows}
+    })
+    return {r[0]: r[1] for r in rows}
 
 
 # ------------------------------------------------------------------ the runner
@@ -197,12 +231,15 @@ class HandlerSession(Session):
 class JobRunner:
     """Claims and runs the jobs of ``registry``'s consumers until :meth:`stop` is called.
 
-    ``wake`` is set (by LISTEN or the router) when new jobs may be ready; polling every
-    ``settings.poll_interval`` seconds is the fallback.
+    ``wake`` is set (by LISTEN, the router or the reaper) when new jobs may be ready;
+    polling every ``settings.poll_interval`` seconds is the fallback. The runner holds up to
+    ``concurrency + prefetch`` claims whose handlers have not returned: ``concurrency``
+    running and up to ``prefetch`` waiting in a local buffer (their leases run from the
+    claim and are heartbeated like the running ones; on SIGTERM they are released at once).
     """
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
-                 worker_id: str, wake: threading.Event) -> None:
+                 worker_id: str, wake: Wakeup) -> None:
         self.engine = engine
         self.settings = settings
         self.worker_id = worker_id
@@ -214,29 +251,29 @@ class JobRunner:
         # Claims held, by fence: a fence names one claim, while a job id may be held twice
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
+        self._active = 0  # claims whose handler has not returned: buffered or running
         self._finishing: set[int] = set()  # fences whose outcome is being written
         self._released: set[int] = set()  # fences released at shutdown while their handler ran
         self._lock = threading.Lock()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
-        self._slot = threading.Event()
         self._stop_claiming = threading.Event()
         self._draining = threading.Event()
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._warned_return: set[str] = set()
+        self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
 
     # ------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
-        """Start the dispatcher, worker, completer and heartbeat threads (daemon threads,
-        so a handler stuck past the shutdown grace period cannot keep the process alive)."""
+        """Start the dispatcher, worker and heartbeat threads (daemon threads, so a handler
+        stuck past the shutdown grace period cannot keep the process alive)."""
         if not self.subscribers:
             return
         self._spawn("outbox-dispatcher", self._dispatch_loop)
         for n in range(self.settings.concurrency):
             self._spawn(f"outbox-worker-{n}", self._work_loop)
-        self._spawn("outbox-completer", self._complete_loop)
         self._spawn("outbox-heartbeat", self._heartbeat_loop)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
@@ -245,20 +282,19 @@ class JobRunner:
         self._threads.append(thread)
 
     def in_flight(self) -> int:
-        """Claims this runner holds: queued, running, or waiting for their outcome to be written."""
+        """Claims this runner holds: buffered, running, or waiting for their outcome to be written."""
         with self._lock:
             return len(self._inflight)
 
     def stop(self, grace: float, cut_short: threading.Event | None = None) -> None:
-        """Stop claiming; let running handlers finish for up to ``grace`` seconds (or until
-        ``cut_short`` is set); release (fenced) what is still held so other relays can
-        claim it at once; flush outcomes."""
+        """Stop claiming; release buffered claims at once; let running handlers finish for up
+        to ``grace`` seconds (or until ``cut_short`` is set); release (fenced) what is still
+        held so other relays can claim it at once; flush outcomes."""
         if not self._threads:
             return
         self._stop_claiming.set()
         self._draining.set()
-        self.wake.set()
-        self._slot.set()
+        self.wake.poke()
         deadline = time.monotonic() + grace
         while self.in_flight() and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
             time.sleep(0.02)
@@ -272,18 +308,19 @@ class JobRunner:
             self._todo.put(None)
         self._outcomes.put(None)
         self._stopped.set()
+        self.wake.poke()
         for thread in self._threads:
-            thread.join(timeout=max(0.5, deadline - time.monotonic()) if thread.name == "outbox-completer" else 0.05)
+            thread.join(timeout=max(0.5, deadline - time.monotonic()) if thread.name == "outbox-dispatcher" else 0.05)
 
     def _autocommit(self) -> Connection:
-        """A pooled connection on which each statement commits by itself: the claim, the
-        heartbeat and each outcome statement are single atomic statements, so an explicit
-        transaction would only add BEGIN and COMMIT round trips."""
+        """A pooled connection on which each statement commits by itself: the heartbeat and
+        the shutdown release are single atomic statements, so an explicit transaction would
+        only add BEGIN and COMMIT round trips."""
         return self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
     def _release_now(self, jobs: list[Job]) -> None:
         try:
-            with self.engine.begin() as conn:
+            with self._autocommit() as conn:
                 released = release_jobs(conn, jobs)
         except DBAPIError as exc:
             log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
@@ -292,37 +329,205 @@ class JobRunner:
         log.info("released %d jobs still running after the grace period", len(released))
         with self._lock:
             for job in jobs:
-                self._inflight.pop(job.fence, None)
-                self._released.add(job.fence)
+                if self._inflight.pop(job.fence, None) is not None:
+                    self._released.add(job.fence)
 
     # ------------------------------------------------------------- dispatcher
 
     def _dispatch_loop(self) -> None:
+        """Claim jobs and write outcomes, on one dedicated autocommit connection.
+
+        Each round takes every outcome the workers have posted and, when the buffer has
+        room, claims more: completions and the claim go in one statement
+        (``job_complete_claim_many``: one round trip, one commit); failures and releases,
+        which are rare, in their own fenced statements. A claim that found fewer due jobs
+        than it asked for marks the table drained: until a wake-up (NOTIFY, router,
+        reaper) or ``poll_interval`` passes, only rounds that write completions also claim.
+        """
         failures = 0
-        while not self._stop_claiming.is_set():
-            self._slot.clear()
-            free = self.settings.concurrency - self.in_flight()
-            if free <= 0:
-                self._slot.wait(self.settings.poll_interval)
+        drained_until = 0.0  # monotonic time before which a bare claim is not worth a round trip
+        carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
+        closing = False
+        while True:
+            batch = carry + self._take_outcomes()
+            if any(item is None for item in batch):
+                closing = True
+                batch = [item for item in batch if item is not None]
+            want = 0 if self._stop_claiming.is_set() else self._room()
+            has_done = any(o == _DONE for _, o in batch)
+            claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
+            if not batch and not claim:
+                if closing:
+                    break
+                timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
+                jobs_hint, _ = self.wake.wait(timeout or self.settings.poll_interval)
+                if jobs_hint or time.monotonic() >= drained_until:
+                    drained_until = 0.0
                 continue
-            want = min(free, self.settings.claim_batch)
             try:
-                with self._autocommit() as conn:
-                    jobs = claim_jobs(conn, self.leases, want, self.worker_id)
-                failures = _recovered(failures, "claim")
-            except DBAPIError as exc:
-                failures = _backoff(failures, "claim", exc, self.settings, self._stop_claiming)
+                claimed = self._round(batch, want if claim else 0)
+                failures = _recovered(failures, "claim and completion")
+                carry = []
+            except (DBAPIError, psycopg.Error) as exc:
+                self._drop_connection(exc)
+                if self._stopped.is_set() or (not is_disconnect(exc) and failures >= 3):
+                    # A closing relay, or an error that retrying will not fix: the leases
+                    # expire and the reaper hands the jobs out again (at-least-once).
+                    if batch:
+                        log.error("dropping %d outcomes (%s); the jobs return when their leases expire",
+                                  len(batch), describe(exc))
+                    self._forget(j for j, _ in batch)
+                    carry = []
+                    if closing:
+                        break
+                else:
+                    carry = batch
+                failures = _backoff(failures, "claim and completion", exc, self.settings, self._stopped)
                 continue
-            if jobs:
-                self.stats["claimed"] += len(jobs)
-                with self._lock:
-                    for job in jobs:
-                        self._inflight[job.fence] = job
-                for job in jobs:
-                    self._todo.put(job)
-            if len(jobs) < want:
-                self.wake.wait(self.settings.poll_interval)
-                self.wake.clear()
+            if claim and claimed < want:
+                drained_until = time.monotonic() + self.settings.poll_interval
+            elif claim:
+                drained_until = 0.0
+        self._close_connection()
+
+    def _take_outcomes(self) -> list[Any]:
+        batch: list[Any] = []
+        while len(batch) < 1000:
+            try:
+                batch.append(self._outcomes.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _room(self) -> int:
+        """How many jobs to claim now: room in the buffer, at most ``claim_batch``."""
+        limit = self.settings.concurrency + self.settings.prefetch
+        with self._lock:
+            return max(0, min(self.settings.claim_batch, limit - self._active))
+
+    def _worth_claiming(self, want: int) -> bool:
+        """A claim of its own (no completions to carry it) is worth its round trip when it
+        can take half a batch, or when a worker would otherwise sit idle."""
+        with self._lock:
+            idle = self._active < self.settings.concurrency
+        return idle or want >= max(1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        """The dispatcher's psycopg connection, checked out of the pool once and kept
+        (autocommit: every statement it runs is atomic by itself)."""
+        if self._conn is None:
+            raw = self.engine.raw_connection()
+            raw.driver_connection.autocommit = True
+            self._conn = raw
+        return self._conn.driver_connection
+
+    def _drop_connection(self, exc: BaseException) -> None:
+        """After an error: a broken connection is thrown away (the next round checks out a
+        new one); a healthy one, in autocommit, is kept."""
+        conn = self._conn
+        if conn is None:
+            return
+        driver = conn.driver_connection
+        if is_disconnect(exc) or driver is None or driver.closed or driver.broken:
+            self._conn = None
+            try:
+                conn.invalidate()
+            except Exception:  # noqa: BLE001 - it is being thrown away
+                pass
+
+    def _close_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _round(self, pending: list[tuple[Job, Any]], want: int) -> int:
+        """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
+        were claimed. Outcomes leave ``pending`` as their statement commits, so after an
+        error ``pending`` holds exactly what is still to write."""
+        # Each statement commits on its own (autocommit): each locks the rows it finishes in
+        # id order, and the claim skips locked rows, so with no transaction holding one
+        # statement's locks while the next one waits, none of them (nor a concurrent
+        # heartbeat) can deadlock. Each is fenced, so each alone is safe.
+        unwritten = [(j, o) for j, o in pending if j.lease_lost or o in (_STALE, _COMMITTED)]
+        if unwritten:
+            self.stats["completed"] += sum(1 for _, o in unwritten if o == _COMMITTED)
+            self._stale([j for j, o in unwritten if o != _COMMITTED])
+            self._settle(pending, unwritten)
+        done = [(j, o) for j, o in pending if o == _DONE]
+        claimed: list[Job] = []
+        if done or want:
+            conn = self._connection()
+            jobs = [j for j, _ in done]
+            if want:
+                completed, claimed = complete_and_claim_jobs(conn, jobs, self.leases, want, self.worker_id)
+                self._hold(claimed)
+            else:
+                completed = complete_jobs(conn, jobs)
+            self.stats["completed"] += len(completed)
+            self._stale([j for j in jobs if j.id not in completed])
+            self._settle(pending, done)
+        failed = [(j, o) for j, o in pending if isinstance(o, Failure)]
+        if failed:
+            statuses = fail_jobs(self._connection(), failed)
+            self._log_failures(failed, statuses)
+            self._stale([j for j, _ in failed if j.id not in statuses])
+            self._settle(pending, failed)
+        release = [(j, o) for j, o in pending if o == _RELEASE]
+        if release:
+            released = release_jobs(self._connection(), [j for j, _ in release])
+            self.stats["released"] += len(released)
+            self._stale([j for j, _ in release if j.id not in released])
+            self._settle(pending, release)
+        return len(claimed)
+
+    def _hold(self, jobs: list[Job]) -> None:
+        """Take newly claimed jobs into the buffer."""
+        if not jobs:
+            return
+        self.stats["claimed"] += len(jobs)
+        with self._lock:
+            self._active += len(jobs)
+            for job in jobs:
+                self._inflight[job.fence] = job
+        for job in jobs:
+            self._todo.put(job)
+
+    def _settle(self, pending: list[tuple[Job, Any]], written: list[tuple[Job, Any]]) -> None:
+        """Outcomes in ``written`` are recorded: drop them from ``pending`` and forget their claims."""
+        gone = {id(item) for item in written}
+        pending[:] = [item for item in pending if id(item) not in gone]
+        self._forget(j for j, _ in written)
+
+    def _stale(self, jobs: list[Job]) -> None:
+        """Log and count reports that changed nothing because the claim was no longer owned."""
+        for job in jobs:
+            if job.fence in self._released:
+                log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer)
+            else:
+                self.stats["stale"] += 1
+                log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job",
+                            job.id, job.consumer, job.fence)
+
+    def _log_failures(self, failed: list[tuple[Job, Failure]], statuses: dict[int, str]) -> None:
+        for job, failure in failed:
+            status = statuses.get(job.id)
+            if status == "dead":
+                self.stats["dead"] += 1
+                log.error("dead-lettered job %s (%s, event %s) after attempt %s/%s: %s", job.id, job.consumer,
+                          job.event_id, job.attempt, job.max_attempts, failure.error.splitlines()[0][:300])
+            elif status == "ready":
+                self.stats["retried"] += 1
+                log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", job.id, job.consumer, job.attempt,
+                         job.max_attempts, failure.delay, failure.error.splitlines()[0][:200])
+
+    def _forget(self, jobs: Any) -> None:
+        with self._lock:
+            for job in jobs:
+                self._inflight.pop(job.fence, None)
+                self._finishing.discard(job.fence)
 
     # ------------------------------------------------------------- workers
 
@@ -333,17 +538,24 @@ class JobRunner:
             if job is None:
                 break
             if self._draining.is_set() or job.lease_lost:
-                self._outcomes.put((job, _RELEASE))
+                self._post(job, _RELEASE)
                 continue
             sub = self.subscribers[job.consumer]
             if sub.is_async and loop is None:
                 loop = asyncio.new_event_loop()
             outcome = self._run_transactional(job, sub) if sub.transactional else self._run_lease_mode(job, sub, loop)
-            with self._lock:
-                self._finishing.add(job.fence)
-            self._outcomes.put((job, outcome))
+            self._post(job, outcome)
         if loop is not None:
             loop.close()
+
+    def _post(self, job: Job, outcome: Any) -> None:
+        """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
+        (the claim stays held, and heartbeated, until the outcome is written)."""
+        with self._lock:
+            self._active -= 1
+            self._finishing.add(job.fence)
+        self._outcomes.put((job, outcome))
+        self.wake.poke()
 
     def _run_lease_mode(self, job: Job, sub: Subscriber, loop: asyncio.AbstractEventLoop | None) -> Any:
         try:
@@ -409,78 +621,6 @@ class JobRunner:
             self._warned_return.add(sub.consumer)
             log.warning("handler of %s returned %s; the value is ignored (handlers return None)",
                         sub.consumer, type(result).__name__)
-
-    # ------------------------------------------------------------- completer
-
-    def _complete_loop(self) -> None:
-        failures = 0
-        while True:
-            item = self._outcomes.get()
-            batch = [item]
-            while len(batch) < 1000:
-                try:
-                    batch.append(self._outcomes.get_nowait())
-                except queue.Empty:
-                    break
-            closing = any(i is None for i in batch)
-            batch = [i for i in batch if i is not None]
-            while batch:
-                try:
-                    self._write_outcomes(batch)
-                    failures = _recovered(failures, "completion")
-                    break
-                except DBAPIError as exc:
-                    if self._stopped.is_set() or (not is_disconnect(exc) and failures >= 3):
-                        # A closing relay, or an error that retrying will not fix: the leases
-                        # expire and the reaper hands the jobs out again (at-least-once).
-                        log.error("dropping %d outcomes (%s); the jobs return when their leases expire",
-                                  len(batch), describe(exc))
-                        self._forget(j for j, _ in batch)
-                        break
-                    failures = _backoff(failures, "completion", exc, self.settings, None)
-            if closing:
-                return
-
-    def _write_outcomes(self, batch: list[tuple[Job, Any]]) -> None:
-        done = [j for j, o in batch if o == _DONE and not j.lease_lost]
-        failed = [(j, o) for j, o in batch if isinstance(o, Failure) and not j.lease_lost]
-        release = [j for j, o in batch if o == _RELEASE and not j.lease_lost]
-        # Each statement commits on its own (autocommit): each locks its rows in id order, so
-        # with no transaction holding one statement's locks while the next one waits, neither
-        # they nor a concurrent heartbeat can deadlock. Each is fenced, so each alone is safe.
-        with self._autocommit() as conn:
-            completed = complete_jobs(conn, done)
-            statuses = fail_jobs(conn, failed)
-            released = release_jobs(conn, release)
-        stale = [j for j in done if j.id not in completed] + [j for j, _ in failed if j.id not in statuses]
-        stale += [j for j, o in batch if o == _STALE or (j.lease_lost and o != _COMMITTED)]
-        released_here = [j for j in stale if j.fence in self._released]
-        stale = [j for j in stale if j.fence not in self._released]
-        for job in released_here:
-            log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer)
-        for job in stale:
-            log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job", job.id, job.consumer, job.fence)
-        for job, failure in failed:
-            status = statuses.get(job.id)
-            if status == "dead":
-                log.error("dead-lettered job %s (%s, event %s) after attempt %s/%s: %s", job.id, job.consumer,
-                          job.event_id, job.attempt, job.max_attempts, failure.error.splitlines()[0][:300])
-            elif status == "ready":
-                log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", job.id, job.consumer, job.attempt,
-                         job.max_attempts, failure.delay, failure.error.splitlines()[0][:200])
-        self.stats["completed"] += len(completed) + sum(1 for _, o in batch if o == _COMMITTED)
-        self.stats["retried"] += sum(1 for s in statuses.values() if s == "ready")
-        self.stats["dead"] += sum(1 for s in statuses.values() if s == "dead")
-        self.stats["stale"] += len(stale)
-        self.stats["released"] += len(released)
-        self._forget(j for j, _ in batch)
-
-    def _forget(self, jobs: Any) -> None:
-        with self._lock:
-            for job in jobs:
-                self._inflight.pop(job.fence, None)
-                self._finishing.discard(job.fence)
-        self._slot.set()
 
     # ------------------------------------------------------------- heartbeat
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
@@ -82,7 +83,7 @@ def is_disconnect(exc: BaseException) -> bool:
     """True when ``exc`` means the connection or the server went away (worth a retry)."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, OperationalError)
+    return isinstance(exc, (OperationalError, psycopg.OperationalError))
 
 
 def describe(exc: BaseException) -> str:

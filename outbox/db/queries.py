@@ -124,9 +124,8 @@ _JOB_COLUMNS = """
     e.topic, e.key, e.payload, e.headers, e.created_at AS event_created_at
 """
 
-job_claim_many: TextClause = text(
-    f"""
-    WITH wanted AS (
+_CLAIM_PICK = """
+    wanted AS (
         SELECT *
         FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
     ), picked AS (
@@ -139,6 +138,9 @@ job_claim_many: TextClause = text(
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     )
+"""
+
+_CLAIM_SET = f"""
     UPDATE outbox_jobs j
     SET status = 'running',
         attempts = j.attempts + 1,
@@ -152,8 +154,9 @@ job_claim_many: TextClause = text(
       AND w.consumer = j.consumer
       AND e.id = j.event_id
     RETURNING {_JOB_COLUMNS}
-    """
-)
+"""
+
+job_claim_many: TextClause = text(f"WITH {_CLAIM_PICK} {_CLAIM_SET}")
 """Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
 ``:consumers[i]``): ``running``, ``attempts + 1``, a new fence from ``outbox_fence_seq``,
 ``lease_until = now() + lease``. Returns the job and its event."""
@@ -186,20 +189,41 @@ job_heartbeat_many: TextClause = text(
 """Renew the leases of many running jobs in one statement. A claim (id, fence) missing
 from the result has lost its lease (reaped, re-claimed or released): its worker must stop."""
 
-job_complete_many: TextClause = text(
-    f"""
-    WITH args AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
-    ), {_LOCK_BY_ID}
+_COMPLETE_SET = """
     UPDATE outbox_jobs j
     SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
     RETURNING j.id
-    """
-)
+"""
+
+_ARGS_IDS_FENCES = """
+    args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+    )
+"""
+
+job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_COMPLETE_SET}")
 """Mark many jobs done, each only if it still holds the given fence and is running. Jobs
 missing from the result were stale reports and changed nothing."""
+
+job_complete_claim_many: TextClause = text(
+    f"""
+    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK},
+    claimed AS ({_CLAIM_SET})
+    SELECT c.*, false AS completed FROM claimed c
+    UNION ALL
+    SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
+    """
+)
+"""``job_complete_many`` and ``job_claim_many`` in one statement, so a runner that has
+finished jobs and wants more pays one round trip and one commit for both. Returns the
+claimed jobs (``completed`` false, columns as ``job_claim_many``) and one row per job
+completed (``completed`` true, only ``id`` set). Both halves keep their guarantees: the
+completion is fenced and locks its rows in id order; the claim only takes rows that were
+``ready`` in the statement's snapshot (never one being completed, which was ``running``)
+and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
+WITH": sub-statements run on one snapshot and must not update the same row twice)."""
 
 job_complete: TextClause = text(
     """
@@ -320,6 +344,28 @@ job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
 )
 
+# ------------------------------------------------------------------------ statistics
+
+job_table_reltuples: TextClause = text(
+    "SELECT greatest(reltuples, 0) FROM pg_class WHERE oid = CAST('outbox_jobs' AS regclass)"
+)
+"""Rows in ``outbox_jobs`` as of its last ANALYZE or VACUUM (``pg_class.reltuples``, an
+estimate); 0 when the table has never been analysed or vacuumed, which PostgreSQL 14 and
+later mark with -1 (PostgreSQL docs, "pg_class")."""
+
+lock_timeout_set_local: TextClause = text("SELECT set_config('lock_timeout', :timeout, true)")
+"""Until the end of the current transaction, give up waiting for a lock after ``:timeout``
+(text with a unit, e.g. ``'100ms'``) with SQLSTATE 55P03 (``lock_not_available``). Being
+transaction-local, it never outlives the transaction on a pooled connection."""
+
+job_table_analyze: TextClause = text("ANALYZE outbox_jobs")
+"""Refresh the planner's statistics of ``outbox_jobs`` (and ``reltuples``) from a sample of
+at most 300 x ``default_statistics_target`` rows. Takes a SHARE UPDATE EXCLUSIVE lock,
+which blocks neither reads nor writes of jobs but conflicts with (auto)vacuum, another
+ANALYZE of the table and schema changes ("Explicit Locking", "ANALYZE", PostgreSQL docs).
+Only the table's owner (or a superuser) may analyse it; for anyone else PostgreSQL skips
+the table with a warning, not an error."""
+
 # ---------------------------------------------------------------------------- schema
 
 schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")
@@ -338,9 +384,13 @@ event_insert: TextClause = text(
 event_insert_many: TextClause = text(
     """
     INSERT INTO outbox_events (topic, key, payload, headers)
-    SELECT * FROM unnest(CAST(:topics AS text[]), CAST(:keys AS text[]),
-                         CAST(:payloads AS jsonb[]), CAST(:headers AS jsonb[]))
+    SELECT e ->> 0, e ->> 1, e -> 2, e -> 3
+    FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS batch(e, position)
+    ORDER BY position
     RETURNING id
     """
 )
-"""Write many events in one statement, so one round trip whatever their number."""
+"""Write many events in one statement. ``:events`` is one JSON array of ``[topic, key,
+payload, headers]`` arrays (key ``null`` for none), validated by ``publish_many``; ids are
+drawn in array order. One JSON text rather than four array parameters: quoting every
+element into a text array and parsing it back cost more than the insert itself."""
