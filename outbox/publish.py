@@ -318,40 +318,66 @@ def publish_many(
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> Any:
-    """Write many events in one statement (one round trip) in ``session``'s transaction.
+    """Write many events in ``session``'s transaction: one statement (one round trip) for up
+    to 16 Mi characters of encoded events, one more for each further 16 Mi.
 
     ``events`` yields mappings with keys ``topic``, ``payload`` and optionally ``key`` and
     ``headers``, or tuples ``(topic, payload[, key[, headers]])``. Every event is validated
-    first: one bad event raises :class:`~outbox.errors.InvalidEventError` (its index in the
-    message) and none is written. Returns the new ids in insertion order (a ``list[int]``,
-    or an awaitable of it for async sessions).
+    first, by the rules of :func:`publish`: one bad event raises
+    :class:`~outbox.errors.InvalidEventError` (its index in the message) and none is written.
+    Returns the new ids in the order of ``events`` (a ``list[int]``, ascending, or an
+    awaitable of it for async sessions).
     """
-    drafts: list[_Row] = []
+    batches = _encode_many(events, max_payload_bytes)
+    if isinstance(session, (AsyncSession, AsyncConnection)):
+        return _publish_many_async(session, batches)
+    _check_session(session)
+    ids: list[int] = []
+    with _schema_hint():
+        for batch in batches:
+            ids.extend(session.execute(queries.event_insert_many, {"events": batch}).scalars())
+    return sorted(ids)  # ids are drawn in the order of events; RETURNING promises no order
+
+
+async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str]) -> list[int]:
+    ids: list[int] = []
+    with _schema_hint():
+        for batch in batches:
+            ids.extend((await session.execute(queries.event_insert_many, {"events": batch})).scalars())
+    return sorted(ids)
+
+
+#: Most characters of encoded events in one ``event_insert_many`` statement (an event larger
+#: than this goes alone). Keeps each statement's JSON document well below PostgreSQL's
+#: limits (256 MiB for a jsonb value, 1 GiB for a parameter).
+MANY_BATCH_CHARS = 16 * 1024 * 1024
+
+
+def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
+    """Validate every event, then return the ``:events`` documents of ``event_insert_many``:
+    JSON arrays of ``[topic, key, payload, headers]``, each of at most ``MANY_BATCH_CHARS``
+    characters unless one event alone is longer. Raises InvalidEventError for the first bad
+    event, naming ``events[index]``."""
+    batches: list[str] = []
+    rows: list[str] = []
+    size = 0
     for index, item in enumerate(events):
         fields = _fields(item)
         if fields is None:
             raise InvalidEventError(f"events[{index}]", "needs topic and payload, and only key and headers besides")
         try:
-            drafts.append(_validate(*fields, max_payload_bytes))
+            topic, key, payload, headers = _validate(*fields, max_payload_bytes)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-    topics, keys, payloads, headers = (list(column) for column in zip(*drafts)) if drafts else ([], [], [], [])
-    params = {"topics": topics, "keys": keys, "payloads": payloads, "headers": headers}
-    if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _publish_many_async(session, params, bool(drafts))
-    _check_session(session)
-    if not drafts:
-        return []
-    with _schema_hint():
-        return sorted(session.execute(queries.event_insert_many, params).scalars())
-
-
-async def _publish_many_async(session: AsyncSession | AsyncConnection, params: dict[str, Any], any_: bool) -> list[int]:
-    if not any_:
-        return []
-    with _schema_hint():
-        result = await session.execute(queries.event_insert_many, params)
-    return sorted(result.scalars())
+        row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}]'
+        if rows and size + len(row) > MANY_BATCH_CHARS:
+            batches.append(f"[{','.join(rows)}]")
+            rows, size = [], 0
+        rows.append(row)
+        size += len(row) + 1
+    if rows:
+        batches.append(f"[{','.join(rows)}]")
+    return batches
 
 
 _FIELD_NAMES = ("topic", "payload", "key", "headers")
