@@ -49,7 +49,7 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         d, b = e2e["default"], e2e["best"]
         cut = lambda r: f" ({r['capped']} of {len(r['runs'])} runs cut at {data['sizes']['e2e_cap']:.0f} s)" if r.get("capped") else ""  # noqa: E731
         out.append(("2 e2e", f"{d['runs'][0]['events']:,} events x 3 consumers, one relay at its defaults "
-                    "(concurrency 8, claim_batch 50)", f"{_n(d['jobs_per_s'])} jobs/s{cut(d)}", "", ""))
+                    "(concurrency 8, claim_batch 50, prefetch 50)", f"{_n(d['jobs_per_s'])} jobs/s{cut(d)}", "", ""))
         best = ", ".join(f"{k}={v}" for k, v in b["settings"].items())
         out.append(("2 e2e", f"{e2e['events']:,} events x 3 consumers, best settings of the sweep ({best})",
                     f"{_n(b['jobs_per_s'])} jobs/s{cut(b)}", "", ""))
@@ -57,9 +57,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             a = e2e["best_analyzed"]
             out.append(("2 e2e", f"same, statistics kept current (harness runs ANALYZE outbox_jobs every "
                         f"{a['analyze_every']:.0f} s)", f"{_n(a['jobs_per_s'])} jobs/s{cut(a)}", "", ""))
-        sw = " / ".join(f"{s['settings']['concurrency']}: {_n(s['jobs_per_s'])}" + ("*" if s.get("capped") else "")
-                        for s in e2e["sweep"])
-        out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: concurrency: jobs/s",
+        sw = " / ".join("/".join(str(s["settings"].get(k, "-")) for k in ("concurrency", "claim_batch", "prefetch"))
+                        + f": {_n(s['jobs_per_s'])}" + ("*" if s.get("capped") else "") for s in e2e["sweep"])
+        out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: "
+                    "concurrency/claim_batch/prefetch: jobs/s",
                     sw, "", ""))
         pl = e2e.get("paired_limit") or {}
         if pl.get("best_ratio"):

@@ -1,0 +1,203 @@
+"""The job runner's dispatcher: completions and the next claim in one statement, the
+prefetch buffer, and its own connection's recovery. Real PostgreSQL throughout."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg
+import sqlalchemy as sa
+
+from outbox import Job, Outbox
+from outbox.relay import Relay
+from outbox.testing import wait_for
+from outbox.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
+
+from .helpers import job_row, publish_events, routed_jobs
+
+TIMEOUT = 15
+LEASES = {"a": 30.0}
+
+
+def _statuses(engine: sa.Engine) -> dict[int, str]:
+    with engine.connect() as c:
+        return dict(c.execute(sa.text("SELECT id, status FROM outbox_jobs ORDER BY id")).all())
+
+
+def _psycopg(engine: sa.Engine) -> psycopg.Connection:
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    return psycopg.connect(url, autocommit=True)
+
+
+# ------------------------------------------------------------- the statement
+
+
+def test_complete_and_claim_completes_fenced_and_claims_in_claim_order(engine):
+    ids = routed_jobs(engine, "t", ["a"], n=6)
+    with engine.begin() as conn:
+        first = claim_jobs(conn, LEASES, 2, "w1")
+    assert [j.id for j in first] == ids[:2]
+    with _psycopg(engine) as conn:  # the runner's path: a bare psycopg connection, autocommit
+        completed, claimed = complete_and_claim_jobs(conn, first, LEASES, 3, "w1")
+    assert completed == set(ids[:2])
+    assert [j.id for j in claimed] == ids[2:5]
+    assert all(j.fence > max(f.fence for f in first) for j in claimed)
+    assert len({j.fence for j in claimed}) == 3
+    assert [j.attempt for j in claimed] == [1, 1, 1] and all(j.payload == {"n": i} for i, j in
+                                                             zip(range(2, 5), claimed))
+    assert _statuses(engine) == {ids[0]: "done", ids[1]: "done", ids[2]: "running", ids[3]: "running",
+                                 ids[4]: "running", ids[5]: "ready"}
+    for job in claimed:
+        row = job_row(engine, job.id)
+        assert (row["fence"], row["locked_by"], row["attempts"]) == (job.fence, "w1", 1)
+
+
+def test_complete_and_claim_with_a_stale_fence_changes_nothing_but_still_claims(engine):
+    ids = routed_jobs(engine, "t", ["a"], n=3)
+    with engine.begin() as conn:
+        [old] = claim_jobs(conn, LEASES, 1, "w1")
+        complete_jobs(conn, [old])
+    before = job_row(engine, old.id)
+    with engine.begin() as conn:  # the SQLAlchemy path runs the same statement
+        completed, claimed = complete_and_claim_jobs(conn, [old], LEASES, 5, "w2")
+    assert completed == set()
+    assert job_row(engine, old.id) == before
+    assert [j.id for j in claimed] == ids[1:]
+
+
+def test_complete_and_claim_never_claims_the_rows_it_completes(engine):
+    """Both halves run on one snapshot: a job completed by the statement was running in it,
+    so the claim cannot take it, even when it asks for every job there is."""
+    ids = routed_jobs(engine, "t", ["a"], n=4)
+    with engine.begin() as conn:
+        held = claim_jobs(conn, LEASES, 4, "w1")
+    with _psycopg(engine) as conn:
+        completed, claimed = complete_and_claim_jobs(conn, held, LEASES, 100, "w1")
+    assert completed == set(ids) and claimed == []
+    assert set(_statuses(engine).values()) == {"done"}
+
+
+# ------------------------------------------------------------- prefetch buffer
+
+
+def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_on_stop(engine, settings):
+    ob = Outbox()
+    gate = threading.Event()
+    running: list[Job] = []
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        running.append(job)
+        gate.wait(TIMEOUT)
+
+    publish_events(engine, "t", [{"n": i} for i in range(40)])
+    relay = Relay(ob, settings(concurrency=2, prefetch=5, claim_batch=50, shutdown_grace=0.5))
+    relay.start()
+    try:
+        wait_for(lambda: len(running) == 2, timeout=TIMEOUT, what="both workers busy")
+        wait_for(lambda: list(_statuses(engine).values()).count("running") == 7, timeout=TIMEOUT,
+                 what="2 running + 5 buffered claims")
+        assert relay.runner.in_flight() == 7
+        with engine.connect() as c:
+            buffered = list(c.execute(sa.text(
+                "SELECT id FROM outbox_jobs WHERE status = 'running' AND id <> ALL(:ids)"),
+                {"ids": [j.id for j in running]}).scalars())
+    finally:
+        relay.stop()  # grace 0.5 s: the two running handlers are still blocked
+        gate.set()
+    assert len(buffered) == 5
+    # Every claim still held at shutdown went back at once, attempt not counted.
+    for job_id in buffered + [j.id for j in running]:
+        row = job_row(engine, job_id)
+        assert (row["status"], row["attempts"], row["lease_until"]) == ("ready", 0, None), row
+
+
+def test_buffered_jobs_are_heartbeated(engine, settings):
+    ob = Outbox()
+    gate = threading.Event()
+
+    @ob.subscriber("t", consumer="a", lease=1.5)
+    def handler(job: Job) -> None:
+        gate.wait(TIMEOUT)
+
+    publish_events(engine, "t", [{"n": i} for i in range(4)])
+    relay = Relay(ob, settings(concurrency=1, prefetch=3))
+    relay.start()
+    try:
+        wait_for(lambda: list(_statuses(engine).values()).count("running") == 4, timeout=TIMEOUT,
+                 what="1 running + 3 buffered")
+        with engine.connect() as c:
+            first = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
+
+        def renewed() -> bool:
+            with engine.connect() as c:
+                now = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
+            return all(now[i] is not None and now[i] > first[i] for i in first)
+
+        # Lease 1.5 s, heartbeat every 0.5 s: within 3 s every claim, buffered ones included,
+        # has been renewed, and the reaper (every 0.2 s) has taken none back.
+        wait_for(renewed, timeout=TIMEOUT, what="every held lease renewed")
+        assert relay.stats["reaped"] == 0
+        gate.set()
+        wait_for(lambda: set(_statuses(engine).values()) == {"done"}, timeout=TIMEOUT, what="all done")
+        with engine.connect() as c:
+            attempts = set(c.execute(sa.text("SELECT attempts FROM outbox_jobs")).scalars())
+        assert attempts == {1}
+    finally:
+        gate.set()
+        relay.stop()
+
+
+def test_prefetch_zero_claims_only_for_idle_workers(engine, settings):
+    ob = Outbox()
+    gate = threading.Event()
+    running: list[Job] = []
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        running.append(job)
+        gate.wait(TIMEOUT)
+
+    publish_events(engine, "t", [{"n": i} for i in range(10)])
+    relay = Relay(ob, settings(concurrency=3, prefetch=0))
+    relay.start()
+    try:
+        wait_for(lambda: len(running) == 3, timeout=TIMEOUT, what="three workers busy")
+        relay.wake_workers.set()  # a wake-up must not make it claim past its idle workers
+        wait_for(lambda: relay.runner.in_flight() == 3, timeout=TIMEOUT, what="three claims")
+        assert list(_statuses(engine).values()).count("running") == 3
+    finally:
+        gate.set()
+        relay.stop()
+    wait_for(lambda: set(_statuses(engine).values()) <= {"done", "ready"}, timeout=TIMEOUT, what="settled")
+
+
+# ------------------------------------------------------------- its connection
+
+
+def test_dispatcher_reconnects_when_its_connection_is_terminated(engine, settings, caplog):
+    caplog.set_level(logging.INFO)
+    ob = Outbox()
+    done: list[int] = []
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        done.append(job.id)
+
+    relay = Relay(ob, settings(concurrency=2))
+    relay.start()
+    try:
+        publish_events(engine, "t", [{"n": 1}])
+        wait_for(lambda: len(done) == 1, timeout=TIMEOUT, what="first job")
+        with engine.connect() as c:  # end every session of the relay, the dispatcher's included
+            killed = c.execute(sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND application_name = 'outbox-relay'")).scalar_one()
+        assert killed >= 1
+        publish_events(engine, "t", [{"n": i} for i in range(2, 12)])
+        wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(_statuses(engine)) == 11,
+                 timeout=TIMEOUT, what="jobs published after the kill done")
+    finally:
+        relay.stop()
+    assert len(done) == len(set(done)) == 11  # none ran twice: no completion was lost
