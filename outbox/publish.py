@@ -360,7 +360,7 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
     event, naming ``events[index]``."""
     batches: list[str] = []
     rows: list[str] = []
-    size = 0
+    size = 1  # of the document so far: "[" and each row with its "," or "]"
     for index, item in enumerate(events):
         fields = _fields(item)
         if fields is None:
@@ -370,9 +370,9 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
         row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}]'
-        if rows and size + len(row) > MANY_BATCH_CHARS:
+        if rows and size + len(row) + 1 > MANY_BATCH_CHARS:
             batches.append(f"[{','.join(rows)}]")
-            rows, size = [], 0
+            rows, size = [], 1
         rows.append(row)
         size += len(row) + 1
     if rows:

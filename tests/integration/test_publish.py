@@ -10,6 +10,7 @@ import datetime as dt
 import decimal
 import enum
 import math
+import sys
 import types
 import uuid
 from collections.abc import Iterator
@@ -312,6 +313,70 @@ def test_publish_many_malformed_item(engine, bad, field):
             publish_many(s, [bad])
     assert info.value.field == field
     assert stored(engine) == []
+
+
+SAME_AS_PUBLISH = [
+    ("order.placed", {"order_id": 4, "total": 25.5, "items": ["a", ("b", None)]}, "order:4", {"trace": "abc"}),
+    ('q"uote\\back\tslash', {"s": 'q"\\\u2028\u2029\x01\x1f\x7f', "": ""}, 'k"\\', {"h": [1, {"x": None}]}),
+    ("ünïcödé 🙂", "ÆØÅ 🙂", "ключ", None),
+    ("big", {"int": 10**999, "neg": -(10**999), "tiny": 5e-324, "max": 1.7976931348623157e308, "neg0": -0.0}, None, None),
+    ("scalars", None, None, {}),
+    ("scalars", True, "k", None),
+    ("scalars", 0, "k", None),
+    ("scalars", "", "k", None),
+    ("scalars", [], "k", None),
+    ("literal.escape", {"a": "\\u0000", "b": "\\\\u0000"}, None, None),
+    ("deep", nested(MAX_DEPTH, kind="dict"), None, None),
+]
+
+
+def test_publish_many_stores_what_publish_stores(engine):
+    """Each event, written by publish and by publish_many, is the same row (topic, key,
+    payload and headers), whatever characters and numbers it holds."""
+    events = [*SAME_AS_PUBLISH, (Color.RED, {"c": Color.RED, "s": Size.L}, Color.RED, types.MappingProxyType({"m": 1}))]
+    with Session(engine) as s, s.begin():
+        single = [publish(s, *event) for event in events]
+        many = publish_many(s, events)
+        many_dicts = publish_many(s, [dict(zip(("topic", "payload", "key", "headers"), e)) for e in events])
+    rows = {r["id"]: (r["topic"], r["key"], r["payload"], r["headers"]) for r in stored(engine)}
+    assert len(rows) == 3 * len(events)
+    assert [rows[i] for i in many] == [rows[i] for i in single] == [rows[i] for i in many_dicts]
+    assert rows[single[0]] == ("order.placed", "order:4",
+                               {"order_id": 4, "total": 25.5, "items": ["a", ["b", None]]}, {"trace": "abc"})
+    assert rows[single[3]][2]["int"] == 10**999
+    assert rows[single[9]][2] == {"a": "\\u0000", "b": "\\\\u0000"}
+    assert rows[single[-1]] == ("red", "red", {"c": "red", "s": 3}, {"m": 1})
+
+
+def test_publish_many_past_the_batch_size_is_several_statements_of_one_transaction(engine, listener, monkeypatch):
+    publish_module = sys.modules["outbox.publish"]
+    monkeypatch.setattr(publish_module, "MANY_BATCH_CHARS", 200)
+    events = [("bulk", {"n": n, "pad": "x" * (n % 7) * 20}, f"k{n}") for n in range(60)]
+    with Session(engine) as s, s.begin():
+        s.execute(sa.text("SELECT 1"))
+        with StatementCounter(engine) as counter:
+            ids = publish_many(s, events)
+        assert len(counter.statements) > 5, counter.statements
+        savepoint = s.begin_nested()
+        publish_many(s, events)
+        savepoint.rollback()  # every statement of it undone
+        assert channels_until_probe(listener, engine) == ["outbox_test_probe"]  # nothing before commit
+    assert channels_until_probe(listener, engine) == [EVENTS_CHANNEL, "outbox_test_probe"]
+    rows = stored(engine)
+    assert ids == sorted(ids) == [r["id"] for r in rows]
+    assert [(r["topic"], r["payload"], r["key"]) for r in rows] == [(t, p, k) for t, p, k in events]
+
+
+def test_publish_many_past_the_batch_size_async(engine, async_engine, monkeypatch):
+    monkeypatch.setattr(sys.modules["outbox.publish"], "MANY_BATCH_CHARS", 100)
+
+    async def scenario() -> list[int]:
+        async with AsyncSession(async_engine) as s, s.begin():
+            return await publish_many(s, [("as.bulk", {"n": n}) for n in range(40)])
+
+    ids = asyncio.run(scenario())
+    rows = stored(engine)
+    assert ids == [r["id"] for r in rows] and [r["payload"]["n"] for r in rows] == list(range(40))
 
 
 def test_publish_many_empty_is_no_statement(engine):

@@ -11,6 +11,7 @@ import decimal
 import enum
 import json
 import math
+import sys
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -28,8 +29,11 @@ from outbox.publish import (
     MAX_KEY_LENGTH,
     MAX_NAME_LENGTH,
     EventDraft,
+    _encode_many,
     make_event,
 )
+
+publish_module = sys.modules["outbox.publish"]  # outbox.publish the attribute is the function
 
 # ------------------------------------------------------------- the reference walk
 
@@ -286,3 +290,71 @@ def test_plain_payload_encodes_compact_and_keeps_non_ascii() -> None:
                        headers={"trace": "abc"})
     assert draft == EventDraft("order.placed", "order:4", '{"id":4,"name":"ünï 🙂","tags":["a","b"],"x":0.1}',
                                '{"trace":"abc"}')
+
+
+# ------------------------------------------------------------------ publish_many
+
+
+def ref_publish_many_drafts(events: Any, max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> list[EventDraft]:
+    """The validation loop of publish_many as it was, on the reference make_event."""
+    drafts = []
+    for index, item in enumerate(events):
+        fields = dict(item) if isinstance(item, Mapping) else dict(zip(("topic", "payload", "key", "headers"), item))
+        unknown = set(fields) - {"topic", "payload", "key", "headers"}
+        if unknown or "topic" not in fields or "payload" not in fields:
+            raise InvalidEventError(f"events[{index}]", "needs topic and payload, and only key and headers besides")
+        try:
+            drafts.append(ref_make_event(max_payload_bytes=max_payload_bytes, **fields))
+        except InvalidEventError as exc:
+            raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
+    return drafts
+
+
+def ref_document(drafts: list[EventDraft]) -> str:
+    def string(value: str | None) -> str:
+        return json.dumps(value, ensure_ascii=False)
+    return "[" + ",".join(f"[{string(d.topic)},{string(d.key)},{d.payload},{d.headers}]" for d in drafts) + "]"
+
+
+items = st.one_of(
+    st.tuples(names, payloads),
+    st.tuples(names, payloads, st.one_of(st.none(), names)),
+    st.tuples(names, payloads, st.one_of(st.none(), names), st.one_of(st.none(), json_like)),
+    st.tuples(names, payloads, st.none(), st.none(), st.integers()),  # a fifth item is ignored, as it always was
+    st.tuples(names),
+    st.tuples(names, payloads).map(list),
+    st.fixed_dictionaries({"topic": names, "payload": payloads},
+                          optional={"key": st.one_of(st.none(), names), "headers": st.one_of(st.none(), json_like),
+                                    "extra": st.none()}),
+    st.fixed_dictionaries({"payload": payloads}),
+    st.fixed_dictionaries({"topic": names, "payload": payloads}).map(types.MappingProxyType),
+)
+# Mostly valid events, so that batches of several events get through.
+good_items = st.tuples(st.sampled_from(["order.placed", "a", "ünï", 'q"uote\\']),
+                       st.one_of(st.none(), st.integers(), st.dictionaries(st.text(max_size=5), st.integers())),
+                       st.one_of(st.none(), st.text(min_size=1, max_size=8).filter(str.strip)))
+
+
+@settings(max_examples=800, deadline=None)
+@given(events=st.lists(st.one_of(good_items, good_items, good_items, items), max_size=6))
+def test_publish_many_same_as_reference(events: list[Any]) -> None:
+    """Same first refusal, and else one document holding exactly the reference's encoding."""
+    new = outcome(_encode_many, events, DEFAULT_MAX_PAYLOAD_BYTES)
+    old = outcome(ref_publish_many_drafts, events)
+    assert new[0] == old[0], (new, old)
+    if old[0] == "refused":
+        assert new == old
+    else:
+        assert new[1] == ([ref_document(old[1])] if events else [])
+
+
+def test_publish_many_splits_documents_past_the_batch_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(publish_module, "MANY_BATCH_CHARS", 100)
+    events = [("t", "x" * n, f"k{n}") for n in (10, 20, 30, 300, 10, 10, 10, 10)]  # rows of 27 to 318 characters
+    documents = _encode_many(events, DEFAULT_MAX_PAYLOAD_BYTES)
+    batches = [json.loads(d) for d in documents]
+    assert [len(b) for b in batches] == [2, 1, 1, 3, 1]  # as many as fit in 100 characters; the long one alone
+    assert [row for b in batches for row in b] == [[t, k, p, {}] for t, p, k in events]
+    assert max(len(d) for d, b in zip(documents, batches) if len(b) > 1) <= 100
+    for document, following in zip(documents, batches[1:]):  # each document is as full as it can be
+        assert len(document) + len(json.dumps(following[0], separators=(",", ":"))) + 1 > 100
