@@ -33,6 +33,7 @@ import psycopg._cursor_base
 import psycopg.generators
 import sqlalchemy as sa
 
+from outbox import worker
 from outbox.db import queries
 from outbox.relay import Relay
 from outbox.settings import OutboxSettings
@@ -52,6 +53,7 @@ class RoundTrips:
         self.statements: collections.Counter[str] = collections.Counter()
         self.rows: collections.Counter[str] = collections.Counter()
         self._originals = (psycopg.generators.execute, psycopg._cursor_base.execute)
+        self._rows_of = worker._rows
 
     def install(self) -> None:
         original = self._originals[0]
@@ -64,8 +66,24 @@ class RoundTrips:
         psycopg.generators.execute = counted
         psycopg._cursor_base.execute = counted
 
+        # The dispatcher runs the job statements on a bare psycopg connection, past
+        # SQLAlchemy's events: name those where the runner sends them.
+        rows_of = worker._rows
+        names = {id(v): k for k, v in vars(queries).items() if isinstance(v, sa.TextClause)}
+        statements, rows = self.statements, self.rows
+
+        def named(conn: Any, statement: Any, params: Any) -> Any:
+            result = rows_of(conn, statement, params)
+            if isinstance(conn, psycopg.Connection) and threading.current_thread().name.startswith("outbox-"):
+                statements[names.get(id(statement), "?")] += 1
+                rows[names.get(id(statement), "?")] += len(result)
+            return result
+
+        worker._rows = named
+
     def uninstall(self) -> None:
         psycopg.generators.execute, psycopg._cursor_base.execute = self._originals
+        worker._rows = self._rows_of
 
     def watch(self, eng: sa.Engine) -> None:
         @sa.event.listens_for(eng, "after_cursor_execute")

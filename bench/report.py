@@ -172,10 +172,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 continue
             t, c, e = prof[tag]["round_trips"], prof[tag]["cpu"], prof[tag]["e2e"]
             st = t["statements"]
-            claim, done = st.get("job_claim_many", {}), st.get("job_complete_many", {})
-            out.append(("profile", f"{tag} settings: round trips per job (jobs per claim / per completion)",
-                        f"{t['round_trips_per_job']:.2f} ({claim.get('rows_per_call', 0):.1f} / "
-                        f"{done.get('rows_per_call', 0):.1f})", "", ""))
+            calls = ", ".join(f"{k} {v['calls']} x {v['rows_per_call']:.0f} rows" for k, v in st.items()
+                              if k.startswith("job_") and v["calls"])
+            out.append(("profile", f"{tag} settings: round trips per job; job statements (calls x rows per call)",
+                        f"{t['round_trips_per_job']:.3f}; {calls}", "", ""))
             if "threads" in c:
                 pk = ", ".join(f"{k} {v:.0%}" for k, v in list(c["self_by_package"].items())[:4])
                 out.append(("profile", f"{tag} settings: CPU per job relay / database; relay Python time by package",
