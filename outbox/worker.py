@@ -349,6 +349,8 @@ class JobRunner:
         carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
         closing = False
         while True:
+            if self._draining.is_set():
+                self._release_buffered()
             batch = carry + self._take_outcomes()
             if any(item is None for item in batch):
                 closing = True
@@ -389,6 +391,19 @@ class JobRunner:
             elif claim:
                 drained_until = 0.0
         self._close_connection()
+
+    def _release_buffered(self) -> None:
+        """Shutting down: hand back every claim still waiting in the buffer now, rather than
+        when a worker comes free (busy workers may not, within the grace period)."""
+        while True:
+            try:
+                job = self._todo.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:  # a worker's stop sentinel: leave it for the workers
+                self._todo.put(None)
+                return
+            self._post(job, _RELEASE)
 
     def _take_outcomes(self) -> list[Any]:
         batch: list[Any] = []

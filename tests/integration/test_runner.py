@@ -113,6 +113,39 @@ def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_
         assert (row["status"], row["attempts"], row["lease_until"]) == ("ready", 0, None), row
 
 
+def test_stop_releases_the_buffer_at_once_while_handlers_still_run(engine, settings):
+    ob = Outbox()
+    gate = threading.Event()
+    running: list[Job] = []
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        running.append(job)
+        gate.wait(TIMEOUT)
+
+    publish_events(engine, "t", [{"n": i} for i in range(10)])
+    relay = Relay(ob, settings(concurrency=2, prefetch=4, shutdown_grace=TIMEOUT))
+    relay.start()
+    stopper = threading.Thread(target=relay.stop)
+    try:
+        wait_for(lambda: list(_statuses(engine).values()).count("running") == 6, timeout=TIMEOUT,
+                 what="2 running + 4 buffered claims")
+        stopper.start()  # the grace period outlasts this test's waits: the handlers stay blocked
+        wait_for(lambda: list(_statuses(engine).values()).count("running") == 2, timeout=TIMEOUT / 2,
+                 what="the 4 buffered claims released while both handlers still run")
+        assert stopper.is_alive() and len(running) == 2
+        for job_id, status in _statuses(engine).items():
+            if status != "running":
+                assert (status, job_row(engine, job_id)["attempts"]) == ("ready", 0)
+    finally:
+        gate.set()
+        if stopper.ident:
+            stopper.join(TIMEOUT)
+        else:
+            relay.stop()
+    assert set(_statuses(engine).values()) <= {"done", "ready"}
+
+
 def test_buffered_jobs_are_heartbeated(engine, settings):
     ob = Outbox()
     gate = threading.Event()
