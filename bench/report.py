@@ -27,7 +27,7 @@ def machine(data: dict[str, Any]) -> str:
     f = data["facts"]
     return (f"{f['cpu']}, {f['cpus']} CPUs, {f.get('mem_gb')} GB; PostgreSQL {f['server_version']} "
             f"(synchronous_commit={f['synchronous_commit']}, shared_buffers={f['shared_buffers']}, "
-            f"fsync={f['fsync']}, jit={f['jit']}); Python {f['python']}; load average before "
+            f"fsync={f['fsync']}, autovacuum={f.get('autovacuum')}, jit={f['jit']}); Python {f['python']}; load average before "
             f"{'/'.join(f'{x:.2f}' for x in f['load_before'])}, after "
             f"{'/'.join(f'{x:.2f}' for x in data.get('load_after', (0, 0, 0)))}")
 
