@@ -9,7 +9,9 @@ is skipped rather than overwritten; the completion's own fence check then decide
 Pruner: deletes done jobs older than ``retention_done`` seconds, then events older than
 ``retention_events`` seconds that have no job left. Dead jobs are never pruned: they wait
 for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
-batches, so pruning never holds long locks.
+batches, so pruning never holds long locks. When the server's autovacuum is off (for the
+server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
+round, and says so once at start.
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def prune(conn: Connection, done_older_than: float, events_older_than: float,
     jobs = conn.execute(queries.job_prune_done_many, {"older_than": done_older_than, "limit": limit}).rowcount
     events = conn.execute(queries.event_prune_many, {"older_than": events_older_than, "limit": limit}).rowcount
     return jobs, events
+
+
+def autovacuum_enabled(conn: Connection) -> bool:
+    """True when the server's autovacuum will visit ``outbox_jobs`` (on globally, not off
+    for the table)."""
+    return bool(conn.execute(queries.autovacuum_enabled).scalar_one())
+
+
+def vacuum_tables(conn: Connection) -> None:
+    """``VACUUM`` ``outbox_jobs`` and ``outbox_events`` (``conn`` must be in autocommit).
+    The relay does this after pruning only when autovacuum is off: a queue's table turns
+    over every row it holds many times a minute, and without vacuum its dead rows, and
+    with them every index and every claim's scan, grow without bound."""
+    conn.execute(queries.job_tables_vacuum)
 
 
 def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100) -> list[Any]:

@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError
 from .db import queries
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
-from .maintenance import prune, reap_expired
+from .maintenance import autovacuum_enabled, prune, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
 from .registry import Outbox
 from .router import StatisticsKeeper, route_batch
@@ -105,7 +105,9 @@ class Relay:
         self._maintain = maintain
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
-                                      "reaped": 0, "reaped_dead": 0, "pruned_jobs": 0, "pruned_events": 0}
+                                      "reaped": 0, "reaped_dead": 0, "pruned_jobs": 0, "pruned_events": 0,
+                                      "vacuums": 0}
+        self._warned_autovacuum = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -200,6 +202,18 @@ class Relay:
                 self.wake_router.wait(self.settings.poll_interval)
                 self.wake_router.clear()
 
+    def _vacuum_if_autovacuum_is_off(self) -> None:
+        """Vacuum the queue's tables when autovacuum will not (see :mod:`outbox.maintenance`)."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            if autovacuum_enabled(conn):
+                return
+            if not self._warned_autovacuum:
+                self._warned_autovacuum = True
+                log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
+                            "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
+            vacuum_tables(conn)
+        self.stats["vacuums"] += 1
+
     def _maintenance_loop(self) -> None:
         failures = 0
         next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
@@ -218,6 +232,7 @@ class Relay:
                     self.stats["pruned_events"] += events
                     if jobs or events:
                         log.info("pruned %d done jobs and %d finished events", jobs, events)
+                    self._vacuum_if_autovacuum_is_off()
                     next_prune = time.monotonic() + self.settings.prune_interval
                 failures = _recovered(failures, "maintenance")
             except DBAPIError as exc:

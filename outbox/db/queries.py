@@ -366,6 +366,23 @@ ANALYZE of the table and schema changes ("Explicit Locking", "ANALYZE", PostgreS
 Only the table's owner (or a superuser) may analyse it; for anyone else PostgreSQL skips
 the table with a warning, not an error."""
 
+autovacuum_enabled: TextClause = text(
+    """
+    SELECT current_setting('autovacuum') = 'on'
+       AND coalesce((SELECT option_value::bool FROM pg_options_to_table(c.reloptions)
+                     WHERE option_name = 'autovacuum_enabled'), true)
+    FROM pg_class c WHERE c.oid = CAST('outbox_jobs' AS regclass)
+    """
+)
+"""True when autovacuum will visit ``outbox_jobs``: on for the server and not turned off for
+the table (PostgreSQL docs, "The Autovacuum Daemon" and "Storage Parameters")."""
+
+job_tables_vacuum: TextClause = text("VACUUM (SKIP_LOCKED) outbox_jobs, outbox_events")
+"""Reclaim the dead rows that every job leaves (an insert, two updates and a delete) and
+that pruning leaves in both tables, so the queue's table stays the size of its live
+rows. ``SKIP_LOCKED`` (PostgreSQL 12+) skips a table another vacuum or ANALYZE is
+working on instead of waiting. Cannot run inside a transaction block: autocommit only."""
+
 # ---------------------------------------------------------------------------- schema
 
 schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")

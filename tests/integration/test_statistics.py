@@ -204,3 +204,28 @@ def test_keeper_survives_a_database_without_the_table(empty_db_url):
         assert (keeper.analyzed, keeper.skipped, keeper.failed) == (0, 0, 1)
     finally:
         engine.dispose()
+
+
+def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, settings, caplog):
+    """With autovacuum off for ``outbox_jobs`` the dead rows of finished and pruned jobs
+    would pile up for ever: the relay's maintenance loop vacuums after each pruning round."""
+    _no_autovacuum(engine)
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    _publish(engine, 2000)
+    relay = Relay(ob, settings(retention_done=0, prune_interval=0.5))
+    caplog.set_level("WARNING", logger="outbox.relay")
+    relay.start()
+    try:
+        wait_for(lambda: relay.stats["pruned_jobs"] == 2000 and relay.stats["vacuums"] >= 2, timeout=30,
+                 what="jobs done and pruned, then a vacuum")
+    finally:
+        relay.stop()
+
+    def vacuumed() -> bool:  # the server's own count: the VACUUM really ran on outbox_jobs
+        with engine.connect() as conn:
+            return conn.execute(sa.text(
+                "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'outbox_jobs'")).scalar_one() >= 1
+
+    wait_for(vacuumed, timeout=10, what="pg_stat_user_tables to count the relay's VACUUM")
+    assert any("autovacuum is off for outbox_jobs" in r.getMessage() for r in caplog.records)
