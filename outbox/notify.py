@@ -54,6 +54,8 @@ class Wakeup:
 
     def poke(self) -> None:
         """An outcome (or a stop) wants the dispatcher's attention."""
+        if self._poked:  # already pending: the dispatcher takes every queued outcome when it wakes
+            return
         with self._cond:
             self._poked = True
             self._cond.notify_all()

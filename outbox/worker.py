@@ -356,7 +356,7 @@ class JobRunner:
                 closing = True
                 batch = [item for item in batch if item is not None]
             want = 0 if self._stop_claiming.is_set() else self._room()
-            has_done = any(o == _DONE for _, o in batch)
+            has_done = any(o is _DONE for _, o in batch)
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
             if not batch and not claim:
                 if closing:
@@ -466,36 +466,50 @@ class JobRunner:
         # id order, and the claim skips locked rows, so with no transaction holding one
         # statement's locks while the next one waits, none of them (nor a concurrent
         # heartbeat) can deadlock. Each is fenced, so each alone is safe.
-        unwritten = [(j, o) for j, o in pending if j.lease_lost or o in (_STALE, _COMMITTED)]
+        unwritten: list[tuple[Job, Any]] = []
+        done: list[Job] = []
+        failed: list[tuple[Job, Failure]] = []
+        release: list[Job] = []
+        for item in pending:
+            job, outcome = item
+            if job.lease_lost or outcome is _STALE or outcome is _COMMITTED:
+                unwritten.append(item)
+            elif outcome is _DONE:
+                done.append(job)
+            elif outcome is _RELEASE:
+                release.append(job)
+            else:
+                failed.append(item)
         if unwritten:
-            self.stats["completed"] += sum(1 for _, o in unwritten if o == _COMMITTED)
-            self._stale([j for j, o in unwritten if o != _COMMITTED])
-            self._settle(pending, unwritten)
-        done = [(j, o) for j, o in pending if o == _DONE]
+            self.stats["completed"] += sum(1 for _, o in unwritten if o is _COMMITTED)
+            self._stale([j for j, o in unwritten if o is not _COMMITTED])
+            self._forget(j for j, _ in unwritten)
+        pending[:] = [(j, _DONE) for j in done] + failed + [(j, _RELEASE) for j in release]
         claimed: list[Job] = []
         if done or want:
             conn = self._connection()
-            jobs = [j for j, _ in done]
             if want:
-                completed, claimed = complete_and_claim_jobs(conn, jobs, self.leases, want, self.worker_id)
+                completed, claimed = complete_and_claim_jobs(conn, done, self.leases, want, self.worker_id)
                 self._hold(claimed)
             else:
-                completed = complete_jobs(conn, jobs)
+                completed = complete_jobs(conn, done)
             self.stats["completed"] += len(completed)
-            self._stale([j for j in jobs if j.id not in completed])
-            self._settle(pending, done)
-        failed = [(j, o) for j, o in pending if isinstance(o, Failure)]
+            if len(completed) < len(done):
+                self._stale([j for j in done if j.id not in completed])
+            self._forget(done)
+            del pending[:len(done)]
         if failed:
             statuses = fail_jobs(self._connection(), failed)
             self._log_failures(failed, statuses)
             self._stale([j for j, _ in failed if j.id not in statuses])
-            self._settle(pending, failed)
-        release = [(j, o) for j, o in pending if o == _RELEASE]
+            self._forget(j for j, _ in failed)
+            del pending[:len(failed)]
         if release:
-            released = release_jobs(self._connection(), [j for j, _ in release])
+            released = release_jobs(self._connection(), release)
             self.stats["released"] += len(released)
-            self._stale([j for j, _ in release if j.id not in released])
-            self._settle(pending, release)
+            self._stale([j for j in release if j.id not in released])
+            self._forget(release)
+            del pending[:]
         return len(claimed)
 
     def _hold(self, jobs: list[Job]) -> None:
@@ -509,12 +523,6 @@ class JobRunner:
                 self._inflight[job.fence] = job
         for job in jobs:
             self._todo.put(job)
-
-    def _settle(self, pending: list[tuple[Job, Any]], written: list[tuple[Job, Any]]) -> None:
-        """Outcomes in ``written`` are recorded: drop them from ``pending`` and forget their claims."""
-        gone = {id(item) for item in written}
-        pending[:] = [item for item in pending if id(item) not in gone]
-        self._forget(j for j, _ in written)
 
     def _stale(self, jobs: list[Job]) -> None:
         """Log and count reports that changed nothing because the claim was no longer owned."""
