@@ -26,8 +26,23 @@ transaction, as separate processes would be. Hypothesis interleaves:
 The model predicts every column of every job: status, fence, attempts, max_attempts,
 priority, locked_by, last_error, and the timestamps (run_at, lease_until, finished_at,
 updated_at, created_at) from the database clock of the operation's own transaction
-(``SELECT now()`` in it), so which jobs a claim picks (``priority, run_at, id`` among due
-ready jobs) is predicted too.
+(``SELECT now()`` in it), and which jobs a claim picks (``priority, run_at, id`` among due
+ready jobs).
+
+Determinism: every precondition and every draw depends only on the model, and only on what
+in it follows from earlier draws, never on the database's clock or on an order the database
+does not promise (hypothesis replays and extends examples by their draws; a draw or a set of
+runnable rules that differs between two runs of one prefix is a ``FlakyStrategyDefinition``).
+So the rules decide on the model's own clock, not on timestamps: which ready jobs are due
+and their queue order come from the step whose transaction set ``run_at`` (a transient
+failure with an hour's delay is not due), and which leases have run out from the pauses
+(a ``lapsed`` flag, cleared by a claim or heartbeat), not from comparing ``lease_until`` with
+``now()``. A worker holds the jobs of each claim in id order, not in the order of the claim
+statement's ``RETURNING``, which changes with the plan and the heap layout (so with
+(auto)vacuum and analyze timing, which is what varies under load); that order, and with it
+which job got which fence, is not predicted. Each of these choices is checked against the database:
+its clock gives the same due jobs in the same order and the same expired leases, and routing
+gives a batch's jobs ids in (event, consumer) order.
 
 Checked after every operation: its result equals the prediction (jobs claimed, the fences
 they got, the ids completed or released, each failed job's new status, the fences still owned
@@ -124,6 +139,11 @@ class ModelJob:
     lease_until: dt.datetime | None = None
     finished_at: dt.datetime | None = None
     last_error: str | re.Pattern[str] | None = None  # exact text, or the reaper's note as a pattern
+    # Not columns: what the rules decide on instead of comparing database timestamps (see the
+    # module docstring). run_step: the step whose transaction set run_at (None: an hour ahead,
+    # not due in this example); lapsed: a pause moved the lease of this claim into the past.
+    run_step: int | None = 0
+    lapsed: bool = False
 
     def row(self) -> dict[str, Any]:
         return {c: getattr(self, c) for c in COLUMNS}
@@ -161,7 +181,7 @@ class JobLifecycle(RuleBasedStateMachine):
         self.fence_seen: dict[int, int] = {}
         self.errors = 0
         self.redeclared = 0
-        self.clock = dt.datetime.min.replace(tzinfo=dt.timezone.utc)  # the latest database now() seen
+        self.step = 0  # transactions run so far: the model's clock, ticking with the database's
         self._rows: dict[int, dict[str, Any]] | None = {}
 
     # ------------------------------------------------------------------ plumbing
@@ -177,10 +197,10 @@ class JobLifecycle(RuleBasedStateMachine):
         """Run ``op(conn, now)`` in a transaction of its own; returns its value, the
         transaction's ``now()`` and the job rows before and after."""
         before = self.rows()
+        self.step += 1
         with self.engine.begin() as conn:
             now = db_now(conn)
             value = op(conn, now)
-        self.clock = now
         self._rows = None
         return value, now, before, self.rows()
 
@@ -285,13 +305,16 @@ class JobLifecycle(RuleBasedStateMachine):
         pairs = {(e, c) for e in batch for c in TOPICS[self.unrouted[e]]}
         assert (result.events, result.jobs, result.unsubscribed) == (
             len(batch), len(pairs), sum(1 for e in batch if not TOPICS[self.unrouted[e]]))
-        new = {i: after[i] for i in set(after) - set(before)}
+        new = {i: after[i] for i in sorted(set(after) - set(before))}
         assert {(r["event_id"], r["consumer"]) for r in new.values()} == pairs and len(new) == len(pairs)
+        # Which job gets which id decides claim order among equals, so it must not vary from
+        # one replay to the next: the statement inserts in (event, consumer) order.
+        assert [(r["event_id"], r["consumer"]) for r in new.values()] == sorted(pairs), "route: job id order"
         for job_id, row in new.items():
             max_attempts, priority = self.subs[row["consumer"]]
             self.jobs[job_id] = ModelJob(id=job_id, event_id=row["event_id"], consumer=row["consumer"],
                                          priority=priority, max_attempts=max_attempts,
-                                         created_at=now, run_at=now, updated_at=now)
+                                         created_at=now, run_at=now, updated_at=now, run_step=self.step)
         for e in batch:
             del self.unrouted[e]
         with self.engine.connect() as conn:
@@ -314,11 +337,22 @@ class JobLifecycle(RuleBasedStateMachine):
             return claim_jobs(conn, leases, limit, worker), last + 1 if called else last
 
         (jobs, next_fence), now, before, after = self.run(op)
+        # Due and queue order from the model's steps; the same from the database clock, or
+        # the model's clock has lost step with it (e.g. the clock stepped back).
         due = sorted((m for m in self.jobs.values()
-                      if m.status == "ready" and m.consumer in leases and m.run_at <= now),
-                     key=lambda m: (m.priority, m.run_at, m.id))
+                      if m.status == "ready" and m.consumer in leases and m.run_step is not None),
+                     key=lambda m: (m.priority, m.run_step, m.id))
+        by_clock = sorted((m for m in self.jobs.values()
+                           if m.status == "ready" and m.consumer in leases and m.run_at <= now),
+                          key=lambda m: (m.priority, m.run_at, m.id))
+        assert [m.id for m in by_clock] == [m.id for m in due], "due jobs: database clock != model steps"
         expected = due[:limit]
         assert sorted(j.id for j in jobs) == sorted(m.id for m in expected), f"{worker} claimed the wrong jobs"
+        # RETURNING order (so which job got which fence) varies with the plan and the heap
+        # layout, which vacuum timing changes: the worker holds its claims in id order, which
+        # the model knows, so that the claims a later draw picks by index are the same ones on
+        # every replay.
+        jobs = sorted(jobs, key=lambda j: j.id)
         assert sorted(j.fence for j in jobs) == list(range(next_fence, next_fence + len(jobs)))
         assert all(j.fence > self.max_fence for j in jobs), "a claim reused a fence"
         for job in jobs:
@@ -326,7 +360,7 @@ class JobLifecycle(RuleBasedStateMachine):
             assert (job.event_id, job.consumer, job.attempt, job.max_attempts, job.lease_seconds) == (
                 m.event_id, m.consumer, m.attempts + 1, m.max_attempts, LEASES[m.consumer])
             m.status, m.attempts, m.fence, m.locked_by = "running", m.attempts + 1, job.fence, worker
-            m.lease_until, m.updated_at = now + dt.timedelta(seconds=LEASES[m.consumer]), now
+            m.lease_until, m.updated_at, m.lapsed = now + dt.timedelta(seconds=LEASES[m.consumer]), now, False
             self.max_fence = max(self.max_fence, job.fence)
         self.held[worker].extend(jobs)
         self.assert_only_changed(before, after, {j.id for j in jobs}, "claim")
@@ -342,7 +376,7 @@ class JobLifecycle(RuleBasedStateMachine):
         assert owned == {j.fence for j in valid}, f"heartbeat of {worker}: owned fences"
         for job in valid:
             m = self.jobs[job.id]
-            m.lease_until, m.updated_at = now + dt.timedelta(seconds=job.lease_seconds), now
+            m.lease_until, m.updated_at, m.lapsed = now + dt.timedelta(seconds=job.lease_seconds), now, False
         self.assert_only_changed(before, after, {j.id for j in valid}, "heartbeat", self.stale_ids(batch))
 
     @precondition(lambda self: self.holding())
@@ -370,6 +404,7 @@ class JobLifecycle(RuleBasedStateMachine):
         job = held.pop(data.draw(st.integers(0, len(held) - 1), label="claim"))
         valid = self.valid(job)
         before = self.rows()
+        self.step += 1
         with self.engine.connect() as conn:
             tx = conn.begin()
             now = db_now(conn)
@@ -415,6 +450,7 @@ class JobLifecycle(RuleBasedStateMachine):
                 m.finished_at = now
             else:
                 m.run_at, m.finished_at = now + dt.timedelta(seconds=failure.delay), None
+                m.run_step = self.step if failure.delay == 0 else None
         assert statuses == expected, f"fail of {worker}"
         self.assert_only_changed(before, after, expected, "fail", stale)
         self.freeze(after, [i for i, s in expected.items() if s == "dead"])
@@ -455,7 +491,7 @@ class JobLifecycle(RuleBasedStateMachine):
 
         _, now, before, after = self.run(op)
         for job in owned:
-            self.jobs[job.id].lease_until = now - dt.timedelta(seconds=1)
+            self.jobs[job.id].lease_until, self.jobs[job.id].lapsed = now - dt.timedelta(seconds=1), True
         self.assert_only_changed(before, after, {j.id for j in owned}, "pause")
         if then:
             self.check_invariants_now()
@@ -473,18 +509,21 @@ class JobLifecycle(RuleBasedStateMachine):
 
     # ------------------------------------------------------------ maintenance
 
-    @precondition(lambda self: any(m.status == "running" and m.lease_until < self.clock for m in self.jobs.values()))
+    @precondition(lambda self: any(m.status == "running" and m.lapsed for m in self.jobs.values()))
     @rule()
     def reap(self) -> None:
-        """The reaper, whenever some lease has run out (the jobs with live leases must stay)."""
+        """The reaper, whenever some lease has run out (the jobs with live leases must stay).
+        Which ones have: those a pause made lapse, and by the database clock the same ones."""
         result, now, before, after = self.run(lambda conn, now: reap_expired(conn))
-        expired = [m for m in self.jobs.values() if m.status == "running" and m.lease_until < now]
+        expired = [m for m in self.jobs.values() if m.status == "running" and m.lapsed]
+        by_clock = [m for m in self.jobs.values() if m.status == "running" and m.lease_until < now]
+        assert by_clock == expired, "expired leases: database clock != pauses"
         dead = [m for m in expired if m.attempts >= m.max_attempts]
         assert (result.retried, result.dead) == (len(expired) - len(dead), len(dead)), "reaper counts"
         for m in expired:
             m.last_error = _reaper_note(m)
             m.status = "dead" if m in dead else "ready"
-            m.run_at, m.lease_until, m.updated_at = now, None, now
+            m.run_at, m.lease_until, m.updated_at, m.run_step, m.lapsed = now, None, now, self.step, False
             m.finished_at = now if m in dead else None
         self.assert_only_changed(before, after, {m.id for m in expired}, "reap")
         self.freeze(after, [m.id for m in dead])
@@ -505,6 +544,7 @@ class JobLifecycle(RuleBasedStateMachine):
         for job_id in expected:
             m = self.jobs[job_id]
             m.status, m.attempts, m.run_at, m.finished_at, m.updated_at = "ready", 0, now, None, now
+            m.run_step = self.step
             del self.frozen[job_id]
         self.assert_only_changed(before, after, expected, "redrive")
 
