@@ -148,7 +148,10 @@ class Relay:
     def run(self) -> int:
         """Start, then block until SIGTERM or SIGINT; drain and return exit status 0.
         Signals are handled from before start-up, so a SIGTERM that arrives while the relay
-        is starting still drains and exits 0."""
+        is starting (connecting, registering subscriptions) still drains and exits 0. One
+        that arrives earlier, while Python is still importing the package (the first second
+        or so of an ``outbox-relay`` process on a slow machine, before any database work),
+        ends the process with the default action (exit status 143)."""
         grace_over = threading.Event()
 
         def on_signal(signum: int, frame: FrameType | None) -> None:

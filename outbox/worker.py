@@ -489,7 +489,10 @@ class JobRunner:
         if done or want:
             conn = self._connection()
             if want:
+                sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
                 completed, claimed = complete_and_claim_jobs(conn, done, self.leases, want, self.worker_id)
+                for job in claimed:
+                    job._lease_bound = sent + job.lease_seconds
                 self._hold(claimed)
             else:
                 completed = complete_jobs(conn, done)
@@ -561,6 +564,14 @@ class JobRunner:
             if job is None:
                 break
             if self._draining.is_set() or job.lease_lost:
+                self._post(job, _RELEASE)
+                continue
+            if time.monotonic() >= job._lease_bound:
+                # It waited in the buffer past its lease (the process was paused, or starved):
+                # another relay may already run it. Do not start it; hand it back (fenced: a
+                # no-op if it was reaped or re-claimed meanwhile).
+                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
+                            job.id, job.consumer, job.fence)
                 self._post(job, _RELEASE)
                 continue
             sub = self.subscribers[job.consumer]
@@ -655,6 +666,7 @@ class JobRunner:
                 jobs = [j for j in self._inflight.values() if not j.lease_lost]
             if not jobs:
                 continue
+            sent = time.monotonic()
             try:
                 with self._autocommit() as conn:
                     owned = heartbeat_jobs(conn, jobs)
@@ -662,6 +674,9 @@ class JobRunner:
             except DBAPIError as exc:
                 failures = _backoff(failures, "heartbeat", exc, self.settings, self._stopped, wait=False)
                 continue
+            for job in jobs:
+                if job.fence in owned:
+                    job._lease_bound = sent + job.lease_seconds
             with self._lock:
                 lost = [j for j in jobs
                         if j.fence not in owned and j.fence in self._inflight and j.fence not in self._finishing]

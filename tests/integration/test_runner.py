@@ -234,3 +234,40 @@ def test_dispatcher_reconnects_when_its_connection_is_terminated(engine, setting
     finally:
         relay.stop()
     assert len(done) == len(set(done)) == 11  # none ran twice: no completion was lost
+
+
+def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, settings, caplog):
+    """A job that waited in the buffer past its lease (the process was paused, say) may
+    already be someone else's: the worker does not start it; it hands it back (fenced,
+    attempt not counted) and the job runs later under a new claim."""
+    caplog.set_level(logging.WARNING)
+    ob = Outbox()
+    gate = threading.Event()
+    seen: list[tuple[int, int, int]] = []  # (job id, fence, attempt) of every handler start
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        seen.append((job.id, job.fence, job.attempt))
+        if job.payload["n"] == 0:
+            gate.wait(TIMEOUT)
+
+    publish_events(engine, "t", [{"n": 0}])
+    relay = Relay(ob, settings(concurrency=1, prefetch=3))
+    relay.start()
+    try:
+        wait_for(lambda: len(seen) == 1, timeout=TIMEOUT, what="the first job blocking the only worker")
+        publish_events(engine, "t", [{"n": 1}])
+        wait_for(lambda: relay.runner.in_flight() == 2, timeout=TIMEOUT, what="the second job in the buffer")
+        with relay.runner._lock:  # as if the process had been paused past the buffered job's lease
+            [buffered] = [j for j in relay.runner._inflight.values() if j.payload["n"] == 1]
+        buffered._lease_bound = 0.0
+        gate.set()
+        wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(seen) == 2, timeout=TIMEOUT,
+                 what="both jobs done")
+    finally:
+        gate.set()
+        relay.stop()
+    second = [s for s in seen if s[0] == buffered.id]
+    assert len(second) == 1 and second[0][1] > buffered.fence  # never started under the stale claim
+    assert second[0][2] == 1  # the hand-back did not count an attempt
+    assert any(f"fence {buffered.fence} not started" in r.getMessage() for r in caplog.records)
