@@ -4,7 +4,7 @@ Public API::
 
     from outbox import Outbox, Job, publish, publish_many, fenced_write, PermanentError
 
-See ``DESIGN.md``-derived docs in ``docs/architecture.md`` for the guarantees.
+See ``docs/architecture.md`` for the guarantees.
 """
 
 from .errors import (

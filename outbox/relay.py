@@ -117,8 +117,9 @@ class Relay:
             with self.engine.connect() as conn:
                 check_schema(conn)
             register_subscriptions(self.engine, self.registry, self.settings)
-        log.info("relay started: worker %s, consumers %s, concurrency %d, database %s", self.worker_id,
-                 self.registry.consumers or "none", self.settings.concurrency, redact(self.url))
+        log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s",
+                 self.worker_id, self.registry.consumers or "none", self.settings.concurrency,
+                 self.settings.prefetch, self.settings.claim_batch, redact(self.url))
         if self.listener:
             self.listener.start()
         if self._route:

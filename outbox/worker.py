@@ -16,7 +16,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 
 Every write that changes a claimed job names its fence and requires ``status='running'``;
 a row that does not come back means the report was stale and changed nothing: it is
-dropped and logged (DESIGN.md, "Lifecycle" 4-5).
+dropped and logged (docs/architecture.md, "Statements").
 
 Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
 (reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``

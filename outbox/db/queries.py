@@ -1,6 +1,6 @@
 """Every runtime statement of outbox, by name: noun first, batch forms end in ``_many``.
 
-Rules every job-changing statement here keeps (DESIGN.md, "Lifecycle"):
+Rules every job-changing statement here keeps (docs/architecture.md):
 
 * Time comes from the database clock (``now()``), never from the worker; durations are
   passed in seconds and turned into intervals by ``make_interval``.

@@ -20,7 +20,7 @@ from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
 #: outbox's own alembic version table (outbox/migrations/env.py, a script, not importable).
 VERSION_TABLE = "outbox_alembic_version"
 
-#: The partial indexes of DESIGN.md ("Tables"), as PostgreSQL prints them.
+#: The partial indexes of the design (docs/architecture.md, "Tables"), as PostgreSQL prints them.
 PARTIAL_INDEXES = {
     "ix_outbox_events_unrouted": "ON public.outbox_events USING btree (id) WHERE (routed_at IS NULL)",
     "ix_outbox_events_routed_at": "ON public.outbox_events USING btree (routed_at) WHERE (routed_at IS NOT NULL)",
