@@ -30,6 +30,20 @@ def _psycopg(engine: sa.Engine) -> psycopg.Connection:
     return psycopg.connect(url, autocommit=True)
 
 
+def _blocking_app() -> tuple[Outbox, threading.Event, list[Job]]:
+    """Consumer ``a`` on ``t`` whose handler records its job and blocks until the gate opens."""
+    ob = Outbox()
+    gate = threading.Event()
+    running: list[Job] = []
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        running.append(job)
+        gate.wait(TIMEOUT)
+
+    return ob, gate, running
+
+
 # ------------------------------------------------------------- the statement
 
 
@@ -82,15 +96,7 @@ def test_complete_and_claim_never_claims_the_rows_it_completes(engine):
 
 
 def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_on_stop(engine, settings):
-    ob = Outbox()
-    gate = threading.Event()
-    running: list[Job] = []
-
-    @ob.subscriber("t", consumer="a")
-    def handler(job: Job) -> None:
-        running.append(job)
-        gate.wait(TIMEOUT)
-
+    ob, gate, running = _blocking_app()
     publish_events(engine, "t", [{"n": i} for i in range(40)])
     relay = Relay(ob, settings(concurrency=2, prefetch=5, claim_batch=50, shutdown_grace=0.5))
     relay.start()
@@ -114,15 +120,7 @@ def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_
 
 
 def test_stop_releases_the_buffer_at_once_while_handlers_still_run(engine, settings):
-    ob = Outbox()
-    gate = threading.Event()
-    running: list[Job] = []
-
-    @ob.subscriber("t", consumer="a")
-    def handler(job: Job) -> None:
-        running.append(job)
-        gate.wait(TIMEOUT)
-
+    ob, gate, running = _blocking_app()
     publish_events(engine, "t", [{"n": i} for i in range(10)])
     relay = Relay(ob, settings(concurrency=2, prefetch=4, shutdown_grace=TIMEOUT))
     relay.start()
@@ -183,15 +181,7 @@ def test_buffered_jobs_are_heartbeated(engine, settings):
 
 
 def test_prefetch_zero_claims_only_for_idle_workers(engine, settings):
-    ob = Outbox()
-    gate = threading.Event()
-    running: list[Job] = []
-
-    @ob.subscriber("t", consumer="a")
-    def handler(job: Job) -> None:
-        running.append(job)
-        gate.wait(TIMEOUT)
-
+    ob, gate, running = _blocking_app()
     publish_events(engine, "t", [{"n": i} for i in range(10)])
     relay = Relay(ob, settings(concurrency=3, prefetch=0))
     relay.start()
