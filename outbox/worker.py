@@ -68,6 +68,10 @@ log = logging.getLogger("outbox.worker")
 #: Longest ``last_error`` kept, in characters (type + message + traceback).
 MAX_ERROR_CHARS = 8192
 MAX_MESSAGE_CHARS = 2048
+#: Longest a dispatcher claims after its hint (the key of the last job it claimed) before it
+#: claims from the head of the ready jobs again, seconds: how long a job that sorts before
+#: the hint (released, retried early, more urgent) may wait behind a backlog.
+HINT_SECONDS = 1.0
 #: SQLSTATE of "terminating connection due to idle-in-transaction timeout".
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 
@@ -141,15 +145,33 @@ def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: 
     return [job_from_row(r, leases[r[2]]) for r in rows]
 
 
+#: The lowest claim-order key (priority, run_at, id): a claim "after" it starts at the head.
+HEAD_KEY: tuple[int, Any, int] = (-32768, "-infinity", 0)
+
+
 def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
                             worker_id: str) -> tuple[set[int], list[Job]]:
     """Mark ``done`` completed (fenced) and claim up to ``limit`` due jobs, in one statement
     (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
     missing from the ids was a stale report and changed nothing."""
-    rows = _rows(conn, queries.job_complete_claim_many,
-                 {**_ids_fences(done), **_claim_params(leases, limit, worker_id)})
-    completed = {r[0] for r in rows if r[12]}
-    return completed, [job_from_row(r, leases[r[2]]) for r in rows if not r[12]]
+    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None)
+    return completed, claimed
+
+
+def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
+                             worker_id: str, after: tuple[int, Any, int] | None,
+                             ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
+    """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
+    (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
+    also returns the key of the last job it claimed (None when it claimed none)."""
+    key = after or HEAD_KEY
+    rows = _rows(conn, queries.job_complete_claim_many, {
+        **_ids_fences(done), **_claim_params(leases, limit, worker_id),
+        "after_priority": key[0], "after_run_at": key[1], "after_id": key[2]})
+    completed = {r[0] for r in rows if r[14]}
+    claimed = [r for r in rows if not r[14]]
+    last = max(((r[12], r[13], r[0]) for r in claimed), default=None)
+    return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last
 
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
@@ -262,6 +284,11 @@ class JobRunner:
         self._stopped = threading.Event()
         self._threads: list[threading.Thread] = []
         self._warned_return: set[str] = set()
+        # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
+        # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
+        self._hint: tuple[int, Any, int] | None = None
+        self._hint_until = 0.0
+        self._hint_short = False
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
 
     # ------------------------------------------------------------- lifecycle
@@ -386,7 +413,7 @@ class JobRunner:
                     carry = batch
                 failures = _backoff(failures, "claim and completion", exc, self.settings, self._stopped)
                 continue
-            if claim and claimed < want:
+            if claim and claimed < want and not self._hint_short:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
                 drained_until = 0.0
@@ -490,7 +517,15 @@ class JobRunner:
             conn = self._connection()
             if want:
                 sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
-                completed, claimed = complete_and_claim_jobs(conn, done, self.leases, want, self.worker_id)
+                hinted = self._hint is not None and time.monotonic() < self._hint_until
+                completed, claimed, last = complete_and_claim_after(
+                    conn, done, self.leases, want, self.worker_id, self._hint if hinted else None)
+                if not hinted:
+                    self._hint_until = time.monotonic() + HINT_SECONDS
+                # Found fewer than asked after the hint: there may be ready jobs before it
+                # (released, retried early, more urgent); the next claim starts at the head.
+                self._hint_short = hinted and len(claimed) < want
+                self._hint = None if self._hint_short else last
                 for job in claimed:
                     job._lease_bound = sent + job.lease_seconds
                 self._hold(claimed)

@@ -124,7 +124,7 @@ _JOB_COLUMNS = """
     e.topic, e.key, e.payload, e.headers, e.created_at AS event_created_at
 """
 
-_CLAIM_PICK = """
+_CLAIM_PICK_TEMPLATE = """
     wanted AS (
         SELECT *
         FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
@@ -133,14 +133,16 @@ _CLAIM_PICK = """
         FROM outbox_jobs
         WHERE status = 'ready'
           AND run_at <= now()
-          AND consumer = ANY (CAST(:consumers AS text[]))
+          AND consumer = ANY (CAST(:consumers AS text[])){after}
         ORDER BY priority, run_at, id
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     )
 """
 
-_CLAIM_SET = f"""
+_CLAIM_PICK = _CLAIM_PICK_TEMPLATE.format(after="")
+
+_CLAIM_SET_TEMPLATE = f"""
     UPDATE outbox_jobs j
     SET status = 'running',
         attempts = j.attempts + 1,
@@ -153,8 +155,9 @@ _CLAIM_SET = f"""
       AND j.status = 'ready'
       AND w.consumer = j.consumer
       AND e.id = j.event_id
-    RETURNING {_JOB_COLUMNS}
+    RETURNING {_JOB_COLUMNS}{{more}}
 """
+_CLAIM_SET = _CLAIM_SET_TEMPLATE.format(more="")
 
 job_claim_many: TextClause = text(f"WITH {_CLAIM_PICK} {_CLAIM_SET}")
 """Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
@@ -207,19 +210,28 @@ job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_
 """Mark many jobs done, each only if it still holds the given fence and is running. Jobs
 missing from the result were stale reports and changed nothing."""
 
+_CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(after="""
+          AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
+                                        CAST(:after_id AS bigint))""")
+
 job_complete_claim_many: TextClause = text(
     f"""
-    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK},
-    claimed AS ({_CLAIM_SET})
+    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER},
+    claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")})
     SELECT c.*, false AS completed FROM claimed c
     UNION ALL
-    SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
+    SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
     """
 )
 """``job_complete_many`` and ``job_claim_many`` in one statement, so a runner that has
 finished jobs and wants more pays one round trip and one commit for both. Returns the
 claimed jobs (``completed`` false, columns as ``job_claim_many``) and one row per job
-completed (``completed`` true, only ``id`` set). Both halves keep their guarantees: the
+completed (``completed`` true, only ``id`` set); claimed rows also carry ``priority`` and
+``run_at``: with ``id``, the claim-order key. The claim starts after the key
+``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
+at the head): a runner that remembers the last key it claimed skips the index entries of
+the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
+(docs/performance.md). Both halves keep their guarantees: the
 completion is fenced and locks its rows in id order; the claim only takes rows that were
 ``ready`` in the statement's snapshot (never one being completed, which was ``running``)
 and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in

@@ -4,6 +4,7 @@ prefetch buffer, and its own connection's recovery. Real PostgreSQL throughout."
 from __future__ import annotations
 
 import logging
+import time
 import threading
 
 import psycopg
@@ -261,3 +262,47 @@ def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, s
     assert len(second) == 1 and second[0][1] > buffered.fence  # never started under the stale claim
     assert second[0][2] == 1  # the hand-back did not count an attempt
     assert any(f"fence {buffered.fence} not started" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------- claim-order hint
+
+
+def test_claim_after_a_key_skips_what_sorts_before_it(engine):
+    from outbox.worker import complete_and_claim_after, release_jobs
+
+    ids = routed_jobs(engine, "t", ["a"], n=6)
+    with _psycopg(engine) as conn:
+        _, first, last = complete_and_claim_after(conn, [], LEASES, 2, "w1", None)
+        assert [j.id for j in first] == ids[:2] and last[2] == ids[1]
+        release_jobs(conn, first[:1])  # ready again, and it sorts before the key
+        _, after, last = complete_and_claim_after(conn, [], LEASES, 10, "w1", last)
+        assert [j.id for j in after] == ids[2:] and last[2] == ids[5]
+        _, head, _ = complete_and_claim_after(conn, [], LEASES, 10, "w1", None)
+        assert [j.id for j in head] == ids[:1]
+
+
+def test_a_more_urgent_job_is_claimed_from_the_head_while_a_backlog_runs_after_the_hint(engine, settings):
+    """The dispatcher claims after the last key it claimed, and from the head at least every
+    HINT_SECONDS: a job that sorts before its hint waits at most that long behind a backlog."""
+    ob = Outbox()
+    finished: dict[str, list[int]] = {"bulk": [], "urgent": []}
+
+    @ob.subscriber("bulk", consumer="bulk", priority=5)
+    def bulk(job: Job) -> None:
+        time.sleep(0.01)
+        finished["bulk"].append(job.id)
+
+    @ob.subscriber("urgent", consumer="urgent", priority=0)
+    def urgent(job: Job) -> None:
+        finished["urgent"].append(job.id)
+
+    publish_events(engine, "bulk", [{"n": i} for i in range(1500)])
+    relay = Relay(ob, settings(concurrency=2, prefetch=10, claim_batch=10))
+    relay.start()
+    try:
+        wait_for(lambda: len(finished["bulk"]) >= 100, timeout=TIMEOUT, what="the backlog under way")
+        publish_events(engine, "urgent", [{"n": 0}])
+        wait_for(lambda: finished["urgent"], timeout=TIMEOUT, what="the urgent job")
+        assert len(finished["bulk"]) < 1500  # it did not wait for the backlog to drain
+    finally:
+        relay.stop()
