@@ -15,6 +15,11 @@ transaction, as separate processes would be. Hypothesis interleaves:
   transaction, rolled back when it matches no row), failing (transient with no delay, so the
   job is due again at once, or with an hour's delay, or permanent) or releasing any subset of
   the claims it holds, current or stale;
+* a worker completing any subset of the claims it holds (current or stale, or none) and
+  claiming 0..3 more in one statement and transaction (``complete_and_claim_jobs``, the
+  runner's ``job_complete_claim_many``): the claim takes what a claim alone would have taken
+  just before, so never a job completed in the same statement (it was running in the
+  statement's snapshot), and nothing with a limit of 0;
 * pausing a worker: the database-side ``lease_until`` of its claims is moved into the past
   with SQL (no sleeping), and maybe the reaper runs and another worker claims at once. The
   paused worker keeps its claims and acts again whenever hypothesis picks it: before the
@@ -53,9 +58,10 @@ and after (in particular every row named only by stale claims). Checked after ev
 (a claim is (job id, fence); valid while the row is running with that fence), and each
 running job's valid claim is held by the worker in ``locked_by``; a done or dead job never
 changes except through redrive; fences only grow (never lower on a row; a claim's fences
-are the sequence's next values, above every earlier one; no two jobs carry one fence);
-``0 <= attempts <= max_attempts``; status in the known set; running rows, and only they,
-have a lease; done and dead rows, and only they, have ``finished_at``.
+are the sequence's next values, above every earlier one, also when a completion shares the
+statement; no two jobs carry one fence); ``0 <= attempts <= max_attempts``; status in the
+known set; running rows, and only they, have a lease; done and dead rows, and only they,
+have ``finished_at``.
 
 Settings: ``max_examples=200``, ``stateful_step_count=40``, ``deadline=None`` (database
 round trips vary), ``database=None`` (no example database is written, so nothing lands in
@@ -64,14 +70,24 @@ fixture); each example empties the tables and restarts the identities and the fe
 sequence (``DELETE`` and ``setval``, far cheaper than ``TRUNCATE``). Runtime on a 2-core
 machine with other suites running: about 35 s against a local PostgreSQL 15, about 25 s
 against the embedded server. A typical run makes some 8,000 operations: ~2,000 claims,
-~300 reaper rounds that take jobs back, ~200 take-overs (a paused worker's job re-claimed by
-another), ~300 dead-letterings, and ~450 stale reports (complete, fail, release, heartbeat)
-against jobs reaped, dead, done or re-claimed, each of which must change nothing.
+~300 complete-and-claims (~250 jobs completed and ~230 claimed by them, a third of them with
+a limit of 0), ~300 reaper rounds that take jobs back, ~200 take-overs (a paused worker's
+job re-claimed by another), ~300 dead-letterings, and ~450 stale reports (complete, fail,
+release, heartbeat) against jobs reaped, dead, done or re-claimed, each of which must change
+nothing.
 
-A check that it catches bugs: with the fence test dropped from ``job_complete_many`` it
-fails within the run (a paused worker's completion overwrote its successor's claim), and so
-it does with the status test dropped from ``job_heartbeat_many`` (a stale heartbeat renewed
-the lease of a dead-lettered job).
+A check that it catches bugs: with the fence test dropped from ``job_complete_many`` (from
+its lock and its update; the update's alone is redundant with the lock's, and dropping it
+changes nothing) it fails within the run (a paused worker's completion overwrote its
+successor's claim), and so it does with the status test dropped from ``job_heartbeat_many``
+(a stale heartbeat renewed the lease of a dead-lettered job). The same for
+``job_complete_claim_many`` alone: without the fence test in its completion (lock and
+update) a paused worker's complete-and-claim completed a job another worker had re-claimed;
+with its pick not testing ``status = 'ready'``, running jobs took up the limit and it
+claimed too few; and with a limit of 0 passed as no limit (``LIMIT NULL``) it claimed
+every due job. (The claim update's own ``j.status = 'ready'`` cannot be caught here: the
+pick locked only rows that were ready in the same snapshot, so without concurrent writers
+the recheck never filters anything.)
 """
 
 from __future__ import annotations
@@ -102,7 +118,16 @@ from outbox.maintenance import reap_expired, redrive
 from outbox.relay import register_subscriptions
 from outbox.router import route_batch
 from outbox.settings import OutboxSettings
-from outbox.worker import Failure, claim_jobs, complete_jobs, fail_jobs, format_error, heartbeat_jobs, release_jobs
+from outbox.worker import (
+    Failure,
+    claim_jobs,
+    complete_and_claim_jobs,
+    complete_jobs,
+    fail_jobs,
+    format_error,
+    heartbeat_jobs,
+    release_jobs,
+)
 
 from .helpers import db_now, publish_events
 
@@ -219,11 +244,12 @@ class JobLifecycle(RuleBasedStateMachine):
         m = self.jobs[job.id]
         return m.status == "running" and m.fence == job.fence
 
-    def pick(self, data: st.DataObject, worker: str) -> list[Job]:
-        """A non-empty subset of ``worker``'s claims, which it stops holding."""
+    def pick(self, data: st.DataObject, worker: str, min_size: int = 1) -> list[Job]:
+        """A subset of ``worker``'s claims (non-empty unless ``min_size`` is 0), which it
+        stops holding."""
         held = self.held[worker]
-        indexes = data.draw(st.lists(st.sampled_from(range(len(held))), min_size=1, max_size=len(held), unique=True),
-                            label=f"claims of {worker}")
+        indexes = data.draw(st.lists(st.sampled_from(range(len(held))), min_size=min_size, max_size=len(held),
+                                     unique=True), label=f"claims of {worker}")
         batch = [held[i] for i in indexes]
         self.held[worker] = [j for i, j in enumerate(held) if i not in indexes]
         return batch
@@ -333,28 +359,47 @@ class JobLifecycle(RuleBasedStateMachine):
         leases = {c: LEASES[c] for c in WORKERS[worker]}
 
         def op(conn: sa.Connection, now: dt.datetime) -> tuple[list[Job], int]:
-            last, called = conn.execute(sa.text("SELECT last_value, is_called FROM outbox_fence_seq")).one()
-            return claim_jobs(conn, leases, limit, worker), last + 1 if called else last
+            next_fence = self.next_fence(conn)
+            return claim_jobs(conn, leases, limit, worker), next_fence
 
         (jobs, next_fence), now, before, after = self.run(op)
+        jobs = self.take_claims(worker, jobs, self.expect_claim(worker, limit, now), next_fence, now, "claim")
+        self.assert_only_changed(before, after, {j.id for j in jobs}, "claim")
+
+    @staticmethod
+    def next_fence(conn: sa.Connection) -> int:
+        """The value ``nextval('outbox_fence_seq')`` returns next (in ``conn``'s transaction)."""
+        last, called = conn.execute(sa.text("SELECT last_value, is_called FROM outbox_fence_seq")).one()
+        return last + 1 if called else last
+
+    def expect_claim(self, worker: str, limit: int, now: dt.datetime) -> list[int]:
+        """Ids of the jobs a claim of up to ``limit`` by ``worker`` takes, run at ``now`` on
+        the model's current state: its due ready jobs in queue order."""
+        consumers = WORKERS[worker]
         # Due and queue order from the model's steps; the same from the database clock, or
         # the model's clock has lost step with it (e.g. the clock stepped back).
         due = sorted((m for m in self.jobs.values()
-                      if m.status == "ready" and m.consumer in leases and m.run_step is not None),
+                      if m.status == "ready" and m.consumer in consumers and m.run_step is not None),
                      key=lambda m: (m.priority, m.run_step, m.id))
         by_clock = sorted((m for m in self.jobs.values()
-                           if m.status == "ready" and m.consumer in leases and m.run_at <= now),
+                           if m.status == "ready" and m.consumer in consumers and m.run_at <= now),
                           key=lambda m: (m.priority, m.run_at, m.id))
         assert [m.id for m in by_clock] == [m.id for m in due], "due jobs: database clock != model steps"
-        expected = due[:limit]
-        assert sorted(j.id for j in jobs) == sorted(m.id for m in expected), f"{worker} claimed the wrong jobs"
+        return [m.id for m in due[:limit]]
+
+    def take_claims(self, worker: str, jobs: list[Job], expected: list[int], next_fence: int,
+                    now: dt.datetime, what: str) -> list[Job]:
+        """Check the jobs a claim returned against ``expected`` (``expect_claim``) and the
+        fence sequence's next value before it ran, record them in the model and give them
+        to ``worker``; returns them in id order."""
+        assert sorted(j.id for j in jobs) == sorted(expected), f"{what} of {worker}: claimed the wrong jobs"
         # RETURNING order (so which job got which fence) varies with the plan and the heap
         # layout, which vacuum timing changes: the worker holds its claims in id order, which
         # the model knows, so that the claims a later draw picks by index are the same ones on
         # every replay.
         jobs = sorted(jobs, key=lambda j: j.id)
-        assert sorted(j.fence for j in jobs) == list(range(next_fence, next_fence + len(jobs)))
-        assert all(j.fence > self.max_fence for j in jobs), "a claim reused a fence"
+        assert sorted(j.fence for j in jobs) == list(range(next_fence, next_fence + len(jobs))), f"{what}: fences"
+        assert all(j.fence > self.max_fence for j in jobs), f"{what} reused a fence"
         for job in jobs:
             m = self.jobs[job.id]
             assert (job.event_id, job.consumer, job.attempt, job.max_attempts, job.lease_seconds) == (
@@ -363,7 +408,7 @@ class JobLifecycle(RuleBasedStateMachine):
             m.lease_until, m.updated_at, m.lapsed = now + dt.timedelta(seconds=LEASES[m.consumer]), now, False
             self.max_fence = max(self.max_fence, job.fence)
         self.held[worker].extend(jobs)
-        self.assert_only_changed(before, after, {j.id for j in jobs}, "claim")
+        return jobs
 
     @precondition(lambda self: self.holding())
     @rule(data=st.data())
@@ -386,13 +431,49 @@ class JobLifecycle(RuleBasedStateMachine):
         batch = self.pick(data, worker)
         stale = self.stale_ids(batch)
         done, now, before, after = self.run(lambda conn, now: complete_jobs(conn, batch))
-        expected = {j.id for j in batch if self.valid(j)}
+        expected = self.expect_complete(batch)
         assert done == expected, f"complete of {worker}"
-        for job_id in expected:
-            m = self.jobs[job_id]
-            m.status, m.lease_until, m.finished_at, m.updated_at = "done", None, now, now
+        self.mark_done(expected, now)
         self.assert_only_changed(before, after, expected, "complete", stale)
         self.freeze(after, expected)
+
+    def expect_complete(self, batch: list[Job]) -> set[int]:
+        """Ids a fenced completion of ``batch`` marks done: those of its valid claims."""
+        return {j.id for j in batch if self.valid(j)}
+
+    def mark_done(self, ids: Iterable[int], now: dt.datetime) -> None:
+        for job_id in ids:
+            m = self.jobs[job_id]
+            m.status, m.lease_until, m.finished_at, m.updated_at = "done", None, now, now
+
+    @precondition(lambda self: self.holding())
+    @rule(data=st.data(), limit=st.integers(0, 3))
+    def complete_and_claim(self, data: st.DataObject, limit: int) -> None:
+        """The runner's hot statement (``complete_and_claim_jobs``: ``job_complete_claim_many``):
+        a subset of a worker's claims (current or stale) marked done and up to ``limit`` more
+        jobs claimed, in one statement. The claim takes what a claim alone would have taken
+        just before: the jobs being completed were running in the statement's snapshot, so
+        they are never among them; nothing when ``limit`` is 0."""
+        worker = data.draw(st.sampled_from(self.holding()), label="worker")
+        batch = self.pick(data, worker, min_size=0)  # none: the runner only wants more jobs
+        stale = self.stale_ids(batch)
+        leases = {c: LEASES[c] for c in WORKERS[worker]}
+
+        def op(conn: sa.Connection, now: dt.datetime) -> tuple[tuple[set[int], list[Job]], int]:
+            next_fence = self.next_fence(conn)
+            return complete_and_claim_jobs(conn, batch, leases, limit, worker), next_fence
+
+        ((done, jobs), next_fence), now, before, after = self.run(op)
+        expected_done = self.expect_complete(batch)
+        expected_claim = self.expect_claim(worker, limit, now)  # the model before the statement
+        assert not expected_done & set(expected_claim)
+        assert done == expected_done, f"complete_and_claim of {worker}: completed"
+        assert not done & {j.id for j in jobs}, f"complete_and_claim of {worker} claimed a job it completed"
+        self.mark_done(expected_done, now)
+        jobs = self.take_claims(worker, jobs, expected_claim, next_fence, now, "complete_and_claim")
+        claimed = {j.id for j in jobs}
+        self.assert_only_changed(before, after, expected_done | claimed, "complete_and_claim", stale - claimed)
+        self.freeze(after, expected_done)
 
     @precondition(lambda self: self.holding())
     @rule(data=st.data())
