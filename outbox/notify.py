@@ -48,10 +48,6 @@ class Wakeup:
             self._jobs = True
             self._cond.notify_all()
 
-    def is_set(self) -> bool:
-        """True while a :meth:`set` has not been taken by :meth:`wait`."""
-        return self._jobs
-
     def poke(self) -> None:
         """An outcome (or a stop) wants the dispatcher's attention."""
         if self._poked:  # already pending: the dispatcher takes every queued outcome when it wakes

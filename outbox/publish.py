@@ -167,30 +167,25 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     takes them. A circular value answers False once it passes ``MAX_DEPTH``."""
     kind = type(value)
     if kind is dict:
-        if value and depth >= MAX_DEPTH:
-            return False
-        for key, item in value.items():
+        for key in value:
             if type(key) is not str:
                 return False
-            kind = type(item)
-            if kind in _PLAIN_LEAVES or (kind is int and item.bit_length() <= _MAX_INT_BITS):
-                continue
-            if not _is_plain(item, depth + 1):
-                return False
-        return True
-    if kind is list or kind is tuple:
-        if value and depth >= MAX_DEPTH:
-            return False
-        for item in value:
-            kind = type(item)
-            if kind in _PLAIN_LEAVES or (kind is int and item.bit_length() <= _MAX_INT_BITS):
-                continue
-            if not _is_plain(item, depth + 1):
-                return False
-        return True
-    if kind is int:
+        items: Any = value.values()
+    elif kind is list or kind is tuple:
+        items = value
+    elif kind is int:
         return value.bit_length() <= _MAX_INT_BITS
-    return kind in _PLAIN_LEAVES
+    else:
+        return kind in _PLAIN_LEAVES
+    if items and depth >= MAX_DEPTH:
+        return False
+    for item in items:
+        kind = type(item)
+        if kind in _PLAIN_LEAVES or (kind is int and item.bit_length() <= _MAX_INT_BITS):
+            continue
+        if not _is_plain(item, depth + 1):
+            return False
+    return True
 
 
 def _refuse(value: Any) -> Any:

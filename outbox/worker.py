@@ -288,7 +288,6 @@ class JobRunner:
         # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
         self._hint: tuple[int, Any, int] | None = None
         self._hint_until = 0.0
-        self._hint_short = False
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
 
     # ------------------------------------------------------------- lifecycle
@@ -394,7 +393,7 @@ class JobRunner:
                     drained_until = 0.0
                 continue
             try:
-                claimed = self._round(batch, want if claim else 0)
+                claimed, from_head = self._round(batch, want if claim else 0)
                 failures = _recovered(failures, "claim and completion")
                 carry = []
             except (DBAPIError, psycopg.Error) as exc:
@@ -413,7 +412,7 @@ class JobRunner:
                     carry = batch
                 failures = _backoff(failures, "claim and completion", exc, self.settings, self._stopped)
                 continue
-            if claim and claimed < want and not self._hint_short:
+            if claim and claimed < want and from_head:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
                 drained_until = 0.0
@@ -485,10 +484,12 @@ class JobRunner:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _round(self, pending: list[tuple[Job, Any]], want: int) -> int:
+    def _round(self, pending: list[tuple[Job, Any]], want: int) -> tuple[int, bool]:
         """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
-        were claimed. Outcomes leave ``pending`` as their statement commits, so after an
-        error ``pending`` holds exactly what is still to write."""
+        were claimed and whether the claim started at the head of the ready jobs (a short
+        claim after the hint does not mean the table is drained). Outcomes leave ``pending``
+        as their statement commits, so after an error ``pending`` holds exactly what is
+        still to write."""
         # Each statement commits on its own (autocommit): each locks the rows it finishes in
         # id order, and the claim skips locked rows, so with no transaction holding one
         # statement's locks while the next one waits, none of them (nor a concurrent
@@ -513,6 +514,7 @@ class JobRunner:
             self._forget(j for j, _ in unwritten)
         pending[:] = [(j, _DONE) for j in done] + failed + [(j, _RELEASE) for j in release]
         claimed: list[Job] = []
+        from_head = True
         if done or want:
             conn = self._connection()
             if want:
@@ -524,8 +526,8 @@ class JobRunner:
                     self._hint_until = time.monotonic() + HINT_SECONDS
                 # Found fewer than asked after the hint: there may be ready jobs before it
                 # (released, retried early, more urgent); the next claim starts at the head.
-                self._hint_short = hinted and len(claimed) < want
-                self._hint = None if self._hint_short else last
+                self._hint = None if hinted and len(claimed) < want else last
+                from_head = not hinted
                 for job in claimed:
                     job._lease_bound = sent + job.lease_seconds
                 self._hold(claimed)
@@ -548,7 +550,7 @@ class JobRunner:
             self._stale([j for j in release if j.id not in released])
             self._forget(release)
             del pending[:]
-        return len(claimed)
+        return len(claimed), from_head
 
     def _hold(self, jobs: list[Job]) -> None:
         """Take newly claimed jobs into the buffer."""
