@@ -7,7 +7,8 @@ relays may reap at once, and a job being completed at that very moment (its row 
 is skipped rather than overwritten; the completion's own fence check then decides.
 
 Pruner: deletes done jobs older than ``retention_done`` seconds, then events older than
-``retention_events`` seconds that have no job left. Dead jobs are never pruned: they wait
+``retention_events`` seconds that have no job left, then the rows of relays gone for
+``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned: they wait
 for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
 batches, so pruning never holds long locks. When the server's autovacuum is off (for the
 server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
@@ -29,14 +30,21 @@ log = logging.getLogger("outbox.maintenance")
 
 REAP_BATCH = 1000
 PRUNE_BATCH = 5000
+#: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
+#: one does at least every ``worker.RELAY_SEEN_INTERVAL``) and holds no running job is
+#: forgotten by the pruner.
+RELAY_GONE_AFTER = 600.0
 
 
 @dataclass(frozen=True, slots=True)
 class ReapResult:
-    """Jobs taken back by one reaper round."""
+    """Jobs taken back by one reaper round: ``retried`` (back to ready, attempt counted),
+    ``dead`` (that was the last attempt), ``unstarted`` (back to ready with the attempt
+    given back: the claim sat in a relay's prefetch buffer and its handler never ran)."""
 
     retried: int
     dead: int
+    unstarted: int = 0
 
 
 def reap_expired(conn: Connection, limit: int = REAP_BATCH) -> ReapResult:
@@ -44,11 +52,15 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH) -> ReapResult:
     transaction; logs one line per job dead-lettered."""
     rows = conn.execute(queries.job_reap_many, {"limit": limit}).all()
     dead = [r for r in rows if r.status == "dead"]
+    unstarted = sum(1 for r in rows if r.unstarted)
     for r in dead:
         log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts)
-    if len(rows) > len(dead):
-        log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead))
-    return ReapResult(retried=len(rows) - len(dead), dead=len(dead))
+    if len(rows) > len(dead) + unstarted:
+        log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead) - unstarted)
+    if unstarted:
+        log.info("reaper: %d jobs whose relay stopped before starting them back to ready, attempt not counted",
+                 unstarted)
+    return ReapResult(retried=len(rows) - len(dead) - unstarted, dead=len(dead), unstarted=unstarted)
 
 
 def prune(conn: Connection, done_older_than: float, events_older_than: float,
@@ -59,6 +71,13 @@ def prune(conn: Connection, done_older_than: float, events_older_than: float,
     jobs = conn.execute(queries.job_prune_done_many, {"older_than": done_older_than, "limit": limit}).rowcount
     events = conn.execute(queries.event_prune_many, {"older_than": events_older_than, "limit": limit}).rowcount
     return jobs, events
+
+
+def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER) -> int:
+    """Forget relays (rows of ``outbox_relays``) not seen for ``older_than`` seconds that
+    hold no running job: killed relays, whose buffer lists no claim the reaper could still
+    meet. Returns how many were removed."""
+    return conn.execute(queries.relay_prune_many, {"older_than": older_than}).rowcount
 
 
 def autovacuum_enabled(conn: Connection) -> bool:

@@ -36,7 +36,7 @@ from sqlalchemy.exc import DBAPIError
 from .db import queries
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
-from .maintenance import autovacuum_enabled, prune, reap_expired, vacuum_tables
+from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
 from .registry import Outbox
 from .router import StatisticsKeeper, route_batch
@@ -105,7 +105,8 @@ class Relay:
         self._maintain = maintain
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
-                                      "reaped": 0, "reaped_dead": 0, "pruned_jobs": 0, "pruned_events": 0,
+                                      "reaped": 0, "reaped_dead": 0, "reaped_unstarted": 0,
+                                      "pruned_jobs": 0, "pruned_events": 0,
                                       "vacuums": 0}
         self._warned_autovacuum = False
 
@@ -225,13 +226,15 @@ class Relay:
             try:
                 with self.engine.begin() as conn:
                     reaped = reap_expired(conn)
-                self.stats["reaped"] += reaped.retried + reaped.dead
+                self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
-                if reaped.retried:
+                self.stats["reaped_unstarted"] += reaped.unstarted
+                if reaped.retried or reaped.unstarted:
                     self.wake_workers.set()
                 if time.monotonic() >= next_prune:
                     with self.engine.begin() as conn:
                         jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events)
+                        prune_relays(conn)
                     self.stats["pruned_jobs"] += jobs
                     self.stats["pruned_events"] += events
                     if jobs or events:

@@ -38,6 +38,8 @@ expires and the reaper takes the job back: at-least-once).
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import logging
 import queue
 import threading
@@ -74,6 +76,9 @@ MAX_MESSAGE_CHARS = 2048
 HINT_SECONDS = 1.0
 #: SQLSTATE of "terminating connection due to idle-in-transaction timeout".
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
+#: Longest an idle dispatcher leaves its relay's row of ``outbox_relays`` unwritten, seconds
+#: (pruning forgets relays not seen for ``maintenance.RELAY_GONE_AFTER``).
+RELAY_SEEN_INTERVAL = 30.0
 
 
 # ------------------------------------------------------------------- error text
@@ -117,14 +122,27 @@ _PSYCOPG_DIALECT = psycopg_dialect.dialect()
 _COMPILED: dict[int, str] = {}
 
 
+def _psycopg_sql(statement: TextClause) -> str:
+    """``statement`` compiled for psycopg's paramstyle (statements are module constants:
+    each is compiled once)."""
+    sql = _COMPILED.get(id(statement))
+    if sql is None:
+        sql = _COMPILED[id(statement)] = str(statement.compile(dialect=_PSYCOPG_DIALECT))
+    return sql
+
+
 def _rows(conn: Executor, statement: TextClause, params: dict[str, Any]) -> list[Any]:
     """Run ``statement`` on ``conn`` and return its rows (indexable by column position)."""
     if isinstance(conn, psycopg.Connection):
-        sql = _COMPILED.get(id(statement))
-        if sql is None:  # statements are module constants: compile each once, for psycopg's paramstyle
-            sql = _COMPILED[id(statement)] = str(statement.compile(dialect=_PSYCOPG_DIALECT))
-        return conn.execute(sql, params).fetchall()
+        return conn.execute(_psycopg_sql(statement), params).fetchall()
     return list(conn.execute(statement, params).all())
+
+
+def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> int:
+    """Run ``statement`` (no result rows) on ``conn``; returns its row count."""
+    if isinstance(conn, psycopg.Connection):
+        return conn.execute(_psycopg_sql(statement), params).rowcount
+    return conn.execute(statement, params).rowcount
 
 
 def job_from_row(row: Any, lease_seconds: float) -> Job:
@@ -159,19 +177,49 @@ def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, f
 
 
 def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
-                             worker_id: str, after: tuple[int, Any, int] | None,
+                             worker_id: str, after: tuple[int, Any, int] | None, *,
+                             buffer: BufferMark | None = None,
                              ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
     """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
     (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
-    also returns the key of the last job it claimed (None when it claimed none)."""
+    also returns the key of the last job it claimed (None when it claimed none). The jobs
+    claimed come back in claim order.
+
+    ``buffer``, when given, is written to the relay's row in the same statement (see
+    :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed are taken as started,
+    the rest as buffered."""
     key = after or HEAD_KEY
+    mark = buffer or BufferMark(None, [], 0)
     rows = _rows(conn, queries.job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id),
-        "after_priority": key[0], "after_run_at": key[1], "after_id": key[2]})
+        "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
+        "relay": mark.relay, "kept": mark.kept, "start_now": mark.start_now})
     completed = {r[0] for r in rows if r[14]}
-    claimed = [r for r in rows if not r[14]]
-    last = max(((r[12], r[13], r[0]) for r in claimed), default=None)
+    claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
+    last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
     return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last
+
+
+@dataclass(frozen=True, slots=True)
+class BufferMark:
+    """What a dispatcher round writes to its relay's row of ``outbox_relays`` (``relay``;
+    None writes nothing): the buffer after the round is ``kept`` (fences of buffered claims
+    that stay buffered) plus the jobs the round claims after the first ``start_now`` (in
+    claim order), which go to idle workers once the statement has committed. The reaper
+    gives the attempt back to an expired claim still listed (migration 0003)."""
+
+    relay: str | None
+    kept: list[int]
+    start_now: int
+
+
+def register_relay(conn: Executor, worker_id: str) -> None:
+    """Insert (or mark seen) the row of relay ``worker_id`` (``host:pid:suffix``) in
+    ``outbox_relays``."""
+    host, _, rest = worker_id.partition(":")
+    pid = rest.partition(":")[0]
+    _execute(conn, queries.relay_register, {"relay": worker_id, "host": host,
+                                            "pid": int(pid) if pid.isdigit() else 0})
 
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
@@ -256,8 +304,19 @@ class JobRunner:
     ``wake`` is set (by LISTEN, the router or the reaper) when new jobs may be ready;
     polling every ``settings.poll_interval`` seconds is the fallback. The runner holds up to
     ``concurrency + prefetch`` claims whose handlers have not returned: ``concurrency``
-    running and up to ``prefetch`` waiting in a local buffer (their leases run from the
-    claim and are heartbeated like the running ones; on SIGTERM they are released at once).
+    running and up to ``prefetch`` waiting in the dispatcher's buffer (their leases run from
+    the claim and are heartbeated like the running ones; on SIGTERM they are released at
+    once).
+
+    Attempts and crashes: a claim counts an attempt, and the relay's row of
+    ``outbox_relays`` lists the fences of its buffered claims, written in the statement that
+    claims them and rewritten (without it) before a buffered job goes to a worker; the
+    reaper gives the attempt back to an expired claim still listed. So a ``kill -9`` never
+    charges a job whose handler had not started, and a handler that kills its process is
+    charged each time it starts. This costs no statement of its own: the list travels in
+    the dispatcher's ``job_complete_claim_many``, which is why a worker that finishes waits
+    for the dispatcher's next round (one round trip, shared by every worker that finished
+    meanwhile) before it starts a buffered job.
     """
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
@@ -273,7 +332,11 @@ class JobRunner:
         # Claims held, by fence: a fence names one claim, while a job id may be held twice
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
-        self._active = 0  # claims whose handler has not returned: buffered or running
+        # Claimed jobs whose handler has not started, in claim order: only the dispatcher
+        # thread touches the deque; _buffered (its fences) is read under the lock by stop().
+        self._buffer: collections.deque[Job] = collections.deque()
+        self._buffered: set[int] = set()
+        self._issued = 0  # jobs handed to workers whose handler has not returned
         self._finishing: set[int] = set()  # fences whose outcome is being written
         self._released: set[int] = set()  # fences released at shutdown while their handler ran
         self._lock = threading.Lock()
@@ -282,6 +345,9 @@ class JobRunner:
         self._stop_claiming = threading.Event()
         self._draining = threading.Event()
         self._stopped = threading.Event()
+        # Set by the dispatcher between two rounds once it has seen _stop_claiming: no claim
+        # is in flight after that, so what stop() counts is everything the runner holds.
+        self._claims_closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._warned_return: set[str] = set()
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
@@ -289,6 +355,8 @@ class JobRunner:
         self._hint: tuple[int, Any, int] | None = None
         self._hint_until = 0.0
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
+        self._seen_at = 0.0  # time.monotonic() of the last write of this relay's row
+        self._abandoned = False  # closing, buffered claims could not be released
 
     # ------------------------------------------------------------- lifecycle
 
@@ -315,17 +383,26 @@ class JobRunner:
     def stop(self, grace: float, cut_short: threading.Event | None = None) -> None:
         """Stop claiming; release buffered claims at once; let running handlers finish for up
         to ``grace`` seconds (or until ``cut_short`` is set); release (fenced) what is still
-        held so other relays can claim it at once; flush outcomes."""
+        held so other relays can claim it at once; flush outcomes.
+
+        A claim in flight when this is called is waited for (the dispatcher says when it has
+        stopped claiming, at most ``grace`` seconds): counting what is held before that
+        would miss the jobs the claim is about to return."""
         if not self._threads:
             return
         self._stop_claiming.set()
         self._draining.set()
         self.wake.poke()
         deadline = time.monotonic() + grace
-        while self.in_flight() and time.monotonic() < deadline and not (cut_short and cut_short.is_set()):
+        cut = cut_short or threading.Event()
+        while not self._claims_closed.wait(0.02) and time.monotonic() < deadline and not cut.is_set():
+            pass
+        while self.in_flight() and time.monotonic() < deadline and not cut.is_set():
             time.sleep(0.02)
         with self._lock:
-            left = [j for j in self._inflight.values() if j.fence not in self._finishing]
+            # Buffered claims are the dispatcher's to release (it does at once when draining).
+            left = [j for j in self._inflight.values()
+                    if j.fence not in self._finishing and j.fence not in self._buffered]
         if left:
             for job in left:
                 job.mark_lease_lost()
@@ -363,20 +440,26 @@ class JobRunner:
     def _dispatch_loop(self) -> None:
         """Claim jobs and write outcomes, on one dedicated autocommit connection.
 
-        Each round takes every outcome the workers have posted and, when the buffer has
-        room, claims more: completions and the claim go in one statement
-        (``job_complete_claim_many``: one round trip, one commit); failures and releases,
-        which are rare, in their own fenced statements. A claim that found fewer due jobs
-        than it asked for marks the table drained: until a wake-up (NOTIFY, router,
-        reaper) or ``poll_interval`` passes, only rounds that write completions also claim.
+        Each round takes every outcome the workers have posted, hands buffered jobs to the
+        workers that are free and, when the buffer has room, claims more: completions, the
+        claim and the relay's buffer list go in one statement (``job_complete_claim_many``:
+        one round trip, one commit); failures and releases, which are rare, in their own
+        fenced statements. A claim that found fewer due jobs than it asked for marks the
+        table drained: until a wake-up (NOTIFY, router, reaper) or ``poll_interval`` passes,
+        only rounds that write completions also claim.
+
+        Stopping: once it sees ``_stop_claiming`` it claims no more and says so
+        (``_claims_closed``); while draining it releases every buffered claim; it exits
+        when stop() has queued its marker and every outcome is written, so no claim it
+        holds outlives the relay unreleased.
         """
         failures = 0
         drained_until = 0.0  # monotonic time before which a bare claim is not worth a round trip
         carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
         closing = False
         while True:
-            if self._draining.is_set():
-                self._release_buffered()
+            if self._stop_claiming.is_set():
+                self._claims_closed.set()  # between rounds: no claim is in flight any more
             batch = carry + self._take_outcomes()
             if any(item is None for item in batch):
                 closing = True
@@ -384,9 +467,11 @@ class JobRunner:
             want = 0 if self._stop_claiming.is_set() else self._room()
             has_done = any(o is _DONE for _, o in batch)
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
-            if not batch and not claim:
+            to_issue = bool(self._buffer) and (self._draining.is_set() or self._free_workers() > 0)
+            if not batch and not claim and not to_issue:
                 if closing:
                     break
+                self._mark_seen()
                 timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
                 jobs_hint, _ = self.wake.wait(timeout or self.settings.poll_interval)
                 if jobs_hint or time.monotonic() >= drained_until:
@@ -407,6 +492,7 @@ class JobRunner:
                     self._forget(j for j, _ in batch)
                     carry = []
                     if closing:
+                        self._abandon_buffer()
                         break
                 else:
                     carry = batch
@@ -416,20 +502,21 @@ class JobRunner:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
                 drained_until = 0.0
+        self._unregister()
         self._close_connection()
 
-    def _release_buffered(self) -> None:
-        """Shutting down: hand back every claim still waiting in the buffer now, rather than
-        when a worker comes free (busy workers may not, within the grace period)."""
-        while True:
-            try:
-                job = self._todo.get_nowait()
-            except queue.Empty:
-                return
-            if job is None:  # a worker's stop sentinel: leave it for the workers
-                self._todo.put(None)
-                return
-            self._post(job, _RELEASE)
+    def _abandon_buffer(self) -> None:
+        """Closing without a database: forget the buffered claims. Their leases expire and
+        the reaper gives each its attempt back, since the relay's row still lists them."""
+        if self._buffer:
+            log.warning("%d buffered jobs could not be released; they return, attempt not counted, "
+                        "when their leases expire", len(self._buffer))
+        with self._lock:
+            for job in self._buffer:
+                self._inflight.pop(job.fence, None)
+            self._buffered.clear()
+        self._abandoned = True
+        self._buffer.clear()
 
     def _take_outcomes(self) -> list[Any]:
         batch: list[Any] = []
@@ -444,23 +531,55 @@ class JobRunner:
         """How many jobs to claim now: room in the buffer, at most ``claim_batch``."""
         limit = self.settings.concurrency + self.settings.prefetch
         with self._lock:
-            return max(0, min(self.settings.claim_batch, limit - self._active))
+            held = self._issued + len(self._buffer)
+        return max(0, min(self.settings.claim_batch, limit - held))
+
+    def _free_workers(self) -> int:
+        with self._lock:
+            return max(0, self.settings.concurrency - self._issued)
 
     def _worth_claiming(self, want: int) -> bool:
         """A claim of its own (no completions to carry it) is worth its round trip when it
         can take half a batch, or when a worker would otherwise sit idle."""
-        with self._lock:
-            idle = self._active < self.settings.concurrency
+        idle = self._free_workers() > len(self._buffer)
         return idle or want >= max(1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
 
     def _connection(self) -> psycopg.Connection[Any]:
         """The dispatcher's psycopg connection, checked out of the pool once and kept
-        (autocommit: every statement it runs is atomic by itself)."""
+        (autocommit: every statement it runs is atomic by itself). A new one first writes
+        this relay's row of ``outbox_relays`` (its buffer list lives there)."""
         if self._conn is None:
             raw = self.engine.raw_connection()
             raw.driver_connection.autocommit = True
+            try:
+                register_relay(raw.driver_connection, self.worker_id)
+            except BaseException:
+                raw.invalidate()
+                raise
             self._conn = raw
+            self._seen_at = time.monotonic()
         return self._conn.driver_connection
+
+    def _mark_seen(self) -> None:
+        """Idle: refresh this relay's row now and then (``RELAY_SEEN_INTERVAL``), so pruning
+        never takes it for a dead relay's. Errors are left to the next round."""
+        if self._conn is not None and time.monotonic() - self._seen_at < RELAY_SEEN_INTERVAL:
+            return
+        try:
+            register_relay(self._connection(), self.worker_id)
+            self._seen_at = time.monotonic()
+        except (DBAPIError, psycopg.Error) as exc:
+            self._drop_connection(exc)
+
+    def _unregister(self) -> None:
+        """A clean stop: every claim is finished or released, so this relay's row goes (a
+        relay that could not release its buffer keeps it, for the reaper)."""
+        if self._abandoned:
+            return
+        try:
+            _execute(self._connection(), queries.relay_delete, {"relay": self.worker_id})
+        except (DBAPIError, psycopg.Error) as exc:
+            log.info("could not remove this relay's row of outbox_relays (%s); pruning will", describe(exc))
 
     def _drop_connection(self, exc: BaseException) -> None:
         """After an error: a broken connection is thrown away (the next round checks out a
@@ -485,11 +604,11 @@ class JobRunner:
                 pass
 
     def _round(self, pending: list[tuple[Job, Any]], want: int) -> tuple[int, bool]:
-        """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
-        were claimed and whether the claim started at the head of the ready jobs (a short
-        claim after the hint does not mean the table is drained). Outcomes leave ``pending``
-        as their statement commits, so after an error ``pending`` holds exactly what is
-        still to write."""
+        """Write the outcomes in ``pending``, hand buffered jobs to free workers and claim up
+        to ``want`` jobs; returns how many were claimed and whether the claim started at the
+        head of the ready jobs (a short claim after the hint does not mean the table is
+        drained). Outcomes leave ``pending`` as their statement commits, so after an error
+        ``pending`` holds exactly what is still to write, and the buffer is unchanged."""
         # Each statement commits on its own (autocommit): each locks the rows it finishes in
         # id order, and the claim skips locked rows, so with no transaction holding one
         # statement's locks while the next one waits, none of them (nor a concurrent
@@ -513,31 +632,41 @@ class JobRunner:
             self._stale([j for j, o in unwritten if o is not _COMMITTED])
             self._forget(j for j, _ in unwritten)
         pending[:] = [(j, _DONE) for j in done] + failed + [(j, _RELEASE) for j in release]
+        taken, issue, unstarted = self._from_buffer()
         claimed: list[Job] = []
         from_head = True
-        if done or want:
+        if done or want or issue:
             conn = self._connection()
+            kept = [j.fence for j in itertools.islice(self._buffer, taken, None)]
+            start_now = max(0, self._free_workers() - len(issue)) if want else 0
+            sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
+            hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
+            completed, claimed, last = complete_and_claim_after(
+                conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
+                buffer=BufferMark(self.worker_id, kept, start_now))
+            self._seen_at = time.monotonic()
             if want:
-                sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
-                hinted = self._hint is not None and time.monotonic() < self._hint_until
-                completed, claimed, last = complete_and_claim_after(
-                    conn, done, self.leases, want, self.worker_id, self._hint if hinted else None)
                 if not hinted:
                     self._hint_until = time.monotonic() + HINT_SECONDS
                 # Found fewer than asked after the hint: there may be ready jobs before it
                 # (released, retried early, more urgent); the next claim starts at the head.
                 self._hint = None if hinted and len(claimed) < want else last
                 from_head = not hinted
-                for job in claimed:
-                    job._lease_bound = sent + job.lease_seconds
-                self._hold(claimed)
-            else:
-                completed = complete_jobs(conn, done)
+            for job in claimed:
+                job._lease_bound = sent + job.lease_seconds
+            self._take_from_buffer(taken)
+            self._hold(claimed[start_now:])
+            self._issue(issue, claimed[:start_now])
             self.stats["completed"] += len(completed)
             if len(completed) < len(done):
                 self._stale([j for j in done if j.id not in completed])
             self._forget(done)
             del pending[:len(done)]
+        elif unstarted:
+            self._take_from_buffer(taken)
+        # Off the buffer now: carried like any outcome if the release below fails.
+        pending.extend((j, _RELEASE) for j in unstarted)
+        release += unstarted
         if failed:
             statuses = fail_jobs(self._connection(), failed)
             self._log_failures(failed, statuses)
@@ -549,19 +678,60 @@ class JobRunner:
             self.stats["released"] += len(released)
             self._stale([j for j in release if j.id not in released])
             self._forget(release)
-            del pending[:]
+            pending[:] = []
         return len(claimed), from_head
 
+    def _from_buffer(self) -> tuple[int, list[Job], list[Job]]:
+        """What this round takes off the head of the buffer (nothing is removed until its
+        statement commits): (how many, those to hand to free workers, those to release
+        unstarted). While draining every buffered job is released. A job whose lease ran
+        out while it waited (the process was paused, or starved) is released rather than
+        started, since another relay may already run it (fenced: a no-op if it was reaped
+        or re-claimed meanwhile)."""
+        if self._draining.is_set():
+            return len(self._buffer), [], list(self._buffer)
+        issue: list[Job] = []
+        unstarted: list[Job] = []
+        free = self._free_workers()
+        now = time.monotonic()
+        taken = 0
+        for job in self._buffer:
+            if len(issue) >= free:
+                break
+            taken += 1
+            if job.lease_lost or now >= job._lease_bound:
+                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
+                            job.id, job.consumer, job.fence)
+                unstarted.append(job)
+            else:
+                issue.append(job)
+        return taken, issue, unstarted
+
+    def _take_from_buffer(self, n: int) -> None:
+        with self._lock:
+            for _ in range(n):
+                self._buffered.discard(self._buffer.popleft().fence)
+
     def _hold(self, jobs: list[Job]) -> None:
-        """Take newly claimed jobs into the buffer."""
-        if not jobs:
-            return
+        """Take newly claimed jobs into the buffer (the relay's row lists them)."""
         self.stats["claimed"] += len(jobs)
         with self._lock:
-            self._active += len(jobs)
             for job in jobs:
                 self._inflight[job.fence] = job
-        for job in jobs:
+                self._buffered.add(job.fence)
+        self._buffer.extend(jobs)
+
+    def _issue(self, buffered: list[Job], claimed: list[Job]) -> None:
+        """Hand jobs to the workers: ``buffered`` ones from the buffer and ``claimed`` ones
+        just claimed; the statement that stopped listing them as buffered has committed."""
+        if not buffered and not claimed:
+            return
+        self.stats["claimed"] += len(claimed)
+        with self._lock:
+            self._issued += len(buffered) + len(claimed)
+            for job in claimed:
+                self._inflight[job.fence] = job
+        for job in buffered + claimed:
             self._todo.put(job)
 
     def _stale(self, jobs: list[Job]) -> None:
@@ -603,14 +773,6 @@ class JobRunner:
             if self._draining.is_set() or job.lease_lost:
                 self._post(job, _RELEASE)
                 continue
-            if time.monotonic() >= job._lease_bound:
-                # It waited in the buffer past its lease (the process was paused, or starved):
-                # another relay may already run it. Do not start it; hand it back (fenced: a
-                # no-op if it was reaped or re-claimed meanwhile).
-                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                            job.id, job.consumer, job.fence)
-                self._post(job, _RELEASE)
-                continue
             sub = self.subscribers[job.consumer]
             if sub.is_async and loop is None:
                 loop = asyncio.new_event_loop()
@@ -623,7 +785,7 @@ class JobRunner:
         """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
         (the claim stays held, and heartbeated, until the outcome is written)."""
         with self._lock:
-            self._active -= 1
+            self._issued -= 1
             self._finishing.add(job.fence)
         self._outcomes.put((job, outcome))
         self.wake.poke()

@@ -150,13 +150,20 @@ _CLAIM_SET_TEMPLATE = f"""
         lease_until = now() + make_interval(secs => w.lease_seconds),
         locked_by = :worker,
         updated_at = now()
-    FROM picked p, wanted w, outbox_events e
-    WHERE j.id = p.id
-      AND j.status = 'ready'
+    FROM wanted w, outbox_events e
+    WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
       AND w.consumer = j.consumer
       AND e.id = j.event_id
     RETURNING {_JOB_COLUMNS}{{more}}
 """
+# Why ``j.id = ANY (ARRAY(SELECT id FROM picked))`` and no ``j.status = 'ready'`` here: the
+# array is computed once (an InitPlan), and with no ``status`` condition the only index that
+# serves ``j`` is the primary key, so the update costs one index probe per picked row
+# whatever the statistics say. Joined to ``picked`` with the status condition, a planner
+# that believed no job was ready (statistics taken before a redrive, a retry or a bulk
+# insert) chose a nested loop that scanned every ready job once per picked row: 1.7 s for a
+# claim of 50 with 100,000 ready. ``picked`` locks its rows FOR UPDATE, which re-checks
+# ``status = 'ready'`` on the row's newest version, so the condition added nothing.
 _CLAIM_SET = _CLAIM_SET_TEMPLATE.format(more="")
 
 job_claim_many: TextClause = text(f"WITH {_CLAIM_PICK} {_CLAIM_SET}")
@@ -217,7 +224,17 @@ _CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(after="""
 job_complete_claim_many: TextClause = text(
     f"""
     WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER},
-    claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")})
+    claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
+    buffered AS (
+        SELECT CAST(:kept AS bigint[]) || ARRAY(
+            SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now) AS fences
+    ), marked AS (
+        UPDATE outbox_relays r
+        SET buffered = b.fences, last_seen_at = now()
+        FROM buffered b
+        WHERE r.id = :relay AND r.buffered IS DISTINCT FROM b.fences
+        RETURNING 1
+    )
     SELECT c.*, false AS completed FROM claimed c
     UNION ALL
     SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
@@ -231,7 +248,14 @@ completed (``completed`` true, only ``id`` set); claimed rows also carry ``prior
 ``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
 at the head): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
-(docs/performance.md). Both halves keep their guarantees: the
+(docs/performance.md).
+
+It also rewrites this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
+``buffered`` becomes ``:kept`` (fences of buffered claims that stay buffered) followed by
+the fences of the claimed jobs after the first ``:start_now`` in claim order, which the
+caller hands to idle workers once the statement has committed. So the buffer the reaper
+reads (``job_reap_many``) never lists a job whose handler may have started, and every
+buffered claim is listed from the moment it exists. Both halves keep their guarantees: the
 completion is fenced and locks its rows in id order; the claim only takes rows that were
 ``ready`` in the statement's snapshot (never one being completed, which was ``running``)
 and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
@@ -291,30 +315,40 @@ every job that became due while it ran. Fenced."""
 job_reap_many: TextClause = text(
     """
     WITH expired AS (
-        SELECT id
-        FROM outbox_jobs
-        WHERE status = 'running' AND lease_until < now()
-        ORDER BY lease_until
+        SELECT j.id,
+               EXISTS (SELECT 1 FROM outbox_relays r
+                       WHERE r.id = j.locked_by AND j.fence = ANY (r.buffered)) AS unstarted
+        FROM outbox_jobs j
+        WHERE j.status = 'running' AND j.lease_until < now()
+        ORDER BY j.lease_until
         LIMIT :limit
-        FOR UPDATE SKIP LOCKED
+        FOR UPDATE OF j SKIP LOCKED
     )
     UPDATE outbox_jobs j
-    SET status = CASE WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
-        finished_at = CASE WHEN j.attempts >= j.max_attempts THEN now() END,
-        run_at = now(),
+    SET status = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+        attempts = j.attempts - x.unstarted::int,
+        finished_at = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN now() END,
+        run_at = CASE WHEN x.unstarted THEN j.run_at ELSE now() END,
         lease_until = NULL,
-        last_error = format('LeaseExpired: lease expired at %s on attempt %s of %s (worker %s, fence %s)',
-                            j.lease_until, j.attempts, j.max_attempts,
-                            coalesce(j.locked_by, '?'), j.fence),
+        last_error = CASE WHEN x.unstarted THEN j.last_error
+            ELSE format('LeaseExpired: lease expired at %s on attempt %s of %s (worker %s, fence %s)',
+                        j.lease_until, j.attempts, j.max_attempts, coalesce(j.locked_by, '?'), j.fence) END,
         updated_at = now()
     FROM expired x
     WHERE j.id = x.id AND j.status = 'running' AND j.lease_until < now()
-    RETURNING j.id, j.consumer, j.status, j.attempts, j.fence
+    RETURNING j.id, j.consumer, j.status, j.attempts, j.fence, x.unstarted
     """
 )
 """Take back up to ``:limit`` jobs whose lease expired: ``ready`` again, or ``dead`` when
 the expired attempt was the last. Jobs another transaction holds are skipped (they are
-being finished right now), so a reaper never overwrites a completion."""
+being finished right now), so a reaper never overwrites a completion.
+
+A claim whose fence its relay lists in ``outbox_relays.buffered`` never started its
+handler (the relay died or stopped with it in its prefetch buffer): it gets its attempt
+back (``attempts - 1``), keeps its ``run_at`` (its place at the head of the queue) and its
+``last_error``, and is never dead-lettered by this; ``unstarted`` says so per row. Every
+other expired claim is charged as before, so a handler that kills its process ends dead
+after ``max_attempts`` starts."""
 
 job_prune_done_many: TextClause = text(
     """
@@ -355,6 +389,31 @@ until the next failure. Only ``dead`` rows change."""
 job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
 )
+
+# ---------------------------------------------------------------------------- relays
+
+relay_register: TextClause = text(
+    """
+    INSERT INTO outbox_relays AS r (id, host, pid)
+    VALUES (:relay, :host, :pid)
+    ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
+    """
+)
+"""Insert this relay's row of ``outbox_relays`` (empty buffer), or mark it seen if it
+exists (after pruning removed it while the relay was paused, this brings it back)."""
+
+relay_delete: TextClause = text("DELETE FROM outbox_relays WHERE id = :relay")
+"""Remove this relay's row at a clean stop, once every claim it held is finished or released."""
+
+relay_prune_many: TextClause = text(
+    """
+    DELETE FROM outbox_relays r
+    WHERE r.last_seen_at < now() - make_interval(secs => :older_than)
+      AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.status = 'running' AND j.locked_by = r.id)
+    """
+)
+"""Forget relays not seen for ``:older_than`` seconds that hold no running job (they were
+killed): their buffer no longer matters once none of their claims can be reaped."""
 
 # ------------------------------------------------------------------------ statistics
 

@@ -37,7 +37,7 @@ from sqlalchemy import (
     func,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -118,6 +118,22 @@ jobs = Table(
     # Pruning reads done rows by age; dead letters are listed by consumer.
     Index("ix_outbox_jobs_finished", "finished_at", postgresql_where=text("status = 'done'")),
     Index("ix_outbox_jobs_dead", "consumer", "id", postgresql_where=text("status = 'dead'")),
+)
+
+#: One row per running relay. ``buffered``: fences of the claims the relay holds whose
+#: handler has not started (its prefetch buffer), rewritten by the dispatcher in the
+#: statement that claims and before a buffered job is handed to a worker; the reaper gives
+#: the attempt back to an expired claim listed here (migration 0003).
+relays = Table(
+    "outbox_relays",
+    metadata,
+    Column("id", Text, nullable=False),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("buffered", ARRAY(BigInteger), nullable=False, server_default=text("'{}'::bigint[]")),
+    Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("last_seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("id"),
 )
 
 #: NOTIFY channels. A statement-level trigger on each table sends one notification per
