@@ -79,6 +79,9 @@ IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
 #: Longest an idle dispatcher leaves its relay's row of ``outbox_relays`` unwritten, seconds
 #: (pruning forgets relays not seen for ``maintenance.RELAY_GONE_AFTER``).
 RELAY_SEEN_INTERVAL = 30.0
+#: Longest stop() waits past the grace period for the dispatcher's last round to return,
+#: seconds: a claim still executing then has its jobs released, not left to their leases.
+STOP_ROUND_WAIT = 5.0
 
 
 # ------------------------------------------------------------------- error text
@@ -413,7 +416,12 @@ class JobRunner:
         self._stopped.set()
         self.wake.poke()
         for thread in self._threads:
-            thread.join(timeout=max(0.5, deadline - time.monotonic()) if thread.name == "outbox-dispatcher" else 0.05)
+            if thread.name == "outbox-dispatcher":
+                # Past the grace period only while a round is still out (a claim that returns
+                # late must still have its jobs released before the process exits).
+                thread.join(timeout=max(0.5, deadline - time.monotonic()) + STOP_ROUND_WAIT)
+            else:
+                thread.join(timeout=0.05)
 
     def _autocommit(self) -> Connection:
         """A pooled connection on which each statement commits by itself: the heartbeat and

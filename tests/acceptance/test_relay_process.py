@@ -63,6 +63,12 @@ def sticky(job: Job) -> None:
     record(job, "end")
 
 
+@ob.subscriber("suicide", consumer="suicide", lease=1, max_attempts=3)
+def suicide(job: Job) -> None:
+    record(job, "start")
+    os.kill(os.getpid(), 9)  # a handler that takes its process down, every time
+
+
 @ob.subscriber("poison", consumer="poison", max_attempts=5)
 def poison(job: Job) -> None:
     raise PermanentError(f"order {job.payload['order']} cannot be handled")
@@ -106,10 +112,11 @@ def relays(tmp_path: Path, db_url: URL) -> Iterator:
     url = db_url.render_as_string(hide_password=False)
     started: list[RelayProcess] = []
 
-    def start(*flags: str, env: dict[str, str] | None = None) -> RelayProcess:
+    def start(*flags: str, env: dict[str, str] | None = None, wait: bool = True) -> RelayProcess:
         relay = RelayProcess(tmp_path, url, f"relay{len(started)}", *flags, env=env)
         started.append(relay)
-        relay.wait_started()
+        if wait:
+            relay.wait_started()
         return relay
 
     yield start
@@ -289,3 +296,57 @@ def test_stopped_relay_leaves_no_thread_or_connection_behind(engine, db_url, set
     # stay for as long as it waits for notifications.
     wait_for(lambda: not any(_backends(engine, db_url.database).values()), timeout=0.5, interval=0.02,
              what="no relay backend left")
+
+
+# ----------------------------------------------------------- attempts and crashes
+
+
+def test_kill_9_charges_an_attempt_only_to_jobs_whose_handler_started(engine, relays, runs):
+    """A relay SIGKILLed with two handlers running and ten claims in its prefetch buffer:
+    the reaper charges the two that started and gives the ten their attempt back."""
+    relay = relays("--concurrency", "2", "--prefetch", "10", "--claim-batch", "12", env={"APP_BLOCK": "1"})
+    _publish(engine, "work", [{"block": 60} for _ in range(20)])
+    wait_for(lambda: len(runs("start")) == 2 and _count(engine, "running") == 12, timeout=20,
+             what="2 handlers running and 10 claims buffered")
+    started = {r[0] for r in runs("start")}
+    relay.kill()
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() - interval '1 second'"
+                             " WHERE status = 'running'"))
+        reaped = reap_expired(conn)
+    assert (reaped.retried, reaped.unstarted, reaped.dead) == (2, 10, 0)
+    jobs = {j["id"]: j for j in _jobs(engine, "worker")}
+    charged = {i for i, j in jobs.items() if j["attempts"] == 1}
+    assert charged == started
+    assert all(j["status"] == "ready" for j in jobs.values())
+    assert all(jobs[i]["last_error"].startswith("LeaseExpired") for i in started)
+    assert all(j["attempts"] == 0 and j["last_error"] is None for i, j in jobs.items() if i not in started)
+
+
+@pytest.mark.slow
+def test_a_handler_that_kills_its_process_is_charged_each_start_and_ends_dead(engine, relays, runs):
+    """The one job whose handler SIGKILLs its relay is charged at every start and ends dead
+    after max_attempts (3); the jobs buffered behind it at each crash are never charged."""
+    [bomb] = _publish(engine, "suicide", [{"n": 0}])
+    _publish(engine, "work", [{"n": i} for i in range(10)])
+    for _ in range(6):
+        if _all(engine, "suicide", "dead", 1):
+            break
+        relay = relays("--concurrency", "1", "--prefetch", "5", "--claim-batch", "6", "--default-lease", "1.5",
+                       wait=False)
+        wait_for(lambda: relay.proc.poll() is not None or _all(engine, "suicide", "dead", 1), timeout=30,
+                 what="the relay to die or the suicide job to be dead")
+        relay.kill()
+    wait_for(lambda: _all(engine, "suicide", "dead", 1), timeout=20, what="the suicide job dead")
+    [dead] = _jobs(engine, "suicide")
+    assert dead["attempts"] == 3 and dead["last_error"].startswith("LeaseExpired")
+    assert sorted(r[1] for r in runs("start") if r[0] == dead["id"]) == [1, 2, 3]
+    relay = relays("--concurrency", "2", "--default-lease", "1.5")
+    wait_for(lambda: _all(engine, "worker", "done", 10), timeout=20, what="the work jobs done")
+    assert [j["attempts"] for j in _jobs(engine, "worker")] == [1] * 10
+    assert relay.terminate(timeout=15) == 0, relay.log
+
+
+def _count(engine: sa.Engine, status: str) -> int:
+    with engine.connect() as c:
+        return c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = :s"), {"s": status}).scalar_one()

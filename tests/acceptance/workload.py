@@ -424,13 +424,20 @@ class Report:
 
 
 def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
+          unstarted_dead_allowed: int | None = None,
           expect: Callable[[str, dict[str, Any]], str | None] | None = None) -> Report:
     """Check issue 3's invariants against the database once the work has drained.
 
     ``fault_dead_allowed``: how many jobs whose handler would have succeeded may end dead
     because faults (lease expiries, cut connections) used up all their attempts.
+    ``unstarted_dead_allowed`` (default: the same): how many of those may lack a recorded
+    start (``wl_runs``) for one of their attempts, i.e. were charged an attempt whose
+    handler never ran: 0 where the only faults are kills, since a crash never charges a job
+    whose handler had not started.
     ``expect(consumer, payload)`` overrides :func:`expected` where it returns a policy.
     """
+    if unstarted_dead_allowed is None:
+        unstarted_dead_allowed = fault_dead_allowed
     failures: list[str] = []
 
     def fail(ok: bool, text: str, sample: Any = None) -> None:
@@ -447,6 +454,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         recorded_rolled = {r[0] for r in q("SELECT n FROM wl_rolled_back")}
         ended = {(r[0], r[1]) for r in q("SELECT job_id, fence FROM wl_runs WHERE phase = 'end'")}
         run_ns = {r[0] for r in q("SELECT DISTINCT n FROM wl_runs")}
+        started = Counter(r[0] for r in q("SELECT DISTINCT job_id, attempt FROM wl_runs WHERE phase = 'start'"))
         ledger = {r[0]: (r[1], r[2]) for r in q("SELECT event_id, fence, n FROM wl_ledger")}
         invoice = {r[0]: (r[1], r[2]) for r in q("SELECT event_id, fence, n FROM wl_invoices")}
         history = q("SELECT tbl, event_id, old_fence, new_fence FROM wl_fence_history ORDER BY id")
@@ -513,6 +521,11 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
     fail(len(fault_dead) <= fault_dead_allowed,
          f"{len(fault_dead)} jobs that should succeed were dead-lettered by faults (allowed {fault_dead_allowed})",
          set(fault_dead))
+    max_of = {j.id: j.max_attempts for j in jobs}
+    unstarted_dead = {i for i in fault_dead if started[i] < max_of[i]}
+    fail(len(unstarted_dead) <= unstarted_dead_allowed,
+         f"{len(unstarted_dead)} jobs were dead-lettered by faults with attempts whose handler never started "
+         f"(allowed {unstarted_dead_allowed})", unstarted_dead)
 
     # 4. Effects: transactional exactly once per done job, none for dead ones; the
     #    ledger's row carries the done job's fence; lease-mode handlers ran per done job.
@@ -545,7 +558,8 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
     counts = {
         "events": len(events), "committed": len(published.committed), "rolled_back": len(gone),
         "unknown": len(published.unknown), "jobs": len(jobs), "outcomes": dict(sorted(outcomes.items())),
-        "fault_dead": len(fault_dead), "ledger_rewrites": sum(1 for h in history if h.tbl == "wl_ledger" and h.old_fence),
+        "fault_dead": len(fault_dead), "fault_dead_unstarted": len(unstarted_dead),
+        "ledger_rewrites": sum(1 for h in history if h.tbl == "wl_ledger" and h.old_fence),
         "stale_writes": dict(stale),
     }
     return Report(failures, counts)

@@ -15,7 +15,9 @@ from outbox.relay import Relay
 from outbox.testing import wait_for
 from outbox.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
 
-from .helpers import job_row, publish_events, routed_jobs
+from outbox.router import route_all
+
+from .helpers import job_row, publish_events, routed_jobs, subscribe
 
 TIMEOUT = 15
 LEASES = {"a": 30.0}
@@ -306,3 +308,54 @@ def test_a_more_urgent_job_is_claimed_from_the_head_while_a_backlog_runs_after_t
         assert len(finished["bulk"]) < 1500  # it did not wait for the backlog to drain
     finally:
         relay.stop()
+
+
+# ------------------------------------------------------------- stop during a claim
+
+
+def test_stop_while_a_claim_is_in_flight_releases_every_job_it_returns(engine, settings):
+    """SIGTERM while both workers are busy and the dispatcher's claim is still executing:
+    the claim returns its jobs after the grace period ran out and stop() queued the
+    workers' stop markers. Every one of them is released (ready, attempt not counted)
+    before stop() returns; none is left running under a relay that exited. The
+    interleaving is forced: a lock on outbox_events holds the claim (which joins that
+    table) until 1 s after stop() began, past its 0.5 s grace."""
+    ob, gate, running = _blocking_app()
+    subscribe(engine, "t", ["a"])
+    publish_events(engine, "t", [{"n": i} for i in range(22)])
+    route_all(engine)
+    with engine.begin() as c:  # only two jobs are due at first: both workers take one and block
+        c.execute(sa.text("UPDATE outbox_jobs SET run_at = now() + interval '1 day' WHERE id > "
+                          "(SELECT min(id) + 1 FROM outbox_jobs)"))
+    relay = Relay(ob, settings(concurrency=2, prefetch=20, listen=False), route=False, maintain=False)
+    stopper = threading.Thread(target=relay.stop, kwargs={"grace": 0.5})
+    blocker = engine.connect()
+    try:
+        relay.start()
+        wait_for(lambda: len(running) == 2, timeout=TIMEOUT, what="both workers busy")
+        blocker.begin()
+        blocker.execute(sa.text("LOCK TABLE outbox_events IN ACCESS EXCLUSIVE MODE"))
+        with engine.begin() as c:
+            c.execute(sa.text("UPDATE outbox_jobs SET run_at = now() WHERE status = 'ready'"))
+        wait_for(lambda: _claim_waiting_on_a_lock(engine), timeout=TIMEOUT, what="the claim blocked on the lock")
+        stopper.start()
+        wait_for(relay.runner._stop_claiming.is_set, timeout=TIMEOUT, what="stop() under way")
+        time.sleep(1.0)  # the fault's timing: the claim returns after the grace period is over
+    finally:
+        blocker.rollback()
+        blocker.close()
+    stopper.join(15)
+    gate.set()
+    assert not stopper.is_alive()
+    wait_for(lambda: relay.runner.stats["claimed"] == 22, timeout=TIMEOUT, what="the claim to have returned")
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT status, attempts, count(*) FROM outbox_jobs GROUP BY 1, 2")).all()
+        assert [tuple(r) for r in rows] == [("ready", 0, 22)]
+        assert c.execute(sa.text("SELECT count(*) FROM outbox_relays")).scalar_one() == 0  # a clean stop removes its row
+
+
+def _claim_waiting_on_a_lock(engine: sa.Engine) -> bool:
+    with engine.connect() as c:
+        return bool(c.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            " AND application_name = 'outbox-relay'")).scalar_one())
