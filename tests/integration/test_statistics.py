@@ -229,3 +229,49 @@ def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, se
 
     wait_for(vacuumed, timeout=10, what="pg_stat_user_tables to count the relay's VACUUM")
     assert any("autovacuum is off for outbox_jobs" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------- claims after a redrive
+
+
+def _jobs_read(plan: dict, limit: int) -> list[tuple[str, float]]:
+    """Every scan of ``outbox_jobs`` in an EXPLAIN (ANALYZE, FORMAT JSON) plan whose rows
+    read over all its loops exceed twice ``limit``: (index or scan, rows x loops)."""
+    found = []
+    stack = [plan]
+    while stack:
+        node = stack.pop()
+        stack.extend(node.get("Plans", []))
+        if node.get("Relation Name") == "outbox_jobs" and "Scan" in node["Node Type"]:
+            read = node["Actual Rows"] * node["Actual Loops"] + node.get("Rows Removed by Filter", 0)
+            if read > 2 * limit:
+                found.append((node.get("Index Name", node["Node Type"]), read))
+    return found
+
+
+def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
+    """20,000 dead jobs, ANALYZE (the statistics now say none is ready), then a redrive of
+    all of them: both claim statements read about as many job rows as they claim. Before
+    the claim's update probed the primary key, the planner, trusting the statistics, joined
+    the picked ids to a scan of every ready job: 20,000 rows read per picked row."""
+    from outbox.maintenance import redrive
+
+    subscribe(engine, "t", ["x"])
+    _no_autovacuum(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO outbox_events (topic, payload, routed_at)"
+                             " SELECT 't', jsonb_build_object('n', g), now() FROM generate_series(1, 20000) g"))
+        conn.execute(sa.text("INSERT INTO outbox_jobs (event_id, consumer, status, attempts, max_attempts, finished_at)"
+                             " SELECT id, 'x', 'dead', 5, 5, now() FROM outbox_events"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(sa.text("ANALYZE outbox_jobs"))
+    with engine.begin() as conn:
+        assert len(redrive(conn, consumer="x")) == 20_000
+    claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
+    combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
+                "after_id": 0, "relay": None, "kept": [], "start_now": 0}
+    for statement, params in ((queries.job_claim_many, claim), (queries.job_complete_claim_many, combined)):
+        with engine.connect() as conn:
+            [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
+            conn.rollback()
+        assert _jobs_read(plan["Plan"], 50) == [], plan
