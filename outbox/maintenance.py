@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Connection
+from sqlalchemy.exc import DBAPIError
 
 from .db import queries
+from .poison import Quarantine, describe_error, is_data_error, isolate
 
 log = logging.getLogger("outbox.maintenance")
 
@@ -47,10 +49,36 @@ class ReapResult:
     unstarted: int = 0
 
 
-def reap_expired(conn: Connection, limit: int = REAP_BATCH) -> ReapResult:
+def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quarantine | None = None) -> ReapResult:
     """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
-    transaction; logs one line per job dead-lettered."""
-    rows = conn.execute(queries.job_reap_many, {"limit": limit}).all()
+    transaction; logs one line per job dead-lettered.
+
+    A data error is confined to the jobs that cause it (:mod:`outbox.poison`): the expired
+    jobs are reaped by halves, each try in a SAVEPOINT, and a job whose reaping fails alone
+    is dead-lettered with a ``last_error`` naming the error, or, where even that fails,
+    kept in ``quarantine`` (skipped by later rounds for a while)."""
+    quarantine = quarantine if quarantine is not None else Quarantine("job")
+    skip = quarantine.ids()
+
+    def reap(only: Sequence[int] | None) -> list[Any]:
+        with conn.begin_nested():
+            return conn.execute(queries.job_reap_many, {
+                "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
+
+    try:
+        rows = reap(None)
+    except DBAPIError as exc:
+        if not is_data_error(exc):
+            raise
+        log.warning("reaper: reaping failed (%s); reaping by halves to find the jobs that cause it",
+                    describe_error(exc))
+        candidates = list(conn.execute(queries.job_reap_candidates, {"limit": limit, "skip": skip}).scalars())
+        parts, poisoned = isolate(candidates, reap)
+        rows = [row for part in parts for row in part]
+        buried = _bury_many(conn, poisoned, queries.job_bury_expired, "reaping", quarantine)
+        if buried:
+            log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
+                      describe_error(poisoned[0][1]))
     dead = [r for r in rows if r.status == "dead"]
     unstarted = sum(1 for r in rows if r.unstarted)
     for r in dead:
@@ -63,14 +91,59 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH) -> ReapResult:
     return ReapResult(retried=len(rows) - len(dead) - unstarted, dead=len(dead), unstarted=unstarted)
 
 
+def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], statement: Any, doing: str,
+               quarantine: Quarantine) -> list[int]:
+    """Dead-letter each job of ``poisoned`` (id, error) with ``statement`` (``:id``,
+    ``:error``), each in a SAVEPOINT; a job even that fails for goes to ``quarantine``.
+    Returns the ids dead-lettered."""
+    buried = []
+    for job_id, exc in poisoned:
+        error = f"{doing.capitalize()} failed for this job: {describe_error(exc)}"
+        try:
+            with conn.begin_nested():
+                if conn.execute(statement, {"id": job_id, "error": error}).rowcount:
+                    buried.append(job_id)
+        except DBAPIError as bury_exc:
+            if not is_data_error(bury_exc):
+                raise
+            quarantine.add(job_id, exc, doing)
+    return buried
+
+
 def prune(conn: Connection, done_older_than: float, events_older_than: float,
-          limit: int = PRUNE_BATCH) -> tuple[int, int]:
+          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None) -> tuple[int, int]:
     """Delete up to ``limit`` done jobs older than ``done_older_than`` seconds and up to
     ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
-    (jobs, events)."""
-    jobs = conn.execute(queries.job_prune_done_many, {"older_than": done_older_than, "limit": limit}).rowcount
-    events = conn.execute(queries.event_prune_many, {"older_than": events_older_than, "limit": limit}).rowcount
+    (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
+    the application's pointing at an event) is found by halves (:mod:`outbox.poison`) and
+    kept in ``quarantine``: it stays, logged, and every other row is pruned."""
+    quarantine = quarantine if quarantine is not None else Quarantine("row")
+    jobs = _prune_by_halves(conn, queries.job_prune_done_many, queries.job_prune_candidates,
+                            done_older_than, limit, quarantine, "pruning the done job")
+    events = _prune_by_halves(conn, queries.event_prune_many, queries.event_prune_candidates,
+                              events_older_than, limit, quarantine, "pruning the event")
     return jobs, events
+
+
+def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than: float, limit: int,
+                     quarantine: Quarantine, doing: str) -> int:
+    skip = quarantine.ids()
+
+    def run(only: Sequence[int] | None) -> int:
+        with conn.begin_nested():
+            return len(conn.execute(delete, {"older_than": older_than, "limit": limit, "skip": skip,
+                                             "only": None if only is None else list(only)}).all())
+
+    try:
+        return run(None)
+    except DBAPIError as exc:
+        if not is_data_error(exc):
+            raise
+    ids = list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars())
+    parts, poisoned = isolate(ids, run)
+    for row_id, exc in poisoned:
+        quarantine.add(row_id, exc, doing)
+    return sum(parts)
 
 
 def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER) -> int:

@@ -39,7 +39,8 @@ from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
 from .registry import Outbox
-from .router import StatisticsKeeper, route_batch
+from .poison import Quarantine
+from .router import StatisticsKeeper, route_round
 from .settings import OutboxSettings
 from .worker import JobRunner, _backoff, _recovered
 
@@ -102,6 +103,10 @@ class Relay:
                                   reconnect_max=settings.reconnect_max) if settings.listen else None)
         self._route = route
         self.job_statistics = StatisticsKeeper(self.engine)  # the router loop's ANALYZE after bursts
+        # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
+        self.route_quarantine = Quarantine("event")
+        self.reap_quarantine = Quarantine("job")
+        self.prune_quarantine = Quarantine("row")
         self._maintain = maintain
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
@@ -190,7 +195,7 @@ class Relay:
             try:
                 # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
                 with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                    result = route_batch(conn, limit)
+                    result = route_round(conn, limit, self.route_quarantine)
                 failures = _recovered(failures, "router")
             except DBAPIError as exc:
                 failures = _backoff(failures, "router", exc, self.settings, self.stop_event)
@@ -225,7 +230,7 @@ class Relay:
         while not self.stop_event.wait(self.settings.reap_interval if not failures else 0):
             try:
                 with self.engine.begin() as conn:
-                    reaped = reap_expired(conn)
+                    reaped = reap_expired(conn, quarantine=self.reap_quarantine)
                 self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
                 self.stats["reaped_unstarted"] += reaped.unstarted
@@ -233,7 +238,8 @@ class Relay:
                     self.wake_workers.set()
                 if time.monotonic() >= next_prune:
                     with self.engine.begin() as conn:
-                        jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events)
+                        jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,
+                                             quarantine=self.prune_quarantine)
                         prune_relays(conn)
                     self.stats["pruned_jobs"] += jobs
                     self.stats["pruned_events"] += events

@@ -25,6 +25,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Connection, Engine
@@ -33,6 +34,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from . import backoff
 from .db import queries
 from .db.engine import describe
+from .poison import Quarantine, describe_error, is_data_error, isolate
 
 log = logging.getLogger("outbox.router")
 
@@ -46,10 +48,38 @@ class RouteResult:
     unsubscribed: int
 
 
-def route_batch(conn: Connection, limit: int) -> RouteResult:
-    """Route up to ``limit`` unrouted events in ``conn``'s transaction; the caller commits."""
-    row = conn.execute(queries.event_route_many, {"limit": limit}).one()
+def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
+                only: Sequence[int] | None = None) -> RouteResult:
+    """Route up to ``limit`` unrouted events in ``conn``'s transaction; the caller commits.
+    Events whose id is in ``skip`` are left out; ``only``, when given, limits the batch to
+    those ids."""
+    row = conn.execute(queries.event_route_many, {
+        "limit": limit, "skip": list(skip), "only": None if only is None else list(only)}).one()
     return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed)
+
+
+def route_round(conn: Connection, limit: int, quarantine: Quarantine) -> RouteResult:
+    """One routing round on an autocommit connection: :func:`route_batch` of up to
+    ``limit`` events, leaving out the events in ``quarantine``. A data error (a trigger or
+    constraint of the application's on the jobs or events table failing for one event) is
+    confined to the events that cause it (:mod:`outbox.poison`): the batch is routed by
+    halves, and an event that fails alone is quarantined, logged with the database error:
+    it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
+    ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals."""
+    skip = quarantine.ids()
+    try:
+        return route_batch(conn, limit, skip)
+    except DBAPIError as exc:
+        if not is_data_error(exc):
+            raise
+        log.warning("router: routing failed (%s); routing by halves to find the events that cause it",
+                    describe_error(exc))
+    candidates = list(conn.execute(queries.event_route_candidates, {"limit": limit, "skip": skip}).scalars())
+    parts, poisoned = isolate(candidates, lambda part: route_batch(conn, len(part), skip, part))
+    for event_id, exc in poisoned:
+        quarantine.add(event_id, exc, "routing")
+    return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
+                       unsubscribed=sum(p.unsubscribed for p in parts))
 
 
 def route_all(engine: Engine, limit: int = 500) -> RouteResult:

@@ -56,7 +56,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from . import backoff
+from . import backoff, poison
 from .db import queries
 from .db.engine import describe, is_disconnect
 from .errors import ConfigurationError, LeaseLostError, PermanentError
@@ -181,7 +181,8 @@ def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, f
 
 def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
                              worker_id: str, after: tuple[int, Any, int] | None, *,
-                             buffer: BufferMark | None = None,
+                             buffer: BufferMark | None = None, skip: list[int] | None = None,
+                             only: list[int] | None = None,
                              ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
     """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
     (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
@@ -190,13 +191,15 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
 
     ``buffer``, when given, is written to the relay's row in the same statement (see
     :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed are taken as started,
-    the rest as buffered."""
+    the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
+    is given, takes only jobs among those ids (:mod:`outbox.poison`)."""
     key = after or HEAD_KEY
     mark = buffer or BufferMark(None, [], 0)
     rows = _rows(conn, queries.job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id),
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "kept": mark.kept, "start_now": mark.start_now})
+        "relay": mark.relay, "kept": mark.kept, "start_now": mark.start_now,
+        "skip": skip or [], "only": only})
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
     last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
@@ -214,6 +217,22 @@ class BufferMark:
     relay: str | None
     kept: list[int]
     start_now: int
+
+
+def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int]) -> list[int]:
+    """Ids of up to ``limit`` due ready jobs of ``consumers`` in claim order, not locked."""
+    return [r[0] for r in _rows(conn, queries.job_claim_candidates,
+                                {"consumers": consumers, "limit": limit, "skip": skip})]
+
+
+def bury_job(conn: Executor, job: Job, error: str) -> bool:
+    """Dead-letter claimed ``job`` (fenced) with ``last_error`` = ``error``; True if it changed."""
+    return _execute(conn, queries.job_bury, {"id": job.id, "fence": job.fence, "error": error}) == 1
+
+
+def bury_ready_job(conn: Executor, job_id: int, error: str) -> bool:
+    """Dead-letter ready job ``job_id`` with ``last_error`` = ``error``; True if it changed."""
+    return _execute(conn, queries.job_bury_ready, {"id": job_id, "error": error}) == 1
 
 
 def register_relay(conn: Executor, worker_id: str) -> None:
@@ -360,6 +379,8 @@ class JobRunner:
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
         self._seen_at = 0.0  # time.monotonic() of the last write of this relay's row
         self._abandoned = False  # closing, buffered claims could not be released
+        # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
+        self._quarantine = poison.Quarantine("job")
 
     # ------------------------------------------------------------- lifecycle
 
@@ -649,9 +670,19 @@ class JobRunner:
             start_now = max(0, self._free_workers() - len(issue)) if want else 0
             sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
             hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
-            completed, claimed, last = complete_and_claim_after(
-                conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
-                buffer=BufferMark(self.worker_id, kept, start_now))
+            mark = BufferMark(self.worker_id, kept, start_now)
+            buried: set[int] = set()
+            try:
+                completed, claimed, last = complete_and_claim_after(
+                    conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
+                    buffer=mark, skip=self._quarantine.ids())
+            except psycopg.Error as exc:
+                if not poison.is_data_error(exc):
+                    raise
+                log.warning("claim and completion failed (%s); running them by halves to find the rows that "
+                            "cause it", poison.describe_error(exc))
+                completed, buried, claimed = self._complete_and_claim_by_halves(conn, done, want, mark)
+                last, hinted = None, True  # claim from the head next time
             self._seen_at = time.monotonic()
             if want:
                 if not hinted:
@@ -666,8 +697,8 @@ class JobRunner:
             self._hold(claimed[start_now:])
             self._issue(issue, claimed[:start_now])
             self.stats["completed"] += len(completed)
-            if len(completed) < len(done):
-                self._stale([j for j in done if j.id not in completed])
+            if len(completed) + len(buried) < len(done):
+                self._stale([j for j in done if j.id not in completed and j.id not in buried])
             self._forget(done)
             del pending[:len(done)]
         elif unstarted:
@@ -676,18 +707,96 @@ class JobRunner:
         pending.extend((j, _RELEASE) for j in unstarted)
         release += unstarted
         if failed:
-            statuses = fail_jobs(self._connection(), failed)
+            statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
+                self._connection(), list(part)), job_of=lambda item: item[0])
             self._log_failures(failed, statuses)
-            self._stale([j for j, _ in failed if j.id not in statuses])
+            self._stale([j for j, _ in failed if j.id not in statuses and j.id not in buried])
             self._forget(j for j, _ in failed)
             del pending[:len(failed)]
         if release:
-            released = release_jobs(self._connection(), release)
+            released, buried = self._by_halves("releasing", release, lambda part: release_jobs(
+                self._connection(), list(part)))
             self.stats["released"] += len(released)
-            self._stale([j for j in release if j.id not in released])
+            self._stale([j for j in release if j.id not in released and j.id not in buried])
             self._forget(release)
             pending[:] = []
         return len(claimed), from_head
+
+    def _complete_and_claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
+                                      mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
+        """After a data error of the combined statement: the completions by halves, then
+        the claim (with the buffer list) alone and, if that fails too, by halves of its
+        candidates, each half writing the buffer list as it then stands. A job that fails
+        alone is dead-lettered naming the error (or quarantined); the others go on.
+        Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
+        completed, buried = self._by_halves("completing", done, lambda part: complete_jobs(conn, list(part)))
+        kept, start_left = list(mark.kept), mark.start_now
+        claimed: list[Job] = []
+
+        def claim(only: list[int] | None) -> list[Job]:
+            nonlocal kept, start_left
+            _, got, _ = complete_and_claim_after(conn, [], self.leases, want if only is None else len(only),
+                                                 self.worker_id, None, buffer=BufferMark(mark.relay, kept, start_left),
+                                                 skip=self._quarantine.ids(), only=only)
+            kept += [j.fence for j in got[start_left:]]
+            start_left = max(0, start_left - len(got))
+            return got
+
+        try:
+            return completed, buried, claim(None)
+        except psycopg.Error as exc:
+            if not poison.is_data_error(exc) or not want:
+                raise
+        candidates = claim_candidates(conn, list(self.leases), want, self._quarantine.ids())
+        parts, poisoned = poison.isolate(candidates, lambda part: claim(list(part)))
+        for part in parts:
+            claimed += part
+        for job_id, exc in poisoned:
+            error = f"ClaimFailed: the claim of this job fails: {poison.describe_error(exc)}"
+            try:
+                buried = bury_ready_job(conn, job_id, error)
+            except psycopg.Error as bury_exc:
+                if not poison.is_data_error(bury_exc):
+                    raise
+                self._quarantine.add(job_id, exc, "claiming")
+                continue
+            if buried:
+                self.stats["dead"] += 1
+                log.error("dead-lettered job %s: %s", job_id, error)
+        return completed, buried, claimed
+
+    def _by_halves(self, doing: str, items: list[Any], run: Callable[[Any], Any],
+                   job_of: Callable[[Any], Job] = lambda item: item) -> tuple[Any, set[int]]:
+        """Run a fenced batch statement over ``items`` (jobs, or (job, failure) pairs);
+        returns its result merged (a set of ids, or a dict) and the ids of the jobs it
+        dead-lettered. On a data error it runs by halves (:func:`outbox.poison.isolate`) and
+        dead-letters each job that fails alone, naming the error (fenced); a job even that
+        fails for is left to its lease (the reaper meets the same error and quarantines
+        it). Other errors propagate."""
+        parts, poisoned = poison.isolate(items, run)
+        merged: Any = {} if parts and isinstance(parts[0], dict) else set()
+        for part in parts:
+            merged.update(part)
+        buried_ids: set[int] = set()
+        if not poisoned:
+            return merged, buried_ids
+        conn = self._connection()
+        for item, exc in poisoned:
+            job = job_of(item)
+            error = f"{doing.capitalize()} failed for this job: {poison.describe_error(exc)}"
+            try:
+                buried = bury_job(conn, job, error)
+            except psycopg.Error as bury_exc:
+                if not poison.is_data_error(bury_exc):
+                    raise
+                log.error("job %s (%s) fence %s: %s, and so did dead-lettering it; left to its lease",
+                          job.id, job.consumer, job.fence, error)
+                continue
+            if buried:
+                self.stats["dead"] += 1
+                buried_ids.add(job.id)
+                log.error("dead-lettered job %s (%s) fence %s: %s", job.id, job.consumer, job.fence, error)
+        return merged, buried_ids
 
     def _from_buffer(self) -> tuple[int, list[Job], list[Job]]:
         """What this round takes off the head of the buffer (nothing is removed until its
@@ -876,7 +985,7 @@ class JobRunner:
             sent = time.monotonic()
             try:
                 with self._autocommit() as conn:
-                    owned = heartbeat_jobs(conn, jobs)
+                    owned = self._heartbeat(conn, jobs)
                 failures = _recovered(failures, "heartbeat")
             except DBAPIError as exc:
                 failures = _backoff(failures, "heartbeat", exc, self.settings, self._stopped, wait=False)
@@ -892,6 +1001,26 @@ class JobRunner:
                 self.stats["lease_lost"] += 1
                 log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
                             job.id, job.consumer, job.fence)
+
+
+    def _heartbeat(self, conn: Connection, jobs: list[Job]) -> set[int]:
+        """Renew the leases of ``jobs``; returns the fences still owned. A data error is
+        confined to the jobs that cause it (:mod:`outbox.poison`): each is dead-lettered
+        naming the error (fenced), or, where even that fails, reported not owned, so its
+        worker is told and its lease runs out."""
+        parts, poisoned = poison.isolate(jobs, lambda part: heartbeat_jobs(conn, list(part)))
+        owned: set[int] = set().union(*parts)
+        for job, exc in poisoned:
+            error = f"Renewing the lease failed for this job: {poison.describe_error(exc)}"
+            try:
+                buried = bury_job(conn, job, error)
+            except DBAPIError as bury_exc:
+                if not poison.is_data_error(bury_exc):
+                    raise
+                buried = False
+            log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
+                      "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
+        return owned
 
 
 # --------------------------------------------------------------- loop helpers

@@ -29,6 +29,8 @@ event_route_many: TextClause = text(
         SELECT id, topic
         FROM outbox_events
         WHERE routed_at IS NULL
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
         ORDER BY id
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
@@ -59,7 +61,20 @@ event_route_many: TextClause = text(
 routed, in one statement (one transaction). Rows locked by another router are skipped,
 so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
 above the last one seen") picks events, since ids commit out of order. Returns one row:
-events routed, jobs created, events that matched no subscription."""
+events routed, jobs created, events that matched no subscription. ``:skip`` (ids, usually
+empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
+poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``."""
+
+event_route_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_events
+    WHERE routed_at IS NULL AND id <> ALL (CAST(:skip AS bigint[]))
+    ORDER BY id
+    LIMIT :limit
+    """
+)
+"""Ids of up to ``:limit`` unrouted events in routing order, none locked: the batch
+``event_route_many`` would take, for finding the event that makes it fail."""
 
 event_prune_many: TextClause = text(
     """
@@ -70,13 +85,30 @@ event_prune_many: TextClause = text(
         WHERE e.routed_at IS NOT NULL
           AND e.routed_at < now() - make_interval(secs => :older_than)
           AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id)
+          AND e.id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR e.id = ANY (CAST(:only AS bigint[])))
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     )
+    RETURNING id
     """
 )
 """Delete up to ``:limit`` events routed more than ``:older_than`` seconds ago that have no
-job left (all done and pruned). Events with a live or dead job stay."""
+job left (all done and pruned). Events with a live or dead job stay. ``:skip`` and
+``:only`` as in ``event_route_many``; returns the ids deleted."""
+
+event_prune_candidates: TextClause = text(
+    """
+    SELECT e.id
+    FROM outbox_events e
+    WHERE e.routed_at IS NOT NULL
+      AND e.routed_at < now() - make_interval(secs => :older_than)
+      AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id)
+      AND e.id <> ALL (CAST(:skip AS bigint[]))
+    LIMIT :limit
+    """
+)
+"""Ids of the events ``event_prune_many`` would delete, none locked."""
 
 event_unrouted_count: TextClause = text("SELECT count(*) FROM outbox_events WHERE routed_at IS NULL")
 
@@ -219,7 +251,9 @@ missing from the result were stale reports and changed nothing."""
 
 _CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(after="""
           AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
-                                        CAST(:after_id AS bigint))""")
+                                        CAST(:after_id AS bigint))
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))""")
 
 job_complete_claim_many: TextClause = text(
     f"""
@@ -246,7 +280,9 @@ claimed jobs (``completed`` false, columns as ``job_claim_many``) and one row pe
 completed (``completed`` true, only ``id`` set); claimed rows also carry ``priority`` and
 ``run_at``: with ``id``, the claim-order key. The claim starts after the key
 ``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
-at the head): a runner that remembers the last key it claimed skips the index entries of
+at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually none) and,
+unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
+bisection; :mod:`outbox.poison`): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
 (docs/performance.md).
 
@@ -312,6 +348,51 @@ since the handler did not fail. ``run_at`` is kept (it is already due: the job w
 claimed), so the job keeps its place at the head of the queue instead of waiting behind
 every job that became due while it ran. Fenced."""
 
+job_claim_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_jobs
+    WHERE status = 'ready'
+      AND run_at <= now()
+      AND consumer = ANY (CAST(:consumers AS text[]))
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    ORDER BY priority, run_at, id
+    LIMIT :limit
+    """
+)
+"""Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.poison`)."""
+
+job_bury: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now()
+    WHERE id = :id AND fence = :fence AND status = 'running'
+    """
+)
+"""Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
+poison row (:mod:`outbox.poison`); ``:error`` names the statement and the database error.
+Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh."""
+
+job_bury_ready: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'dead', finished_at = now(), last_error = :error, updated_at = now()
+    WHERE id = :id AND status = 'ready'
+    """
+)
+"""Dead-letter one ready job whose claim fails with a data error (no claim, so no fence:
+only a job still ``ready`` changes)."""
+
+job_bury_expired: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now()
+    WHERE id = :id AND status = 'running' AND lease_until < now()
+    """
+)
+"""Dead-letter one job whose lease expired and whose reaping fails with a data error; the
+lease check is the reaper's own (a renewed lease means its worker still owns it)."""
+
 job_reap_many: TextClause = text(
     """
     WITH expired AS (
@@ -320,6 +401,8 @@ job_reap_many: TextClause = text(
                        WHERE r.id = j.locked_by AND j.fence = ANY (r.buffered)) AS unstarted
         FROM outbox_jobs j
         WHERE j.status = 'running' AND j.lease_until < now()
+          AND j.id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR j.id = ANY (CAST(:only AS bigint[])))
         ORDER BY j.lease_until
         LIMIT :limit
         FOR UPDATE OF j SKIP LOCKED
@@ -348,7 +431,17 @@ handler (the relay died or stopped with it in its prefetch buffer): it gets its 
 back (``attempts - 1``), keeps its ``run_at`` (its place at the head of the queue) and its
 ``last_error``, and is never dead-lettered by this; ``unstarted`` says so per row. Every
 other expired claim is charged as before, so a handler that kills its process ends dead
-after ``max_attempts`` starts."""
+after ``max_attempts`` starts. ``:skip`` and ``:only`` as in ``event_route_many``."""
+
+job_reap_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_jobs
+    WHERE status = 'running' AND lease_until < now() AND id <> ALL (CAST(:skip AS bigint[]))
+    ORDER BY lease_until
+    LIMIT :limit
+    """
+)
+"""Ids of up to ``:limit`` jobs whose lease expired, in reaping order, none locked."""
 
 job_prune_done_many: TextClause = text(
     """
@@ -356,12 +449,26 @@ job_prune_done_many: TextClause = text(
     WHERE id IN (
         SELECT id FROM outbox_jobs
         WHERE status = 'done' AND finished_at < now() - make_interval(secs => :older_than)
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     )
+    RETURNING id
     """
 )
-"""Delete up to ``:limit`` jobs done more than ``:older_than`` seconds ago."""
+"""Delete up to ``:limit`` jobs done more than ``:older_than`` seconds ago; returns their
+ids. ``:skip`` and ``:only`` as in ``event_route_many``."""
+
+job_prune_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_jobs
+    WHERE status = 'done' AND finished_at < now() - make_interval(secs => :older_than)
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    LIMIT :limit
+    """
+)
+"""Ids of the jobs ``job_prune_done_many`` would delete, none locked."""
 
 job_dead_list: TextClause = text(
     """

@@ -1,0 +1,117 @@
+"""Poison rows: a data error in a batch statement is confined to the rows that cause it.
+
+Every loop of the relay changes rows in batches: the dispatcher claims, completes, fails
+and releases jobs, the heartbeat renews leases, the reaper takes expired jobs back, the
+router turns events into jobs, the pruner deletes what is finished. A batch statement
+fails as a whole when one of its rows makes it fail: a trigger of the application's that
+raises for that row, a constraint the row violates, a value out of range. Retried as it
+is, it fails the same way for ever, and one bad row stalls every job behind it.
+
+So an error about the data (:func:`is_data_error`: SQLSTATE classes 22 data exception,
+23 integrity constraint violation, 2F/38/39 routine and trigger errors, 54 program limit
+exceeded, P0 PL/pgSQL ``RAISE``; PostgreSQL docs, Appendix A "PostgreSQL Error Codes") is
+bisected (:func:`isolate`): the batch is split in halves and each half run again, down to
+the rows that fail alone, so a batch of n rows with k bad ones costs about
+``2 k log2(n)`` statements once. Every other row's statement commits and the loop goes
+on with no extra run of any job. What happens to a row that fails alone is the caller's
+rule: a job is dead-lettered with a ``last_error`` naming the database error (a fenced
+write, for a claimed job); where even that write fails, the row is kept in the loop's
+:class:`Quarantine` (skipped by its statements, logged once) and tried again after
+``QUARANTINE_SECONDS``, so nothing committed is lost or changed by a bad row.
+
+Any other error (the connection, the server, a lock or serialization conflict, a missing
+table) is not about one row: it is raised, and the loop retries the whole batch with
+backoff as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import psycopg
+from sqlalchemy.exc import DBAPIError
+
+log = logging.getLogger("outbox.poison")
+
+#: SQLSTATE classes (first two characters) of errors caused by the rows a statement touches.
+DATA_ERROR_CLASSES = frozenset({"22", "23", "2F", "38", "39", "54", "P0"})
+#: How long a row whose poison could not even be recorded is skipped before it is tried
+#: again, seconds (the application may have fixed its trigger or constraint meanwhile).
+QUARANTINE_SECONDS = 300.0
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a psycopg error, or of the psycopg error a SQLAlchemy one wraps."""
+    if isinstance(exc, DBAPIError):
+        exc = exc.orig  # type: ignore[assignment]
+    return getattr(exc, "sqlstate", None) if isinstance(exc, psycopg.Error) else None
+
+
+def is_data_error(exc: BaseException) -> bool:
+    """True when ``exc`` is a database error about the data a statement touched (see
+    ``DATA_ERROR_CLASSES``), which retrying the same rows cannot fix."""
+    state = sqlstate(exc)
+    return state is not None and state[:2] in DATA_ERROR_CLASSES
+
+
+def isolate(items: Sequence[T], run: Callable[[Sequence[T]], R]) -> tuple[list[R], list[tuple[T, BaseException]]]:
+    """Run ``run(items)``; if it raises a data error, split ``items`` in halves and run
+    each, recursively, down to single items. Returns (results of every successful run, in
+    order; (item, error) for every item that failed alone). ``run`` must be atomic (one
+    statement in autocommit, or its own transaction), so a failed run changed nothing.
+    Errors that are not data errors propagate at once."""
+    try:
+        return [run(items)], []
+    except (psycopg.Error, DBAPIError) as exc:
+        if not is_data_error(exc):
+            raise
+        if len(items) <= 1:
+            return [], [(item, exc) for item in items]
+    mid = len(items) // 2
+    head, head_bad = isolate(items[:mid], run)
+    tail, tail_bad = isolate(items[mid:], run)
+    return head + tail, head_bad + tail_bad
+
+
+class Quarantine:
+    """Ids one loop skips because even recording their poison failed, each until
+    ``QUARANTINE_SECONDS`` after it was added. ``what`` names the rows in the log ("job",
+    "event"). Not thread-safe: one per loop."""
+
+    def __init__(self, what: str, seconds: float = QUARANTINE_SECONDS) -> None:
+        self.what = what
+        self.seconds = seconds
+        self._until: dict[int, float] = {}
+
+    def add(self, row_id: int, exc: BaseException, doing: str) -> None:
+        """Skip ``row_id`` for a while; logs the database error once per quarantine."""
+        if row_id not in self._until:
+            log.error("%s %s quarantined for %.0fs: %s failed for it alone and recording that failed too (%s)",
+                      self.what, row_id, self.seconds, doing, describe_error(exc))
+        self._until[row_id] = time.monotonic() + self.seconds
+
+    def ids(self) -> list[int]:
+        """The ids to skip now (expired ones are dropped)."""
+        now = time.monotonic()
+        for row_id in [i for i, until in self._until.items() if until <= now]:
+            del self._until[row_id]
+        return list(self._until)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+def describe_error(exc: BaseException) -> str:
+    """``SQLSTATE Type: first line of the server's message`` of a database error, for a
+    log line or a ``last_error``; never the statement or its parameters."""
+    orig: Any = exc.orig if isinstance(exc, DBAPIError) else exc
+    text = str(orig).strip()
+    message = text.splitlines()[0] if text else type(orig).__name__
+    state = sqlstate(exc)
+    return f"{type(orig).__name__}{f' [{state}]' if state else ''}: {message}"
