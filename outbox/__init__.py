@@ -9,6 +9,7 @@ See ``docs/architecture.md`` for the guarantees.
 
 from .errors import (
     ConfigurationError,
+    DatabaseStatementError,
     DatabaseUnavailableError,
     InvalidEventError,
     LeaseLostError,
@@ -25,6 +26,7 @@ from .settings import OutboxSettings
 
 __all__ = [
     "ConfigurationError",
+    "DatabaseStatementError",
     "DatabaseUnavailableError",
     "InvalidEventError",
     "Job",

@@ -6,8 +6,11 @@ reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
-invalid setting) print one line ``outbox-relay: error: ...`` and exit with status 2;
-never a traceback, never a password.
+invalid setting) and any statement the database refuses (a missing privilege, say;
+translated by :func:`outbox.db.engine.translate_errors`) print one line
+``outbox-relay: error: ...`` and exit with status 2; never a traceback, never a password.
+``migrate`` may run from many processes at once: they take turns (an advisory lock,
+:mod:`outbox.db.migrate`), and all but the first find the schema at head.
 """
 
 from __future__ import annotations

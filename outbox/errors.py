@@ -65,6 +65,18 @@ class DatabaseUnavailableError(OutboxError):
     """
 
 
+class DatabaseStatementError(OutboxError):
+    """A statement failed in the database for a reason outbox does not handle itself: a
+    permission refused, a constraint violated, a lock or statement timeout, the server out
+    of disk.
+
+    Raised where outbox translates database errors (the command line, a relay starting);
+    the message is the driver's error class and the first line of its message, never the
+    SQL or its parameters, never the password of the URL. The driver's exception is the
+    ``__cause__``.
+    """
+
+
 class SchemaNotReadyError(OutboxError):
     """The database lacks outbox's tables or has an older schema revision.
 

@@ -16,7 +16,23 @@ caller's transaction is untouched and still usable.
 Payload encoding: JSON objects with string keys, arrays (``list`` or ``tuple``; a tuple
 comes back as a list), strings, finite numbers, booleans and null. Anything else (sets,
 bytes, datetimes, custom objects, non-string keys, NaN) is refused rather than converted,
-so what a handler receives is what was published.
+so what a handler receives is what was published (numbers: see below).
+
+Numbers: ``jsonb`` keeps every number as ``numeric``, the exact decimal digits written,
+including those after a decimal point but not the notation, and psycopg reads a number back
+as a ``float`` when it has a decimal point and as an ``int`` otherwise. So:
+
+* an ``int`` (up to ``MAX_INT_DIGITS`` digits, 2**63 and beyond) arrives as an ``int`` of the
+  same value;
+* a finite ``float`` arrives as a ``float`` of the same value. Python writes floats of
+  magnitude 1e16 and above with an exponent (``1e+16``), which ``numeric`` would keep as the
+  integer 10000000000000000, read back as an ``int``; publish writes them in positional
+  notation with one fraction digit instead (``10000000000000000.0``: the digits of the
+  float's shortest ``repr``, so it reads back as the same float). Such a float takes up to
+  312 characters (sign included) of the encoded size the limits count. Negative exponents
+  (``1e-07``, ``5e-324``) need nothing: ``numeric`` keeps their digits after the point;
+* ``-0.0`` arrives as ``0.0`` (a ``float``, equal under ``==``; ``numeric`` has no negative
+  zero); it is the only float whose sign does not survive.
 
 How validation stays cheap: most payloads are built only of ``dict``, ``list``, ``tuple``
 and exact ``str``/``int``/``float``/``bool``/``None``. For those a quick walk looks at
@@ -26,7 +42,10 @@ as ``\\u0000``; an unpaired surrogate fails the UTF-8 encoding that measures the
 ``allow_nan=False`` refuses NaN and infinities). Anything else, or any doubt (a literal
 backslash before ``u0000`` in a string, say), goes through the full walk of every value,
 which accepts and refuses exactly the same events and names the exact place of the
-problem. Either way nothing has been sent yet.
+problem. Either way nothing has been sent yet. Both rewrite floats with a positive exponent
+the same way, on the encoded text, and only when it contains ``e+`` (a float's ``repr``
+holds ``e+`` exactly when it has a positive exponent; a string holding ``e+`` costs a scan
+that changes nothing), so payloads without such floats pay one substring search.
 """
 
 from __future__ import annotations
@@ -34,8 +53,10 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
@@ -146,10 +167,35 @@ def _mapping_as_dict(value: Any) -> dict:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
+#: In JSON text written by ``json``: a whole string (skipped), or a number with a positive
+#: exponent (group 1). Numbers occur only outside strings, and a scan that consumes every
+#: string whole from its opening quote never starts inside one.
+_STRING_OR_EXPONENT_NUMBER = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(-?[0-9]+(?:\.[0-9]+)?e\+[0-9]+)', re.DOTALL)
+
+
+def _positional(match: re.Match[str]) -> str:
+    number = match[1]
+    if number is None:
+        return match[0]  # a string: unchanged
+    # A float's repr with a positive exponent has at most 16 fraction digits and an
+    # exponent of 16 or more, so its exact decimal value is an integer: no digit is lost.
+    digits = format(Decimal(number), "f")
+    return digits if "." in digits else digits + ".0"
+
+
+def _positional_floats(text: str) -> str:
+    """``text`` (JSON written by ``json``) with every number written with a positive exponent
+    (a float of magnitude 1e16 or more: ``1.5e+300``) rewritten in positional notation with
+    one fraction digit (``15000...0.0``), so ``jsonb`` keeps it a float (module notes)."""
+    return _STRING_OR_EXPONENT_NUMBER.sub(_positional, text)
+
+
 def _encode_checked(value: Any, field: str, limit: int) -> str:
     """The full walk, then the encoding: the reference for what is accepted and refused."""
     _check_json(value, field)
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_mapping_as_dict)
+    if "e+" in text:
+        text = _positional_floats(text)
     size = len(text.encode("utf-8"))
     if size > limit:
         raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
@@ -213,6 +259,8 @@ def _encode(value: Any, field: str, limit: int) -> str:
             text = _dumps_plain(value)
         except ValueError:  # NaN or an infinity: the full walk names where
             return _encode_checked(value, field, limit)
+        if "e+" in text:  # a float of magnitude 1e16 or more (or a string holding "e+")
+            text = _positional_floats(text)
         if "\\u0000" not in text:  # else a NUL, or a literal backslash before "u0000"
             if text.isascii():
                 size = len(text)
@@ -276,6 +324,12 @@ def publish(
     encoded bytes (default 1 MiB); ``headers`` an optional JSON object of at most 64 KiB.
     No string anywhere may contain ``\\u0000`` (PostgreSQL's ``jsonb`` and ``text`` refuse it).
 
+    A handler receives what was published, with one exception: ints arrive as ints and
+    finite floats as floats of the same value (a float of magnitude 1e16 or more is written
+    as ``10000000000000000.0``, not ``1e+16``, so ``jsonb`` does not turn it into an int; it
+    counts towards ``max_payload_bytes`` at that length, up to 312 bytes), but ``-0.0``
+    arrives as ``0.0``: ``jsonb`` numbers have no negative zero (module notes).
+
     Raises :class:`~outbox.errors.InvalidEventError` before anything is written; the
     transaction stays usable. Raises :class:`~outbox.errors.SchemaNotReadyError` when
     outbox's tables do not exist (the transaction is then aborted, as after any failed
@@ -321,7 +375,7 @@ def publish_many(
     first, by the rules of :func:`publish`: one bad event raises
     :class:`~outbox.errors.InvalidEventError` (its index in the message) and none is written.
     Returns the new ids in the order of ``events`` (a ``list[int]``, ascending, or an
-    awaitable of it for async sessions).
+    awaitable of it for async sessions). Numbers are written as :func:`publish` writes them.
     """
     batches = _encode_many(events, max_payload_bytes)
     if isinstance(session, (AsyncSession, AsyncConnection)):

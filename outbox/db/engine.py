@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 
-from ..errors import ConfigurationError, DatabaseUnavailableError, SchemaNotReadyError
+from ..errors import ConfigurationError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
 
 
 def parse_url(url: str | URL) -> URL:
@@ -96,8 +96,9 @@ def describe(exc: BaseException) -> str:
 @contextlib.contextmanager
 def translate_errors(url: str | URL) -> Iterator[None]:
     """Turn connection failures into :class:`DatabaseUnavailableError`, a URL whose options
-    the driver refuses into :class:`ConfigurationError` and missing tables into
-    :class:`SchemaNotReadyError`, with readable messages; the cause is kept."""
+    the driver refuses into :class:`ConfigurationError`, missing tables into
+    :class:`SchemaNotReadyError` and any other failed statement into
+    :class:`DatabaseStatementError`, with readable one-line messages; the cause is kept."""
     try:
         yield
     except OperationalError as exc:
@@ -108,4 +109,4 @@ def translate_errors(url: str | URL) -> Iterator[None]:
         if isinstance(exc, sa.exc.ProgrammingError) and "outbox_" in str(exc.orig) and "does not exist" in str(exc.orig):
             raise SchemaNotReadyError(
                 f"outbox tables are missing in {redact(url)}; run `outbox-relay migrate`") from exc
-        raise
+        raise DatabaseStatementError(f"database error in {redact(url)}: {describe(exc)}") from exc

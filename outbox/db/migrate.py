@@ -1,8 +1,21 @@
 """Applying and checking outbox's alembic migrations, which ship inside the package
-(``outbox/migrations``) so a plain, non-editable install can migrate."""
+(``outbox/migrations``) so a plain, non-editable install can migrate.
+
+Migrations may run at once from many places (every replica's start-up runs ``outbox-relay
+migrate``). Each upgrade or downgrade is one transaction whose first statement takes a
+transaction-scoped advisory lock (``queries.schema_migrate_lock``, key
+``queries.SCHEMA_MIGRATE_LOCK_KEY``): the others wait for it, then read the version table
+afresh (each statement of a READ COMMITTED transaction sees what committed before it
+began), find the schema at the revision they want and change nothing. Without the lock two
+of them created the version table at the same moment and one failed with a unique
+violation. A migration that fails rolls back entirely and releases the lock.
+"""
 
 from __future__ import annotations
 
+import logging
+
+import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
@@ -11,6 +24,8 @@ from sqlalchemy.exc import ProgrammingError
 
 from ..errors import SchemaNotReadyError
 from . import queries
+
+log = logging.getLogger("outbox.migrate")
 
 
 def alembic_config(connection: Connection | None = None) -> Config:
@@ -32,25 +47,43 @@ def head_revision() -> str:
 
 def upgrade(engine: Engine, revision: str = "head") -> str:
     """Migrate the database of ``engine`` to ``revision`` (default: newest), in one
-    transaction. Safe to run again; returns the revision the database is at afterwards."""
+    transaction holding the migration lock (see the module notes): safe to run again, and
+    from many processes at once, which take turns. Returns the revision the database is at
+    afterwards. Database errors propagate as SQLAlchemy raises them (the command line
+    translates them); nothing is changed then."""
     with engine.begin() as connection:
+        _lock(connection)
         command.upgrade(alembic_config(connection), revision)
         return connection.execute(queries.schema_revision).scalar_one()
 
 
 def downgrade(engine: Engine, revision: str) -> None:
-    """Migrate the database of ``engine`` down to ``revision`` (``base`` drops everything)."""
+    """Migrate the database of ``engine`` down to ``revision`` (``base`` drops everything),
+    in one transaction holding the migration lock, like :func:`upgrade`."""
     with engine.begin() as connection:
+        _lock(connection)
         command.downgrade(alembic_config(connection), revision)
+
+
+def _lock(connection: Connection) -> None:
+    """Take the migration lock in ``connection``'s transaction, saying so when it must wait."""
+    if not connection.execute(queries.schema_migrate_lock_try).scalar_one():
+        log.info("another migration holds the migration lock (advisory lock %d); waiting for it",
+                 queries.SCHEMA_MIGRATE_LOCK_KEY)
+        connection.execute(queries.schema_migrate_lock)
 
 
 def check_schema(connection: Connection) -> None:
     """Raise :class:`SchemaNotReadyError` unless the database is at this package's head
-    revision. Uses (and on failure rolls back) ``connection``'s current transaction."""
+    revision. Uses (and on failure rolls back) ``connection``'s current transaction. Any
+    other database error (a role that may not read the version table, say) propagates as
+    SQLAlchemy raises it."""
     try:
         with connection.begin_nested():
             current = connection.execute(queries.schema_revision).scalar()
-    except ProgrammingError:
+    except ProgrammingError as exc:
+        if not isinstance(exc.orig, psycopg.errors.UndefinedTable):
+            raise
         current = None
     head = head_revision()
     if current is None:

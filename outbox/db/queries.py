@@ -565,6 +565,23 @@ working on instead of waiting. Cannot run inside a transaction block: autocommit
 
 schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")
 
+#: Key of the advisory lock that serialises migrations: the first 8 bytes of
+#: SHA-256(b"outbox.migrate") read as a signed big-endian 64-bit integer. ``pg_locks`` shows it
+#: held as ``locktype = 'advisory'``, ``classid = 268231917``, ``objid = 895327184``,
+#: ``objsubid = 1``. An application must not use this key for locks of its own.
+SCHEMA_MIGRATE_LOCK_KEY = 1152047312153713616
+
+schema_migrate_lock_try: TextClause = text(
+    "SELECT pg_try_advisory_xact_lock(:key)").bindparams(key=SCHEMA_MIGRATE_LOCK_KEY)
+"""Take the migration lock for the rest of the transaction (released by its commit or
+rollback) if no other transaction holds it; returns whether it did. The first statement
+of every upgrade and downgrade, so two ``outbox-relay migrate`` run at once take turns: the
+second finds the schema at head and does nothing."""
+
+schema_migrate_lock: TextClause = text("SELECT pg_advisory_xact_lock(:key)").bindparams(key=SCHEMA_MIGRATE_LOCK_KEY)
+"""Take the migration lock for the rest of the transaction, waiting while another
+transaction holds it (after ``schema_migrate_lock_try`` found it taken)."""
+
 # -------------------------------------------------------------------------- publish
 
 event_insert: TextClause = text(

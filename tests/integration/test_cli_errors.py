@@ -58,13 +58,16 @@ def cli(monkeypatch, capsys, app_dir):
             del sys.modules[name]
 
 
-def assert_one_error_line(result: subprocess.CompletedProcess[str], *fragments: str, secret: str = SECRET) -> str:
+def assert_one_error_line(result: subprocess.CompletedProcess[str], *fragments: str, secret: str = SECRET,
+                          info_lines: bool = False) -> str:
+    """Exit status 2, nothing on stdout, and on stderr one line ``outbox-relay: error: ...``
+    holding every fragment (besides log lines at INFO level, with ``info_lines``)."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "Traceback" not in output, output
     assert secret not in output, output
     assert result.stdout == ""
-    lines = result.stderr.splitlines()
+    lines = [line for line in result.stderr.splitlines() if not (info_lines and " INFO " in line)]
     assert len(lines) == 1, output
     [line] = lines
     assert line.startswith("outbox-relay: error: "), line
@@ -251,6 +254,66 @@ def test_database_at_another_schema_revision(cli, db_url, command):
     url, secret = with_secret(db_url)
     assert_one_error_line(cli(*command, "--database-url", url),
                           "schema is at revision 0000_older", "run `outbox-relay migrate`", secret=secret)
+
+
+@pytest.fixture
+def limited_role(server):
+    """Build the URL of a database for a new login role (password ``SECRET``) that may only
+    connect, plus the grants given (SQL after ``GRANT``); ``revoke_create`` also takes
+    CREATE on schema ``public`` away from PUBLIC in that database (PostgreSQL 15 does that
+    by default, older servers do not). The role is dropped afterwards."""
+    role = f"outbox_limited_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server[0], isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN PASSWORD '{SECRET}'")
+    touched: list[URL] = []
+
+    def build(url: URL, grants: tuple[str, ...] = (), revoke_create: bool = False) -> str:
+        with sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool).connect() as conn:
+            touched.append(url)
+            if revoke_create:
+                conn.exec_driver_sql("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+            for grant in grants:
+                conn.exec_driver_sql(f"GRANT {grant} TO {role}")
+        return url.set(username=role, password=SECRET).render_as_string(hide_password=False)
+
+    yield build
+    for url in touched:  # privileges inside a database dropped already went with it
+        with admin.connect() as conn:
+            if not conn.exec_driver_sql("SELECT 1 FROM pg_database WHERE datname = %(name)s",
+                                        {"name": url.database}).first():
+                continue
+        with sa.create_engine(url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool).connect() as conn:
+            conn.exec_driver_sql(f"DROP OWNED BY {role}")
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"DROP ROLE IF EXISTS {role}")
+    admin.dispose()
+
+
+def test_process_migrate_refused_by_the_database_is_one_line(limited_role, empty_db_url, tmp_path):
+    """A statement the database refuses (here: a role without CREATE on schema public) ends
+    ``migrate`` with one line naming the error, not with a traceback."""
+    result = run_cli("migrate", "--database-url", limited_role(empty_db_url, revoke_create=True), cwd=tmp_path)
+    assert_one_error_line(result, "database error in postgresql+psycopg://outbox_limited_", ":***@",
+                          "InsufficientPrivilege: permission denied for schema public",
+                          info_lines=True)  # alembic's, before the failing statement
+
+
+@pytest.mark.parametrize("command, grants, fragment", [
+    (["migrate"], (), "permission denied for table outbox_alembic_version"),
+    (["status"], (), "permission denied for table outbox_alembic_version"),
+    (["dead"], ("SELECT ON outbox_alembic_version",), "permission denied for table outbox_jobs"),
+    (["subscriptions"], ("SELECT ON outbox_alembic_version",), "permission denied for table outbox_subscriptions"),
+    (["run", "--app", "good_app:ob"], ("SELECT ON outbox_alembic_version",),
+     "permission denied for table outbox_subscriptions"),
+])
+def test_statement_refused_by_the_database_is_one_line(cli, limited_role, db_url, command, grants, fragment):
+    """Every command that meets a database error other than the ones it explains itself
+    (unreachable, no tables, another revision) prints it as one line and exits 2; a version
+    table the role may not read is not mistaken for a missing one."""
+    url = limited_role(db_url, grants)
+    assert_one_error_line(cli(*command, "--database-url", url), "database error in", "InsufficientPrivilege", fragment,
+                          info_lines=True)
 
 
 # ------------------------------------------------------------------ settings

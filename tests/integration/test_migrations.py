@@ -4,6 +4,10 @@ reversible; ``metadata.create_all`` gives the same schema."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -14,8 +18,10 @@ from sqlalchemy.engine import URL
 
 from outbox.cli import main
 from outbox.db.engine import make_engine
-from outbox.db.migrate import downgrade, head_revision
+from outbox.db import queries
+from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
+from outbox.testing import temporary_database, wait_for
 
 #: outbox's own alembic version table (outbox/migrations/env.py, a script, not importable).
 VERSION_TABLE = "outbox_alembic_version"
@@ -229,3 +235,87 @@ def test_create_all_gives_the_same_schema_as_the_migrations(server, db_url, engi
     metadata.create_all(empty_engine)
     assert drift(empty_engine) == []
     assert snapshot(empty_engine) == without_version_table(snapshot(engine))
+
+
+# ------------------------------------------------------------- concurrent migrations
+
+
+def start_migrate(url: URL) -> subprocess.Popen[str]:
+    """``python -m outbox.cli migrate`` on ``url`` as a process of its own (no OUTBOX_* variable
+    from this environment)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    return subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate", "--database-url",
+                             url.render_as_string(hide_password=False)],
+                            env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("round_", range(5))
+def test_concurrent_migrate_processes_take_turns(server, round_):
+    """Every replica of a deployment runs ``outbox-relay migrate`` at start-up: four of them
+    started together on an empty database all exit 0 with the schema at head. Before the
+    migration lock, two of them created the version table at once and one died with a
+    UniqueViolation traceback (about one round in two)."""
+    with temporary_database(server[0]) as url:
+        processes = [start_migrate(url) for _ in range(4)]
+        results = [(p.wait(timeout=120), *p.communicate()) for p in processes]
+        head = head_revision()
+        for status, out, err in results:  # stderr holds alembic's INFO lines, nothing else
+            assert (status, out) == (0, f"outbox schema at revision {head}\n"), (status, out, err)
+            assert "Traceback" not in err and "error" not in err.lower(), err
+        engine = make_engine(url)
+        try:
+            with engine.connect() as conn:
+                assert conn.exec_driver_sql(f"SELECT version_num FROM {VERSION_TABLE}").scalars().all() == [head]
+            assert drift(engine) == []
+        finally:
+            engine.dispose()
+
+
+def waiting_for_the_migration_lock(engine: sa.Engine) -> bool:
+    """True when some session waits for the advisory lock of ``queries.SCHEMA_MIGRATE_LOCK_KEY``."""
+    key = queries.SCHEMA_MIGRATE_LOCK_KEY
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " AND classid = :high AND objid = :low AND objsubid = 1"),
+            {"high": (key >> 32) & 0xFFFFFFFF, "low": key & 0xFFFFFFFF}).scalar_one() > 0
+
+
+@pytest.mark.parametrize("operation", ["upgrade", "downgrade"])
+def test_migration_waits_for_the_migration_lock(empty_engine, operation):
+    """``upgrade`` and ``downgrade`` take the migration lock first and change nothing while
+    another transaction holds it; once it is released they run to the end."""
+    if operation == "downgrade":
+        upgrade(empty_engine)
+    before = snapshot(empty_engine)
+    outcome: list[object] = []
+
+    def migrate() -> None:
+        try:
+            outcome.append(upgrade(empty_engine) if operation == "upgrade" else downgrade(empty_engine, "base"))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome.append(exc)
+
+    with empty_engine.connect() as holder:
+        holder.execute(queries.schema_migrate_lock)
+        thread = threading.Thread(target=migrate)
+        thread.start()
+        wait_for(lambda: waiting_for_the_migration_lock(empty_engine) or outcome, what="the migration to wait")
+        assert outcome == [], f"{operation} ran while another transaction held the migration lock: {outcome}"
+        assert snapshot(empty_engine) == before
+        holder.rollback()  # releases the lock
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert outcome == [head_revision() if operation == "upgrade" else None]
+    tables = {t for (t,) in snapshot(empty_engine)["tables"]}
+    assert tables == (OUTBOX_TABLES | {VERSION_TABLE} if operation == "upgrade" else {VERSION_TABLE})
+
+
+def test_migration_lock_key_is_the_documented_one():
+    """The key operators look for in ``pg_locks`` is derived from a name, as documented."""
+    import hashlib
+
+    derived = int.from_bytes(hashlib.sha256(b"outbox.migrate").digest()[:8], "big", signed=True)
+    assert queries.SCHEMA_MIGRATE_LOCK_KEY == derived == 1152047312153713616
+    assert ((derived >> 32) & 0xFFFFFFFF, derived & 0xFFFFFFFF) == (268231917, 895327184)  # classid, objid

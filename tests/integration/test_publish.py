@@ -19,6 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy as sa
+from hypothesis import HealthCheck, given
+from hypothesis import settings as examples
+from hypothesis import strategies as st
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncSession, create_async_engine
@@ -613,3 +616,82 @@ def test_huge_integer_is_refused_with_its_path(engine):
         with pytest.raises(InvalidEventError, match=r"payload\['a'\].*1000 digits"):
             publish(conn, "t", {"a": 10**5000})
         publish(conn, "t", {"a": 10**999})  # the largest size accepted still works
+
+
+# --------------------------------------------------------------------------- numbers
+# jsonb keeps numbers as numeric; psycopg reads one back as a float when it has a decimal
+# point, as an int otherwise (publish's module notes). These run the numbers through a real
+# jsonb and the loader the relay reads Job.payload and Job.headers with.
+
+
+def typed(value: Any) -> Any:
+    """``value`` with every number paired with its type, so == compares types too."""
+    if isinstance(value, dict):
+        return {k: typed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [typed(v) for v in value]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (type(value).__name__, value)
+    return value
+
+
+NUMBERS = {
+    "floats": [1e16, -1e16, 1e308, 5e-324, 1.5e300, 0.1, -2.5e-300, 1e-7, float(2**53 + 1),
+               1.7976931348623157e308, 123456789012345678.0, 2.0],
+    "ints": [2**63, -(2**63) - 1, 10**30, 0, 10**999],
+    "zeros": [0.0, -0.0],
+}
+
+
+@examples(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.fixed_dictionaries({
+    "f": st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=12),
+    "big": st.lists(st.floats(min_value=1e15, allow_infinity=False), max_size=4),
+    "tiny": st.lists(st.floats(min_value=-1e-290, max_value=1e-290, allow_subnormal=True), max_size=4),
+    "i": st.lists(st.one_of(st.integers(), st.integers(min_value=-(10**40), max_value=10**40)), max_size=6),
+}), headers=st.dictionaries(st.sampled_from("abcde"), st.floats(allow_nan=False, allow_infinity=False), max_size=3),
+   many=st.booleans())
+def test_numbers_keep_type_and_value_through_jsonb(engine, payload, headers, many):
+    """Any finite float comes back a float of equal value, any int an int, in payload and
+    headers, through publish and publish_many."""
+    with engine.connect() as conn, conn.begin() as transaction:
+        if many:
+            [event_id] = publish_many(conn, [{"topic": "t", "payload": payload, "headers": headers}])
+        else:
+            event_id = publish(conn, "t", payload, headers=headers)
+        row = conn.exec_driver_sql("SELECT payload, headers FROM outbox_events WHERE id = %(id)s",
+                                   {"id": event_id}).one()
+        transaction.rollback()
+    assert typed(row.payload) == typed(payload)
+    assert typed(row.headers) == typed(headers)
+
+
+def test_numbers_reach_the_handler_with_their_type_and_value(engine, settings):
+    """Floats of every magnitude, ints past 64 bits and both zeros, published with publish
+    and publish_many, in payload and headers, as a relay's handler receives them; -0.0
+    arrives as 0.0 (a float, equal under ==, positive)."""
+    from outbox import Outbox
+    from outbox.relay import Relay
+    from outbox.testing import wait_for
+
+    received: list[tuple[Any, Any]] = []
+    ob = Outbox()
+
+    @ob.subscriber("numbers", consumer="numbers")
+    def handler(job):
+        received.append((job.payload, job.headers))
+
+    with Session(engine) as s, s.begin():
+        publish(s, "numbers", NUMBERS, headers={"h": NUMBERS["floats"]})
+        publish_many(s, [("numbers", NUMBERS, None, {"h": NUMBERS["floats"]})])
+    relay = Relay(ob, settings(concurrency=1), maintain=False)
+    relay.start()
+    try:
+        wait_for(lambda: len(received) == 2, timeout=15, what="both events handled")
+    finally:
+        relay.stop()
+    for payload, headers in received:
+        assert typed(payload) == typed(NUMBERS)
+        assert typed(headers) == typed({"h": NUMBERS["floats"]})
+        assert [math.copysign(1, z) for z in payload["zeros"]] == [1, 1]  # numeric has no -0
+        assert payload["floats"][0] == 1e16 and type(payload["floats"][0]) is float

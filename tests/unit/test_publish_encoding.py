@@ -1,7 +1,9 @@
 """Validation and encoding of events, without a database: the fast path of ``publish`` and
 ``publish_many`` accepts and refuses exactly what the full walk of every value (kept below
 as the reference, as it was before the fast path existed) accepts and refuses, with the
-same JSON text and the same error message."""
+same JSON text and the same error message. The reference writes its JSON itself, floats
+with a positive exponent in positional notation (``publish``'s module notes on numbers);
+tests/integration/test_publish.py checks that jsonb gives every number back unchanged."""
 
 from __future__ import annotations
 
@@ -102,9 +104,42 @@ def ref_mapping_as_dict(value: Any) -> dict:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
+def ref_float(value: float) -> str:
+    """``repr``, its exponent moved into the digits when it is positive: 1.5e+300 -> 15 and
+    299 zeros, then ".0"."""
+    text = repr(value)
+    mantissa, _, exponent = text.partition("e")
+    if not exponent or exponent.startswith("-"):
+        return text
+    sign, mantissa = ("-", mantissa[1:]) if mantissa.startswith("-") else ("", mantissa)
+    whole, _, fraction = mantissa.partition(".")
+    zeros = int(exponent) - len(fraction)
+    assert zeros >= 0, text
+    return f"{sign}{whole}{fraction}{'0' * zeros}.0"
+
+
+def ref_dumps(value: Any) -> str:
+    """Compact JSON of a value ``ref_check_json`` accepted, written without json's encoder
+    except for strings (whose escaping is json's own)."""
+    if value is None:
+        return "null"
+    if value is True or value is False:
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, int):
+        return int.__repr__(value)
+    if isinstance(value, float):
+        return ref_float(float(value))
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{ref_dumps(k)}:{ref_dumps(v)}" for k, v in value.items()) + "}"
+    assert isinstance(value, (list, tuple)), type(value)
+    return "[" + ",".join(ref_dumps(v) for v in value) + "]"
+
+
 def ref_encode(value: Any, field: str, limit: int) -> str:
     ref_check_json(value, field)
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=ref_mapping_as_dict)
+    text = ref_dumps(value)
     size = len(text.encode("utf-8"))
     if size > limit:
         raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
@@ -159,6 +194,15 @@ texts = st.one_of(
     st.text(characters, max_size=12),
     st.text(st.sampled_from("a\\u0\x00\"\n\ud800\udc00é🙂 "), max_size=12),
     st.sampled_from(["\\u0000", "\\\\u0000", "a\\u0000b", "\\\\\x00", "\x00", "\ud83d", " ", "\t\n", ""]),
+    st.sampled_from(["1e+16", "e+", '"1e+16"', '\\"1e+16', "x\\", '":1e+16,"']),  # what the float rewrite must skip
+)
+# Floats of every magnitude, and the ones at the edges of repr's notations and of numeric.
+floats = st.one_of(
+    st.floats(), st.floats(allow_subnormal=True, min_value=-1e-300, max_value=1e-300),
+    st.floats(min_value=1e15, max_value=1e18).flatmap(lambda x: st.sampled_from([x, -x])),
+    st.sampled_from([1e16, -1e16, 1e308, -1e308, 5e-324, -5e-324, 1.5e300, 1e-7, 1e-5, 1e-4, 0.0001, 1e15,
+                     9999999999999998.0, 1e16 + 2, float(2**53 + 1), 1.7976931348623157e308,
+                     2.2250738585072014e-308, 123456789012345678.0, 0.1, -2.5e-300, 0.0, -0.0]),
 )
 # Around the size limit (and past the 4,300 digits Python refuses to print), either sign.
 big_ints = st.tuples(
@@ -169,7 +213,7 @@ big_ints = st.tuples(
 ).map(lambda pair: pair[0] * pair[1])
 leaves = st.one_of(
     st.none(), st.booleans(), st.integers(), big_ints,
-    st.floats(),  # NaN and infinities included
+    floats,  # NaN and infinities included
     texts,
     st.sampled_from([Color.RED, Size.L, Rate.HALF, True, False, 0, -0.0, 1e308]),
     st.sampled_from([b"bytes", {1, 2}, frozenset(), decimal.Decimal("1.5"), dt.date(2024, 1, 1), object, len]),
@@ -358,3 +402,50 @@ def test_publish_many_splits_documents_past_the_batch_size(monkeypatch: pytest.M
     assert max(len(d) for d, b in zip(documents, batches) if len(b) > 1) <= 100
     for document, following in zip(documents, batches[1:]):  # each document is as full as it can be
         assert len(document) + len(json.dumps(following[0], separators=(",", ":"))) + 1 > 100
+
+
+# ------------------------------------------------------------------------ numbers
+
+
+@pytest.mark.parametrize("value, text", [
+    (1e16, "10000000000000000.0"),
+    (-1e16, "-10000000000000000.0"),
+    (1.5e300, "15" + "0" * 299 + ".0"),
+    (1e308, "1" + "0" * 308 + ".0"),
+    (1.7976931348623157e308, "17976931348623157" + "0" * 292 + ".0"),
+    (123456789012345678.0, "123456789012345680.0"),  # repr's shortest digits, not the binary value's
+    (float(2**53 + 1), "9007199254740992.0"),
+    (9999999999999998.0, "9999999999999998.0"),  # below 1e16 repr is positional already
+    (1e-7, "1e-07"), (5e-324, "5e-324"), (-2.5e-300, "-2.5e-300"),  # numeric keeps these digits
+    (0.1, "0.1"), (-0.0, "-0.0"),
+])
+@pytest.mark.parametrize("where", ["payload", "headers", "full walk"])
+def test_floats_are_written_so_jsonb_keeps_them_floats(value: float, text: str, where: str) -> None:
+    if where == "payload":
+        encoded = make_event("t", [value]).payload
+    elif where == "headers":
+        encoded = make_event("t", {}, headers={"v": value}).headers
+    else:  # a mapping the fast path does not take
+        encoded = make_event("t", types.MappingProxyType({"v": value})).payload
+    assert encoded == {"payload": f"[{text}]", "headers": f'{{"v":{text}}}', "full walk": f'{{"v":{text}}}'}[where]
+    assert float(text) == value and json.loads(text) == value and type(json.loads(text)) is float
+
+
+@pytest.mark.parametrize("payload, text", [
+    ({"1e+16": 1e16}, '{"1e+16":10000000000000000.0}'),
+    (["e+", 'a\\"1e+16', 2e16, "x\\", 1e+16], '["e+","a\\\\\\"1e+16",20000000000000000.0,"x\\\\",10000000000000000.0]'),
+    (['":1e+16,"', -1e16], '["\\":1e+16,\\"",-10000000000000000.0]'),
+])
+def test_strings_holding_e_plus_are_left_alone(payload: Any, text: str) -> None:
+    assert make_event("t", payload).payload == text
+    assert json.loads(text) == payload
+
+
+@settings(max_examples=3000, deadline=None)
+@given(value=st.floats(allow_nan=False, allow_infinity=False))
+def test_every_finite_float_is_written_with_a_fraction_or_a_negative_exponent(value: float) -> None:
+    """What numeric keeps as a number with digits after the point (so it reads back as a
+    float), of the same value: a decimal point, or an exponent below zero."""
+    number = make_event("t", [value]).payload[1:-1]
+    assert "e+" not in number and ("." in number or "e-" in number), number
+    assert float(number) == value and math.copysign(1, float(number)) == math.copysign(1, value)
