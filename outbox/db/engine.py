@@ -53,7 +53,7 @@ def redact(url: str | URL) -> str:
 
 
 def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
-                application_name: str = "outbox") -> Engine:
+                application_name: str = "outbox", prepared_statements: bool = True) -> Engine:
     """A SQLAlchemy engine on psycopg 3 with pre-ping (dead connections after a server
     restart are replaced, not handed out) and a short connect timeout (5 seconds).
 
@@ -66,10 +66,17 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None 
     the driver unchanged. Settings a relay needs per transaction are set with ``SET LOCAL``
     inside it (:mod:`outbox.transaction`).
 
-    Raises :class:`ConfigurationError` for a malformed URL.
+    ``prepared_statements=False`` turns psycopg's automatic prepared statements off on every
+    connection of the engine (``prepare_threshold=None``; psycopg docs, "Prepared
+    statements"): behind a pooler in transaction mode without prepared-statement support
+    (PgBouncer before 1.21, or ``max_prepared_statements = 0``) a statement prepared on one
+    server connection is missing on the next, or its name collides with another client's
+    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL.
     """
     parsed = parse_url(url)
     connect_args: dict[str, object] = {"connect_timeout": 5, "application_name": application_name}
+    if not prepared_statements:
+        connect_args["prepare_threshold"] = None
     return sa.create_engine(
         parsed,
         pool_size=pool_size,

@@ -141,3 +141,19 @@ def test_a_pool_too_small_for_the_relays_threads_is_refused():
     assert OutboxSettings(concurrency=8, pool_size=12, pool_overflow=0).pool_limits() == (12, 0)
     with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 5\) must be at least concurrency \+ 4 \(12"):
         OutboxSettings(concurrency=8, pool_size=6, pool_overflow=5)
+
+
+def test_listen_target_behind_a_transaction_pooler(monkeypatch):
+    """LISTEN through a transaction-mode pooler would be lost with its server connection:
+    behind one the relay LISTENs on OUTBOX_LISTEN_URL, or polls only."""
+    direct, pooled = "postgresql://app@db:5432/shop", "postgresql://app@bouncer:6432/shop"
+    assert OutboxSettings(database_url=direct).listen_target() == direct
+    assert OutboxSettings(database_url=direct, listen=False).listen_target() is None
+    assert OutboxSettings(database_url=pooled, pooler="transaction").listen_target() is None
+    monkeypatch.setenv("OUTBOX_POOLER", "transaction")
+    monkeypatch.setenv("OUTBOX_LISTEN_URL", direct)
+    s = _settings(build_parser().parse_args(["run", "--database-url", pooled]))
+    assert (s.pooler, s.listen_target()) == ("transaction", direct)
+    assert "s3cret" not in repr(OutboxSettings(listen_url="postgresql://a:s3cret@db/x"))
+    with pytest.raises(ValidationError):
+        OutboxSettings(pooler="session")
