@@ -38,6 +38,7 @@ _RUN_FLAGS = {
     "default_lease": float, "reap_interval": float, "shutdown_grace": float,
     "retention_done": float, "retention_events": float, "prune_interval": float,
     "backoff_base": float, "backoff_cap": float, "backoff_jitter": float, "reconnect_max": float,
+    "pool_size": int, "pool_overflow": int, "pooler": str, "listen_url": str,
 }
 
 

@@ -95,12 +95,13 @@ class Relay:
         self.stop_event = threading.Event()
         self.wake_router = threading.Event()
         self.wake_workers = Wakeup()
-        longest_lease = max([s.lease or settings.default_lease for s in registry] + [settings.default_lease])
-        self.engine = make_engine(self.url, pool_size=settings.concurrency + 4, application_name="outbox-relay",
-                                  idle_in_transaction_timeout=longest_lease)
+        pool_size, overflow = settings.pool_limits()
+        self.engine = make_engine(self.url, pool_size=pool_size, max_overflow=overflow, application_name="outbox-relay",
+                                  prepared_statements=settings.pooler == "none")
         self.runner = JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers) if work else None
-        self.listener = (Listener(self.url, self.wake_router, self.wake_workers, self.stop_event,
-                                  reconnect_max=settings.reconnect_max) if settings.listen else None)
+        listen_url = settings.listen_target()
+        self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
+                                  reconnect_max=settings.reconnect_max) if listen_url else None)
         self._route = route
         self.job_statistics = StatisticsKeeper(self.engine)  # the router loop's ANALYZE after bursts
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
@@ -123,9 +124,15 @@ class Relay:
             with self.engine.connect() as conn:
                 check_schema(conn)
             register_subscriptions(self.engine, self.registry, self.settings)
-        log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s",
+        pool_size, overflow = self.settings.pool_limits()
+        listen = (f"LISTEN on {redact(self.listener.conninfo)}" if self.listener else
+                  f"polling only (every {self.settings.poll_interval:g}s)")
+        log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s, "
+                 "pooler %s; at most %d connections (pool %d + overflow %d%s); %s",
                  self.worker_id, self.registry.consumers or "none", self.settings.concurrency,
-                 self.settings.prefetch, self.settings.claim_batch, redact(self.url))
+                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler,
+                 pool_size + overflow + (1 if self.listener else 0), pool_size, overflow,
+                 " + 1 LISTEN" if self.listener else "", listen)
         if self.listener:
             self.listener.start()
         if self._route:

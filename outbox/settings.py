@@ -5,6 +5,8 @@ and lays its flags on top.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -45,6 +47,10 @@ class OutboxSettings(BaseSettings):
     prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
+    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 4 (one per worker, the dispatcher, the heartbeat, the router and maintenance). pool_size + pool_overflow must be at least concurrency + 4, so no thread ever waits for the pool; to open fewer connections, lower concurrency.")
+    pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
+    pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
+    listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
 
     @field_validator("log_level")
     @classmethod
@@ -60,6 +66,35 @@ class OutboxSettings(BaseSettings):
             raise ValueError(f"backoff_base ({self.backoff_base:g}) must not exceed backoff_cap ({self.backoff_cap:g})")
         return self
 
+    @model_validator(mode="after")
+    def _pool_large_enough(self) -> OutboxSettings:
+        size, overflow = self.pool_limits()
+        if size + overflow < self.concurrency + 4:
+            raise ValueError(
+                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 4 "
+                f"({self.concurrency + 4}: one connection per worker, the dispatcher, the heartbeat, the router and "
+                "maintenance); lower concurrency to open fewer connections")
+        return self
+
     def url(self) -> str | None:
         """The database URL in clear text, or None when none is configured."""
         return self.database_url.get_secret_value() if self.database_url else None
+
+    def pool_limits(self) -> tuple[int, int]:
+        """(pool size, overflow) of the relay's engine: ``pool_size`` (default concurrency +
+        4) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
+        through its pool, plus its LISTEN connection (:meth:`listen_target`)."""
+        size = self.pool_size if self.pool_size is not None else self.concurrency + 4
+        return size, self.pool_overflow if self.pool_overflow is not None else size
+
+    def listen_target(self) -> str | None:
+        """The URL the relay LISTENs on in clear text, or None for polling only: None when
+        ``listen`` is off; ``listen_url`` when set; None behind a transaction pooler without
+        one (a LISTEN through a transaction-mode pooler is lost when the server connection
+        goes back to the pool: PgBouncer docs, "Feature matrix for pooling modes"); else
+        the database URL."""
+        if not self.listen:
+            return None
+        if self.listen_url is not None:
+            return self.listen_url.get_secret_value()
+        return None if self.pooler == "transaction" else self.url()

@@ -24,7 +24,9 @@ raises, and the handler's result is dropped.
 
 Transactional mode: the handler runs as ``handler(job, session)`` inside a transaction that
 ends with the fenced completion; if the fence no longer matches, the whole transaction,
-handler writes included, rolls back.
+handler writes included, rolls back. Its connection is checked out first, its isolation is
+READ COMMITTED, and a serialization failure or deadlock is retried in place
+(:mod:`outbox.transaction`).
 
 Failures: an exception puts the job back to ``ready`` after :func:`outbox.backoff.retry_delay`
 or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
@@ -56,7 +58,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from . import backoff, poison
+from . import backoff, poison, transaction
 from .db import queries
 from .db.engine import describe, is_disconnect
 from .errors import ConfigurationError, LeaseLostError, PermanentError
@@ -305,6 +307,15 @@ class _StaleCompletion(Exception):
     """The fenced completion inside a transactional handler's transaction matched no row."""
 
 
+@dataclass(frozen=True, slots=True)
+class _RetryInPlace:
+    """A transactional handler's transaction failed with a serialization failure or a
+    deadlock (``sqlstate``); it runs again in place, the attempt not counted again."""
+
+    exc: BaseException
+    sqlstate: str
+
+
 class HandlerSession(Session):
     """The ``Session`` given to transactional handlers. The relay owns the transaction:
     ``commit()`` raises, since the job's completion must commit with the handler's writes.
@@ -350,7 +361,8 @@ class JobRunner:
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
         self.stats: dict[str, int] = {k: 0 for k in (
-            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released")}
+            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released", "retried_in_place")}
+        self._handler_connections = transaction.HandlerConnections(engine, settings.reconnect_max)
         # Claims held, by fence: a fence names one claim, while a job id may be held twice
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
@@ -919,10 +931,44 @@ class JobRunner:
         return _DONE
 
     def _run_transactional(self, job: Job, sub: Subscriber) -> Any:
-        session = HandlerSession(self.engine)
+        """Run a transactional handler (:mod:`outbox.transaction`): get a connection first
+        (waiting while the claim is held; released, attempt not counted, without one), then
+        run the handler and the fenced completion in one READ COMMITTED transaction,
+        retried in place after a serialization failure or deadlock while the lease holds."""
+        conn = self._handler_connections.acquire(lambda: self._holds(job) and not self._draining.is_set(),
+                                                 job.lease_seconds, self._draining)
+        if conn is None:
+            if job.lease_lost:
+                return _STALE
+            log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer)
+            return _RELEASE
+        with conn:
+            retries = 0
+            while True:
+                outcome = self._transaction_once(job, sub, conn)
+                if not isinstance(outcome, _RetryInPlace):
+                    return outcome
+                if retries >= transaction.IN_PLACE_RETRIES or not self._holds(job):
+                    return self._failure(job, outcome.exc)
+                retries += 1
+                self.stats["retried_in_place"] += 1
+                log.info("job %s (%s): %s in its transaction (%s); running it again in place (%d/%d, attempt %s "
+                         "not counted again)", job.id, job.consumer, transaction.RETRY_SQLSTATES[outcome.sqlstate],
+                         describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt)
+                self._draining.wait(transaction.retry_pause(retries))
+
+    def _holds(self, job: Job) -> bool:
+        """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its
+        lease not past the local bound renewed by each heartbeat."""
+        return not job.lease_lost and time.monotonic() < job._lease_bound
+
+    def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection) -> Any:
+        """One transaction on ``conn``: limits, handler, flush, fenced completion, commit."""
+        session = HandlerSession(bind=conn)
         try:
             with session:
                 session.begin()
+                transaction.set_limits(session.connection(), job.lease_seconds)
                 result = sub.handler(job, session)
                 session.flush()
                 with self._lock:
@@ -952,6 +998,9 @@ class JobRunner:
                 log.warning("job %s (%s): database connection lost during its transaction (%s); releasing it",
                             job.id, job.consumer, describe(exc))
                 return _RELEASE
+            sqlstate = transaction.retryable_sqlstate(exc)
+            if sqlstate is not None and not isinstance(exc, LeaseLostError):
+                return _RetryInPlace(exc, sqlstate)
             return self._failure(job, exc)
         self._warn_return(sub, result)
         return _COMMITTED

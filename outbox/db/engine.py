@@ -52,27 +52,35 @@ def redact(url: str | URL) -> str:
         return "<unparseable URL>"
 
 
-def make_engine(url: str | URL, *, pool_size: int = 5, application_name: str = "outbox",
-                idle_in_transaction_timeout: float | None = None) -> Engine:
+def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
+                application_name: str = "outbox", prepared_statements: bool = True) -> Engine:
     """A SQLAlchemy engine on psycopg 3 with pre-ping (dead connections after a server
     restart are replaced, not handed out) and a short connect timeout (5 seconds).
 
-    ``idle_in_transaction_timeout`` (seconds), when given, makes the server end a session
-    of this engine that sits idle inside a transaction for longer, releasing its row locks
-    ("idle_in_transaction_session_timeout", PostgreSQL docs, client connection defaults).
-    The relay sets it to its longest lease: a worker paused or hung inside a transaction
-    has lost its lease by then anyway, and must not keep blocking the worker that took the
-    job over. Raises :class:`ConfigurationError` for a malformed URL.
+    The pool keeps up to ``pool_size`` connections and opens up to ``max_overflow`` more
+    (default: ``pool_size``) while all of them are in use; a checkout beyond that waits up to
+    30 seconds and then raises :class:`sqlalchemy.exc.TimeoutError` (SQLAlchemy docs,
+    "QueuePool"). The engine sends no startup ``options`` of its own, so it connects
+    through poolers that refuse them (PgBouncer: "unsupported startup parameter: options");
+    a URL's own query parameters, ``?options=-csearch_path%3Dapp`` included, are passed to
+    the driver unchanged. Settings a relay needs per transaction are set with ``SET LOCAL``
+    inside it (:mod:`outbox.transaction`).
+
+    ``prepared_statements=False`` turns psycopg's automatic prepared statements off on every
+    connection of the engine (``prepare_threshold=None``; psycopg docs, "Prepared
+    statements"): behind a pooler in transaction mode without prepared-statement support
+    (PgBouncer before 1.21, or ``max_prepared_statements = 0``) a statement prepared on one
+    server connection is missing on the next, or its name collides with another client's
+    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL.
     """
     parsed = parse_url(url)
     connect_args: dict[str, object] = {"connect_timeout": 5, "application_name": application_name}
-    if idle_in_transaction_timeout is not None:
-        millis = max(1, int(idle_in_transaction_timeout * 1000))
-        connect_args["options"] = f"-c idle_in_transaction_session_timeout={millis}"
+    if not prepared_statements:
+        connect_args["prepare_threshold"] = None
     return sa.create_engine(
         parsed,
         pool_size=pool_size,
-        max_overflow=pool_size,
+        max_overflow=pool_size if max_overflow is None else max_overflow,
         pool_pre_ping=True,
         pool_recycle=1800,
         connect_args=connect_args,

@@ -497,6 +497,18 @@ job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
 )
 
+job_transaction_limits_set_local: TextClause = text(
+    "SELECT set_config('idle_in_transaction_session_timeout', :idle_timeout, true)"
+)
+"""The first statement of a transactional handler's transaction: until it ends, the server
+ends the session (SQLSTATE 25P03) when the transaction sits idle for longer than
+``:idle_timeout`` (milliseconds, as text), so a worker paused or hung inside it cannot hold
+its row locks past its job's lease. ``set_config(..., true)`` is ``SET LOCAL`` with a bound
+parameter: it lasts until the transaction ends, so it never leaks to the next user of a
+pooled connection and works through a pooler in transaction mode, where startup options
+and session-level ``SET`` do not (PostgreSQL docs, "Configuration Settings Functions" and
+"idle_in_transaction_session_timeout"; PgBouncer docs, "Features")."""
+
 # ---------------------------------------------------------------------------- relays
 
 relay_register: TextClause = text(

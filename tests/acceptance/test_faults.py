@@ -566,7 +566,7 @@ def test_crash_on_the_last_allowed_attempt(scenario: Scenario) -> None:
 def test_transactional_handler_idle_in_its_transaction_past_the_lease(scenario: Scenario) -> None:
     """A transactional handler that sits inside its transaction for longer than the lease
     (not paused: its heartbeats keep the lease) has its session ended by the server
-    (idle_in_transaction_session_timeout = the longest lease). That is the handler's
+    (idle_in_transaction_session_timeout = its job's lease, SET LOCAL in the transaction). That is the handler's
     failure, so the attempt counts and the job ends dead after max_attempts with the reason,
     instead of being released and retried forever; its writes never commit."""
     fleet = scenario.fleet

@@ -271,26 +271,3 @@ def test_transactional_job_whose_connection_breaks_is_released_not_failed(engine
     # max_attempts=1: had the broken run counted as a failure, the job would be dead.
     assert row["attempts"] == 1 and len(runs) == 2
     assert [(a, f) for _, a, f in effects()] == [(1, row["fence"])]
-
-
-def test_relay_sessions_end_when_idle_in_a_transaction_past_the_longest_lease(engine, settings):
-    """A worker paused inside a transaction must not keep its row locks past its lease:
-    the relay's connections carry idle_in_transaction_session_timeout = its longest lease."""
-    ob = Outbox()
-    ob.subscriber("t", consumer="short", lease=1)(lambda job: None)
-    ob.subscriber("t", consumer="long", lease=2.5)(lambda job: None)
-    relay = Relay(ob, settings(default_lease=1))
-    try:
-        with relay.engine.connect() as conn:
-            assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "2500ms"
-            conn.exec_driver_sql("SELECT 1")  # now idle inside the transaction SQLAlchemy began
-            pid = conn.exec_driver_sql("SELECT pg_backend_pid()").scalar()
-
-            def ended() -> bool:
-                with engine.connect() as c:
-                    return not c.execute(sa.text("SELECT 1 FROM pg_stat_activity WHERE pid = :p"), {"p": pid}).first()
-
-            wait_for(ended, timeout=TIMEOUT, what="the server to end the idle transaction")
-            conn.invalidate()
-    finally:
-        relay.engine.dispose()

@@ -123,3 +123,37 @@ def test_cli_flag_values_are_validated_like_the_environment(monkeypatch):
     with pytest.raises(ValidationError) as info:
         _settings(args)
     assert [e["loc"] for e in info.value.errors()] == [("concurrency",)]
+
+
+def test_pool_defaults_follow_concurrency_and_can_be_set(monkeypatch):
+    assert OutboxSettings().pool_limits() == (12, 12)  # concurrency 8: 8 + 4, overflow = pool size
+    assert OutboxSettings(concurrency=16).pool_limits() == (20, 20)
+    monkeypatch.setenv("OUTBOX_POOL_SIZE", "10")
+    monkeypatch.setenv("OUTBOX_POOL_OVERFLOW", "2")
+    assert OutboxSettings().pool_limits() == (10, 2)
+    s = _settings(build_parser().parse_args(["run", "--pool-size", "5", "--pool-overflow", "7"]))
+    assert s.pool_limits() == (5, 7)
+
+
+def test_a_pool_too_small_for_the_relays_threads_is_refused():
+    """A worker each, the dispatcher, the heartbeat, the router and maintenance may hold a
+    connection at once: fewer would make them wait for one another."""
+    assert OutboxSettings(concurrency=8, pool_size=12, pool_overflow=0).pool_limits() == (12, 0)
+    with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 5\) must be at least concurrency \+ 4 \(12"):
+        OutboxSettings(concurrency=8, pool_size=6, pool_overflow=5)
+
+
+def test_listen_target_behind_a_transaction_pooler(monkeypatch):
+    """LISTEN through a transaction-mode pooler would be lost with its server connection:
+    behind one the relay LISTENs on OUTBOX_LISTEN_URL, or polls only."""
+    direct, pooled = "postgresql://app@db:5432/shop", "postgresql://app@bouncer:6432/shop"
+    assert OutboxSettings(database_url=direct).listen_target() == direct
+    assert OutboxSettings(database_url=direct, listen=False).listen_target() is None
+    assert OutboxSettings(database_url=pooled, pooler="transaction").listen_target() is None
+    monkeypatch.setenv("OUTBOX_POOLER", "transaction")
+    monkeypatch.setenv("OUTBOX_LISTEN_URL", direct)
+    s = _settings(build_parser().parse_args(["run", "--database-url", pooled]))
+    assert (s.pooler, s.listen_target()) == ("transaction", direct)
+    assert "s3cret" not in repr(OutboxSettings(listen_url="postgresql://a:s3cret@db/x"))
+    with pytest.raises(ValidationError):
+        OutboxSettings(pooler="session")

@@ -1,0 +1,170 @@
+"""The transaction a transactional handler runs in: its connection, its isolation, its
+limits and its retries. The job runner (:mod:`outbox.worker`) drives it; this module holds
+the rules (docs/architecture.md, "The handler's transaction").
+
+Connection first. A worker checks a connection out of the relay's pool *before* it calls
+the handler (:meth:`HandlerConnections.acquire`), so "no connection" is told apart from
+the handler's own failures. The server refusing one (``FATAL: too many connections``,
+SQLSTATE 53300, or any other connect failure) or the pool's checkout timeout is the relay's
+problem, not the job's: the job stays claimed (the relay's heartbeat renews its lease) and
+the worker retries with capped, jittered backoff. When it still has none after the job's
+lease, or once the claim is no longer held (lease lost, relay draining), the job is
+released (fenced, attempt not counted) for any relay to take. One warning starts an
+episode (the first worker that cannot connect) and one line ends it (a connection
+obtained while no worker is waiting any more), however many workers wait in between.
+
+Isolation: always READ COMMITTED (:data:`ISOLATION_LEVEL`), set on the transaction's
+``BEGIN`` whatever the database's or role's ``default_transaction_isolation`` says. The
+transaction ends with the fenced completion, an ``UPDATE`` of the job row, while the
+relay's heartbeat renews that same row every lease/3 from another connection. Under
+REPEATABLE READ or SERIALIZABLE a row updated by a transaction that committed after this
+one's snapshot cannot be updated again: the completion fails with SQLSTATE 40001 every
+time (PostgreSQL docs, "Transaction Isolation", 13.2.2), so every attempt of a handler
+running longer than lease/3 after its first statement would fail. Under READ COMMITTED
+the ``UPDATE`` waits for a concurrent heartbeat and applies to the row it left, and the
+fence check keeps it safe. A handler that needs more than READ COMMITTED locks the rows it
+reads before it writes on their basis (``SELECT ... FOR UPDATE``) or guards its writes
+with :func:`outbox.fenced_write`; work that must run SERIALIZABLE belongs in a
+transaction of its own (and a lease-mode handler).
+
+Limits: the first statement is :data:`~outbox.db.queries.job_transaction_limits_set_local`,
+a ``SET LOCAL idle_in_transaction_session_timeout`` of the job's lease: a worker paused or
+hung inside the transaction cannot hold its row locks past the lease. Being local to the
+transaction, it needs no startup option and works through PgBouncer in transaction mode.
+
+Retries in place: a serialization failure (40001) or a deadlock (40P01) raised by the
+handler's own statements says nothing about the job: PostgreSQL asks the application to
+retry the transaction (PostgreSQL docs, "Serialization Failure Handling", 13.4). The
+transaction is rolled back and the handler runs again in a new one, on the same claim and
+the same attempt, up to :data:`IN_PLACE_RETRIES` times after a short jittered pause
+(:func:`retry_pause`), and only while the lease is still held. After that the error
+counts as one failed attempt like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from . import backoff
+from .db import queries
+from .db.engine import describe
+
+log = logging.getLogger("outbox.transaction")
+
+#: Isolation level of every transactional handler's transaction.
+ISOLATION_LEVEL = "READ COMMITTED"
+#: SQLSTATEs retried in place: serialization_failure and deadlock_detected
+#: (PostgreSQL docs, "PostgreSQL Error Codes", class 40).
+RETRY_SQLSTATES = {"40001": "serialization failure", "40P01": "deadlock"}
+#: Most in-place retries of one attempt's transaction after a 40001 or 40P01.
+IN_PLACE_RETRIES = 3
+#: First and longest pause before an in-place retry, seconds (half of each drawn at random).
+RETRY_PAUSE_BASE = 0.02
+RETRY_PAUSE_CAP = 0.2
+#: First and longest wait between two tries to get a connection, seconds (half random).
+CONNECT_RETRY_BASE = 0.05
+CONNECT_RETRY_CAP = 2.0
+
+
+def retryable_sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE (``"40001"`` or ``"40P01"``) when ``exc``, or an exception it was raised
+    from or while handling (a handler that wraps the database error in its own), is a
+    serialization failure or a deadlock; else None. Follows at most 16 links."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < 16:
+        seen.add(id(current))
+        code = getattr(getattr(current, "orig", None), "sqlstate", None) or getattr(current, "sqlstate", None)
+        if code in RETRY_SQLSTATES:
+            return code
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def retry_pause(retry: int) -> float:
+    """Seconds to wait before in-place retry number ``retry`` (1-based): 20 ms doubling up
+    to 200 ms, up to half of it taken off at random, so two transactions that deadlocked
+    do not collide again in step."""
+    return backoff.retry_delay(retry, base=RETRY_PAUSE_BASE, cap=RETRY_PAUSE_CAP, jitter=0.5)
+
+
+def set_limits(conn: Connection, lease_seconds: float) -> None:
+    """Run the transaction's first statement on ``conn``: the server ends the session if the
+    transaction then sits idle for longer than ``lease_seconds`` (at least 1 ms)."""
+    millis = max(1, int(lease_seconds * 1000))
+    conn.execute(queries.job_transaction_limits_set_local, {"idle_timeout": str(millis)})
+
+
+class HandlerConnections:
+    """Connections for transactional handlers, checked out of ``engine``'s pool before the
+    handler runs, each beginning its transactions at :data:`ISOLATION_LEVEL` (the driver's
+    ``BEGIN ISOLATION LEVEL``, no extra round trip; SQLAlchemy docs, "Setting Transaction
+    Isolation Levels"). Shared by all the worker threads of one runner.
+
+    ``reconnect_max`` (seconds) caps the wait between two tries to get a connection."""
+
+    def __init__(self, engine: Engine, reconnect_max: float) -> None:
+        self.engine = engine.execution_options(isolation_level=ISOLATION_LEVEL)
+        self.cap = max(CONNECT_RETRY_BASE, min(CONNECT_RETRY_CAP, reconnect_max))
+        self.stats: dict[str, int] = {"connect_failures": 0, "connect_episodes": 0, "released_no_connection": 0}
+        self._lock = threading.Lock()
+        self._waiting = 0  # workers between their first failed try and a connection (or giving up)
+        self._episode = False
+
+    def acquire(self, held: Callable[[], bool], wait_limit: float, wake: threading.Event) -> Connection | None:
+        """A connection for one job's transaction, or None when none could be had while
+        ``held()`` stayed true, within ``wait_limit`` seconds of waiting: the caller then
+        releases the job (attempt not counted). Connect failures (a ``DBAPIError`` such as
+        the server's ``too many connections``, SQLSTATE 53300) and the pool's
+        ``TimeoutError`` are retried with capped jittered backoff; ``wake`` (the relay
+        draining) cuts a wait short. Never raises for a connection problem."""
+        failures = 0
+        deadline = time.monotonic() + wait_limit
+        while True:
+            try:
+                conn = self.engine.connect()
+            except (DBAPIError, sa.exc.TimeoutError) as exc:
+                failures += 1
+                self._failed(exc, first=failures == 1)
+                pause = backoff.retry_delay(failures, base=CONNECT_RETRY_BASE, cap=self.cap, jitter=0.5)
+                if held() and time.monotonic() + pause < deadline:
+                    wake.wait(pause)
+                    if held():
+                        continue
+                self._done(recovered=False)
+                return None
+            if failures or self._episode:
+                self._done(recovered=True, waited=failures > 0)
+            return conn
+
+    def _failed(self, exc: BaseException, first: bool) -> None:
+        with self._lock:
+            self.stats["connect_failures"] += 1
+            if first:
+                self._waiting += 1
+            if self._episode:
+                return
+            self._episode = True
+            self.stats["connect_episodes"] += 1
+        log.warning("transactional handlers cannot get a database connection (%s); their jobs wait for one, "
+                    "attempt not counted, and are released if none comes within their lease", describe(exc))
+
+    def _done(self, recovered: bool, waited: bool = True) -> None:
+        with self._lock:
+            if waited:
+                self._waiting -= 1
+            if not recovered:
+                self.stats["released_no_connection"] += 1
+            end = recovered and self._episode and self._waiting == 0
+            if end:
+                self._episode = False
+        if end:
+            log.info("transactional handlers get database connections again (%d failed tries so far)",
+                     self.stats["connect_failures"])
