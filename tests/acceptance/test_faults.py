@@ -153,7 +153,8 @@ class Scenario:
         """Jobs ``relay`` holds now (running, claimed by its pid)."""
         with self.engine.connect() as c:
             return c.execute(sa.text(
-                "SELECT id, event_id, consumer, fence, attempts, lease_until FROM outbox_jobs WHERE status = 'running'"
+                "SELECT id, event_id, consumer, fence, attempts, max_attempts, lease_until FROM outbox_jobs"
+                " WHERE status = 'running'"
                 " AND locked_by LIKE :p AND (CAST(:c AS text) IS NULL OR consumer = :c) ORDER BY id"),
                 {"p": f"%:{relay.pid}:%", "c": consumer}).all()
 
@@ -240,10 +241,11 @@ def test_repeated_sigkill_and_restart(scenario: Scenario) -> None:
 def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     """SIGSTOP a relay while it holds jobs, among them an invoice transaction left open
     mid-handler and ledger runs about to write, until the other relay has reaped, re-run
-    and finished every one of them; then SIGCONT. The paused relay's heartbeats and
-    completions change nothing, its ledger writes are refused by their fence, its open
-    transaction was ended by the server (idle in transaction past the lease) and commits
-    nothing; the successors' results stand."""
+    and finished every one of them (a job held on its last allowed attempt is not re-run:
+    the reaper dead-letters it, lease expired, at the paused claim's fence); then SIGCONT.
+    The paused relay's heartbeats and completions change nothing, its ledger writes are
+    refused by their fence, its open transaction was ended by the server (idle in
+    transaction past the lease) and commits nothing; the successors' results stand."""
     fleet = scenario.fleet
     paused = fleet.start(env={"WL_SLOW_MS": "600", "WL_WORK_MS": "200"})
     fleet.start()
@@ -277,15 +279,26 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     held = scenario.held(paused)
     assert slow_jobs and ledger_jobs, "the paused relay finished its handlers before SIGSTOP landed"
 
+    # Held on its last allowed attempt: once the lease expires the reaper dead-letters the
+    # job (DESIGN 6) at the paused claim's fence; nobody re-claims it.
+    last_attempt = {h.id for h in held if h.attempts >= h.max_attempts}
+
+    def ended(row: Any, h: Any) -> bool:
+        if h.id in last_attempt:
+            return (row.fence == h.fence and row.status == "dead"
+                    and (row.last_error or "").startswith("LeaseExpired"))
+        return row.fence > h.fence and row.status in ("done", "dead")
+
     def taken_over() -> bool:
         with scenario.engine.connect() as c:
-            rows = c.execute(sa.text("SELECT id, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"),
+            rows = c.execute(sa.text("SELECT id, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
                              {"ids": [h.id for h in held]}).all()
-        before = {h.id: h.fence for h in held}
-        return all(r.fence > before[r.id] and r.status in ("done", "dead") for r in rows)
+        before = {h.id: h for h in held}
+        return all(ended(r, before[r.id]) for r in rows)
 
     wait_for(taken_over, timeout=LEASE * 3 + 20, interval=0.1,
              what="the other relay to re-claim and finish every job of the paused relay")
+    print(f"paused relay held {len(held)} jobs, {len(last_attempt)} of them on their last attempt")
     assert (scenario.now() - stopped_at).total_seconds() > LEASE
     paused.signal(signal.SIGCONT)
 
@@ -312,14 +325,25 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     wait_for(lambda: "stale report dropped" in paused.log or "lease lost" in paused.log, timeout=15,
              what="the resumed relay to notice it lost its jobs")
     publisher.join()
-    scenario.finish(publisher.result)
+    # A job dead-lettered on its last attempt whose policy was "done" is a fault's dead letter.
+    scenario.finish(publisher.result, fault_dead_allowed=len(last_attempt))
 
     with scenario.engine.connect() as c:
         final = {r.id: r for r in c.execute(sa.text(
-            "SELECT id, consumer, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"), {"ids": [h.id for h in held]})}
+            "SELECT id, consumer, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
+            {"ids": [h.id for h in held]})}
         written = {(r.tbl, r.event_id, r.new_fence) for r in c.execute(sa.text(
             "SELECT tbl, event_id, new_fence FROM wl_fence_history"))}
+        rerun = {r.job_id for r in c.execute(sa.text(
+            "SELECT DISTINCT r.job_id FROM wl_runs r JOIN unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]))"
+            " AS h(id, fence) ON r.job_id = h.id WHERE r.fence > h.fence"),
+            {"ids": [h.id for h in held if h.id in last_attempt],
+             "fences": [h.fence for h in held if h.id in last_attempt]})}
+    assert not rerun, f"jobs dead-lettered on their last attempt ran again: {rerun}"
     for h in held:
+        if h.id in last_attempt:  # dead by the reaper at the paused fence, even after SIGCONT
+            assert ended(final[h.id], h), final[h.id]
+            continue
         assert final[h.id].fence > h.fence  # the successor's claim is the one that stands
         if h.id in slow_jobs:
             assert ("wl_invoices", h.event_id, h.fence) not in written  # nothing committed at the old fence
