@@ -5,8 +5,11 @@ while the listener was reconnecting only costs latency, never an event.
 The listener holds its own autocommit psycopg connection (not one from the pool) and
 ``LISTEN``s on ``outbox_events`` (sent on commit of a publish) and ``outbox_jobs`` (sent on
 commit of routing). When the connection breaks, for instance because the server restarted
-or ``pg_terminate_backend`` ended it, it reconnects with capped backoff, listens again and
-wakes everyone once, since it may have missed notifications meanwhile. While idle it sends
+or ``pg_terminate_backend`` ended it, it reconnects through the relay's
+:class:`~outbox.reconnect.Reconnector` (probing every 0.25-0.5 s while the database is
+unreachable, at once when another loop of the relay got through), listens again, announces
+to the relay's other loops that the database is reachable and wakes everyone once, since it
+may have missed notifications meanwhile. While idle it sends
 a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noticed.
 """
 
@@ -19,8 +22,8 @@ import time
 import psycopg
 from sqlalchemy.engine import URL
 
-from . import backoff
 from .db.tables import EVENTS_CHANNEL, JOBS_CHANNEL
+from .reconnect import Reconnector
 
 log = logging.getLogger("outbox.notify")
 
@@ -69,15 +72,18 @@ class Wakeup:
 
 class Listener:
     """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
-    ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL."""
+    ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL; ``reconnect`` is
+    the relay's shared reconnect policy (default: one of its own with ``reconnect_max``
+    seconds of backoff for errors other than disconnects)."""
 
     def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event | Wakeup,
-                 stop: threading.Event, *, reconnect_max: float = 10.0, keepalive: float = 15.0) -> None:
+                 stop: threading.Event, *, reconnect: Reconnector | None = None, reconnect_max: float = 10.0,
+                 keepalive: float = 15.0) -> None:
         self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
         self.wake_router = wake_router
         self.wake_workers = wake_workers
         self.stop = stop
-        self.reconnect_max = reconnect_max
+        self.reconnect = reconnect or Reconnector(reconnect_max)
         self.keepalive = keepalive
         self.connected = threading.Event()
         self.reconnects = 0
@@ -106,7 +112,7 @@ class Listener:
                     if failures:
                         log.info("listening again after %d failed tries", failures)
                         self.reconnects += 1
-                    failures = 0
+                    failures = self.reconnect.recovered(0, "listener")  # the other loops retry at once
                     # Anything may have been published while we were not listening.
                     self.wake_router.set()
                     self.wake_workers.set()
@@ -116,7 +122,7 @@ class Listener:
                 failures += 1
                 if failures == 1:
                     log.warning("LISTEN connection lost (%s); reconnecting with backoff", type(exc).__name__)
-                self.stop.wait(backoff.retry_delay(failures, base=0.2, cap=self.reconnect_max, jitter=0.5))
+                self.reconnect.backoff(failures - 1, "listener", exc, self.stop, log_failure=False)
         self.connected.clear()
 
     def _listen(self, conn: psycopg.Connection) -> None:

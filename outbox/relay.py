@@ -10,8 +10,10 @@ in one line), write this registry's subscriptions, then start the threads:
 * ``outbox-maintenance``: reaper every ``reap_interval``, pruner every ``prune_interval``;
 * ``outbox-listener`` (:mod:`outbox.notify`) when ``listen`` is on.
 
-Once running, a lost database connection is never fatal: each loop logs it once, retries
-with capped backoff and carries on.
+Once running, a lost database connection is never fatal: each loop logs it once and
+retries; the loops share one :class:`~outbox.reconnect.Reconnector`, so while the database
+is unreachable they probe every 0.25-0.5 s and all retry at once as soon as one of them (or
+the listener) gets through (other errors: capped backoff up to ``reconnect_max``).
 
 SIGTERM or SIGINT: stop claiming, give in-flight handlers ``shutdown_grace`` seconds,
 release what is still held (fenced) so another relay takes it at once, flush outcomes,
@@ -38,11 +40,12 @@ from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
+from .reconnect import Reconnector
 from .registry import Outbox
 from .poison import Quarantine
 from .router import StatisticsKeeper, route_round
 from .settings import OutboxSettings
-from .worker import JobRunner, _backoff, _recovered
+from .worker import JobRunner
 
 log = logging.getLogger("outbox.relay")
 
@@ -95,13 +98,15 @@ class Relay:
         self.stop_event = threading.Event()
         self.wake_router = threading.Event()
         self.wake_workers = Wakeup()
+        self.reconnect = Reconnector(settings.reconnect_max)  # shared by every loop below
         pool_size, overflow = settings.pool_limits()
         self.engine = make_engine(self.url, pool_size=pool_size, max_overflow=overflow, application_name="outbox-relay",
                                   prepared_statements=settings.pooler == "none")
-        self.runner = JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers) if work else None
+        self.runner = (JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers,
+                                 reconnect=self.reconnect) if work else None)
         listen_url = settings.listen_target()
         self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
-                                  reconnect_max=settings.reconnect_max) if listen_url else None)
+                                  reconnect=self.reconnect) if listen_url else None)
         self._route = route
         self.job_statistics = StatisticsKeeper(self.engine)  # the router loop's ANALYZE after bursts
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
@@ -203,9 +208,9 @@ class Relay:
                 # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
                 with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                     result = route_round(conn, limit, self.route_quarantine)
-                failures = _recovered(failures, "router")
+                failures = self.reconnect.recovered(failures, "router")
             except DBAPIError as exc:
-                failures = _backoff(failures, "router", exc, self.settings, self.stop_event)
+                failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
                 continue
             if result.jobs:
                 self.wake_workers.set()
@@ -254,6 +259,6 @@ class Relay:
                         log.info("pruned %d done jobs and %d finished events", jobs, events)
                     self._vacuum_if_autovacuum_is_off()
                     next_prune = time.monotonic() + self.settings.prune_interval
-                failures = _recovered(failures, "maintenance")
+                failures = self.reconnect.recovered(failures, "maintenance")
             except DBAPIError as exc:
-                failures = _backoff(failures, "maintenance", exc, self.settings, self.stop_event)
+                failures = self.reconnect.backoff(failures, "maintenance", exc, self.stop_event)

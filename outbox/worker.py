@@ -32,8 +32,10 @@ Failures: an exception puts the job back to ``ready`` after :func:`outbox.backof
 or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
 to ``dead`` at once. ``last_error`` holds the type, message and a bounded traceback.
 
-Database outages: every loop retries with capped backoff and carries on; an outcome that
-could not be written is retried until it is, or until the relay stops (then the lease
+Database outages: every loop retries and carries on, through the relay's shared
+:class:`~outbox.reconnect.Reconnector` (short probes while the database is unreachable, all
+loops released as soon as one gets through; capped backoff for other errors); an outcome
+that could not be written is retried until it is, or until the relay stops (then the lease
 expires and the reaper takes the job back: at-least-once).
 """
 
@@ -64,6 +66,7 @@ from .db.engine import describe, is_disconnect
 from .errors import ConfigurationError, LeaseLostError, PermanentError
 from .job import Job
 from .notify import Wakeup
+from .reconnect import Reconnector
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
 
@@ -353,11 +356,12 @@ class JobRunner:
     """
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
-                 worker_id: str, wake: Wakeup) -> None:
+                 worker_id: str, wake: Wakeup, *, reconnect: Reconnector | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.worker_id = worker_id
         self.wake = wake
+        self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
         self.stats: dict[str, int] = {k: 0 for k in (
@@ -520,7 +524,7 @@ class JobRunner:
                 continue
             try:
                 claimed, from_head = self._round(batch, want if claim else 0)
-                failures = _recovered(failures, "claim and completion")
+                failures = self.reconnect.recovered(failures, "claim and completion")
                 carry = []
             except (DBAPIError, psycopg.Error) as exc:
                 self._drop_connection(exc)
@@ -537,7 +541,7 @@ class JobRunner:
                         break
                 else:
                     carry = batch
-                failures = _backoff(failures, "claim and completion", exc, self.settings, self._stopped)
+                failures = self.reconnect.backoff(failures, "claim and completion", exc, self._stopped)
                 continue
             if claim and claimed < want and from_head:
                 drained_until = time.monotonic() + self.settings.poll_interval
@@ -1026,7 +1030,7 @@ class JobRunner:
     def _heartbeat_loop(self) -> None:
         interval = min(self.leases.values()) / 3
         failures = 0
-        while not self._stopped.wait(interval if not failures else 0.5):
+        while not self._stopped.wait(interval if not failures else 0):
             with self._lock:
                 jobs = [j for j in self._inflight.values() if not j.lease_lost]
             if not jobs:
@@ -1035,9 +1039,10 @@ class JobRunner:
             try:
                 with self._autocommit() as conn:
                     owned = self._heartbeat(conn, jobs)
-                failures = _recovered(failures, "heartbeat")
+                failures = self.reconnect.recovered(failures, "heartbeat")
             except DBAPIError as exc:
-                failures = _backoff(failures, "heartbeat", exc, self.settings, self._stopped, wait=False)
+                # Never longer than half a second between tries: leases are at stake.
+                failures = self.reconnect.backoff(failures, "heartbeat", exc, self._stopped, cap=0.5)
                 continue
             for job in jobs:
                 if job.fence in owned:
@@ -1070,27 +1075,3 @@ class JobRunner:
             log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
                       "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
         return owned
-
-
-# --------------------------------------------------------------- loop helpers
-
-
-def _backoff(failures: int, what: str, exc: BaseException, settings: OutboxSettings,
-             stop: threading.Event | None, wait: bool = True) -> int:
-    """Log a failed database round trip and sleep a capped, jittered delay."""
-    failures += 1
-    delay = backoff.retry_delay(failures, base=0.2, cap=settings.reconnect_max, jitter=0.5)
-    if failures == 1 or not is_disconnect(exc):
-        log.warning("database error in %s (%s); retrying with backoff", what, describe(exc))
-    if wait:
-        if stop is not None:
-            stop.wait(delay)
-        else:
-            time.sleep(delay)
-    return failures
-
-
-def _recovered(failures: int, what: str) -> int:
-    if failures:
-        log.info("database reachable again (%s) after %d failed tries", what, failures)
-    return 0

@@ -12,6 +12,7 @@ conditions in the database or the relays' logs, with deadlines.
 
 from __future__ import annotations
 
+import datetime
 import os
 import random
 import shutil
@@ -27,9 +28,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
+from outbox.db.engine import make_engine
 from outbox.testing import wait_for
 
-from . import workload
+from . import proxy, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 EVENTS = int(os.environ.get("OUTBOX_FAULT_EVENTS", "300"))
@@ -82,9 +84,12 @@ class Fleet:
         self.url = url
         self.relays: list[RelayProcess] = []
 
-    def start(self, *flags: str, env: dict[str, str] | None = None, wait: bool = True) -> RelayProcess:
+    def start(self, *flags: str, env: dict[str, str] | None = None, wait: bool = True,
+              url: str | None = None) -> RelayProcess:
+        """Start a relay (on ``url``, default the scenario's database) with ``flags`` after
+        the base flags; ``wait``: until it logged its start."""
         relay = RelayProcess(f"relay{len(self.relays)}", self.directory / f"relay{len(self.relays)}.log",
-                             self.url, flags, env or {})
+                             url or self.url, flags, env or {})
         self.relays.append(relay)
         if wait:
             wait_for(lambda: relay.started() or relay.proc.poll() is not None, timeout=30,
@@ -153,7 +158,8 @@ class Scenario:
         """Jobs ``relay`` holds now (running, claimed by its pid)."""
         with self.engine.connect() as c:
             return c.execute(sa.text(
-                "SELECT id, event_id, consumer, fence, attempts, lease_until FROM outbox_jobs WHERE status = 'running'"
+                "SELECT id, event_id, consumer, fence, attempts, max_attempts, lease_until FROM outbox_jobs"
+                " WHERE status = 'running'"
                 " AND locked_by LIKE :p AND (CAST(:c AS text) IS NULL OR consumer = :c) ORDER BY id"),
                 {"p": f"%:{relay.pid}:%", "c": consumer}).all()
 
@@ -243,10 +249,11 @@ def test_repeated_sigkill_and_restart(scenario: Scenario) -> None:
 def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     """SIGSTOP a relay while it holds jobs, among them an invoice transaction left open
     mid-handler and ledger runs about to write, until the other relay has reaped, re-run
-    and finished every one of them; then SIGCONT. The paused relay's heartbeats and
-    completions change nothing, its ledger writes are refused by their fence, its open
-    transaction was ended by the server (idle in transaction past the lease) and commits
-    nothing; the successors' results stand."""
+    and finished every one of them (a job held on its last allowed attempt is not re-run:
+    the reaper dead-letters it, lease expired, at the paused claim's fence); then SIGCONT.
+    The paused relay's heartbeats and completions change nothing, its ledger writes are
+    refused by their fence, its open transaction was ended by the server (idle in
+    transaction past the lease) and commits nothing; the successors' results stand."""
     fleet = scenario.fleet
     paused = fleet.start(env={"WL_SLOW_MS": "600", "WL_WORK_MS": "200"})
     fleet.start()
@@ -280,15 +287,26 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     held = scenario.held(paused)
     assert slow_jobs and ledger_jobs, "the paused relay finished its handlers before SIGSTOP landed"
 
+    # Held on its last allowed attempt: once the lease expires the reaper dead-letters the
+    # job (DESIGN 6) at the paused claim's fence; nobody re-claims it.
+    last_attempt = {h.id for h in held if h.attempts >= h.max_attempts}
+
+    def ended(row: Any, h: Any) -> bool:
+        if h.id in last_attempt:
+            return (row.fence == h.fence and row.status == "dead"
+                    and (row.last_error or "").startswith("LeaseExpired"))
+        return row.fence > h.fence and row.status in ("done", "dead")
+
     def taken_over() -> bool:
         with scenario.engine.connect() as c:
-            rows = c.execute(sa.text("SELECT id, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"),
+            rows = c.execute(sa.text("SELECT id, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
                              {"ids": [h.id for h in held]}).all()
-        before = {h.id: h.fence for h in held}
-        return all(r.fence > before[r.id] and r.status in ("done", "dead") for r in rows)
+        before = {h.id: h for h in held}
+        return all(ended(r, before[r.id]) for r in rows)
 
     wait_for(taken_over, timeout=LEASE * 3 + 20, interval=0.1,
              what="the other relay to re-claim and finish every job of the paused relay")
+    print(f"paused relay held {len(held)} jobs, {len(last_attempt)} of them on their last attempt")
     assert (scenario.now() - stopped_at).total_seconds() > LEASE
     paused.signal(signal.SIGCONT)
 
@@ -315,14 +333,25 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     wait_for(lambda: "stale report dropped" in paused.log or "lease lost" in paused.log, timeout=15,
              what="the resumed relay to notice it lost its jobs")
     publisher.join()
-    scenario.finish(publisher.result)
+    # A job dead-lettered on its last attempt whose policy was "done" is a fault's dead letter.
+    scenario.finish(publisher.result, fault_dead_allowed=len(last_attempt))
 
     with scenario.engine.connect() as c:
         final = {r.id: r for r in c.execute(sa.text(
-            "SELECT id, consumer, fence, status FROM outbox_jobs WHERE id = ANY(:ids)"), {"ids": [h.id for h in held]})}
+            "SELECT id, consumer, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
+            {"ids": [h.id for h in held]})}
         written = {(r.tbl, r.event_id, r.new_fence) for r in c.execute(sa.text(
             "SELECT tbl, event_id, new_fence FROM wl_fence_history"))}
+        rerun = {r.job_id for r in c.execute(sa.text(
+            "SELECT DISTINCT r.job_id FROM wl_runs r JOIN unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]))"
+            " AS h(id, fence) ON r.job_id = h.id WHERE r.fence > h.fence"),
+            {"ids": [h.id for h in held if h.id in last_attempt],
+             "fences": [h.fence for h in held if h.id in last_attempt]})}
+    assert not rerun, f"jobs dead-lettered on their last attempt ran again: {rerun}"
     for h in held:
+        if h.id in last_attempt:  # dead by the reaper at the paused fence, even after SIGCONT
+            assert ended(final[h.id], h), final[h.id]
+            continue
         assert final[h.id].fence > h.fence  # the successor's claim is the one that stands
         if h.id in slow_jobs:
             assert ("wl_invoices", h.event_id, h.fence) not in written  # nothing committed at the old fence
@@ -386,53 +415,170 @@ def test_pg_terminate_backend_of_the_relays_including_listen(scenario: Scenario)
     scenario.finish(publisher.result)
 
 
-def _local_cluster(server: URL, embedded: bool) -> tuple[str, str] | None:
-    if embedded or server.host not in ("127.0.0.1", "localhost") or (server.port or 5432) != 5432:
+#: Longest the relays may take to route again and to finish a job once PostgreSQL accepts
+#: connections again, seconds: the acceptance bound of issue 7 (work resumes within 2 s),
+#: with room for a loaded machine. Measured: docs/reliability.md.
+RECOVERY_BOUND = 3.0
+#: How long the restart and the proxy scenarios keep the relays from the database, seconds:
+#: long enough for a loop's capped backoff to grow past the bound.
+OUTAGE = 6.0
+
+
+def _local_cluster(server: URL, embedded: bool) -> tuple[str, str, int] | None:
+    """(version, cluster, port) of the local cluster the tests use, found by the port of the
+    server URL among ``pg_lsclusters``' online clusters; None for the embedded or a remote
+    server, or without the Debian cluster tools."""
+    if embedded or server.host not in ("127.0.0.1", "localhost"):
         return None
-    if shutil.which("pg_ctlcluster") is None or shutil.which("pg_isready") is None:
+    if not all(shutil.which(tool) for tool in ("pg_ctlcluster", "pg_isready", "pg_lsclusters")):
         return None
-    engine = sa.create_engine(server, poolclass=sa.pool.NullPool)
+    port = server.port or 5432
+    listed = subprocess.run(["pg_lsclusters", "--no-header"], capture_output=True, text=True, timeout=30)
+    for line in listed.stdout.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[2] == str(port) and fields[3].startswith("online"):
+            return fields[0], fields[1], port
+    return None
+
+
+def _pg_ready(port: int) -> bool:
+    return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", str(port), "-q"]).returncode == 0
+
+
+def _restart(cluster: tuple[str, str, int], down: float) -> float:
+    """Stop ``cluster``, keep it down ``down`` seconds, start it; returns the time
+    (``time.time()``) at which ``pg_isready``, polled every 50 ms, first succeeded."""
+    version, name, port = cluster
+    stop = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "stop"],
+                          capture_output=True, text=True, timeout=120)
+    assert stop.returncode == 0, stop.stderr
+    _at(time.monotonic(), down)
+    start = subprocess.Popen(["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "start"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready_at = wait_for(lambda: _pg_ready(port) and time.time(), timeout=120, interval=0.05,
+                        what="the restarted server to accept connections")
+    _, err = start.communicate(timeout=120)
+    assert start.returncode == 0, err
+    return ready_at
+
+
+def _resumed(scenario: Scenario, since: Any, ready_at: float, probed_at: float) -> tuple[float, float]:
+    """Seconds to the first routing and to the first job finished after ``since`` (database
+    clock), counted from ``ready_at`` (``time.time()`` when the database accepted
+    connections again); routing from ``probed_at`` instead when the probe events, the first
+    there may be to route, committed later. Waits up to 30 s for each."""
+
+    def first(sql: str) -> Any:
+        with scenario.engine.connect() as c:
+            return c.execute(sa.text(sql), {"since": since}).scalar_one()
+
+    routed = wait_for(lambda: first("SELECT min(routed_at) FROM outbox_events WHERE routed_at > :since"),
+                      timeout=30, interval=0.02, what="the router to route again")
+    finished = wait_for(lambda: first("SELECT min(finished_at) FROM outbox_jobs WHERE finished_at > :since"),
+                        timeout=30, interval=0.02, what="a job to finish again")
+    return routed.timestamp() - max(ready_at, probed_at), finished.timestamp() - ready_at
+
+
+def _publish_probe(scenario: Scenario) -> tuple[workload.Publisher, float]:
+    """Publish a few events right after the database is back (retrying until one
+    transaction commits), so the router has something to route; returns the probe
+    publisher (the caller merges its result into the scenario publisher's, :func:`_merge`)
+    and the time (``time.time()``) its transaction committed."""
+    # A pool of its own: the scenario engine's pooled connections, cut by the outage, would
+    # each cost the probe a failed try (and 0.2 s of pacing) before it commits.
+    engine = make_engine(scenario.url, pool_size=1)
     try:
-        with engine.connect() as c:
-            name = c.execute(sa.text("SHOW cluster_name")).scalar_one()
+        probe = workload.Publisher(engine, 0, 1, start_n=10 * EVENTS + 1)
+        wait_for(lambda: probe.result.committed.issuperset(probe.publish_batch(4)), timeout=30, interval=0.05,
+                 what="a probe transaction to commit")
     finally:
         engine.dispose()
-    version, _, cluster = name.partition("/")
-    return (version, cluster) if version and cluster else None
+    return probe, time.time()
 
 
-def _pg_ready() -> bool:
-    return subprocess.run(["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"]).returncode == 0
+def _merge(publisher: workload.Publisher, probe: workload.Publisher) -> None:
+    for name in ("committed", "rolled_back", "unknown"):
+        getattr(publisher.result, name).update(getattr(probe.result, name))
 
 
 @pytest.mark.slow
 @pytest.mark.needs_server_restart
 def test_postgres_restart_mid_run(scenario: Scenario, server: tuple[URL, bool]) -> None:
-    """Restart the PostgreSQL server while events flow: the relays reconnect with backoff
-    and finish the work; none exits. Only against the local server at 127.0.0.1:5432
-    (restarted with pg_ctlcluster, and always left running)."""
+    """Restart the PostgreSQL server while events flow, down for OUTAGE seconds (stopped,
+    then started): the relays (default reconnect_max, 10 s) route again and finish jobs within RECOVERY_BOUND seconds of the server accepting
+    connections again, finish the work, and none exits. Only against a local cluster
+    (pg_lsclusters, found by the port of the test server's URL; restarted with pg_ctlcluster
+    and always left running)."""
     cluster = _local_cluster(*server)
     if cluster is None:
-        pytest.skip("needs the local PostgreSQL cluster at 127.0.0.1:5432 (pg_ctlcluster); "
+        pytest.skip("needs a local PostgreSQL cluster on the test server's port (pg_lsclusters, pg_ctlcluster); "
                     "the embedded or a remote server is not restarted")
     fleet = scenario.fleet
-    relays = [fleet.start() for _ in range(2)]
+    relays = [fleet.start("--reconnect-max", "10") for _ in range(2)]
     publisher = scenario.publisher()
     publisher.start()
     _at(time.monotonic(), DURATION / 2)
     try:
-        restart = subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "restart"],
-                                 capture_output=True, text=True, timeout=120)
-        assert restart.returncode == 0, restart.stderr
+        ready_at = _restart(cluster, OUTAGE)
     finally:
-        if not _pg_ready():
-            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"], timeout=120)
-        wait_for(_pg_ready, timeout=60, interval=0.2, what="PostgreSQL to accept connections again")
+        if not _pg_ready(cluster[2]):
+            subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster[:2], "start"], timeout=120)
+        wait_for(lambda: _pg_ready(cluster[2]), timeout=60, interval=0.2,
+                 what="PostgreSQL to accept connections again")
+    probe, probed_at = _publish_probe(scenario)
+    with scenario.engine.connect() as c:
+        started = c.execute(sa.text("SELECT pg_postmaster_start_time()")).scalar_one()
+    routing, finishing = _resumed(scenario, started, ready_at, probed_at)
+    print(f"after the restart: first job finished {finishing:.2f}s after pg_isready succeeded, routing again "
+          f"{routing:.2f}s after it or the probe's commit {probed_at - ready_at:.2f}s later (bound {RECOVERY_BOUND}s)")
     publisher.join()
+    _merge(publisher, probe)
     report = scenario.finish(publisher.result, fault_dead_allowed=max(3, EVENTS // 100))
     for relay in relays:
         assert "database reachable again" in relay.log or "listening again" in relay.log, relay.log[-3000:]
     print(f"publisher: {len(publisher.result.unknown)} events in transactions cut by the restart; {report.counts}")
+    assert routing <= RECOVERY_BOUND and finishing <= RECOVERY_BOUND, (routing, finishing)
+
+
+@pytest.mark.slow
+def test_cut_off_from_the_database_then_back(scenario: Scenario) -> None:
+    """The relay (default reconnect_max, 10 s) reaches PostgreSQL through a TCP proxy; the
+    test stops the proxy for OUTAGE seconds (every connection cut, new ones refused, as while
+    a server restarts) and starts it again. The relay routes again and finishes a job within
+    RECOVERY_BOUND seconds of the proxy accepting connections again, and finishes the work.
+    Runs on any server: the server itself is not touched."""
+    outage = OUTAGE
+    url = scenario.url
+    socket_dir = url.query.get("host")
+    target: tuple[str, int] | str = (f"{socket_dir}/.s.PGSQL.{url.port or 5432}" if socket_dir
+                                     else (url.host or "127.0.0.1", url.port or 5432))
+    relay_proxy = proxy.TcpProxy(target)
+    relay_proxy.start()
+    try:
+        via = url.difference_update_query(["host"]).set(host="127.0.0.1", port=relay_proxy.port)
+        relay = scenario.fleet.start("--reconnect-max", "10", url=via.render_as_string(hide_password=False))
+        publisher = scenario.publisher()
+        publisher.start()
+        with scenario.engine.connect() as c:
+            wait_for(lambda: c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = 'done'")).scalar_one(),
+                     timeout=30, what="the relay to finish jobs")
+        relay_proxy.stop()
+        _at(time.monotonic(), outage)  # the outage: events keep coming (published directly)
+        relay_proxy.start()
+        ready_at = time.time()
+        probe, probed_at = _publish_probe(scenario)
+        routing, finishing = _resumed(scenario, datetime.datetime.fromtimestamp(ready_at, datetime.UTC), ready_at,
+                                      probed_at)
+        print(f"after a {outage:.0f}s outage: first job finished {finishing:.2f}s after the proxy accepted again, "
+              f"routing again {routing:.2f}s after it or the probe's commit {probed_at - ready_at:.2f}s later "
+              f"(bound {RECOVERY_BOUND}s)")
+        publisher.join()
+        _merge(publisher, probe)
+        scenario.finish(publisher.result, fault_dead_allowed=max(3, EVENTS // 100))
+        assert "database reachable again" in relay.log, relay.log[-3000:]
+        assert routing <= RECOVERY_BOUND and finishing <= RECOVERY_BOUND, (routing, finishing)
+    finally:
+        relay_proxy.stop()
 
 
 @pytest.mark.slow

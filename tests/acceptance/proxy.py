@@ -1,0 +1,104 @@
+"""A TCP proxy the fault tests put between a relay and PostgreSQL, to cut the relay off
+from the database without touching the server (which other sessions share).
+
+:class:`TcpProxy` listens on a free port of 127.0.0.1 and forwards each connection to the
+server (a TCP address, or the Unix socket of the embedded server). :meth:`TcpProxy.stop`
+closes the listening socket and every forwarded connection, so the relay sees its
+connections break and new ones refused, as during a server restart; :meth:`TcpProxy.start`
+listens on the same port again. Threads: one accept loop, two pumps per connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:``port`` to ``target``: ``(host, port)`` or a Unix socket path."""
+
+    def __init__(self, target: tuple[str, int] | str) -> None:
+        self.target = target
+        self.port = 0  # chosen by the first start(), kept afterwards
+        self.accepted = 0
+        self._listener: socket.socket | None = None
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Listen (again, on the same port after a stop); returns once connections are accepted."""
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(128)
+        listener.settimeout(0.05)  # the accept loop checks _stopping this often
+        self.port = listener.getsockname()[1]
+        self._stopping.clear()
+        self._listener = listener
+        self._thread = threading.Thread(target=self._accept, args=(listener,), name="test-proxy", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop listening and cut every forwarded connection (both sides see it close)."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            sockets, self._sockets = self._sockets, set()
+        for sock in sockets:
+            _close(sock)
+
+    def _accept(self, listener: socket.socket) -> None:
+        while not self._stopping.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                if isinstance(self.target, str):
+                    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    upstream.connect(self.target)
+                else:
+                    upstream = socket.create_connection(self.target, timeout=5)
+                    upstream.settimeout(None)
+            except OSError:
+                _close(client)
+                continue
+            client.settimeout(None)
+            with self._lock:
+                if self._stopping.is_set():
+                    _close(client)
+                    _close(upstream)
+                    return
+                self._sockets |= {client, upstream}
+                self.accepted += 1
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=_pump, args=(src, dst), name="test-proxy-pump", daemon=True).start()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+    except OSError:
+        pass
+    for sock in (src, dst):
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
