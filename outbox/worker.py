@@ -543,6 +543,12 @@ class JobRunner:
                     carry = batch
                 failures = self.reconnect.backoff(failures, "claim and completion", exc, self._stopped)
                 continue
+            except Exception:  # noqa: BLE001 - a bug must not stop the relay's claiming for good
+                log.exception("unexpected error in the dispatcher's round; retrying its outcomes")
+                carry = batch
+                failures = self.reconnect.backoff(failures, "claim and completion", RuntimeError("unexpected"),
+                                                  self._stopped, log_failure=False)
+                continue
             if claim and claimed < want and from_head:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
@@ -724,7 +730,7 @@ class JobRunner:
         release += unstarted
         if failed:
             statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
-                self._connection(), list(part)), job_of=lambda item: item[0])
+                self._connection(), list(part)), job_of=lambda item: item[0], merged={})
             self._log_failures(failed, statuses)
             self._stale([j for j, _ in failed if j.id not in statuses and j.id not in buried])
             self._forget(j for j, _ in failed)
@@ -770,27 +776,28 @@ class JobRunner:
         for job_id, exc in poisoned:
             error = f"ClaimFailed: the claim of this job fails: {poison.describe_error(exc)}"
             try:
-                buried = bury_ready_job(conn, job_id, error)
+                dead = bury_ready_job(conn, job_id, error)
             except psycopg.Error as bury_exc:
                 if not poison.is_data_error(bury_exc):
                     raise
                 self._quarantine.add(job_id, exc, "claiming")
                 continue
-            if buried:
+            if dead:
                 self.stats["dead"] += 1
                 log.error("dead-lettered job %s: %s", job_id, error)
         return completed, buried, claimed
 
     def _by_halves(self, doing: str, items: list[Any], run: Callable[[Any], Any],
-                   job_of: Callable[[Any], Job] = lambda item: item) -> tuple[Any, set[int]]:
+                   job_of: Callable[[Any], Job] = lambda item: item, merged: Any = None) -> tuple[Any, set[int]]:
         """Run a fenced batch statement over ``items`` (jobs, or (job, failure) pairs);
         returns its result merged (a set of ids, or a dict) and the ids of the jobs it
         dead-lettered. On a data error it runs by halves (:func:`outbox.poison.isolate`) and
         dead-letters each job that fails alone, naming the error (fenced); a job even that
         fails for is left to its lease (the reaper meets the same error and quarantines
-        it). Other errors propagate."""
+        it). ``merged`` is the empty result to merge into (default: a set). Other errors
+        propagate."""
         parts, poisoned = poison.isolate(items, run)
-        merged: Any = {} if parts and isinstance(parts[0], dict) else set()
+        merged = set() if merged is None else merged
         for part in parts:
             merged.update(part)
         buried_ids: set[int] = set()
