@@ -147,6 +147,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                         " vs after", f"{bl['claim8_ms_unanalyzed']:.2f} / {bl['claim50_ms_unanalyzed']:.2f} ms vs "
                         f"{bl['claim8_ms_analyzed']:.2f} / {bl['claim50_ms_analyzed']:.2f} ms "
                         f"({bl['claim8_ms_unanalyzed'] / bl['claim8_ms_analyzed']:.1f}x)", "", ""))
+        rd = sc.get("redriven")
+        if rd:
+            out.append(("6 scale", f"claim 50 jobs right after a redrive of {rd['redriven']:,} of {rd['dead']:,} dead"
+                        " jobs (statistics taken while all were dead)", f"{rd['claim50_ms']:.2f} ms", "", ""))
     soak = data.get("soak")
     if soak:
         s, n = soak["steady"], soak["snapshot"]

@@ -16,6 +16,11 @@ Backlog: a burst of ``sweep_events`` events (3 jobs each) routed into a fresh da
 then claims of 8 and of 50 jobs timed before ``outbox_jobs`` was ever analysed (what a
 relay meets after a burst, until autovacuum's analyze runs) and after ``ANALYZE``, with
 both plans: the claim's cost must not grow with the number of ready jobs.
+
+Redrive: ``scale_rows`` dead jobs, ANALYZE (the statistics now say nothing is ready),
+then ``outbox.maintenance.redrive`` of a tenth of them, and claims of 50 timed at once,
+with no ANALYZE between (issue 8, item 5: the claim's plan must not depend on how the
+ready jobs got there).
 """
 
 from __future__ import annotations
@@ -146,6 +151,38 @@ def backlog(dbs: Databases, size: Size) -> dict[str, Any]:
     return out
 
 
+def redriven(dbs: Databases, size: Size) -> dict[str, Any]:
+    """Claim time right after a redrive of a tenth of ``scale_rows`` dead jobs into a table
+    analysed while they were all dead."""
+    from outbox.maintenance import redrive
+
+    claim = sql_for_psycopg(queries.job_claim_many)
+    out: dict[str, Any] = {"dead": size.scale_rows, "redriven": size.scale_rows // 10}
+    with dbs.fresh() as url, psycopg.connect(conninfo(url), autocommit=True) as conn:
+        subscribe(conn, 1)
+        conn.execute("INSERT INTO outbox_events (topic, payload, routed_at) SELECT %s, jsonb_build_object('n', i),"
+                     " now() FROM generate_series(1, %s) i", (TOPIC, size.scale_rows))
+        conn.execute("INSERT INTO outbox_jobs (event_id, consumer, status, attempts, max_attempts, finished_at)"
+                     " SELECT id, 'c1', 'dead', 5, 5, now() FROM outbox_events")
+        conn.execute("VACUUM ANALYZE outbox_jobs")
+        eng = engine(url)
+        with eng.begin() as sa_conn:
+            ids = list(sa_conn.execute(queries.job_dead_list, {"consumer": "c1", "limit": out["redriven"]}).scalars())
+            redrive(sa_conn, ids)
+        eng.dispose()
+        params = {"consumers": ["c1"], "leases": [30.0], "limit": CLAIM_LIMIT, "worker": "bench"}
+        times = []
+        for _ in range(7):
+            with conn.transaction(force_rollback=True):  # the same ready jobs for every sample
+                t = time.perf_counter()
+                conn.execute(claim, params).fetchall()
+                times.append((time.perf_counter() - t) * 1000)
+        out["claim50_ms"] = median(times)
+        with conn.transaction(force_rollback=True):
+            out["plan"] = "\n".join(r[0] for r in conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim, params))
+    return out
+
+
 def publish_some(url: Any, events: int) -> None:
     eng = engine(url)
     publish_events(eng, events)
@@ -205,4 +242,8 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         f" ANALYZE, {b['claim8_ms_analyzed']:.2f} ms after; claim 50 {b['claim50_ms_unanalyzed']:.2f} -> "
         f"{b['claim50_ms_analyzed']:.2f} ms")
     out["backlog"] = b
+    r = redriven(dbs, size)
+    (results / "plan-claim-redriven.txt").write_text(r["plan"] + "\n")
+    log(f"scale redrive of {r['redriven']:,} of {r['dead']:,} dead jobs: claim 50 {r['claim50_ms']:.2f} ms")
+    out["redriven"] = r
     return out
