@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .db import queries
-from .poison import Quarantine, describe_error, is_data_error, isolate
+from .poison import Quarantine, describe_error, is_data_error, whole_or_halves
 
 log = logging.getLogger("outbox.maintenance")
 
@@ -65,20 +65,14 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
             return conn.execute(queries.job_reap_many, {
                 "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
 
-    try:
-        rows = reap(None)
-    except DBAPIError as exc:
-        if not is_data_error(exc):
-            raise
-        log.warning("reaper: reaping failed (%s); reaping by halves to find the jobs that cause it",
-                    describe_error(exc))
-        candidates = list(conn.execute(queries.job_reap_candidates, {"limit": limit, "skip": skip}).scalars())
-        parts, poisoned = isolate(candidates, reap)
-        rows = [row for part in parts for row in part]
+    parts, poisoned = whole_or_halves(
+        "reaping", lambda: reap(None),
+        lambda: list(conn.execute(queries.job_reap_candidates, {"limit": limit, "skip": skip}).scalars()), reap)
+    rows = [row for part in parts for row in part]
+    if poisoned:
         buried = _bury_many(conn, poisoned, queries.job_bury_expired, "reaping", quarantine)
-        if buried:
-            log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
-                      describe_error(poisoned[0][1]))
+        log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
+                  describe_error(poisoned[0][1]))
     dead = [r for r in rows if r.status == "dead"]
     unstarted = sum(1 for r in rows if r.unstarted)
     for r in dead:
@@ -134,13 +128,9 @@ def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than:
             return len(conn.execute(delete, {"older_than": older_than, "limit": limit, "skip": skip,
                                              "only": None if only is None else list(only)}).all())
 
-    try:
-        return run(None)
-    except DBAPIError as exc:
-        if not is_data_error(exc):
-            raise
-    ids = list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars())
-    parts, poisoned = isolate(ids, run)
+    parts, poisoned = whole_or_halves(
+        doing, lambda: run(None),
+        lambda: list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars()), run)
     for row_id, exc in poisoned:
         quarantine.add(row_id, exc, doing)
     return sum(parts)

@@ -65,18 +65,35 @@ def isolate(items: Sequence[T], run: Callable[[Sequence[T]], R]) -> tuple[list[R
     each, recursively, down to single items. Returns (results of every successful run, in
     order; (item, error) for every item that failed alone). ``run`` must be atomic (one
     statement in autocommit, or its own transaction), so a failed run changed nothing.
-    Errors that are not data errors propagate at once."""
+    Errors that are not data errors propagate at once, and so does a data error of a run
+    with no items (it cannot be about one of them)."""
     try:
         return [run(items)], []
     except (psycopg.Error, DBAPIError) as exc:
-        if not is_data_error(exc):
+        if not is_data_error(exc) or not items:  # with no rows, the error is not about a row
             raise
-        if len(items) <= 1:
-            return [], [(item, exc) for item in items]
+        if len(items) == 1:
+            return [], [(items[0], exc)]
     mid = len(items) // 2
     head, head_bad = isolate(items[:mid], run)
     tail, tail_bad = isolate(items[mid:], run)
     return head + tail, head_bad + tail_bad
+
+
+def whole_or_halves(what: str, whole: Callable[[], R], candidates: Callable[[], Sequence[T]],
+                    part: Callable[[Sequence[T]], R]) -> tuple[list[R], list[tuple[T, BaseException]]]:
+    """Run a batch statement as a whole (``whole()``); if it fails with a data error, log
+    it once (``what`` names the loop), list the rows the batch would take
+    (``candidates()``) and run ``part(rows)`` by halves with :func:`isolate`. Returns (the
+    results that succeeded, (row, error) for every row that failed alone); errors that are
+    not data errors propagate."""
+    try:
+        return [whole()], []
+    except (psycopg.Error, DBAPIError) as exc:
+        if not is_data_error(exc):
+            raise
+        log.warning("%s failed (%s); running it by halves to find the rows that cause it", what, describe_error(exc))
+    return isolate(candidates(), part)
 
 
 class Quarantine:

@@ -34,7 +34,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from . import backoff
 from .db import queries
 from .db.engine import describe
-from .poison import Quarantine, describe_error, is_data_error, isolate
+from .poison import Quarantine, whole_or_halves
 
 log = logging.getLogger("outbox.router")
 
@@ -67,15 +67,10 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine) -> RouteRe
     it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
     ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals."""
     skip = quarantine.ids()
-    try:
-        return route_batch(conn, limit, skip)
-    except DBAPIError as exc:
-        if not is_data_error(exc):
-            raise
-        log.warning("router: routing failed (%s); routing by halves to find the events that cause it",
-                    describe_error(exc))
-    candidates = list(conn.execute(queries.event_route_candidates, {"limit": limit, "skip": skip}).scalars())
-    parts, poisoned = isolate(candidates, lambda part: route_batch(conn, len(part), skip, part))
+    parts, poisoned = whole_or_halves(
+        "routing", lambda: route_batch(conn, limit, skip),
+        lambda: list(conn.execute(queries.event_route_candidates, {"limit": limit, "skip": skip}).scalars()),
+        lambda part: route_batch(conn, len(part), skip, part))
     for event_id, exc in poisoned:
         quarantine.add(event_id, exc, "routing")
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),

@@ -764,17 +764,16 @@ class JobRunner:
             start_left = max(0, start_left - len(got))
             return got
 
-        try:
+        if not want:  # only the buffer list to write: no row of a job to blame
             return completed, buried, claim(None)
-        except psycopg.Error as exc:
-            if not poison.is_data_error(exc) or not want:
-                raise
-        candidates = claim_candidates(conn, list(self.leases), want, self._quarantine.ids())
-        parts, poisoned = poison.isolate(candidates, lambda part: claim(list(part)))
+        parts, poisoned = poison.whole_or_halves(
+            "claiming", lambda: claim(None),
+            lambda: claim_candidates(conn, list(self.leases), want, self._quarantine.ids()),
+            lambda part: claim(list(part)))
         for part in parts:
             claimed += part
         for job_id, exc in poisoned:
-            error = f"ClaimFailed: the claim of this job fails: {poison.describe_error(exc)}"
+            error = f"Claiming failed for this job: {poison.describe_error(exc)}"
             try:
                 dead = bury_ready_job(conn, job_id, error)
             except psycopg.Error as bury_exc:

@@ -135,6 +135,12 @@ def test_isolate_raises_errors_that_are_not_about_the_data():
 
     with pytest.raises(psycopg.errors.AdminShutdown):
         isolate([1, 2, 3], run)
+
+    def empty(part):
+        raise psycopg.errors.RaiseException("not about a row")
+
+    with pytest.raises(psycopg.errors.RaiseException):  # no rows to blame: the statement itself fails
+        isolate([], empty)
     assert is_data_error(psycopg.errors.CheckViolation("x")) and not is_data_error(psycopg.errors.DeadlockDetected("x"))
 
 
