@@ -203,7 +203,7 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     rows = _rows(conn, queries.job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id),
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "kept": mark.kept, "start_now": mark.start_now,
+        "relay": mark.relay, "removed": mark.removed, "start_now": mark.start_now,
         "skip": skip or [], "only": only})
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
@@ -213,14 +213,15 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
 
 @dataclass(frozen=True, slots=True)
 class BufferMark:
-    """What a dispatcher round writes to its relay's row of ``outbox_relays`` (``relay``;
-    None writes nothing): the buffer after the round is ``kept`` (fences of buffered claims
-    that stay buffered) plus the jobs the round claims after the first ``start_now`` (in
-    claim order), which go to idle workers once the statement has committed. The reaper
-    gives the attempt back to an expired claim still listed (migration 0003)."""
+    """What a dispatcher round changes in its relay's row of ``outbox_relays`` (``relay``;
+    None changes nothing): the fences in ``removed`` (buffered claims handed to a worker
+    once the statement has committed, or released) leave the list of buffered claims, and
+    the jobs the round claims after the first ``start_now`` (in claim order; those go to
+    idle workers) join it. The reaper gives the attempt back to an expired claim still
+    listed (migration 0003)."""
 
     relay: str | None
-    kept: list[int]
+    removed: list[int]
     start_now: int
 
 
@@ -240,13 +241,14 @@ def bury_ready_job(conn: Executor, job_id: int, error: str) -> bool:
     return _execute(conn, queries.job_bury_ready, {"id": job_id, "error": error}) == 1
 
 
-def register_relay(conn: Executor, worker_id: str) -> None:
-    """Insert (or mark seen) the row of relay ``worker_id`` (``host:pid:suffix``) in
-    ``outbox_relays``."""
+def relay_seen(conn: Executor, worker_id: str, buffer: list[int]) -> None:
+    """Write (or refresh) the row of relay ``worker_id`` (``host:pid:suffix``) in
+    ``outbox_relays``: seen now, listing ``buffer`` (the fences it holds unstarted) and
+    nothing stale (``relay_seen``)."""
     host, _, rest = worker_id.partition(":")
     pid = rest.partition(":")[0]
-    _execute(conn, queries.relay_register, {"relay": worker_id, "host": host,
-                                            "pid": int(pid) if pid.isdigit() else 0})
+    _execute(conn, queries.relay_seen, {"relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0,
+                                        "buffer": buffer})
 
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
@@ -505,6 +507,8 @@ class JobRunner:
         while True:
             if self._stop_claiming.is_set():
                 self._claims_closed.set()  # between rounds: no claim is in flight any more
+            elif not failures:
+                self._mark_seen()
             batch = carry + self._take_outcomes()
             if any(item is None for item in batch):
                 closing = True
@@ -516,9 +520,8 @@ class JobRunner:
             if not batch and not claim and not to_issue:
                 if closing:
                     break
-                self._mark_seen()
                 timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
-                jobs_hint, _ = self.wake.wait(timeout or self.settings.poll_interval)
+                jobs_hint, _ = self.wake.wait(min(timeout or self.settings.poll_interval, RELAY_SEEN_INTERVAL))
                 if jobs_hint or time.monotonic() >= drained_until:
                     drained_until = 0.0
                 continue
@@ -603,7 +606,7 @@ class JobRunner:
             raw = self.engine.raw_connection()
             raw.driver_connection.autocommit = True
             try:
-                register_relay(raw.driver_connection, self.worker_id)
+                relay_seen(raw.driver_connection, self.worker_id, [j.fence for j in self._buffer])
             except BaseException:
                 raw.invalidate()
                 raise
@@ -612,12 +615,16 @@ class JobRunner:
         return self._conn.driver_connection
 
     def _mark_seen(self) -> None:
-        """Idle: refresh this relay's row now and then (``RELAY_SEEN_INTERVAL``), so pruning
-        never takes it for a dead relay's. Errors are left to the next round."""
-        if self._conn is not None and time.monotonic() - self._seen_at < RELAY_SEEN_INTERVAL:
+        """Refresh this relay's row every ``RELAY_SEEN_INTERVAL`` seconds, busy or idle, so
+        pruning never takes it for a dead relay's, and drop stale fences from its list.
+        Errors are left to the next round."""
+        if time.monotonic() - self._seen_at < RELAY_SEEN_INTERVAL:
             return
         try:
-            register_relay(self._connection(), self.worker_id)
+            fresh = self._conn is None
+            conn = self._connection()  # a new connection writes the row itself
+            if not fresh:
+                relay_seen(conn, self.worker_id, [j.fence for j in self._buffer])
             self._seen_at = time.monotonic()
         except (DBAPIError, psycopg.Error) as exc:
             self._drop_connection(exc)
@@ -688,11 +695,11 @@ class JobRunner:
         from_head = True
         if done or want or issue:
             conn = self._connection()
-            kept = [j.fence for j in itertools.islice(self._buffer, taken, None)]
+            removed = [j.fence for j in itertools.islice(self._buffer, taken)]
             start_now = max(0, self._free_workers() - len(issue)) if want else 0
             sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
             hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
-            mark = BufferMark(self.worker_id, kept, start_now)
+            mark = BufferMark(self.worker_id, removed, start_now)
             buried: set[int] = set()
             try:
                 completed, claimed, last = complete_and_claim_after(
@@ -705,7 +712,6 @@ class JobRunner:
                             "cause it", poison.describe_error(exc))
                 completed, buried, claimed = self._complete_and_claim_by_halves(conn, done, want, mark)
                 last, hinted = None, True  # claim from the head next time
-            self._seen_at = time.monotonic()
             if want:
                 if not hinted:
                     self._hint_until = time.monotonic() + HINT_SECONDS
@@ -752,16 +758,15 @@ class JobRunner:
         alone is dead-lettered naming the error (or quarantined); the others go on.
         Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
         completed, buried = self._by_halves("completing", done, lambda part: complete_jobs(conn, list(part)))
-        kept, start_left = list(mark.kept), mark.start_now
+        start_left = mark.start_now
         claimed: list[Job] = []
 
         def claim(only: list[int] | None) -> list[Job]:
-            nonlocal kept, start_left
-            _, got, _ = complete_and_claim_after(conn, [], self.leases, want if only is None else len(only),
-                                                 self.worker_id, None, buffer=BufferMark(mark.relay, kept, start_left),
-                                                 skip=self._quarantine.ids(), only=only)
-            kept += [j.fence for j in got[start_left:]]
-            start_left = max(0, start_left - len(got))
+            nonlocal start_left
+            _, got, _ = complete_and_claim_after(
+                conn, [], self.leases, want if only is None else len(only), self.worker_id, None,
+                buffer=BufferMark(mark.relay, mark.removed, start_left), skip=self._quarantine.ids(), only=only)
+            start_left = max(0, start_left - len(got))  # removing twice changes nothing
             return got
 
         if not want:  # only the buffer list to write: no row of a job to blame

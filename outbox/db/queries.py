@@ -259,14 +259,14 @@ job_complete_claim_many: TextClause = text(
     f"""
     WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER},
     claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
-    buffered AS (
-        SELECT CAST(:kept AS bigint[]) || ARRAY(
-            SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now) AS fences
-    ), marked AS (
+    marked AS (
         UPDATE outbox_relays r
-        SET buffered = b.fences, last_seen_at = now()
-        FROM buffered b
-        WHERE r.id = :relay AND r.buffered IS DISTINCT FROM b.fences
+        SET buffered = ARRAY(SELECT f FROM unnest(r.buffered) AS f WHERE f <> ALL (CAST(:removed AS bigint[])))
+                       || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
+            last_seen_at = now()
+        WHERE r.id = :relay
+          AND (r.buffered && CAST(:removed AS bigint[])
+               OR EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now))
         RETURNING 1
     )
     SELECT c.*, false AS completed FROM claimed c
@@ -286,12 +286,15 @@ bisection; :mod:`outbox.poison`): a runner that remembers the last key it claime
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
 (docs/performance.md).
 
-It also rewrites this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
-``buffered`` becomes ``:kept`` (fences of buffered claims that stay buffered) followed by
-the fences of the claimed jobs after the first ``:start_now`` in claim order, which the
-caller hands to idle workers once the statement has committed. So the buffer the reaper
-reads (``job_reap_many``) never lists a job whose handler may have started, and every
-buffered claim is listed from the moment it exists. Both halves keep their guarantees: the
+It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
+the fences in ``:removed`` (buffered claims leaving the buffer: handed to a worker once
+the statement has committed, or released) leave ``buffered``, and the fences of the
+claimed jobs after the first ``:start_now`` in claim order (those go to idle workers)
+join it. So the list the reaper reads (``job_reap_many``) never holds a job whose handler
+may have started, and every buffered claim is listed from the moment it exists. It is
+changed, never overwritten: a claim whose reply never reached the relay (the connection
+broke after the commit) stays listed, so the reaper gives it its attempt back; the
+relay's periodic ``relay_seen`` drops fences no longer running under it. Both halves keep their guarantees: the
 completion is fenced and locks its rows in id order; the claim only takes rows that were
 ``ready`` in the statement's snapshot (never one being completed, which was ``running``)
 and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
@@ -511,15 +514,24 @@ and session-level ``SET`` do not (PostgreSQL docs, "Configuration Settings Funct
 
 # ---------------------------------------------------------------------------- relays
 
-relay_register: TextClause = text(
+relay_seen: TextClause = text(
     """
-    INSERT INTO outbox_relays AS r (id, host, pid)
-    VALUES (:relay, :host, :pid)
-    ON CONFLICT (id) DO UPDATE SET last_seen_at = now()
+    INSERT INTO outbox_relays AS r (id, host, pid, buffered)
+    VALUES (:relay, :host, :pid, CAST(:buffer AS bigint[]))
+    ON CONFLICT (id) DO UPDATE
+    SET last_seen_at = now(),
+        buffered = ARRAY(
+            SELECT f FROM unnest(r.buffered) AS f
+            WHERE f = ANY (CAST(:buffer AS bigint[]))
+               OR f IN (SELECT j.fence FROM outbox_jobs j WHERE j.status = 'running' AND j.locked_by = r.id))
     """
 )
-"""Insert this relay's row of ``outbox_relays`` (empty buffer), or mark it seen if it
-exists (after pruning removed it while the relay was paused, this brings it back)."""
+"""Insert this relay's row of ``outbox_relays`` with its buffer (``:buffer``: the fences it
+holds unstarted), or mark it seen: the dispatcher runs it on each new connection and every
+``RELAY_SEEN_INTERVAL`` seconds. Listed fences that are neither in its buffer nor still
+running under it (finished, released, or reaped since: a claim whose reply was lost) are
+dropped, so the list stays the size of the buffer. The running jobs are read through
+``ix_outbox_jobs_lease``."""
 
 relay_delete: TextClause = text("DELETE FROM outbox_relays WHERE id = :relay")
 """Remove this relay's row at a clean stop, once every claim it held is finished or released."""

@@ -359,3 +359,69 @@ def _claim_waiting_on_a_lock(engine: sa.Engine) -> bool:
         return bool(c.execute(sa.text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
             " AND application_name = 'outbox-relay'")).scalar_one())
+
+
+# ------------------------------------------------------- the relay's buffer list
+
+
+def test_a_claim_whose_reply_was_lost_gets_its_attempt_back(engine, settings):
+    """A claim that committed but whose reply never reached the relay (the connection broke
+    after the commit) leaves jobs running under the relay that it does not know of. They
+    stay listed in its row of outbox_relays, so when their leases run out the reaper gives
+    them their attempt back: with max_attempts=1 they still run, once, instead of dying."""
+    from outbox.worker import BufferMark, complete_and_claim_after, relay_seen
+
+    ob = Outbox()
+    ran: list[int] = []
+
+    @ob.subscriber("t", consumer="a", lease=1, max_attempts=1)
+    def handler(job: Job) -> None:
+        ran.append(job.id)
+
+    subscribe(engine, "t", ["a"], lease=1, max_attempts=1)
+    publish_events(engine, "t", [{"n": i} for i in range(10)])
+    route_all(engine)
+    relay = Relay(ob, settings(concurrency=2, reap_interval=0.2))
+    with _psycopg(engine) as conn:  # the lost round, as the dispatcher would have sent it
+        relay_seen(conn, relay.worker_id, [])
+        _, orphans, _ = complete_and_claim_after(conn, [], {"a": 1.0}, 5, relay.worker_id, None,
+                                                 buffer=BufferMark(relay.worker_id, [], 0))
+    assert len(orphans) == 5
+    relay.start()
+    try:
+        wait_for(lambda: list(_statuses(engine).values()) == ["done"] * 10, timeout=TIMEOUT, what="all ten done")
+    finally:
+        relay.stop()
+    with engine.connect() as c:
+        attempts = c.execute(sa.text("SELECT id, attempts FROM outbox_jobs ORDER BY id")).all()
+    assert [a for _, a in attempts] == [1] * 10
+    assert sorted(ran) == sorted(i for i, _ in attempts)  # each ran once
+
+
+def test_a_busy_relay_keeps_its_row_seen(engine, settings, monkeypatch):
+    """A relay whose dispatcher is never idle still refreshes last_seen_at every
+    RELAY_SEEN_INTERVAL, so pruning never takes it for a dead relay (its buffer list would
+    go with the row)."""
+    import outbox.worker
+
+    monkeypatch.setattr(outbox.worker, "RELAY_SEEN_INTERVAL", 0.3)
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    subscribe(engine, "t", ["a"])
+    relay = Relay(ob, settings(concurrency=1, prefetch=0))
+    relay.start()
+    try:
+        wait_for(lambda: _relay_age(engine, relay.worker_id) is not None, timeout=TIMEOUT, what="the relay's row")
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # a steady trickle: a round every few milliseconds
+            publish_events(engine, "t", [{"n": 0}])
+        age = _relay_age(engine, relay.worker_id)
+    finally:
+        relay.stop()
+    assert age is not None and age < 1.0, age
+
+
+def _relay_age(engine: sa.Engine, worker_id: str) -> float | None:
+    with engine.connect() as c:
+        return c.execute(sa.text("SELECT extract(epoch FROM now() - last_seen_at) FROM outbox_relays WHERE id = :id"),
+                         {"id": worker_id}).scalar()
