@@ -12,8 +12,12 @@ So an error about the data (:func:`is_data_error`: SQLSTATE classes 22 data exce
 exceeded, P0 PL/pgSQL ``RAISE``; PostgreSQL docs, Appendix A "PostgreSQL Error Codes") is
 bisected (:func:`isolate`): the batch is split in halves and each half run again, down to
 the rows that fail alone, so a batch of n rows with k bad ones costs about
-``2 k log2(n)`` statements once. Every other row's statement commits and the loop goes
-on with no extra run of any job. What happens to a row that fails alone is the caller's
+``2 k log2(n)`` statements once. A row that fails alone is tried alone ``SINGLE_TRIES``
+times before it counts (an error that comes and goes must not dead-letter good work).
+Every other row's statement commits and the loop goes on with no extra run of any job.
+When every row of a batch of ``SYSTEMIC_MIN`` or more fails alone, the statement fails for
+every row, not for a few: :class:`SystemicError` is raised instead, nothing is
+dead-lettered or quarantined, and the loop backs off and logs it like any database error. What happens to a row that fails alone is the caller's
 rule: a job is dead-lettered with a ``last_error`` naming the database error (a fenced
 write, for a claimed job); where even that write fails, the row is kept in the loop's
 :class:`Quarantine` (skipped by its statements, logged once) and tried again after
@@ -41,6 +45,14 @@ DATA_ERROR_CLASSES = frozenset({"22", "23", "2F", "38", "39", "54", "P0"})
 #: How long a row whose poison could not even be recorded is skipped before it is tried
 #: again, seconds (the application may have fixed its trigger or constraint meanwhile).
 QUARANTINE_SECONDS = 300.0
+#: Times a row that fails alone is tried alone before it counts as poison: an error that
+#: comes and goes (a trigger that fails at random, a constraint racing another write) must
+#: not dead-letter work that succeeded.
+SINGLE_TRIES = 3
+#: A batch of at least this many rows of which every one fails alone is not poison: the
+#: statement fails for every row (a trigger that always raises, a broken constraint), and
+#: dead-lettering the whole queue one row at a time would be the wrong cure.
+SYSTEMIC_MIN = 8
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -60,23 +72,41 @@ def is_data_error(exc: BaseException) -> bool:
     return state is not None and state[:2] in DATA_ERROR_CLASSES
 
 
+class SystemicError(Exception):
+    """Every row of a batch of at least ``SYSTEMIC_MIN`` rows failed alone: the statement
+    fails for every row, so no row is dead-lettered; ``__cause__`` is the first row's
+    database error. The loop backs off and tries the whole batch again later."""
+
+
 def isolate(items: Sequence[T], run: Callable[[Sequence[T]], R]) -> tuple[list[R], list[tuple[T, BaseException]]]:
     """Run ``run(items)``; if it raises a data error, split ``items`` in halves and run
-    each, recursively, down to single items. Returns (results of every successful run, in
-    order; (item, error) for every item that failed alone). ``run`` must be atomic (one
+    each, recursively, down to single items, each of which is tried up to
+    ``SINGLE_TRIES`` times. Returns (results of every successful run, in order; (item,
+    error) for every item that failed alone every time). ``run`` must be atomic (one
     statement in autocommit, or its own transaction), so a failed run changed nothing.
     Errors that are not data errors propagate at once, and so does a data error of a run
-    with no items (it cannot be about one of them)."""
-    try:
-        return [run(items)], []
-    except (psycopg.Error, DBAPIError) as exc:
-        if not is_data_error(exc) or not items:  # with no rows, the error is not about a row
-            raise
-        if len(items) == 1:
-            return [], [(items[0], exc)]
+    with no items (it cannot be about one of them). Raises :class:`SystemicError` when
+    every one of at least ``SYSTEMIC_MIN`` items failed alone."""
+    results, poisoned = _halves(items, run)
+    if len(items) >= SYSTEMIC_MIN and len(poisoned) == len(items):
+        raise SystemicError(f"all {len(items)} rows fail: {describe_error(poisoned[0][1])}") from poisoned[0][1]
+    return results, poisoned
+
+
+def _halves(items: Sequence[T], run: Callable[[Sequence[T]], R]) -> tuple[list[R], list[tuple[T, BaseException]]]:
+    tries = SINGLE_TRIES if len(items) == 1 else 1
+    for _ in range(tries):
+        try:
+            return [run(items)], []
+        except (psycopg.Error, DBAPIError) as exc:
+            if not is_data_error(exc) or not items:  # with no rows, the error is not about a row
+                raise
+            error = exc
+    if len(items) == 1:
+        return [], [(items[0], error)]
     mid = len(items) // 2
-    head, head_bad = isolate(items[:mid], run)
-    tail, tail_bad = isolate(items[mid:], run)
+    head, head_bad = _halves(items[:mid], run)
+    tail, tail_bad = _halves(items[mid:], run)
     return head + tail, head_bad + tail_bad
 
 
@@ -86,7 +116,7 @@ def whole_or_halves(what: str, whole: Callable[[], R], candidates: Callable[[], 
     it once (``what`` names the loop), list the rows the batch would take
     (``candidates()``) and run ``part(rows)`` by halves with :func:`isolate`. Returns (the
     results that succeeded, (row, error) for every row that failed alone); errors that are
-    not data errors propagate."""
+    not data errors propagate, and :class:`SystemicError` when every row fails."""
     try:
         return [whole()], []
     except (psycopg.Error, DBAPIError) as exc:

@@ -42,7 +42,7 @@ from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, 
 from .notify import Listener, Wakeup
 from .reconnect import Reconnector
 from .registry import Outbox
-from .poison import Quarantine
+from .poison import Quarantine, SystemicError
 from .router import StatisticsKeeper, route_round
 from .settings import OutboxSettings
 from .worker import JobRunner
@@ -209,7 +209,7 @@ class Relay:
                 with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
                     result = route_round(conn, limit, self.route_quarantine)
                 failures = self.reconnect.recovered(failures, "router")
-            except DBAPIError as exc:
+            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
                 failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
                 continue
             if result.jobs:
@@ -260,5 +260,5 @@ class Relay:
                     self._vacuum_if_autovacuum_is_off()
                     next_prune = time.monotonic() + self.settings.prune_interval
                 failures = self.reconnect.recovered(failures, "maintenance")
-            except DBAPIError as exc:
+            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
                 failures = self.reconnect.backoff(failures, "maintenance", exc, self.stop_event)

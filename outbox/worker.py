@@ -399,6 +399,8 @@ class JobRunner:
         self._abandoned = False  # closing, buffered claims could not be released
         # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
         self._quarantine = poison.Quarantine("job")
+        self._claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
+        self._claims_paused_until = 0.0
 
     # ------------------------------------------------------------- lifecycle
 
@@ -529,7 +531,7 @@ class JobRunner:
                 claimed, from_head = self._round(batch, want if claim else 0)
                 failures = self.reconnect.recovered(failures, "claim and completion")
                 carry = []
-            except (DBAPIError, psycopg.Error) as exc:
+            except (DBAPIError, psycopg.Error, poison.SystemicError) as exc:
                 self._drop_connection(exc)
                 if self._stopped.is_set() or (not is_disconnect(exc) and failures >= 3):
                     # A closing relay, or an error that retrying will not fix: the leases
@@ -582,7 +584,10 @@ class JobRunner:
         return batch
 
     def _room(self) -> int:
-        """How many jobs to claim now: room in the buffer, at most ``claim_batch``."""
+        """How many jobs to claim now: room in the buffer, at most ``claim_batch``; none
+        while claims are paused (:meth:`_pause_claims`)."""
+        if time.monotonic() < self._claims_paused_until:
+            return 0
         limit = self.settings.concurrency + self.settings.prefetch
         with self._lock:
             held = self._issued + len(self._buffer)
@@ -712,6 +717,9 @@ class JobRunner:
                             "cause it", poison.describe_error(exc))
                 completed, buried, claimed = self._complete_and_claim_by_halves(conn, done, want, mark)
                 last, hinted = None, True  # claim from the head next time
+            else:
+                if want:
+                    self._claim_failures = 0
             if want:
                 if not hinted:
                     self._hint_until = time.monotonic() + HINT_SECONDS
@@ -771,10 +779,15 @@ class JobRunner:
 
         if not want:  # only the buffer list to write: no row of a job to blame
             return completed, buried, claim(None)
-        parts, poisoned = poison.whole_or_halves(
-            "claiming", lambda: claim(None),
-            lambda: claim_candidates(conn, list(self.leases), want, self._quarantine.ids()),
-            lambda part: claim(list(part)))
+        try:
+            parts, poisoned = poison.whole_or_halves(
+                "claiming", lambda: claim(None),
+                lambda: claim_candidates(conn, list(self.leases), want, self._quarantine.ids()),
+                lambda part: claim(list(part)))
+        except poison.SystemicError as exc:
+            self._pause_claims(exc)
+            return completed, buried, claimed
+        self._claim_failures = 0
         for part in parts:
             claimed += part
         for job_id, exc in poisoned:
@@ -790,6 +803,17 @@ class JobRunner:
                 self.stats["dead"] += 1
                 log.error("dead-lettered job %s: %s", job_id, error)
         return completed, buried, claimed
+
+    def _pause_claims(self, exc: poison.SystemicError) -> None:
+        """Every job a claim takes fails: claim nothing for a capped, growing while (the
+        rounds go on writing outcomes and starting buffered jobs); logged once per episode."""
+        self._claim_failures += 1
+        delay = backoff.retry_delay(self._claim_failures, base=1.0, cap=max(1.0, self.settings.reconnect_max),
+                                    jitter=0.25)
+        self._claims_paused_until = time.monotonic() + delay
+        if self._claim_failures == 1:
+            log.error("claiming paused: the claim fails for every job it takes, so none is dead-lettered (%s); "
+                      "trying again with backoff", exc)
 
     def _by_halves(self, doing: str, items: list[Any], run: Callable[[Any], Any],
                    job_of: Callable[[Any], Job] = lambda item: item, merged: Any = None) -> tuple[Any, set[int]]:
@@ -1051,7 +1075,7 @@ class JobRunner:
                 with self._autocommit() as conn:
                     owned = self._heartbeat(conn, jobs)
                 failures = self.reconnect.recovered(failures, "heartbeat")
-            except DBAPIError as exc:
+            except (DBAPIError, poison.SystemicError) as exc:
                 # Never longer than half a second between tries: leases are at stake.
                 failures = self.reconnect.backoff(failures, "heartbeat", exc, self._stopped, cap=0.5)
                 continue

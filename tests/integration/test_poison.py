@@ -303,3 +303,77 @@ def test_the_pruner_keeps_an_event_it_cannot_delete_and_prunes_the_others(poison
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT id FROM outbox_events")).scalars().all() == [ids[2]]
     assert quarantine.ids() == [ids[2]]
+
+
+# ------------------------------------------------ errors that come and go, or never go
+
+
+def test_a_row_that_fails_only_sometimes_is_tried_again_not_dead_lettered(poison_db, settings):
+    """The trigger refuses job X's completion the first three times it is asked (the batch
+    statement, then X alone twice), then lets it through: X is tried alone up to three
+    times, so it ends done, having run once, instead of being dead-lettered for an error
+    that went away (adversary: a trigger failing at random dead-lettered 6 of 400 jobs
+    whose handler had succeeded)."""
+    engine = poison_db
+    [job] = _routed(engine, {"c": 1})["c"]
+    with engine.begin() as conn:
+        conn.execute(sa.text("CREATE SEQUENCE flaky"))
+        conn.execute(sa.text("""
+            CREATE FUNCTION flaky_check() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.status = 'done' AND nextval('flaky') <= 3 THEN
+                    RAISE EXCEPTION 'flaky: not now (job %)', NEW.id;
+                END IF;
+                RETURN NEW;
+            END $$"""))
+        conn.execute(sa.text("CREATE TRIGGER flaky BEFORE UPDATE ON outbox_jobs FOR EACH ROW EXECUTE FUNCTION flaky_check()"))
+    ob, runs, _ = _app(["c"])
+    _run_until(engine, Relay(ob, settings(concurrency=1, prefetch=0, listen=False)),
+               lambda: _jobs(engine)[job].status in ("done", "dead"), "the job finished")
+    assert _jobs(engine)[job].status == "done" and runs[job] == 1
+
+
+def test_a_claim_that_fails_for_every_job_pauses_claiming_and_buries_nothing(poison_db, settings, caplog):
+    """A trigger that refuses every claim is not a poison row: no job is dead-lettered
+    (adversary: 400 of 400 were), claiming pauses with backoff and says so once, and once
+    the trigger is gone every job runs."""
+    caplog.set_level(logging.INFO)
+    engine = poison_db
+    jobs = _routed(engine, {"c": 20})["c"]
+    for job_id in jobs:
+        _poison(engine, "running", job_id=job_id)
+    ob, runs, _ = _app(["c"])
+    relay = Relay(ob, settings(concurrency=2, listen=False, reconnect_max=0.5))
+    relay.start()
+    try:
+        wait_for(lambda: any("claiming paused" in r.message for r in caplog.records), timeout=TIMEOUT,
+                 what="the pause to be logged")
+        assert {r.status for r in _jobs(engine).values() if r.id in jobs} == {"ready"}
+        with engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM poison_rules"))
+        wait_for(lambda: all(_jobs(engine)[i].status == "done" for i in jobs), timeout=TIMEOUT, what="every job done")
+    finally:
+        relay.stop()
+    assert sum("claiming paused" in r.message for r in caplog.records) == 1
+    assert all(runs[i] == 1 for i in jobs) and all(_jobs(engine)[i].last_error is None for i in jobs)
+
+
+def test_routing_that_fails_for_every_event_quarantines_none(poison_db):
+    """A trigger that refuses every job insert: the router backs off instead of
+    quarantining every event one by one (adversary: 11,500 ERROR lines in 90 s)."""
+    from outbox.poison import SystemicError
+
+    engine = poison_db
+    subscribe(engine, "t", ["c"])
+    ids = publish_events(engine, "t", [{"n": i} for i in range(20)])
+    for event_id in ids:
+        _poison(engine, "route", event_id=event_id)
+    quarantine = Quarantine("event")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with pytest.raises(SystemicError):
+            route_round(conn, 500, quarantine)
+    assert len(quarantine) == 0
+    with engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM poison_rules"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert route_round(conn, 500, quarantine).jobs == 20
