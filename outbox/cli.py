@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", "Jobs per consumer and status, and unrouted events.")
     dead = add("dead", "List dead-lettered jobs with their last error.")
     dead.add_argument("--consumer", help="only this consumer's dead jobs")
-    dead.add_argument("--limit", type=int, default=50, help="most jobs listed, oldest first (default 50)")
+    dead.add_argument("--limit", type=_positive_int, default=50, help="most jobs listed, oldest first (default 50)")
     dead.add_argument("--json", action="store_true", help="one JSON object per line")
     redrive = add("redrive", "Put dead jobs back to ready with a fresh attempt budget.")
     redrive.add_argument("ids", nargs="*", type=int, help="job ids (default: all dead jobs of --consumer, or --all)")
@@ -137,8 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    """An argparse type: a whole number from 1 to 2**31 - 1 (a PostgreSQL ``LIMIT`` in range)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= 2**31 - 1:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {2**31 - 1}, got {value}")
+    return value
+
+
 def _settings(args: argparse.Namespace) -> OutboxSettings:
     overrides: dict[str, Any] = {}
+    if getattr(args, "database_url", None) == "":
+        raise UsageError("--database-url is empty (leave it out to use OUTBOX_DATABASE_URL)")
     if getattr(args, "database_url", None):
         overrides["database_url"] = args.database_url
     if getattr(args, "log_level", None):
@@ -171,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = _settings(args)
     except ValidationError as exc:
         return _fail("; ".join(_setting_error(e) for e in exc.errors()))
+    except UsageError as exc:
+        return _fail(str(exc))
     logging.basicConfig(level=settings.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
     # alembic announces every plugin it loads at INFO: noise before a one-line error.

@@ -81,7 +81,10 @@ MAX_HEADERS_BYTES = 65_536
 #: Longest integer accepted in a payload, in decimal digits (Python refuses to print ints
 #: past 4,300 digits by default; no JSON consumer needs more).
 MAX_INT_DIGITS = 1000
-_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)  # log2(10): below 10**1000
+#: Ints of at most this many bits have at most ``MAX_INT_DIGITS`` digits for sure (2**3321 <
+#: 10**1000 < 2**3322); one bit more may or may not, and is checked exactly by the full walk.
+_MAX_INT_BITS = (10**MAX_INT_DIGITS).bit_length() - 1
+_INT_LIMIT = 10**MAX_INT_DIGITS
 
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
@@ -133,7 +136,7 @@ def _check_json(value: Any, where: str, depth: int = 0) -> None:
     if kind is str:
         _check_text(value, where)
     elif kind is int:
-        if value.bit_length() > _MAX_INT_BITS:
+        if value.bit_length() > _MAX_INT_BITS and abs(value) >= _INT_LIMIT:
             raise InvalidEventError(where, f"is an integer of more than {MAX_INT_DIGITS} digits")
     elif kind is float:
         if not math.isfinite(value):

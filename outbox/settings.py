@@ -23,7 +23,7 @@ class OutboxSettings(BaseSettings):
     Raises :class:`pydantic.ValidationError` naming the field when a value is invalid.
     """
 
-    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore", allow_inf_nan=False)
 
     database_url: SecretStr | None = Field(
         default=None,

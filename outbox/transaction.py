@@ -11,7 +11,9 @@ the worker retries with capped, jittered backoff. When it still has none after t
 lease, or once the claim is no longer held (lease lost, relay draining), the job is
 released (fenced, attempt not counted) for any relay to take. One warning starts an
 episode (the first worker that cannot connect) and one line ends it (a connection
-obtained while no worker is waiting any more), however many workers wait in between.
+obtained while no worker is waiting any more), however many workers wait in between;
+episodes are logged at most once a minute (``EPISODE_LOG_INTERVAL``), since near a
+connection limit they come and go many times a second.
 
 Isolation: always READ COMMITTED (:data:`ISOLATION_LEVEL`), set on the transaction's
 ``BEGIN`` whatever the database's or role's ``default_transaction_isolation`` says. The
@@ -71,6 +73,10 @@ RETRY_PAUSE_CAP = 0.2
 #: First and longest wait between two tries to get a connection, seconds (half random).
 CONNECT_RETRY_BASE = 0.05
 CONNECT_RETRY_CAP = 2.0
+#: Episodes of "no connection" (workers waiting for one) are logged at most once per this
+#: many seconds, seconds: under a connection limit they can start and end many times a
+#: second. ``HandlerConnections.stats`` counts them all.
+EPISODE_LOG_INTERVAL = 60.0
 
 
 def retryable_sqlstate(exc: BaseException) -> str | None:
@@ -117,6 +123,8 @@ class HandlerConnections:
         self._lock = threading.Lock()
         self._waiting = 0  # workers between their first failed try and a connection (or giving up)
         self._episode = False
+        self._warned_at = -EPISODE_LOG_INTERVAL  # time.monotonic() of the last episode logged
+        self._logged = False  # the current episode was logged (so its end is too)
 
     def acquire(self, held: Callable[[], bool], wait_limit: float, wake: threading.Event) -> Connection | None:
         """A connection for one job's transaction, or None when none could be had while
@@ -153,6 +161,11 @@ class HandlerConnections:
                 return
             self._episode = True
             self.stats["connect_episodes"] += 1
+            now = time.monotonic()
+            self._logged = now - self._warned_at >= EPISODE_LOG_INTERVAL
+            if not self._logged:
+                return
+            self._warned_at = now
         log.warning("transactional handlers cannot get a database connection (%s); their jobs wait for one, "
                     "attempt not counted, and are released if none comes within their lease", describe(exc))
 
@@ -165,6 +178,7 @@ class HandlerConnections:
             end = recovered and self._episode and self._waiting == 0
             if end:
                 self._episode = False
+            end = end and self._logged
         if end:
             log.info("transactional handlers get database connections again (%d failed tries so far)",
                      self.stats["connect_failures"])

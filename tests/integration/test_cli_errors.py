@@ -326,9 +326,18 @@ def test_statement_refused_by_the_database_is_one_line(cli, limited_role, db_url
     ({}, ["--concurrency", "0"], "concurrency (OUTBOX_CONCURRENCY or --concurrency): Input should be greater than or equal to 1"),
     ({}, ["--backoff-base", "10", "--backoff-cap", "5"], "backoff_base (10) must not exceed backoff_cap (5)"),
     ({"OUTBOX_BACKOFF_CAP": "5"}, ["--backoff-base", "10"], "must not exceed backoff_cap"),
+    ({}, ["--poll-interval", "nan"], "poll_interval (OUTBOX_POLL_INTERVAL or --poll-interval): Input should be a finite number"),
+    ({"OUTBOX_DEFAULT_LEASE": "inf"}, [], "default_lease (OUTBOX_DEFAULT_LEASE or --default-lease): Input should be a finite number"),
+    ({}, ["--database-url", ""], "--database-url is empty"),
 ])
 def test_invalid_setting(cli, env, args, fragment):
     assert_one_error_line(cli("run", "--database-url", UNREACHABLE, *args, env=env), fragment)
+
+
+@pytest.mark.parametrize("limit", ["-1", "0", "99999999999999999999", "ten"])
+def test_dead_limit_out_of_range_is_a_usage_error(app_dir, limit):
+    result = run_cli("dead", "--limit", limit, "--database-url", UNREACHABLE, cwd=app_dir)
+    assert result.returncode == 2 and "argument --limit" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_flag_overrides_environment(cli, db_url):

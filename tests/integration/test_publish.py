@@ -618,6 +618,25 @@ def test_huge_integer_is_refused_with_its_path(engine):
         publish(conn, "t", {"a": 10**999})  # the largest size accepted still works
 
 
+@pytest.mark.parametrize("value", [10**1000 - 1, -(10**1000 - 1), 2**3321, 10**1000, -(10**1000)],
+                         ids=["1000-nines", "minus-1000-nines", "2**3321", "10**1000", "minus-10**1000"])
+def test_the_integer_limit_is_exactly_1000_digits(engine, value):
+    """Up to 1,000 digits are accepted and come back exactly; 1,001 are refused (both
+    encoding paths: publish and publish_many). Before, 1,000 nines were refused."""
+    with engine.connect() as conn:
+        if len(str(abs(value))) > 1000:
+            with pytest.raises(InvalidEventError, match="1000 digits"):
+                publish(conn, "t", {"a": value})
+            with pytest.raises(InvalidEventError, match="1000 digits"):
+                publish_many(conn, [("t", {"a": value})])
+            return
+        event_id = publish(conn, "t", {"a": value})
+        [many_id] = publish_many(conn, [("t", {"a": [value]})])
+        stored = dict(conn.execute(sa.text("SELECT id, payload FROM outbox_events WHERE id IN (:a, :b)"),
+                                   {"a": event_id, "b": many_id}).all())
+    assert stored == {event_id: {"a": value}, many_id: {"a": [value]}}
+
+
 # --------------------------------------------------------------------------- numbers
 # jsonb keeps numbers as numeric; psycopg reads one back as a float when it has a decimal
 # point, as an int otherwise (publish's module notes). These run the numbers through a real
