@@ -249,8 +249,9 @@ def test_repeated_sigkill_and_restart(scenario: Scenario) -> None:
 def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     """SIGSTOP a relay while it holds jobs, among them an invoice transaction left open
     mid-handler and ledger runs about to write, until the other relay has reaped, re-run
-    and finished every one of them (a job held on its last allowed attempt is not re-run:
-    the reaper dead-letters it, lease expired, at the paused claim's fence); then SIGCONT.
+    and finished every one of them (a job whose handler started on its last allowed attempt
+    is not re-run: the reaper dead-letters it, lease expired, at the paused claim's fence;
+    one still in the paused relay's buffer gets its attempt back and is re-run); then SIGCONT.
     The paused relay's heartbeats and completions change nothing, its ledger writes are
     refused by their fence, its open transaction was ended by the server (idle in
     transaction past the lease) and commits nothing; the successors' results stand."""
@@ -288,14 +289,14 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
     assert slow_jobs and ledger_jobs, "the paused relay finished its handlers before SIGSTOP landed"
 
     # Held on its last allowed attempt: once the lease expires the reaper dead-letters the
-    # job (DESIGN 6) at the paused claim's fence; nobody re-claims it.
+    # job (DESIGN 6) at the paused claim's fence if its handler started; if it was still in
+    # the paused relay's buffer, the reaper gives the attempt back and the other relay runs it.
     last_attempt = {h.id for h in held if h.attempts >= h.max_attempts}
 
     def ended(row: Any, h: Any) -> bool:
-        if h.id in last_attempt:
-            return (row.fence == h.fence and row.status == "dead"
-                    and (row.last_error or "").startswith("LeaseExpired"))
-        return row.fence > h.fence and row.status in ("done", "dead")
+        reaped_dead = row.fence == h.fence and row.status == "dead" and (row.last_error or "").startswith("LeaseExpired")
+        rerun_done = row.fence > h.fence and row.status in ("done", "dead")
+        return reaped_dead or rerun_done if h.id in last_attempt else rerun_done
 
     def taken_over() -> bool:
         with scenario.engine.connect() as c:
@@ -342,15 +343,23 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
             {"ids": [h.id for h in held]})}
         written = {(r.tbl, r.event_id, r.new_fence) for r in c.execute(sa.text(
             "SELECT tbl, event_id, new_fence FROM wl_fence_history"))}
-        rerun = {r.job_id for r in c.execute(sa.text(
-            "SELECT DISTINCT r.job_id FROM wl_runs r JOIN unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]))"
-            " AS h(id, fence) ON r.job_id = h.id WHERE r.fence > h.fence"),
+        runs = c.execute(sa.text(
+            "SELECT r.job_id, r.fence > h.fence AS later FROM wl_runs r JOIN unnest(CAST(:ids AS bigint[]),"
+            " CAST(:fences AS bigint[])) AS h(id, fence) ON r.job_id = h.id WHERE r.phase = 'start'"
+            " AND r.fence >= h.fence"),
             {"ids": [h.id for h in held if h.id in last_attempt],
-             "fences": [h.fence for h in held if h.id in last_attempt]})}
-    assert not rerun, f"jobs dead-lettered on their last attempt ran again: {rerun}"
+             "fences": [h.fence for h in held if h.id in last_attempt]}).all()
+    started = {job_id for job_id, later in runs if not later}  # started under the paused claim
+    rerun = {job_id for job_id, later in runs if later}
+    assert not (rerun & started), f"jobs that started their last attempt ran again: {rerun & started}"
     for h in held:
-        if h.id in last_attempt:  # dead by the reaper at the paused fence, even after SIGCONT
-            assert ended(final[h.id], h), final[h.id]
+        if h.id in started:  # dead by the reaper at the paused fence, even after SIGCONT
+            assert final[h.id].fence == h.fence and final[h.id].status == "dead", final[h.id]
+            assert (final[h.id].last_error or "").startswith("LeaseExpired"), final[h.id]
+            continue
+        if h.id in last_attempt and final[h.id].fence == h.fence:
+            # Handed to a worker just before SIGSTOP, before its handler wrote its first row.
+            assert final[h.id].status == "dead", final[h.id]
             continue
         assert final[h.id].fence > h.fence  # the successor's claim is the one that stands
         if h.id in slow_jobs:

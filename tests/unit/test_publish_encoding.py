@@ -39,7 +39,8 @@ publish_module = sys.modules["outbox.publish"]  # outbox.publish the attribute i
 
 # ------------------------------------------------------------- the reference walk
 
-_REF_MAX_INT_BITS = int(MAX_INT_DIGITS * 3.3219)
+_REF_INT_LIMIT = 10**MAX_INT_DIGITS  # the rule: at most MAX_INT_DIGITS decimal digits
+_REF_MAX_INT_BITS = _REF_INT_LIMIT.bit_length() - 1  # around the edge the strategies draw from
 
 
 def ref_check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
@@ -71,7 +72,7 @@ def ref_check_json(value: Any, where: str, depth: int = 0) -> None:
     if kind is str:
         ref_check_text(value, where)
     elif kind is int:
-        if value.bit_length() > _REF_MAX_INT_BITS:
+        if abs(value) >= _REF_INT_LIMIT:
             raise InvalidEventError(where, f"is an integer of more than {MAX_INT_DIGITS} digits")
     elif kind is float:
         if not math.isfinite(value):
@@ -208,6 +209,8 @@ floats = st.one_of(
 big_ints = st.tuples(
     st.one_of(st.sampled_from([999, 1000, 4299, 4300, 5000]).map(lambda digits: 10**digits),
               st.sampled_from([-1, 0, 1]).map(lambda offset: 2**_REF_MAX_INT_BITS + offset),
+              st.sampled_from([-1, 0, 1]).map(lambda offset: _REF_INT_LIMIT + offset),
+              st.sampled_from([-1, 0, 1]).map(lambda offset: -_REF_INT_LIMIT + offset),
               st.sampled_from([-1, 0]).map(lambda offset: 10**1000 + offset)),
     st.sampled_from([1, -1]),
 ).map(lambda pair: pair[0] * pair[1])
