@@ -139,8 +139,8 @@ class Quarantine:
     def add(self, row_id: int, exc: BaseException, doing: str) -> None:
         """Skip ``row_id`` for a while; logs the database error once per quarantine."""
         if row_id not in self._until:
-            log.error("%s %s quarantined for %.0fs: %s failed for it alone and recording that failed too (%s)",
-                      self.what, row_id, self.seconds, doing, describe_error(exc))
+            log.error("%s %s quarantined: %s fails for it alone (%s); it stays as it is, skipped for %.0fs, "
+                      "then tried again", self.what, row_id, doing, describe_error(exc), self.seconds)
         self._until[row_id] = time.monotonic() + self.seconds
 
     def ids(self) -> list[int]:
