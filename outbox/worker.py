@@ -9,6 +9,11 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   (``job_complete_claim_many``), so a busy runner pays one round trip and one commit per
   batch; failures and releases have their own statements. It holds at most
   ``concurrency + prefetch`` claims whose handlers have not returned;
+  Jobs it claims for idle workers go to them at once; the rest wait in the buffer, listed
+  in the relay's row of ``outbox_relays`` by the same statement;
+* the **starter** hands buffered jobs to workers as they come free, on its own
+  connection: one small statement unlists all it hands over at once (``relay_buffer_remove``),
+  and only then do their handlers start (see "Attempts and crashes" in docs/architecture.md);
 * ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
   handler returns (the claim stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** renews the leases of every claim this process holds, buffered ones
@@ -351,10 +356,9 @@ class JobRunner:
     claims them and rewritten (without it) before a buffered job goes to a worker; the
     reaper gives the attempt back to an expired claim still listed. So a ``kill -9`` never
     charges a job whose handler had not started, and a handler that kills its process is
-    charged each time it starts. This costs no statement of its own: the list travels in
-    the dispatcher's ``job_complete_claim_many``, which is why a worker that finishes waits
-    for the dispatcher's next round (one round trip, shared by every worker that finished
-    meanwhile) before it starts a buffered job.
+    charged each time it starts. No statement per job: claims are listed by the claim
+    statement itself, and the **starter** thread unlists buffered jobs in one small
+    statement for every worker that came free meanwhile, before it hands them over.
     """
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
@@ -372,14 +376,18 @@ class JobRunner:
         # Claims held, by fence: a fence names one claim, while a job id may be held twice
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
-        # Claimed jobs whose handler has not started, in claim order: only the dispatcher
-        # thread touches the deque; _buffered (its fences) is read under the lock by stop().
+        # Claimed jobs whose handler has not started, in claim order (under the lock): the
+        # dispatcher appends, the starter takes from the head; _buffered holds their fences
+        # until the starter's statement has unlisted them (stop() leaves those alone).
         self._buffer: collections.deque[Job] = collections.deque()
         self._buffered: set[int] = set()
-        self._issued = 0  # jobs handed to workers whose handler has not returned
+        # Workers taken: jobs handed to a worker whose handler has not returned, plus slots
+        # reserved by a statement in flight that will hand jobs over (so none is over-issued).
+        self._issued = 0
         self._finishing: set[int] = set()  # fences whose outcome is being written
         self._released: set[int] = set()  # fences released at shutdown while their handler ran
         self._lock = threading.Lock()
+        self._start_wake = threading.Condition(self._lock)  # buffer grew, a worker came free, stopping
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
         self._stop_claiming = threading.Event()
@@ -410,6 +418,7 @@ class JobRunner:
         if not self.subscribers:
             return
         self._spawn("outbox-dispatcher", self._dispatch_loop)
+        self._spawn("outbox-starter", self._start_loop)
         for n in range(self.settings.concurrency):
             self._spawn(f"outbox-worker-{n}", self._work_loop)
         self._spawn("outbox-heartbeat", self._heartbeat_loop)
@@ -456,8 +465,10 @@ class JobRunner:
         self._outcomes.put(None)
         self._stopped.set()
         self.wake.poke()
+        with self._start_wake:
+            self._start_wake.notify_all()
         for thread in self._threads:
-            if thread.name == "outbox-dispatcher":
+            if thread.name in ("outbox-dispatcher", "outbox-starter"):
                 # Past the grace period only while a round is still out (a claim that returns
                 # late must still have its jobs released before the process exits).
                 thread.join(timeout=max(0.5, deadline - time.monotonic()) + STOP_ROUND_WAIT)
@@ -518,8 +529,9 @@ class JobRunner:
             want = 0 if self._stop_claiming.is_set() else self._room()
             has_done = any(o is _DONE for _, o in batch)
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
-            to_issue = bool(self._buffer) and (self._draining.is_set() or self._free_workers() > 0)
-            if not batch and not claim and not to_issue:
+            with self._lock:
+                to_release = bool(self._buffer) and self._draining.is_set()
+            if not batch and not claim and not to_release:
                 if closing:
                     break
                 timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
@@ -564,15 +576,15 @@ class JobRunner:
     def _abandon_buffer(self) -> None:
         """Closing without a database: forget the buffered claims. Their leases expire and
         the reaper gives each its attempt back, since the relay's row still lists them."""
-        if self._buffer:
-            log.warning("%d buffered jobs could not be released; they return, attempt not counted, "
-                        "when their leases expire", len(self._buffer))
         with self._lock:
+            if self._buffer:
+                log.warning("%d buffered jobs could not be released; they return, attempt not counted, "
+                            "when their leases expire", len(self._buffer))
             for job in self._buffer:
                 self._inflight.pop(job.fence, None)
             self._buffered.clear()
+            self._buffer.clear()
         self._abandoned = True
-        self._buffer.clear()
 
     def _take_outcomes(self) -> list[Any]:
         batch: list[Any] = []
@@ -593,14 +605,11 @@ class JobRunner:
             held = self._issued + len(self._buffer)
         return max(0, min(self.settings.claim_batch, limit - held))
 
-    def _free_workers(self) -> int:
-        with self._lock:
-            return max(0, self.settings.concurrency - self._issued)
-
     def _worth_claiming(self, want: int) -> bool:
         """A claim of its own (no completions to carry it) is worth its round trip when it
         can take half a batch, or when a worker would otherwise sit idle."""
-        idle = self._free_workers() > len(self._buffer)
+        with self._lock:
+            idle = self.settings.concurrency - self._issued > len(self._buffer)
         return idle or want >= max(1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
 
     def _connection(self) -> psycopg.Connection[Any]:
@@ -611,7 +620,7 @@ class JobRunner:
             raw = self.engine.raw_connection()
             raw.driver_connection.autocommit = True
             try:
-                relay_seen(raw.driver_connection, self.worker_id, [j.fence for j in self._buffer])
+                relay_seen(raw.driver_connection, self.worker_id, self._buffer_fences())
             except BaseException:
                 raw.invalidate()
                 raise
@@ -629,7 +638,7 @@ class JobRunner:
             fresh = self._conn is None
             conn = self._connection()  # a new connection writes the row itself
             if not fresh:
-                relay_seen(conn, self.worker_id, [j.fence for j in self._buffer])
+                relay_seen(conn, self.worker_id, self._buffer_fences())
             self._seen_at = time.monotonic()
         except (DBAPIError, psycopg.Error) as exc:
             self._drop_connection(exc)
@@ -667,11 +676,14 @@ class JobRunner:
                 pass
 
     def _round(self, pending: list[tuple[Job, Any]], want: int) -> tuple[int, bool]:
-        """Write the outcomes in ``pending``, hand buffered jobs to free workers and claim up
-        to ``want`` jobs; returns how many were claimed and whether the claim started at the
-        head of the ready jobs (a short claim after the hint does not mean the table is
-        drained). Outcomes leave ``pending`` as their statement commits, so after an error
-        ``pending`` holds exactly what is still to write, and the buffer is unchanged."""
+        """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
+        were claimed and whether the claim started at the head of the ready jobs (a short
+        claim after the hint does not mean the table is drained). Claimed jobs go to idle
+        workers at once (their slots reserved before the statement, so they were never
+        listed as buffered) and the rest into the buffer, listed by the same statement;
+        the starter hands buffered jobs over. While draining, the buffer is released.
+        Outcomes leave ``pending`` as their statement commits, so after an error
+        ``pending`` holds exactly what is still to write."""
         # Each statement commits on its own (autocommit): each locks the rows it finishes in
         # id order, and the claim skips locked rows, so with no transaction holding one
         # statement's locks while the next one waits, none of them (nor a concurrent
@@ -694,32 +706,37 @@ class JobRunner:
             self.stats["completed"] += sum(1 for _, o in unwritten if o is _COMMITTED)
             self._stale([j for j, o in unwritten if o is not _COMMITTED])
             self._forget(j for j, _ in unwritten)
+        drained = self._take_buffer() if self._draining.is_set() else []
+        release += drained
+        # Off the buffer now: carried like any outcome if a statement below fails.
         pending[:] = [(j, _DONE) for j in done] + failed + [(j, _RELEASE) for j in release]
-        taken, issue, unstarted = self._from_buffer()
         claimed: list[Job] = []
         from_head = True
-        if done or want or issue:
+        if done or want:
             conn = self._connection()
-            removed = [j.fence for j in itertools.islice(self._buffer, taken)]
-            start_now = max(0, self._free_workers() - len(issue)) if want else 0
+            start_now = self._reserve(want)
             sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
             hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
-            mark = BufferMark(self.worker_id, removed, start_now)
+            mark = BufferMark(self.worker_id, [], start_now)
             buried: set[int] = set()
             try:
-                completed, claimed, last = complete_and_claim_after(
-                    conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
-                    buffer=mark, skip=self._quarantine.ids())
-            except psycopg.Error as exc:
-                if not poison.is_data_error(exc):
-                    raise
-                log.warning("claim and completion failed (%s); running them by halves to find the rows that "
-                            "cause it", poison.describe_error(exc))
-                completed, buried, claimed = self._complete_and_claim_by_halves(conn, done, want, mark)
-                last, hinted = None, True  # claim from the head next time
-            else:
-                if want:
-                    self._claim_failures = 0
+                try:
+                    completed, claimed, last = complete_and_claim_after(
+                        conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
+                        buffer=mark, skip=self._quarantine.ids())
+                except psycopg.Error as exc:
+                    if not poison.is_data_error(exc):
+                        raise
+                    log.warning("claim and completion failed (%s); running them by halves to find the rows that "
+                                "cause it", poison.describe_error(exc))
+                    completed, buried, claimed = self._complete_and_claim_by_halves(conn, done, want, mark)
+                    last, hinted = None, True  # claim from the head next time
+                else:
+                    if want:
+                        self._claim_failures = 0
+            except BaseException:
+                self._unreserve(start_now)
+                raise
             if want:
                 if not hinted:
                     self._hint_until = time.monotonic() + HINT_SECONDS
@@ -729,19 +746,14 @@ class JobRunner:
                 from_head = not hinted
             for job in claimed:
                 job._lease_bound = sent + job.lease_seconds
-            self._take_from_buffer(taken)
+            self._unreserve(start_now - min(start_now, len(claimed)))
+            self._issue(claimed[:start_now])
             self._hold(claimed[start_now:])
-            self._issue(issue, claimed[:start_now])
             self.stats["completed"] += len(completed)
             if len(completed) + len(buried) < len(done):
                 self._stale([j for j in done if j.id not in completed and j.id not in buried])
             self._forget(done)
             del pending[:len(done)]
-        elif unstarted:
-            self._take_from_buffer(taken)
-        # Off the buffer now: carried like any outcome if the release below fails.
-        pending.extend((j, _RELEASE) for j in unstarted)
-        release += unstarted
         if failed:
             statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
                 self._connection(), list(part)), job_of=lambda item: item[0], merged={})
@@ -849,58 +861,135 @@ class JobRunner:
                 log.error("dead-lettered job %s (%s) fence %s: %s", job.id, job.consumer, job.fence, error)
         return merged, buried_ids
 
-    def _from_buffer(self) -> tuple[int, list[Job], list[Job]]:
-        """What this round takes off the head of the buffer (nothing is removed until its
-        statement commits): (how many, those to hand to free workers, those to release
-        unstarted). While draining every buffered job is released. A job whose lease ran
-        out while it waited (the process was paused, or starved) is released rather than
-        started, since another relay may already run it (fenced: a no-op if it was reaped
-        or re-claimed meanwhile)."""
-        if self._draining.is_set():
-            return len(self._buffer), [], list(self._buffer)
-        issue: list[Job] = []
-        unstarted: list[Job] = []
-        free = self._free_workers()
-        now = time.monotonic()
-        taken = 0
-        for job in self._buffer:
-            if len(issue) >= free:
-                break
-            taken += 1
-            if job.lease_lost or now >= job._lease_bound:
-                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                            job.id, job.consumer, job.fence)
-                unstarted.append(job)
-            else:
-                issue.append(job)
-        return taken, issue, unstarted
-
-    def _take_from_buffer(self, n: int) -> None:
+    def _buffer_fences(self) -> list[int]:
         with self._lock:
-            for _ in range(n):
-                self._buffered.discard(self._buffer.popleft().fence)
+            return list(self._buffered)
+
+    def _take_buffer(self) -> list[Job]:
+        """Draining: everything still buffered, off the buffer (to be released)."""
+        with self._lock:
+            jobs = list(self._buffer)
+            self._buffer.clear()
+            for job in jobs:
+                self._buffered.discard(job.fence)
+        return jobs
+
+    def _reserve(self, want: int) -> int:
+        """Reserve the idle workers (at most ``want``) for jobs about to be claimed, so the
+        starter does not hand buffered jobs to them meanwhile; returns how many."""
+        with self._lock:
+            n = max(0, min(want, self.settings.concurrency - self._issued))
+            self._issued += n
+        return n
+
+    def _unreserve(self, n: int) -> None:
+        if n:
+            with self._start_wake:
+                self._issued -= n
+                if self._buffer:
+                    self._start_wake.notify()
 
     def _hold(self, jobs: list[Job]) -> None:
         """Take newly claimed jobs into the buffer (the relay's row lists them)."""
+        if not jobs:
+            return
         self.stats["claimed"] += len(jobs)
-        with self._lock:
+        with self._start_wake:
             for job in jobs:
                 self._inflight[job.fence] = job
                 self._buffered.add(job.fence)
-        self._buffer.extend(jobs)
+            self._buffer.extend(jobs)
+            self._start_wake.notify()
 
-    def _issue(self, buffered: list[Job], claimed: list[Job]) -> None:
-        """Hand jobs to the workers: ``buffered`` ones from the buffer and ``claimed`` ones
-        just claimed; the statement that stopped listing them as buffered has committed."""
-        if not buffered and not claimed:
+    def _issue(self, claimed: list[Job]) -> None:
+        """Hand jobs just claimed to the workers reserved for them (never listed as buffered)."""
+        if not claimed:
             return
         self.stats["claimed"] += len(claimed)
         with self._lock:
-            self._issued += len(buffered) + len(claimed)
             for job in claimed:
                 self._inflight[job.fence] = job
-        for job in buffered + claimed:
+        for job in claimed:
             self._todo.put(job)
+
+    # ------------------------------------------------------------- starter
+
+    def _start_loop(self) -> None:
+        """Hand buffered jobs to idle workers, on a connection of its own: take as many from
+        the head of the buffer as workers are idle, unlist them in the relay's row
+        (``relay_buffer_remove``, one small statement for all of them), and only once that
+        has committed give them to the workers. So a job whose handler may have started is
+        never listed, and a worker that finishes waits one short round trip, shared by every
+        worker that came free meanwhile, not for the dispatcher's claim. A buffered job
+        whose lease ran out while it waited (the process was paused, or starved) is
+        released instead (fenced: a no-op if it was reaped or re-claimed meanwhile)."""
+        failures = 0
+        conn: Any = None
+        while True:
+            with self._start_wake:
+                while not self._stopped.is_set() and (
+                        self._draining.is_set() or not self._buffer
+                        or self._issued >= self.settings.concurrency):
+                    self._start_wake.wait(0.5)
+                if self._stopped.is_set():
+                    break
+                jobs, expired = self._take_startable()
+            for job in expired:
+                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
+                            job.id, job.consumer, job.fence)
+                with self._lock:
+                    self._finishing.add(job.fence)
+                self._outcomes.put((job, _RELEASE))
+                self.wake.poke()
+            if not jobs:
+                continue
+            try:
+                if conn is None:
+                    conn = self.engine.raw_connection()
+                    conn.driver_connection.autocommit = True
+                _execute(conn.driver_connection, queries.relay_buffer_remove,
+                         {"relay": self.worker_id, "removed": [j.fence for j in jobs]})
+                failures = self.reconnect.recovered(failures, "starting buffered jobs")
+            except (DBAPIError, psycopg.Error) as exc:
+                with self._start_wake:
+                    self._buffer.extendleft(reversed(jobs))  # back at the head, still listed
+                    self._issued -= len(jobs)
+                if conn is not None and (is_disconnect(exc) or conn.driver_connection is None
+                                         or conn.driver_connection.closed or conn.driver_connection.broken):
+                    try:
+                        conn.invalidate()
+                    except Exception:  # noqa: BLE001 - it is being thrown away
+                        pass
+                    conn = None
+                failures = self.reconnect.backoff(failures, "starting buffered jobs", exc, self._stopped)
+                continue
+            with self._lock:
+                for job in jobs:
+                    self._buffered.discard(job.fence)
+            for job in jobs:
+                self._todo.put(job)
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _take_startable(self) -> tuple[list[Job], list[Job]]:
+        """(Under the lock.) Off the head of the buffer, as many jobs as workers are idle,
+        their slots taken; and the ones whose lease ran out while they waited."""
+        jobs: list[Job] = []
+        expired: list[Job] = []
+        free = self.settings.concurrency - self._issued
+        now = time.monotonic()
+        while self._buffer and len(jobs) < free:
+            job = self._buffer.popleft()
+            if job.lease_lost or now >= job._lease_bound:
+                self._buffered.discard(job.fence)
+                expired.append(job)
+            else:
+                jobs.append(job)
+        self._issued += len(jobs)
+        return jobs, expired
 
     def _stale(self, jobs: list[Job]) -> None:
         """Log and count reports that changed nothing because the claim was no longer owned."""
@@ -952,9 +1041,11 @@ class JobRunner:
     def _post(self, job: Job, outcome: Any) -> None:
         """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
         (the claim stays held, and heartbeated, until the outcome is written)."""
-        with self._lock:
+        with self._start_wake:
             self._issued -= 1
             self._finishing.add(job.fence)
+            if self._buffer:  # the starter sleeps while the buffer is empty: no need to wake it
+                self._start_wake.notify()
         self._outcomes.put((job, outcome))
         self.wake.poke()
 

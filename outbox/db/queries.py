@@ -533,6 +533,18 @@ running under it (finished, released, or reaped since: a claim whose reply was l
 dropped, so the list stays the size of the buffer. The running jobs are read through
 ``ix_outbox_jobs_lease``."""
 
+relay_buffer_remove: TextClause = text(
+    """
+    UPDATE outbox_relays
+    SET buffered = ARRAY(SELECT f FROM unnest(buffered) AS f WHERE f <> ALL (CAST(:removed AS bigint[])))
+    WHERE id = :relay
+    """
+)
+"""Unlist buffered claims (``:removed``, fences) from this relay's row: the relay's starter
+runs it before it hands those jobs to workers, so a job whose handler may have started is
+never listed (the reaper would give it its attempt back). One small statement for every
+job handed over at once."""
+
 relay_delete: TextClause = text("DELETE FROM outbox_relays WHERE id = :relay")
 """Remove this relay's row at a clean stop, once every claim it held is finished or released."""
 
