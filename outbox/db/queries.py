@@ -535,15 +535,25 @@ dropped, so the list stays the size of the buffer. The running jobs are read thr
 
 relay_buffer_remove: TextClause = text(
     """
-    UPDATE outbox_relays
-    SET buffered = ARRAY(SELECT f FROM unnest(buffered) AS f WHERE f <> ALL (CAST(:removed AS bigint[])))
-    WHERE id = :relay
+    UPDATE outbox_relays r
+    SET buffered = ARRAY(SELECT f FROM unnest(r.buffered) AS f WHERE f <> ALL (CAST(:removed AS bigint[])))
+    FROM (SELECT set_config('synchronous_commit', 'off', true)) AS asynchronous(commit)
+    WHERE r.id = :relay
     """
 )
 """Unlist buffered claims (``:removed``, fences) from this relay's row: the relay's starter
 runs it before it hands those jobs to workers, so a job whose handler may have started is
 never listed (the reaper would give it its attempt back). One small statement for every
-job handed over at once."""
+job handed over at once.
+
+It commits asynchronously: ``set_config(..., true)`` turns ``synchronous_commit`` off for
+this statement's own transaction, and the setting in effect at commit is the one that
+counts (PostgreSQL docs, "synchronous_commit"). The commit is visible at once and survives
+the relay's crash; only a crash of PostgreSQL itself within ``wal_writer_delay`` (200 ms by
+default) can lose it, and then a job that did start is merely given its attempt back once.
+It touches no sequence, so no fence can be handed out twice (the reason claims and
+completions keep synchronous commits); the wait for the WAL flush it saves is most of the
+round trip a worker waits before a buffered job."""
 
 relay_delete: TextClause = text("DELETE FROM outbox_relays WHERE id = :relay")
 """Remove this relay's row at a clean stop, once every claim it held is finished or released."""
