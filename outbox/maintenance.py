@@ -23,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 
 from .db import queries
-from .poison import Quarantine, describe_error, is_data_error, whole_or_halves
+from .poison import Quarantine, describe_error, try_record, whole_or_halves
 
 log = logging.getLogger("outbox.maintenance")
 
@@ -93,14 +92,16 @@ def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], stat
     buried = []
     for job_id, exc in poisoned:
         error = f"{doing.capitalize()} failed for this job: {describe_error(exc)}"
-        try:
+
+        def write() -> bool:
             with conn.begin_nested():
-                if conn.execute(statement, {"id": job_id, "error": error}).rowcount:
-                    buried.append(job_id)
-        except DBAPIError as bury_exc:
-            if not is_data_error(bury_exc):
-                raise
+                return conn.execute(statement, {"id": job_id, "error": error}).rowcount == 1
+
+        dead = try_record(write)
+        if dead is None:
             quarantine.add(job_id, exc, doing)
+        elif dead:
+            buried.append(job_id)
     return buried
 
 

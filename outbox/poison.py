@@ -126,6 +126,18 @@ def whole_or_halves(what: str, whole: Callable[[], R], candidates: Callable[[], 
     return isolate(candidates(), part)
 
 
+def try_record(write: Callable[[], bool]) -> bool | None:
+    """Run ``write``, a statement that dead-letters one poison row (True if it changed the
+    row); None when that write itself fails with a data error (the caller then quarantines
+    the row or leaves it to its lease). Other errors propagate."""
+    try:
+        return write()
+    except (psycopg.Error, DBAPIError) as exc:
+        if not is_data_error(exc):
+            raise
+        return None
+
+
 class Quarantine:
     """Ids one loop skips because even recording their poison failed, each until
     ``QUARANTINE_SECONDS`` after it was added. ``what`` names the rows in the log ("job",

@@ -57,6 +57,7 @@ from sqlalchemy.exc import DBAPIError
 from . import backoff
 from .db import queries
 from .db.engine import describe
+from .poison import sqlstate
 
 log = logging.getLogger("outbox.transaction")
 
@@ -87,7 +88,7 @@ def retryable_sqlstate(exc: BaseException) -> str | None:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen and len(seen) < 16:
         seen.add(id(current))
-        code = getattr(getattr(current, "orig", None), "sqlstate", None) or getattr(current, "sqlstate", None)
+        code = sqlstate(current)
         if code in RETRY_SQLSTATES:
             return code
         current = current.__cause__ or current.__context__

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import logging
 import queue
 import threading
@@ -204,11 +203,11 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
     is given, takes only jobs among those ids (:mod:`outbox.poison`)."""
     key = after or HEAD_KEY
-    mark = buffer or BufferMark(None, [], 0)
+    mark = buffer or BufferMark(None, 0)
     rows = _rows(conn, queries.job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id),
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "removed": mark.removed, "start_now": mark.start_now,
+        "relay": mark.relay, "start_now": mark.start_now,
         "skip": skip or [], "only": only})
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
@@ -218,15 +217,12 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
 
 @dataclass(frozen=True, slots=True)
 class BufferMark:
-    """What a dispatcher round changes in its relay's row of ``outbox_relays`` (``relay``;
-    None changes nothing): the fences in ``removed`` (buffered claims handed to a worker
-    once the statement has committed, or released) leave the list of buffered claims, and
-    the jobs the round claims after the first ``start_now`` (in claim order; those go to
-    idle workers) join it. The reaper gives the attempt back to an expired claim still
-    listed (migration 0003)."""
+    """What a dispatcher round adds to its relay's row of ``outbox_relays`` (``relay``;
+    None changes nothing): the jobs the round claims after the first ``start_now`` (in
+    claim order; those go to idle workers) join the list of buffered claims. The reaper
+    gives the attempt back to an expired claim still listed (migration 0003)."""
 
     relay: str | None
-    removed: list[int]
     start_now: int
 
 
@@ -717,7 +713,7 @@ class JobRunner:
             start_now = self._reserve(want)
             sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
             hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
-            mark = BufferMark(self.worker_id, [], start_now)
+            mark = BufferMark(self.worker_id, start_now)
             buried: set[int] = set()
             try:
                 try:
@@ -785,8 +781,8 @@ class JobRunner:
             nonlocal start_left
             _, got, _ = complete_and_claim_after(
                 conn, [], self.leases, want if only is None else len(only), self.worker_id, None,
-                buffer=BufferMark(mark.relay, mark.removed, start_left), skip=self._quarantine.ids(), only=only)
-            start_left = max(0, start_left - len(got))  # removing twice changes nothing
+                buffer=BufferMark(mark.relay, start_left), skip=self._quarantine.ids(), only=only)
+            start_left = max(0, start_left - len(got))
             return got
 
         if not want:  # only the buffer list to write: no row of a job to blame
@@ -804,14 +800,10 @@ class JobRunner:
             claimed += part
         for job_id, exc in poisoned:
             error = f"Claiming failed for this job: {poison.describe_error(exc)}"
-            try:
-                dead = bury_ready_job(conn, job_id, error)
-            except psycopg.Error as bury_exc:
-                if not poison.is_data_error(bury_exc):
-                    raise
+            dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error))
+            if dead is None:
                 self._quarantine.add(job_id, exc, "claiming")
-                continue
-            if dead:
+            elif dead:
                 self.stats["dead"] += 1
                 log.error("dead-lettered job %s: %s", job_id, error)
         return completed, buried, claimed
@@ -847,15 +839,11 @@ class JobRunner:
         for item, exc in poisoned:
             job = job_of(item)
             error = f"{doing.capitalize()} failed for this job: {poison.describe_error(exc)}"
-            try:
-                buried = bury_job(conn, job, error)
-            except psycopg.Error as bury_exc:
-                if not poison.is_data_error(bury_exc):
-                    raise
+            buried = poison.try_record(lambda: bury_job(conn, job, error))
+            if buried is None:
                 log.error("job %s (%s) fence %s: %s, and so did dead-lettering it; left to its lease",
                           job.id, job.consumer, job.fence, error)
-                continue
-            if buried:
+            elif buried:
                 self.stats["dead"] += 1
                 buried_ids.add(job.id)
                 log.error("dead-lettered job %s (%s) fence %s: %s", job.id, job.consumer, job.fence, error)
@@ -1192,12 +1180,7 @@ class JobRunner:
         owned: set[int] = set().union(*parts)
         for job, exc in poisoned:
             error = f"Renewing the lease failed for this job: {poison.describe_error(exc)}"
-            try:
-                buried = bury_job(conn, job, error)
-            except DBAPIError as bury_exc:
-                if not poison.is_data_error(bury_exc):
-                    raise
-                buried = False
+            buried = poison.try_record(lambda: bury_job(conn, job, error))
             log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
                       "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
         return owned

@@ -261,12 +261,10 @@ job_complete_claim_many: TextClause = text(
     claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
     marked AS (
         UPDATE outbox_relays r
-        SET buffered = ARRAY(SELECT f FROM unnest(r.buffered) AS f WHERE f <> ALL (CAST(:removed AS bigint[])))
-                       || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
+        SET buffered = r.buffered || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
             last_seen_at = now()
         WHERE r.id = :relay
-          AND (r.buffered && CAST(:removed AS bigint[])
-               OR EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now))
+          AND EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now)
         RETURNING 1
     )
     SELECT c.*, false AS completed FROM claimed c
@@ -287,11 +285,11 @@ the jobs claimed before, which a long-held snapshot elsewhere keeps from being r
 (docs/performance.md).
 
 It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
-the fences in ``:removed`` (buffered claims leaving the buffer: handed to a worker once
-the statement has committed, or released) leave ``buffered``, and the fences of the
-claimed jobs after the first ``:start_now`` in claim order (those go to idle workers)
-join it. So the list the reaper reads (``job_reap_many``) never holds a job whose handler
-may have started, and every buffered claim is listed from the moment it exists. It is
+the fences of the claimed jobs after the first ``:start_now`` in claim order (those go
+to idle workers) join ``buffered``; the starter takes jobs off it with
+``relay_buffer_remove`` before it hands them over. So the list the reaper reads
+(``job_reap_many``) never holds a job whose handler may have started, and every buffered
+claim is listed from the moment it exists. It is
 changed, never overwritten: a claim whose reply never reached the relay (the connection
 broke after the commit) stays listed, so the reaper gives it its attempt back; the
 relay's periodic ``relay_seen`` drops fences no longer running under it. Both halves keep their guarantees: the

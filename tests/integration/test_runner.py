@@ -385,7 +385,7 @@ def test_a_claim_whose_reply_was_lost_gets_its_attempt_back(engine, settings):
     with _psycopg(engine) as conn:  # the lost round, as the dispatcher would have sent it
         relay_seen(conn, relay.worker_id, [])
         _, orphans, _ = complete_and_claim_after(conn, [], {"a": 1.0}, 5, relay.worker_id, None,
-                                                 buffer=BufferMark(relay.worker_id, [], 0))
+                                                 buffer=BufferMark(relay.worker_id, 0))
     assert len(orphans) == 5
     relay.start()
     try:

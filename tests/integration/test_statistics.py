@@ -269,7 +269,7 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
         assert len(redrive(conn, consumer="x")) == 20_000
     claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
     combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
-                "after_id": 0, "relay": None, "removed": [], "start_now": 0, "skip": [], "only": None}
+                "after_id": 0, "relay": None, "start_now": 0, "skip": [], "only": None}
     for statement, params in ((queries.job_claim_many, claim), (queries.job_complete_claim_many, combined)):
         with engine.connect() as conn:
             [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
