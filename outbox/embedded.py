@@ -1,5 +1,5 @@
 """The embedded PostgreSQL used when no database is configured (extra ``embedded``:
-``pip install 'outbox[embedded]'``, which installs ``pgserver``, a PostgreSQL server
+``pip install 'outbox-relay[embedded]'``, which installs ``pgserver``, a PostgreSQL server
 shipped in a wheel). Meant for the demo and the test suite, not for production."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
     except ImportError:
         raise ConfigurationError(
             "no database configured and the embedded server is not installed: "
-            "set OUTBOX_DATABASE_URL, or pip install 'outbox[embedded]'") from None
+            "set OUTBOX_DATABASE_URL, or pip install 'outbox-relay[embedded]'") from None
     path = Path(data_dir).resolve()
     path.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():

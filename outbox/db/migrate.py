@@ -1,5 +1,7 @@
-"""Applying and checking outbox's alembic migrations, which ship inside the package
-(``outbox/migrations``) so a plain, non-editable install can migrate.
+"""Applying and checking outbox's alembic migrations. In the repository they live in the
+top-level ``alembic/`` folder next to ``alembic.ini``; the wheel ships the same files inside
+the package as ``outbox/migrations`` (a setuptools package-dir mapping), so a plain,
+non-editable install can migrate (:func:`migrations_dir`).
 
 Migrations may run at once from many places (every replica's start-up runs ``outbox-relay
 migrate``). Each upgrade or downgrade is one transaction whose first statement takes a
@@ -14,6 +16,7 @@ violation. A migration that fails rolls back entirely and releases the lock.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import psycopg
 from alembic import command
@@ -28,11 +31,25 @@ from . import queries
 log = logging.getLogger("outbox.migrate")
 
 
+def migrations_dir() -> Path:
+    """The folder of outbox's migration scripts: ``outbox/migrations`` inside an installed
+    package, else the repository's ``alembic/`` beside the ``outbox`` package (a source
+    checkout or an editable install, whose import finder cannot map a folder without
+    ``__init__.py`` into a regular package). ``alembic/`` has no ``__init__.py`` on purpose:
+    as a package it would shadow the alembic library for code run from the repository."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "migrations", package.parent / "alembic"):
+        if (candidate / "env.py").is_file():
+            return candidate
+    raise FileNotFoundError(f"outbox's migrations are missing: neither {package / 'migrations'} "
+                            f"nor {package.parent / 'alembic'} holds env.py")
+
+
 def alembic_config(connection: Connection | None = None) -> Config:
-    """An alembic :class:`Config` for the packaged migrations; ``connection``, when given,
-    is the one the migrations run on."""
+    """An alembic :class:`Config` for outbox's migrations (:func:`migrations_dir`);
+    ``connection``, when given, is the one the migrations run on."""
     config = Config()
-    config.set_main_option("script_location", "outbox:migrations")
+    config.set_main_option("script_location", str(migrations_dir()))
     if connection is not None:
         config.attributes["connection"] = connection
     return config

@@ -23,7 +23,7 @@ from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
 from outbox.testing import temporary_database, wait_for
 
-#: outbox's own alembic version table (outbox/migrations/env.py, a script, not importable).
+#: outbox's own alembic version table (alembic/env.py, a script, not importable).
 VERSION_TABLE = "outbox_alembic_version"
 
 #: The partial indexes of the design (docs/architecture.md, "Tables"), as PostgreSQL prints them.
@@ -66,7 +66,7 @@ def cli_migrate(url: URL, capsys) -> str:
 
 def drift(engine: sa.Engine) -> list:
     """alembic's autogenerate diff between the database and ``metadata``, configured as
-    ``outbox/migrations/env.py`` configures it (plus type and default comparison)."""
+    ``alembic/env.py`` configures it (plus type and default comparison)."""
     with engine.connect() as conn:
         context = MigrationContext.configure(conn, opts={
             "target_metadata": metadata,

@@ -39,10 +39,11 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("README.md", "LICENSE"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src)
-    shutil.copytree(REPO / "outbox", src / "outbox", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in ("outbox", "alembic"):  # alembic/: the migrations, shipped as outbox/migrations
+        shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = root / "dist"
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", dist, src, cwd=root)
-    [built] = dist.glob("outbox-*.whl")
+    [built] = dist.glob("outbox_relay-*.whl")  # the distribution's name is outbox-relay
     return built
 
 
@@ -57,7 +58,7 @@ def test_wheel_ships_the_migrations(wheel):
 
 
 def _revision_file() -> str:
-    [path] = [p.name for p in (REPO / "outbox" / "migrations" / "versions").glob(f"{head_revision()}_*.py")]
+    [path] = [p.name for p in (REPO / "alembic" / "versions").glob(f"{head_revision()}_*.py")]
     return path
 
 
@@ -76,7 +77,7 @@ def test_installed_wheel_migrates_a_fresh_database(wheel, tmp_path, empty_db_url
 
     elsewhere = tmp_path / "elsewhere"  # not the repository, so no ./outbox to import
     elsewhere.mkdir()
-    probe = run(python, "-c", "import outbox, outbox.migrations as m; print(outbox.__file__); print(m.__file__)",
+    probe = run(python, "-c", "import outbox, outbox.db.migrate as m; print(outbox.__file__); print(m.migrations_dir())",
                 cwd=elsewhere)
     for path in probe.stdout.split():
         assert Path(path).resolve().is_relative_to(purelib.resolve()), probe.stdout
