@@ -57,7 +57,6 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
 import psycopg
@@ -241,17 +240,13 @@ def _refuse(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
-if c_make_encoder is not None:
-    # json.dumps's own C encoder, built once rather than per call (json.dumps with options
-    # builds a JSONEncoder each time). No circular check: it only ever sees plain values,
-    # whose depth _is_plain bounded.
-    _plain_encoder = c_make_encoder(None, _refuse, encode_basestring, None, ":", ",", False, False, False)
-
-    def _dumps_plain(value: Any) -> str:
-        return "".join(_plain_encoder(value, 0))
-else:  # pragma: no cover - CPython always has the C encoder
-    _dumps_plain = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
-                                    check_circular=False, default=_refuse).encode
+#: The encoder of plain values, built once (``json.dumps`` with options builds a
+#: ``JSONEncoder`` per call). ``encode`` is the public entry to CPython's C encoder (the
+#: ``_json`` accelerator, used whenever ``indent`` is None); no circular check, since it
+#: only ever sees plain values, whose depth ``_is_plain`` bounded. For a ``str`` it returns
+#: the quoted JSON string, which ``_encode_many`` uses for topics and keys.
+_dumps_plain = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                check_circular=False, default=_refuse).encode
 
 
 def _encode(value: Any, field: str, limit: int) -> str:
@@ -421,7 +416,7 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
             topic, key, payload, headers = _validate(*fields, max_payload_bytes)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-        row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}]'
+        row = f'[{_dumps_plain(topic)},{"null" if key is None else _dumps_plain(key)},{payload},{headers}]'
         if rows and size + len(row) + 1 > MANY_BATCH_CHARS:
             batches.append(f"[{','.join(rows)}]")
             rows, size = [], 1
