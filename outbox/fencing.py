@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Table, UniqueConstraint, inspect
+from sqlalchemy import FromClause, Table, UniqueConstraint, inspect
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapper, Session
@@ -25,7 +25,7 @@ log = logging.getLogger("outbox.fencing")
 
 def fenced_write(
     session: Session | Connection,
-    table: Table | type[Any],
+    table: FromClause | type[Any],
     key: Mapping[str, Any],
     values: Mapping[str, Any],
     fence: int,
@@ -36,7 +36,8 @@ def fenced_write(
     equal or higher fence got there first. Runs in ``session``'s transaction.
 
     ``table`` is a SQLAlchemy ``Table``, an ORM mapped class (its mapped table is written:
-    ``Invoice`` and ``Invoice.__table__`` are the same) or that class's ``__table__``. It needs
+    ``Invoice`` and ``Invoice.__table__`` are the same) or that class's ``__table__`` (which
+    SQLAlchemy types as a ``FromClause``; other ``FromClause`` objects are refused). It needs
     a ``fence`` bigint column and a primary key or unique constraint on exactly the columns of
     ``key`` (a mapping column name -> value; column names, not ORM attribute names, where the
     two differ). ``values`` are the other columns to write. ``fence`` is :attr:`outbox.Job.fence` (a positive int).

@@ -82,8 +82,8 @@ MAX_HEADERS_BYTES = 65_536
 MAX_INT_DIGITS = 1000
 #: Ints of at most this many bits have at most ``MAX_INT_DIGITS`` digits for sure (2**3321 <
 #: 10**1000 < 2**3322); one bit more may or may not, and is checked exactly by the full walk.
-_MAX_INT_BITS = (10**MAX_INT_DIGITS).bit_length() - 1
-_INT_LIMIT = 10**MAX_INT_DIGITS
+_MAX_INT_BITS: int = (10**MAX_INT_DIGITS).bit_length() - 1
+_INT_LIMIT: int = 10**MAX_INT_DIGITS
 
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
@@ -162,7 +162,7 @@ def _plain(value: str | int | float) -> str | int | float:
     raise AssertionError(type(value))
 
 
-def _mapping_as_dict(value: Any) -> dict:
+def _mapping_as_dict(value: Any) -> dict[str, Any]:
     # _check_json accepts any Mapping as a JSON object; json.dumps knows only dict.
     if isinstance(value, Mapping):
         return dict(value)
@@ -222,7 +222,8 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     elif kind is list or kind is tuple:
         items = value
     elif kind is int:
-        return value.bit_length() <= _MAX_INT_BITS
+        bits: int = value.bit_length()
+        return bits <= _MAX_INT_BITS
     else:
         return kind in _PLAIN_LEAVES
     if items and depth >= MAX_DEPTH:
@@ -345,7 +346,8 @@ def publish(
 async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
     with _schema_hint():
         result = await session.execute(queries.event_insert, params)
-    return result.scalar_one()
+    event_id: int = result.scalar_one()
+    return event_id
 
 
 @contextlib.contextmanager
@@ -361,7 +363,7 @@ def _schema_hint() -> Iterator[None]:
 
 def publish_many(
     session: Session | Connection | AsyncSession | AsyncConnection,
-    events: Iterable[Mapping[str, Any] | tuple],
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> Any:

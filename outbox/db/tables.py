@@ -40,6 +40,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.engine import Connection
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -145,7 +146,7 @@ EVENTS_CHANNEL = "outbox_events"
 JOBS_CHANNEL = "outbox_jobs"
 
 NOTIFY_DDL = (
-    f"""
+    """
     CREATE OR REPLACE FUNCTION outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
         PERFORM pg_notify(TG_ARGV[0], '');
@@ -168,7 +169,7 @@ NOTIFY_DROP_DDL = (
 )
 
 
-def _create_notify_triggers(target, connection, **kw) -> None:
+def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any) -> None:
     for statement in NOTIFY_DDL:
         connection.exec_driver_sql(statement)
 
@@ -190,7 +191,7 @@ STORAGE_PARAMETERS: dict[str, dict[str, float]] = {
 }
 
 
-def _set_storage_parameters(target: Table, connection, **kw) -> None:
+def _set_storage_parameters(target: Table, connection: Connection, **kw: Any) -> None:
     parameters = ", ".join(f"{name} = {value}" for name, value in STORAGE_PARAMETERS[target.name].items())
     connection.exec_driver_sql(f"ALTER TABLE {target.name} SET ({parameters})")
 
