@@ -38,7 +38,7 @@ class Job:
     event_created_at: datetime | None = None
     _lost: bool = field(default=False, init=False, repr=False)
     # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event per
-    # claimed job was a measurable share of the relay's time (docs/performance.md).
+    # claimed job was a measurable share of the relay's time (performance notes).
     _lost_event: threading.Event | None = field(default=None, init=False, repr=False)
     # time.monotonic() by which the lease has surely expired, if no heartbeat renewed it:
     # the relay's own conservative bound, used only to not start a buffered job whose lease

@@ -4,7 +4,7 @@ The event is an ordinary row, inserted through the caller's own ``Session``,
 ``AsyncSession``, ``Connection`` or ``AsyncConnection``; outbox never commits. So the event
 exists exactly when the caller's transaction (or SAVEPOINT) commits: rolled back means
 never delivered, committed means delivered at least once to every subscribed consumer
-(docs/architecture.md; seed article 002, "Enqueue with your data").
+(architecture notes; seed article 002, "Enqueue with your data").
 
 A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
 commit, so relays wake at once without an extra round trip here.

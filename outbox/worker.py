@@ -13,7 +13,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   in the relay's row of ``outbox_relays`` by the same statement;
 * the **starter** hands buffered jobs to workers as they come free, on its own
   connection: one small statement unlists all it hands over at once (``relay_buffer_remove``),
-  and only then do their handlers start (see "Attempts and crashes" in docs/architecture.md);
+  and only then do their handlers start (architecture notes, "Attempts and crashes");
 * ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
   handler returns (the claim stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** renews the leases of every claim this process holds, buffered ones
@@ -21,7 +21,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 
 Every write that changes a claimed job names its fence and requires ``status='running'``;
 a row that does not come back means the report was stale and changed nothing: it is
-dropped and logged (docs/architecture.md, "Statements").
+dropped and logged (architecture notes, "Statements").
 
 Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
 (reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``
@@ -395,7 +395,7 @@ class JobRunner:
         self._threads: list[threading.Thread] = []
         self._warned_return: set[str] = set()
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
-        # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
+        # it, until HINT_SECONDS after the last claim from the head (performance notes).
         self._hint: tuple[int, Any, int] | None = None
         self._hint_until = 0.0
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
