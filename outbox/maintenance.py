@@ -59,7 +59,7 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     quarantine = quarantine if quarantine is not None else Quarantine("job")
     skip = quarantine.ids()
 
-    def reap(only: Sequence[int] | None) -> list[Any]:
+    def reap(only: Sequence[int] | None) -> Sequence[Any]:
         with conn.begin_nested():
             return conn.execute(queries.job_reap_many, {
                 "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
@@ -158,7 +158,7 @@ def vacuum_tables(conn: Connection) -> None:
     conn.execute(queries.job_tables_vacuum)
 
 
-def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100) -> list[Any]:
+def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100) -> Sequence[Any]:
     """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
     finished_at, last_error."""
     return conn.execute(queries.job_dead_list, {"consumer": consumer, "limit": limit}).all()

@@ -40,9 +40,9 @@ from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
+from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
-from .poison import Quarantine, SystemicError
 from .router import StatisticsKeeper, route_round
 from .settings import OutboxSettings
 from .worker import JobRunner

@@ -16,7 +16,7 @@ Statistics (:class:`StatisticsKeeper`): the router is the one part that knows wh
 of that table current. Without them a burst into a table that was never analysed (or
 analysed while quiet) makes every claim sort the whole ready backlog instead of reading
 ``ix_outbox_jobs_ready`` in claim order, and autovacuum's analyze comes a minute or more
-later (docs/performance.md, finding 1). An ANALYZE that cannot get its lock at once, or
+later (performance notes, finding 1). An ANALYZE that cannot get its lock at once, or
 fails, is skipped and tried again later; it never stops routing.
 """
 

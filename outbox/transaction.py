@@ -1,6 +1,6 @@
 """The transaction a transactional handler runs in: its connection, its isolation, its
 limits and its retries. The job runner (:mod:`outbox.worker`) drives it; this module holds
-the rules (docs/architecture.md, "The handler's transaction").
+the rules (architecture notes, "The handler's transaction").
 
 Connection first. A worker checks a connection out of the relay's pool *before* it calls
 the handler (:meth:`HandlerConnections.acquire`), so "no connection" is told apart from

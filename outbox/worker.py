@@ -13,7 +13,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   in the relay's row of ``outbox_relays`` by the same statement;
 * the **starter** hands buffered jobs to workers as they come free, on its own
   connection: one small statement unlists all it hands over at once (``relay_buffer_remove``),
-  and only then do their handlers start (see "Attempts and crashes" in docs/architecture.md);
+  and only then do their handlers start (architecture notes, "Attempts and crashes");
 * ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
   handler returns (the claim stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** renews the leases of every claim this process holds, buffered ones
@@ -21,7 +21,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 
 Every write that changes a claimed job names its fence and requires ``status='running'``;
 a row that does not come back means the report was stale and changed nothing: it is
-dropped and logged (docs/architecture.md, "Statements").
+dropped and logged (architecture notes, "Statements").
 
 Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
 (reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``
@@ -55,12 +55,12 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import TextClause
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -130,7 +130,7 @@ def _clean(text: str) -> str:
 
 Executor = Connection | psycopg.Connection[Any]
 
-_PSYCOPG_DIALECT = psycopg_dialect.dialect()
+_PSYCOPG_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy's dialects are untyped
 _COMPILED: dict[int, str] = {}
 
 
@@ -395,7 +395,7 @@ class JobRunner:
         self._threads: list[threading.Thread] = []
         self._warned_return: set[str] = set()
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
-        # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
+        # it, until HINT_SECONDS after the last claim from the head (performance notes).
         self._hint: tuple[int, Any, int] | None = None
         self._hint_until = 0.0
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
@@ -614,15 +614,16 @@ class JobRunner:
         this relay's row of ``outbox_relays`` (its buffer list lives there)."""
         if self._conn is None:
             raw = self.engine.raw_connection()
-            raw.driver_connection.autocommit = True
+            driver = cast(psycopg.Connection[Any], raw.driver_connection)  # the engine's driver is psycopg
+            driver.autocommit = True
             try:
-                relay_seen(raw.driver_connection, self.worker_id, self._buffer_fences())
+                relay_seen(driver, self.worker_id, self._buffer_fences())
             except BaseException:
                 raw.invalidate()
                 raise
             self._conn = raw
             self._seen_at = time.monotonic()
-        return self._conn.driver_connection
+        return cast(psycopg.Connection[Any], self._conn.driver_connection)
 
     def _mark_seen(self) -> None:
         """Refresh this relay's row every ``RELAY_SEEN_INTERVAL`` seconds, busy or idle, so
@@ -798,11 +799,11 @@ class JobRunner:
         self._claim_failures = 0
         for part in parts:
             claimed += part
-        for job_id, exc in poisoned:
-            error = f"Claiming failed for this job: {poison.describe_error(exc)}"
+        for job_id, failure in poisoned:
+            error = f"Claiming failed for this job: {poison.describe_error(failure)}"
             dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error))
             if dead is None:
-                self._quarantine.add(job_id, exc, "claiming")
+                self._quarantine.add(job_id, failure, "claiming")
             elif dead:
                 self.stats["dead"] += 1
                 log.error("dead-lettered job %s: %s", job_id, error)
@@ -1040,6 +1041,7 @@ class JobRunner:
     def _run_lease_mode(self, job: Job, sub: Subscriber, loop: asyncio.AbstractEventLoop | None) -> Any:
         try:
             if sub.is_async:  # not "loop is not None": once made, the loop stays for sync handlers too
+                assert loop is not None, "the caller makes a loop for async handlers"
                 result = loop.run_until_complete(sub.handler(job))
             else:
                 result = sub.handler(job)
@@ -1091,7 +1093,8 @@ class JobRunner:
                 session.flush()
                 with self._lock:
                     self._finishing.add(job.fence)
-                if session.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).rowcount != 1:
+                completed = cast(CursorResult[Any], session.execute(queries.job_complete, {"id": job.id, "fence": job.fence}))
+                if completed.rowcount != 1:
                     raise _StaleCompletion()
                 session._outbox_owned = True
                 session.commit()

@@ -71,7 +71,8 @@ def upgrade(engine: Engine, revision: str = "head") -> str:
     with engine.begin() as connection:
         _lock(connection)
         command.upgrade(alembic_config(connection), revision)
-        return connection.execute(queries.schema_revision).scalar_one()
+        current: str = connection.execute(queries.schema_revision).scalar_one()
+        return current
 
 
 def downgrade(engine: Engine, revision: str) -> None:

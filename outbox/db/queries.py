@@ -1,6 +1,6 @@
 """Every runtime statement of outbox, by name: noun first, batch forms end in ``_many``.
 
-Rules every job-changing statement here keeps (docs/architecture.md):
+Rules every job-changing statement here keeps (architecture notes, "Statements"):
 
 * Time comes from the database clock (``now()``), never from the worker; durations are
   passed in seconds and turned into intervals by ``make_interval``.
@@ -282,7 +282,7 @@ at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually 
 unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
 bisection; :mod:`outbox.poison`): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
-(docs/performance.md).
+(performance notes).
 
 It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
 the fences of the claimed jobs after the first ``:start_now`` in claim order (those go
