@@ -82,3 +82,13 @@ class SchemaNotReadyError(OutboxError):
 
     Fix: run ``outbox-relay migrate``.
     """
+
+
+class DrainLimitError(OutboxError):
+    """:func:`outbox.testing.drain` still found jobs to run after its ``max_rounds`` rounds:
+    a handler that keeps publishing events its own consumers handle, or retries that never
+    end. ``results`` holds what ran until then."""
+
+    def __init__(self, message: str, results: list) -> None:
+        super().__init__(message)
+        self.results = results
