@@ -108,12 +108,15 @@ class Relay:
         pool_size, overflow = self.settings.pool_limits()
         listen = (f"LISTEN on {redact(self.listener.conninfo)}" if self.listener else
                   f"polling only (every {self.settings.poll_interval:g}s)")
+        # async transactional handlers: each worker thread may hold one connection of its own async engine
+        async_tx = self.settings.concurrency if self.runner and any(
+            s.transactional and s.is_async for s in self.registry) else 0
         log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s, "
-                 "pooler %s; at most %d connections (pool %d + overflow %d%s); %s",
+                 "pooler %s; at most %d connections (pool %d + overflow %d%s%s); %s",
                  self.worker_id, self.registry.consumers or "none", self.settings.concurrency,
                  self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler,
-                 pool_size + overflow + (1 if self.listener else 0), pool_size, overflow,
-                 " + 1 LISTEN" if self.listener else "", listen)
+                 pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
+                 f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
         if self.listener:
             self.listener.start()
         if self._route:

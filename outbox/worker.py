@@ -14,8 +14,10 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 * the **starter** hands buffered jobs to workers as they come free, on its own
   connection: one small statement unlists all it hands over at once (``relay_buffer_remove``),
   and only then do their handlers start (see "Attempts and crashes" in docs/architecture.md);
-* ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
-  handler returns (the claim stays held, and heartbeated, until its outcome is written);
+* ``concurrency`` **worker threads** run handlers through the **executor**
+  (:class:`JobExecutor`, which runs one job and says how it ended; ``outbox.testing.drain``
+  uses the same one); a worker is free again the moment its handler returns (the claim
+  stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** renews the leases of every claim this process holds, buffered ones
   included, in one statement every lease/3 (of the shortest lease).
 
@@ -31,7 +33,9 @@ Transactional mode: the handler runs as ``handler(job, session)`` inside a trans
 ends with the fenced completion; if the fence no longer matches, the whole transaction,
 handler writes included, rolls back. Its connection is checked out first, its isolation is
 READ COMMITTED, and a serialization failure or deadlock is retried in place
-(:mod:`outbox.transaction`).
+(:mod:`outbox.transaction`). An ``async def`` transactional handler gets an
+``AsyncSession`` on a connection of its worker thread's own async engine (made on first
+use, one connection) and the same steps.
 
 Failures: an exception puts the job back to ``ready`` after :func:`outbox.backoff.retry_delay`
 or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
