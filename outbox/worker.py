@@ -424,6 +424,7 @@ class JobExecutor:
         self.completing = completing
         self.abandoned = abandoned
         self.stats = stats if stats is not None else {"retried_in_place": 0}
+        self._warned_return: set[str] = set()  # consumers whose handler returned a value (warned once)
 
     def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure:
         """Run ``sub``'s handler for ``job`` once (a transactional one perhaps again in
@@ -615,7 +616,6 @@ class JobRunner:
         # is in flight after that, so what stop() counts is everything the runner holds.
         self._claims_closed = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._warned_return: set[str] = set()
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
         # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
         self._hint: tuple[int, Any, int] | None = None
