@@ -472,10 +472,13 @@ class JobExecutor:
                          describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt)
                 self.stopping.wait(transaction.retry_pause(retries))
         finally:
-            if sub.is_async:
-                context.loop.run_until_complete(conn.close())
-            else:
-                conn.close()
+            try:
+                if sub.is_async:
+                    context.loop.run_until_complete(conn.close())
+                else:
+                    conn.close()
+            except Exception as exc:  # noqa: BLE001 - a broken connection; the pool replaces it
+                log.debug("closing job %s's transaction connection failed: %s", job.id, describe(exc))
 
     def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection) -> Any:
         """One transaction on ``conn``: begin (limits), handler, complete (fenced), commit."""
