@@ -34,8 +34,9 @@ HandlerT = TypeVar("HandlerT", bound=Callable[..., object])
 class Subscriber:
     """One declared subscriber: ``handler`` runs for every event on ``topic``, once per
     event for ``consumer``. ``lease`` is seconds, or None for the relay's default lease.
-    ``transactional`` handlers take ``(job, session)`` and run inside the transaction that
-    completes the job; the others take ``(job)`` and run outside any transaction.
+    ``transactional`` handlers take ``(job, session)`` (an ``AsyncSession`` when
+    ``is_async``) and run inside the transaction that completes the job; the others take
+    ``(job)`` and run outside any transaction.
     ``priority``: lower runs first (default 0)."""
 
     topic: str
@@ -93,8 +94,9 @@ class Outbox:
         ``max_attempts``: 1..1000 attempts before the job is dead-lettered (default 5).
         ``lease``: seconds a claim lasts without a heartbeat (heartbeats run every
         lease/3); default the relay's ``default_lease``. ``transactional``: run the handler
-        as ``handler(job, session)`` inside the transaction that completes the job (a
-        plain ``def``; ``async def`` is refused). ``priority``: -32768..32767, lower first.
+        as ``handler(job, session)`` inside the transaction that completes the job: a
+        ``Session`` for a plain ``def``, an ``AsyncSession`` for an ``async def`` (the same
+        fenced commit either way). ``priority``: -32768..32767, lower first.
 
         Raises :class:`ConfigurationError` naming the option for bad values, a duplicate
         consumer name, or a handler whose signature does not fit its mode. Returns the
@@ -150,8 +152,6 @@ def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease
     # An object whose __call__ is ``async def`` is a coroutine function too; missing it
     # would let the relay drop the never-awaited coroutine and mark the job done.
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
-    if transactional and is_async:
-        raise ConfigurationError(f"subscriber {consumer!r}: a transactional handler must be a plain def (it runs in a sync Session)")
     _check_arity(consumer, handler, 2 if transactional else 1)
     return Subscriber(topic, consumer, handler, max_attempts, lease, transactional, priority, is_async)
 
