@@ -41,9 +41,9 @@ Guarantees:
 * Time (leases, run_at, retention) comes from the database clock only.
 
 Documentation: the design notes cited by name in docstrings ("architecture notes",
-"performance notes", "reliability notes", with a section name) are the project's
-``architecture``, ``performance`` and ``reliability`` documents, published at
-:data:`DOCS_URL`.
+"performance notes", "reliability notes", with a section name) are the documents
+``architecture.md``, ``performance.md`` and ``reliability.md`` that ship with the package,
+in the folder :func:`docs_dir` returns (``outbox/docs`` of an installed package).
 """
 
 from .errors import (
@@ -61,14 +61,10 @@ from .fencing import fenced_write
 from .job import Job
 from .publish import publish, publish_many
 from .registry import Outbox, Subscriber
+from .resources import docs_dir
 from .settings import OutboxSettings
 
-#: Where the project's documents (architecture, performance and reliability notes) are
-#: published; the one place the package names their location.
-DOCS_URL = "https://github.com/outbox-relay/outbox/tree/main/docs"
-
 __all__ = [
-    "DOCS_URL",
     "ConfigurationError",
     "DatabaseStatementError",
     "DatabaseUnavailableError",
@@ -82,6 +78,7 @@ __all__ = [
     "SchemaNotReadyError",
     "StaleFenceError",
     "Subscriber",
+    "docs_dir",
     "fenced_write",
     "publish",
     "publish_many",

@@ -26,23 +26,16 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import ProgrammingError
 
 from ..errors import SchemaNotReadyError
+from ..resources import shipped_dir
 from . import queries
 
 log = logging.getLogger("outbox.migrate")
 
 
 def migrations_dir() -> Path:
-    """The folder of outbox's migration scripts: ``outbox/migrations`` inside an installed
-    package, else the repository's ``alembic/`` beside the ``outbox`` package (a source
-    checkout or an editable install, whose import finder cannot map a folder without
-    ``__init__.py`` into a regular package). ``alembic/`` has no ``__init__.py`` on purpose:
-    as a package it would shadow the alembic library for code run from the repository."""
-    package = Path(__file__).resolve().parents[1]
-    for candidate in (package / "migrations", package.parent / "alembic"):
-        if (candidate / "env.py").is_file():
-            return candidate
-    raise FileNotFoundError(f"outbox's migrations are missing: neither {package / 'migrations'} "
-                            f"nor {package.parent / 'alembic'} holds env.py")
+    """The folder of outbox's migration scripts (:mod:`outbox.resources`: ``outbox/migrations``
+    in an installed package, the repository's ``alembic/`` in a checkout)."""
+    return shipped_dir("migrations", "alembic", "env.py")
 
 
 def alembic_config(connection: Connection | None = None) -> Config:

@@ -39,7 +39,7 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("README.md", "LICENSE"):
         if (REPO / name).exists():
             shutil.copy2(REPO / name, src)
-    for folder in ("outbox", "alembic"):  # alembic/: the migrations, shipped as outbox/migrations
+    for folder in ("outbox", "alembic", "docs"):  # shipped as outbox/migrations and outbox/docs
         shutil.copytree(REPO / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = root / "dist"
     run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", dist, src, cwd=root)
@@ -50,7 +50,8 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_ships_the_migrations(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("outbox/migrations/env.py", "outbox/migrations/script.py.mako",
-                     f"outbox/migrations/versions/{_revision_file()}", "outbox/db/tables.py"):
+                     f"outbox/migrations/versions/{_revision_file()}", "outbox/db/tables.py",
+                     "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md"):
         assert required in names, sorted(names)
     assert not any(name.startswith("tests/") for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
@@ -83,7 +84,8 @@ def test_installed_wheel_migrates_a_fresh_database(wheel, tmp_path, empty_db_url
 
     elsewhere = tmp_path / "elsewhere"  # not the repository, so no ./outbox to import
     elsewhere.mkdir()
-    probe = run(python, "-c", "import outbox, outbox.db.migrate as m; print(outbox.__file__); print(m.migrations_dir())",
+    probe = run(python, "-c", "import outbox, outbox.db.migrate as m; print(outbox.__file__); print(m.migrations_dir()); "
+                "print(outbox.docs_dir())",
                 cwd=elsewhere)
     for path in probe.stdout.split():
         assert Path(path).resolve().is_relative_to(purelib.resolve()), probe.stdout

@@ -1,7 +1,7 @@
 """Docstrings and ``help(outbox)`` read whole from an installed package: no docstring points
 to a path of the repository (``docs/architecture.md``, ``tests/...``, a README), which a
 plain install does not have; they cite the design notes by name, and the package says once
-where those are published (``outbox.DOCS_URL``)."""
+where they ship (``outbox.docs_dir()``)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import outbox
 PACKAGE = Path(outbox.__file__).resolve().parent
 REPO = PACKAGE.parent
 
-#: A path into the repository's own folders, a Markdown file, or the README.
-REPOSITORY_PATH = re.compile(r"(?<![\w.:/-])(?:docs|tests|bench|\.ci)/|\b[\w./-]+\.md\b|\bREADME\b")
+#: A path into the repository's own folders, a Markdown file other than the documents the
+#: package ships (outbox.docs_dir()), or the README.
+REPOSITORY_PATH = re.compile(r"(?<![\w.:/-])(?:docs|tests|bench|\.ci)/"
+                             r"|\b(?!(?:architecture|performance|reliability)\.md\b)[\w./-]+\.md\b|\bREADME\b")
 
 
 def _sources() -> list[Path]:
@@ -50,16 +52,17 @@ def test_no_docstring_names_a_repository_path():
 
 def test_the_pattern_catches_what_it_is_for():
     for bad in ("see docs/architecture.md", "(docs/performance.md, finding 1)", "tests/acceptance/workload.py",
-                "the README", "architecture.md"):
+                "the README", "CHANGES.md"):
         assert REPOSITORY_PATH.search(bad), bad
-    for fine in ("PostgreSQL docs, \"Transaction Isolation\"", "architecture notes, \"Statements\"",
-                 "outbox.DOCS_URL", "https://example.org/x"):
+    for fine in ("PostgreSQL docs, \"Transaction Isolation\"", "architecture notes, \"Statements\"", "architecture.md",
+                 "outbox.docs_dir()", "https://example.org/x"):
         assert not REPOSITORY_PATH.search(fine), fine
 
 
 def test_help_outbox_states_the_guarantees_and_where_the_notes_are():
     text = pydoc.render_doc(outbox, renderer=pydoc.plaintext)
     for words in ("Transactional publish", "At-least-once delivery", "Fencing", "Exactly-once effects",
-                  "database clock", "DOCS_URL", outbox.DOCS_URL):
+                  "database clock", "docs_dir", "architecture.md"):
         assert words in text, words
-    assert outbox.DOCS_URL.startswith("https://")
+    for name in ("architecture.md", "performance.md", "reliability.md"):
+        assert (outbox.docs_dir() / name).is_file(), name
