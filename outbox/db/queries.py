@@ -731,6 +731,9 @@ after now); an existing one keeps its ``next_slot`` unless its cron expression o
 changed (then it restarts at ``:next_slots[i]``, slots of the old expression are not
 caught up). Returns the rows inserted or changed (``updated``: an existing one)."""
 
+database_now: TextClause = text("SELECT now()")
+"""The database clock: the start of the current transaction (``now()``)."""
+
 schedule_due_list: TextClause = text(
     """
     SELECT name, next_slot, now() AS now
