@@ -580,14 +580,22 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[st
     positions: list[int] = []  # of the current batch's rows, once there is a plan
     index = -1
     for index, item in enumerate(events):
-        fields, options = _fields(item, index)
+        # The usual items, without options, decided inline; _fields reads (or refuses) the rest.
+        kind = type(item)
+        if kind is tuple and 2 <= len(item) <= 4:
+            fields, options = item + (None,) * (4 - len(item)), None
+        elif kind is dict and item.keys() <= _FIELDS and "topic" in item and "payload" in item:
+            fields, options = (item["topic"], item["payload"], item.get("key"), item.get("headers")), None
+        else:
+            fields, options = _fields(item, index)
         try:
             topic, key, payload, headers = _validate(*fields, max_payload_bytes)
             checked = None if options is None else check_options(**options)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-        row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}'
-        if checked is not None:
+        if checked is None:
+            row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}]'
+        else:
             if plan is None:  # the first event with options: every earlier event was sent, in order
                 plan = _ManyPlan()
                 start = 0
@@ -603,10 +611,10 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[st
                 plan.first[pair] = index
                 plan.dedup[index] = pair
             run_at = "null" if checked.run_at is None else f'"{checked.run_at.isoformat()}"'
-            row += (f',{run_at},{"null" if checked.delay is None else repr(checked.delay)},'
-                    f'{"null" if checked.priority is None else checked.priority},'
-                    f'{"null" if checked.dedup_key is None else encode_basestring(checked.dedup_key)}')
-        row += "]"
+            row = (f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},'
+                   f'{headers},{run_at},{"null" if checked.delay is None else repr(checked.delay)},'
+                   f'{"null" if checked.priority is None else checked.priority},'
+                   f'{"null" if checked.dedup_key is None else encode_basestring(checked.dedup_key)}]')
         if rows and size + len(row) + 1 > MANY_BATCH_CHARS:
             batches.append(f"[{','.join(rows)}]")
             sizes.append(len(rows))
