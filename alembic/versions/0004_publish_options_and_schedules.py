@@ -5,9 +5,10 @@ Revises: 0003
 Create Date: 2026-12-10 09:00:00.000000
 
 ``outbox_events`` gains three nullable columns, NULL for every existing row and for every
-event published without options, so old rows and old code paths are untouched and an event
-without options stores nothing more than before (a NULL costs a bit in the row's null
-bitmap, which events with no key already carry):
+event published without options, so old rows and old code paths are untouched. An event
+without options stores no value for them, only their bits in the row's null bitmap: with
+ten columns the bitmap takes two bytes instead of one, which moves the row header from 24
+to 32 bytes after alignment (8 bytes a row; "Database Page Layout", PostgreSQL docs):
 
 * ``run_at``: when the jobs routed from the event become claimable (NULL: at once); the
   router copies it to each job's ``run_at``;
