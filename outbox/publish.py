@@ -9,6 +9,15 @@ never delivered, committed means delivered at least once to every subscribed con
 A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
 commit, so relays wake at once without an extra round trip here.
 
+Publish options (``run_at``, ``delay``, ``dedup_key``, ``priority``; README, "Publish
+options") are columns of the event, NULL when not given; the router copies them into the
+jobs. An event without options takes the same statement and path as before they existed;
+one with options takes ``event_insert_options`` (``_many``), an ``INSERT ... ON CONFLICT DO
+NOTHING`` on the partial unique index of (topic, dedup_key), followed, only when the key was
+taken, by a lookup of the event holding it. The statements to run are planned by one
+generator for sync and async sessions alike (docs/architecture.md, "Deduplication and
+schedules").
+
 Everything is validated before the first byte is sent; a bad event raises
 :class:`~outbox.errors.InvalidEventError` naming the field and the problem, and the
 caller's transaction is untouched and still usable.
