@@ -21,6 +21,7 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from datetime import UTC
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -111,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-listen", action="store_true", help="poll only; do not LISTEN")
     run.add_argument("--no-route", action="store_true", help="do not route events in this process")
     run.add_argument("--no-maintain", action="store_true", help="do not reap or prune in this process")
+    run.add_argument("--no-schedule", action="store_true", help="do not publish --app's schedules in this process")
     for flag, kind in _RUN_FLAGS.items():
         run.add_argument("--" + flag.replace("_", "-"), type=kind,
                          help=f"{OutboxSettings.model_fields[flag].description} Env: OUTBOX_{flag.upper()}.")
@@ -122,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
-    add("status", "Jobs per consumer and status, and unrouted events.")
+    add("status", "Jobs per consumer and status, unrouted events, and schedules.")
     dead = add("dead", "List dead-lettered jobs with their last error.")
     dead.add_argument("--consumer", help="only this consumer's dead jobs")
     dead.add_argument("--limit", type=_positive_int, default=50, help="most jobs listed, oldest first (default 50)")
@@ -223,7 +225,8 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         from .relay import Relay
 
         registry = load_app(args.app) if args.app else Outbox()
-        relay = Relay(registry, settings, route=not args.no_route, maintain=not args.no_maintain)
+        relay = Relay(registry, settings, route=not args.no_route, maintain=not args.no_maintain,
+                      schedule=not args.no_schedule)
         return relay.run()
     if args.command == "demo":
         from .demo.run import main as demo_main
@@ -273,6 +276,7 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
 
 
 def _inspect(args: argparse.Namespace, engine: Any) -> int:
+
     from .db import queries
     from .db.migrate import check_schema
     from .maintenance import dead_letters, redrive
@@ -286,6 +290,14 @@ def _inspect(args: argparse.Namespace, engine: Any) -> int:
             print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
             for r in rows:
                 print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
+            schedules = conn.execute(queries.schedule_list).all()
+            if schedules:
+                print(f"{'schedule':<32} {'cron':<18} {'timezone':<16} {'last slot published':<26} next slot")
+            for r in schedules:
+                last = r.last_slot.astimezone(UTC).isoformat() if r.last_slot else "-"
+                print(f"{r.name:<32} {r.cron:<18} {r.timezone:<16} {last:<26} "
+                      f"{r.next_slot.astimezone(UTC).isoformat()}"
+                      f"{'  (catch_up)' if r.catch_up else ''}")
         elif args.command == "dead":
             rows = dead_letters(conn, args.consumer, args.limit)
             if not rows and not args.json:

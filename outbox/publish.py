@@ -9,6 +9,15 @@ never delivered, committed means delivered at least once to every subscribed con
 A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
 commit, so relays wake at once without an extra round trip here.
 
+Publish options (``run_at``, ``delay``, ``dedup_key``, ``priority``; see :func:`publish`)
+are columns of the event, NULL when not given; the router copies them into the
+jobs. An event without options takes the same statement and path as before they existed;
+one with options takes ``event_insert_options`` (``_many``), an ``INSERT ... ON CONFLICT DO
+NOTHING`` on the partial unique index of (topic, dedup_key), followed, only when the key was
+taken, by a lookup of the event holding it. The statements to run are planned by one
+generator for sync and async sessions alike (architecture notes, "Deduplication and
+schedules").
+
 Everything is validated before the first byte is sent; a bad event raises
 :class:`~outbox.errors.InvalidEventError` naming the field and the problem, and the
 caller's transaction is untouched and still usable.
@@ -54,19 +63,21 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
 import psycopg
-from sqlalchemy.engine import Connection
+from sqlalchemy import TextClause
+from sqlalchemy.engine import Connection, Row
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from .db import queries
-from .errors import InvalidEventError, SchemaNotReadyError
+from .errors import InvalidEventError, OutboxError, SchemaNotReadyError
 
 #: Longest topic, key or consumer name, in characters.
 MAX_NAME_LENGTH = 255
@@ -84,6 +95,13 @@ MAX_INT_DIGITS = 1000
 #: 10**1000 < 2**3322); one bit more may or may not, and is checked exactly by the full walk.
 _MAX_INT_BITS: int = (10**MAX_INT_DIGITS).bit_length() - 1
 _INT_LIMIT: int = 10**MAX_INT_DIGITS
+#: Longest ``dedup_key``, in characters: with a topic of ``MAX_NAME_LENGTH`` it stays below
+#: the 2,704-byte limit of a B-tree entry of ``ix_outbox_events_dedup`` (4 bytes a character).
+MAX_DEDUP_KEY_LENGTH = 255
+#: Largest ``priority`` of an event (and ``-MAX_EVENT_PRIORITY`` the smallest).
+MAX_EVENT_PRIORITY = 1000
+#: Longest ``delay``, seconds (100 years of 365.25 days).
+MAX_DELAY_SECONDS = 3_155_760_000.0
 
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
@@ -304,6 +322,54 @@ def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_byte
     return topic, key, _encode(payload, "payload", max_payload_bytes), _encode(headers, "headers", MAX_HEADERS_BYTES)
 
 
+@dataclass(frozen=True, slots=True)
+class PublishOptions:
+    """Validated publish options of one event (each None when not given): ``run_at`` in UTC,
+    ``delay`` in seconds, ``priority``, ``dedup_key``."""
+
+    run_at: datetime | None
+    delay: float | None
+    priority: int | None
+    dedup_key: str | None
+
+
+def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
+                  priority: Any = None) -> PublishOptions | None:
+    """Validate the publish options of :func:`publish`; None when none is given.
+
+    Raises :class:`InvalidEventError` naming ``run_at`` (not a ``datetime``, or naive),
+    ``delay`` (not a number of seconds in 0..``MAX_DELAY_SECONDS``, or given with
+    ``run_at``), ``dedup_key`` (not a non-empty ``str`` of at most ``MAX_DEDUP_KEY_LENGTH``
+    characters without NUL) or ``priority`` (not an ``int`` in -1000..1000)."""
+    if run_at is None and delay is None and dedup_key is None and priority is None:
+        return None
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise InvalidEventError("run_at", f"must be a datetime, got {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise InvalidEventError("run_at", "is a naive datetime; pass an aware one, such as "
+                                              "datetime.now(timezone.utc) + timedelta(minutes=5)")
+        if delay is not None:
+            raise InvalidEventError("delay", "cannot be given with run_at; pass one of them")
+        run_at = run_at.astimezone(UTC)
+    if delay is not None:
+        if isinstance(delay, bool) or not isinstance(delay, (int, float)):
+            raise InvalidEventError("delay", f"must be a number of seconds, got {type(delay).__name__}")
+        if not (math.isfinite(delay) and 0 <= delay <= MAX_DELAY_SECONDS):
+            raise InvalidEventError("delay", f"must be seconds in 0..{MAX_DELAY_SECONDS:.0f}, got {delay!r}")
+        delay = float(delay)
+    if dedup_key is not None:
+        check_name(dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
+    if priority is not None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidEventError("priority", f"must be an int, got {type(priority).__name__}")
+        if not -MAX_EVENT_PRIORITY <= priority <= MAX_EVENT_PRIORITY:
+            raise InvalidEventError("priority", f"must be in {-MAX_EVENT_PRIORITY}..{MAX_EVENT_PRIORITY}, "
+                                                f"got {priority}")
+        priority = int(priority)
+    return PublishOptions(run_at, delay, priority, dedup_key)
+
+
 def publish(
     session: Session | Connection | AsyncSession | AsyncConnection,
     topic: str,
@@ -311,6 +377,10 @@ def publish(
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     *,
+    run_at: datetime | None = None,
+    delay: float | None = None,
+    dedup_key: str | None = None,
+    priority: int | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
 ) -> Any:
     """Write one event in ``session``'s current transaction; never commits.
@@ -322,6 +392,20 @@ def publish(
     is about; ``payload`` is JSON (see the module notes) of at most ``max_payload_bytes``
     encoded bytes (default 1 MiB); ``headers`` an optional JSON object of at most 64 KiB.
     No string anywhere may contain ``\\u0000`` (PostgreSQL's ``jsonb`` and ``text`` refuse it).
+
+    Options, all None by default:
+
+    * ``run_at``: an aware ``datetime``; the event's jobs are not claimable before it.
+      ``delay``: seconds (0..100 years) after ``now()`` of the database, i.e. after the start
+      of the publishing transaction. At most one of the two.
+    * ``dedup_key``: at most 255 characters. While a retained event (not yet pruned) of the
+      same ``topic`` has this key, nothing is written and that event's id is returned. A
+      concurrent transaction that wrote the key and has not committed makes this call wait
+      for it (READ COMMITTED: its id once it commits, a new event if it rolls back; under
+      REPEATABLE READ or SERIALIZABLE PostgreSQL raises a serialization failure, SQLSTATE
+      40001, when that transaction committed after this one's snapshot).
+    * ``priority``: an ``int`` in -1000..1000 added to each subscription's priority in the
+      event's jobs (lower runs first).
 
     A handler receives what was published, with one exception: ints arrive as ints and
     finite floats as floats of the same value (a float of magnitude 1e16 or more is written
@@ -335,12 +419,20 @@ def publish(
     statement). Other database errors propagate as SQLAlchemy raises them.
     """
     topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes)
-    params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
+    if run_at is None and delay is None and dedup_key is None and priority is None:
+        params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
+        if isinstance(session, (AsyncSession, AsyncConnection)):
+            return _publish_async(session, params)
+        _check_session(session)
+        with _schema_hint():
+            return session.execute(queries.event_insert, params).scalar_one()
+    options = check_options(run_at, delay, dedup_key, priority)
+    assert options is not None
+    plan = _publish_one_plan(topic, key, payload_json, headers_json, options)
     if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _publish_async(session, params)
+        return _run_plan_async(session, plan)
     _check_session(session)
-    with _schema_hint():
-        return session.execute(queries.event_insert, params).scalar_one()
+    return _run_plan(session, plan)
 
 
 async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
@@ -361,6 +453,52 @@ def _schema_hint() -> Iterator[None]:
         raise
 
 
+# A plan is a generator that yields the statements to run (statement, parameters), receives
+# each one's rows and returns the result: one body for sync and async sessions.
+_Plan = Generator[tuple[TextClause, dict[str, Any]], Sequence[Row[Any]], Any]
+
+#: Tries of a dedup publish whose conflicting event is pruned before it is looked up.
+_DEDUP_TRIES = 3
+
+
+def _run_plan(session: Session | Connection, plan: _Plan) -> Any:
+    with _schema_hint():
+        statement, params = next(plan)
+        while True:
+            rows = session.execute(statement, params).all()
+            try:
+                statement, params = plan.send(rows)
+            except StopIteration as done:
+                return done.value
+
+
+async def _run_plan_async(session: AsyncSession | AsyncConnection, plan: _Plan) -> Any:
+    with _schema_hint():
+        statement, params = next(plan)
+        while True:
+            rows = (await session.execute(statement, params)).all()
+            try:
+                statement, params = plan.send(rows)
+            except StopIteration as done:
+                return done.value
+
+
+def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, options: PublishOptions) -> _Plan:
+    params = {"topic": topic, "key": key, "payload": payload, "headers": headers, "run_at": options.run_at,
+              "delay": options.delay, "priority": options.priority, "dedup_key": options.dedup_key}
+    for _ in range(_DEDUP_TRIES):
+        rows = yield queries.event_insert_options, params
+        if rows:
+            return rows[0].id
+        # A retained event has the key (ON CONFLICT waited for its transaction to commit);
+        # this statement's fresh snapshot sees it, unless it was pruned meanwhile.
+        found = yield queries.event_dedup_lookup_many, {"topics": [topic], "dedup_keys": [options.dedup_key]}
+        if found:
+            return found[0].id
+    raise OutboxError(f"publish with dedup_key {options.dedup_key!r}: the event holding the key was deleted "
+                      f"between the insert and its lookup {_DEDUP_TRIES} times in a row")
+
+
 def publish_many(
     session: Session | Connection | AsyncSession | AsyncConnection,
     events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
@@ -370,14 +508,27 @@ def publish_many(
     """Write many events in ``session``'s transaction: one statement (one round trip) for up
     to 16 Mi characters of encoded events, one more for each further 16 Mi.
 
-    ``events`` yields mappings with keys ``topic``, ``payload`` and optionally ``key`` and
-    ``headers``, or tuples ``(topic, payload[, key[, headers]])``. Every event is validated
-    first, by the rules of :func:`publish`: one bad event raises
-    :class:`~outbox.errors.InvalidEventError` (its index in the message) and none is written.
-    Returns the new ids in the order of ``events`` (a ``list[int]``, ascending, or an
-    awaitable of it for async sessions). Numbers are written as :func:`publish` writes them.
+    ``events`` yields mappings with keys ``topic``, ``payload`` and optionally ``key``,
+    ``headers``, ``run_at``, ``delay``, ``dedup_key`` and ``priority`` (the options of
+    :func:`publish`), or tuples (or lists) ``(topic, payload[, key[, headers]])``. An item
+    with any other key, a tuple of another length, or an item of any other type raises
+    :class:`~outbox.errors.InvalidEventError`. Every event is validated first, by the rules
+    of :func:`publish`: one bad event raises InvalidEventError (its index in the message,
+    ``events[3].payload``) and none is written.
+
+    Returns the ids in the order of ``events`` (a ``list[int]``, or an awaitable of it for
+    async sessions); ascending when no event has a ``dedup_key``. An event whose
+    (topic, dedup_key) a retained event already has, or an earlier event of the same call,
+    gets that event's id and writes nothing (one more statement looks the retained ones
+    up). Numbers are written as :func:`publish` writes them.
     """
-    batches = _encode_many(events, max_payload_bytes)
+    batches, plan = _encode_many(events, max_payload_bytes)
+    if plan is not None:
+        steps = _publish_many_plan(batches, plan)
+        if isinstance(session, (AsyncSession, AsyncConnection)):
+            return _run_plan_async(session, steps)
+        _check_session(session)
+        return _run_plan(session, steps)
     if isinstance(session, (AsyncSession, AsyncConnection)):
         return _publish_many_async(session, batches)
     _check_session(session)
@@ -402,52 +553,184 @@ async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: 
 MANY_BATCH_CHARS = 16 * 1024 * 1024
 
 
-def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
+@dataclass(slots=True)
+class _ManyPlan:
+    """How the rows of a ``publish_many`` with options map back to its events.
+
+    ``rows[b]``: the positions (indexes in ``events``) of batch ``b``'s rows, in order;
+    ``dedup``: (topic, dedup_key) of each sent position that has a key, and ``first`` the
+    reverse; ``same``: position -> the earlier position of the same call with the same
+    (topic, dedup_key), whose id it gets (not sent); ``text``: the row of each sent position
+    with a key, to send again (see ``_publish_many_plan``)."""
+
+    count: int = 0
+    rows: list[list[int]] = field(default_factory=list)
+    dedup: dict[int, tuple[str, str]] = field(default_factory=dict)
+    first: dict[tuple[str, str], int] = field(default_factory=dict)
+    same: dict[int, int] = field(default_factory=dict)
+    text: dict[int, str] = field(default_factory=dict)
+
+
+def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[str], _ManyPlan | None]:
     """Validate every event, then return the ``:events`` documents of ``event_insert_many``:
-    JSON arrays of ``[topic, key, payload, headers]``, each of at most ``MANY_BATCH_CHARS``
-    characters unless one event alone is longer. Raises InvalidEventError for the first bad
-    event, naming ``events[index]``."""
+    JSON arrays of ``[topic, key, payload, headers]`` (events with options get
+    ``event_insert_options_many``'s 8-element rows), each of at most ``MANY_BATCH_CHARS``
+    characters unless one event alone is longer; and, when any event has options, the plan
+    that maps rows back to events (else None: the plain statement and path). Raises
+    InvalidEventError for the first bad event, naming ``events[index]``."""
     batches: list[str] = []
+    sizes: list[int] = []  # rows per batch
     rows: list[str] = []
     size = 1  # of the document so far: "[" and each row with its "," or "]"
+    plan: _ManyPlan | None = None
+    positions: list[int] = []  # of the current batch's rows, once there is a plan
+    index = -1
     for index, item in enumerate(events):
-        fields = _fields(item)
-        if fields is None:
-            raise InvalidEventError(f"events[{index}]", "needs topic and payload, and only key and headers besides")
+        # The usual items, without options, decided inline; _fields reads (or refuses) the rest.
+        kind = type(item)
+        if kind is tuple and 2 <= len(item) <= 4:
+            fields, options = item + (None,) * (4 - len(item)), None
+        elif kind is dict and item.keys() <= _FIELDS and "topic" in item and "payload" in item:
+            fields, options = (item["topic"], item["payload"], item.get("key"), item.get("headers")), None
+        else:
+            fields, options = _fields(item, index)
         try:
-            topic, key, payload, headers = _validate(*fields, max_payload_bytes)
+            topic, key, payload, headers = _validate(fields[0], fields[1], fields[2], fields[3], max_payload_bytes)
+            checked = None if options is None else check_options(**options)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-        row = f'[{_dumps_plain(topic)},{"null" if key is None else _dumps_plain(key)},{payload},{headers}]'
+        if checked is None:
+            row = f'[{_dumps_plain(topic)},{"null" if key is None else _dumps_plain(key)},{payload},{headers}]'
+        else:
+            if plan is None:  # the first event with options: every earlier event was sent, in order
+                plan = _ManyPlan()
+                start = 0
+                for n in sizes:
+                    plan.rows.append(list(range(start, start + n)))
+                    start += n
+                positions = list(range(start, index))
+            if checked.dedup_key is not None:
+                pair = (topic, checked.dedup_key)
+                if pair in plan.first:
+                    plan.same[index] = plan.first[pair]
+                    continue
+                plan.first[pair] = index
+                plan.dedup[index] = pair
+            run_at = "null" if checked.run_at is None else f'"{checked.run_at.isoformat()}"'
+            row = (f'[{_dumps_plain(topic)},{"null" if key is None else _dumps_plain(key)},{payload},'
+                   f'{headers},{run_at},{"null" if checked.delay is None else repr(checked.delay)},'
+                   f'{"null" if checked.priority is None else checked.priority},'
+                   f'{"null" if checked.dedup_key is None else _dumps_plain(checked.dedup_key)}]')
         if rows and size + len(row) + 1 > MANY_BATCH_CHARS:
             batches.append(f"[{','.join(rows)}]")
+            sizes.append(len(rows))
+            if plan is not None:
+                plan.rows.append(positions)
+                positions = []
             rows, size = [], 1
         rows.append(row)
         size += len(row) + 1
+        if plan is not None:
+            positions.append(index)
+            if checked is not None and checked.dedup_key is not None:
+                plan.text[index] = row
     if rows:
         batches.append(f"[{','.join(rows)}]")
-    return batches
+        if plan is not None:
+            plan.rows.append(positions)
+    if plan is not None:
+        plan.count = index + 1
+    return batches, plan
 
 
-_FIELD_NAMES = ("topic", "payload", "key", "headers")
-_FIELDS = frozenset(_FIELD_NAMES)
+def _publish_many_plan(batches: list[str], plan: _ManyPlan) -> _Plan:
+    """Run ``event_insert_options_many`` per batch and map the rows written back to the
+    events: rows come back in no promised order, but ids are drawn in array order, so sorted
+    by id they are the batch's rows in order, less those skipped for their dedup key. Those
+    are looked up (``event_dedup_lookup_many``); one whose event was pruned between the two
+    statements is sent again (at most ``_DEDUP_TRIES`` rounds)."""
+    ids: list[int | None] = [None] * plan.count
+    pending: list[int] = []  # positions whose key a retained event holds
+    for batch, positions in zip(batches, plan.rows):
+        written = sorted((yield queries.event_insert_options_many, {"events": batch}), key=lambda r: r.id)
+        next_row = 0
+        for position in positions:
+            pair = plan.dedup.get(position)
+            if next_row < len(written) and (pair is None or (written[next_row].topic, written[next_row].dedup_key) == pair):
+                ids[position] = written[next_row].id
+                next_row += 1
+            else:
+                pending.append(position)
+    for _ in range(_DEDUP_TRIES):
+        if not pending:
+            break
+        pairs = [plan.dedup[p] for p in pending]
+        found = yield queries.event_dedup_lookup_many, {"topics": [t for t, _ in pairs],
+                                                        "dedup_keys": [k for _, k in pairs]}
+        held = {(r.topic, r.dedup_key): r.id for r in found}
+        missing = []
+        for position in pending:
+            event_id = held.get(plan.dedup[position])
+            if event_id is None:
+                missing.append(position)
+            else:
+                ids[position] = event_id
+        pending = []
+        if missing:  # pruned between the insert and the lookup: write them after all
+            document = f"[{','.join(plan.text[p] for p in missing)}]"
+            rewritten = yield queries.event_insert_options_many, {"events": document}
+            by_pair = {(r.topic, r.dedup_key): r.id for r in rewritten}
+            for position in missing:
+                event_id = by_pair.get(plan.dedup[position])
+                if event_id is None:
+                    pending.append(position)
+                else:
+                    ids[position] = event_id
+    if pending:
+        raise OutboxError(f"publish_many: the events holding the dedup keys of events{pending[:5]} were deleted "
+                          f"between the insert and their lookup {_DEDUP_TRIES} times in a row")
+    for position, first in plan.same.items():
+        ids[position] = ids[first]
+    return ids
 
 
-def _fields(item: Any) -> tuple[Any, Any, Any, Any] | None:
-    """(topic, payload, key, headers) of one ``publish_many`` item, None when it lacks topic
-    or payload or has other keys. A sequence is read by position (past four items, the rest
-    is ignored); a missing key or headers is None."""
-    if type(item) is tuple and 2 <= len(item) <= 4:
-        return item + (None,) * (4 - len(item))
-    if type(item) is dict:
+_FIELDS = frozenset(("topic", "payload", "key", "headers"))
+_OPTIONS = frozenset(("run_at", "delay", "dedup_key", "priority"))
+_ALL_FIELDS = _FIELDS | _OPTIONS
+_ITEM_SHAPE = ("an item is a mapping with topic and payload, and optionally key, headers, run_at, delay, "
+               "dedup_key and priority, or a tuple (topic, payload[, key[, headers]])")
+
+
+def _fields(item: Any, index: int) -> tuple[tuple[Any, Any, Any, Any], dict[str, Any] | None]:
+    """((topic, payload, key, headers), options or None) of one ``publish_many`` item; a
+    missing key or headers is None, options are the mapping's option keys. Raises
+    InvalidEventError naming ``events[index]`` for an item it does not understand: not a
+    mapping, tuple or list; a tuple or list not of 2 to 4 items; a mapping without topic or
+    payload, or with any other key."""
+    kind = type(item)
+    if kind is tuple or kind is list:
+        if 2 <= len(item) <= 4:
+            return (*item, *(None,) * (4 - len(item))), None
+        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__} of {len(item)} items; {_ITEM_SHAPE} "
+                                                    "(use a mapping for the options)")
+    if kind is dict:
         fields = item
     elif isinstance(item, Mapping):
         fields = dict(item)
     else:
-        fields = dict(zip(_FIELD_NAMES, item))
-    if not fields.keys() <= _FIELDS or "topic" not in fields or "payload" not in fields:
-        return None
-    return fields["topic"], fields["payload"], fields.get("key"), fields.get("headers")
+        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__}; {_ITEM_SHAPE}")
+    keys = fields.keys()
+    if not keys <= _FIELDS:
+        unknown = [k for k in keys if k not in _ALL_FIELDS]
+        if unknown:
+            raise InvalidEventError(f"events[{index}]", f"has unknown keys {', '.join(map(repr, unknown))}; {_ITEM_SHAPE}")
+    if "topic" not in fields or "payload" not in fields:
+        missing = " and ".join(k for k in ("topic", "payload") if k not in fields)
+        raise InvalidEventError(f"events[{index}]", f"has no {missing}; {_ITEM_SHAPE}")
+    base = (fields["topic"], fields["payload"], fields.get("key"), fields.get("headers"))
+    if keys <= _FIELDS:
+        return base, None
+    return base, {k: fields[k] for k in _OPTIONS if k in fields}
 
 
 def _check_session(session: Any) -> None:

@@ -17,6 +17,9 @@ from typing import Any, Literal, TypeVar, overload
 from .errors import ConfigurationError, InvalidEventError
 from .job import Job
 from .publish import check_name
+from .schedule import Schedule, make_schedule
+
+_Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 #: Most attempts a subscriber may allow.
 MAX_ATTEMPTS_LIMIT = 1000
@@ -59,6 +62,7 @@ class Outbox:
 
     def __init__(self) -> None:
         self._subscribers: dict[str, Subscriber] = {}
+        self._schedules: dict[str, Schedule] = {}
 
     @overload
     def subscriber(
@@ -114,6 +118,61 @@ class Outbox:
             return handler
 
         return register
+
+    def periodic(
+        self,
+        cron: str,
+        *,
+        topic: str,
+        payload: Any = None,
+        name: str | None = None,
+        timezone: Any = "UTC",
+        catch_up: bool = False,
+        **subscriber_options: Any,
+    ) -> Callable[[_Handler], _Handler]:
+        """Declare a schedule: at every slot of ``cron`` in ``timezone``, the relays publish
+        one event on ``topic`` with ``payload`` (default ``{}``), exactly once per slot however
+        many relays run (:mod:`outbox.schedule`).
+
+        ``cron``: croniter's syntax, 5 fields (minute hour day-of-month month day-of-week) or 6
+        (the 6th is seconds). ``timezone``: an IANA name or a ``zoneinfo.ZoneInfo`` (default
+        UTC); slots are wall-clock times there. ``name``: the schedule's durable name in
+        ``outbox_schedules`` (default: ``topic``; unique within the registry). ``catch_up``:
+        after a time with no relay running, publish every missed slot (at most 1,000) instead
+        of only the latest one.
+
+        The schedule is declared by this call. The returned decorator may then be applied to
+        a handler, which it subscribes to ``topic`` as :meth:`subscriber` does, with consumer
+        ``name`` unless ``subscriber_options`` names one (the other options are
+        :meth:`subscriber`'s); or left unused, for a schedule whose topic other subscribers
+        (or other registries) consume. Needs croniter (``pip install 'outbox-relay[cron]'``).
+
+        Raises :class:`ConfigurationError` naming the problem: croniter missing, a bad cron
+        expression, an unknown time zone, a payload that is not JSON, a name declared twice,
+        or (when decorating) a bad subscriber option.
+        """
+        schedule_name = topic if name is None else name
+        schedule = make_schedule(cron, topic=topic, payload={} if payload is None else payload, name=schedule_name,
+                                 timezone=timezone, catch_up=catch_up)
+        if schedule.name in self._schedules:
+            raise ConfigurationError(f"schedule {schedule.name!r} is declared twice; pass name= to tell them apart")
+        unknown = set(subscriber_options) - {"consumer", "max_attempts", "lease", "transactional", "priority"}
+        if unknown:
+            raise ConfigurationError(f"schedule {schedule.name!r}: unknown options {sorted(unknown)}")
+        self._schedules[schedule.name] = schedule
+        options = {"consumer": schedule.name, **subscriber_options}
+
+        def subscribe(handler: _Handler) -> _Handler:
+            register: Callable[[_Handler], _Handler] = self.subscriber(topic, **options)
+            register(handler)
+            return handler
+
+        return subscribe
+
+    @property
+    def schedules(self) -> list[Schedule]:
+        """The declared schedules, in declaration order."""
+        return list(self._schedules.values())
 
     def __iter__(self) -> Iterator[Subscriber]:
         return iter(self._subscribers.values())

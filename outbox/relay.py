@@ -8,6 +8,8 @@ in one line), write this registry's subscriptions, then start the threads:
 * the job runner's threads (:mod:`outbox.worker`), woken by ``NOTIFY outbox_jobs`` or by
   the router of this process;
 * ``outbox-maintenance``: reaper every ``reap_interval``, pruner every ``prune_interval``;
+* ``outbox-scheduler`` when the registry declares schedules (:mod:`outbox.schedule`): wakes
+  at the next slot by the database clock and publishes it, once across all relays;
 * ``outbox-listener`` (:mod:`outbox.notify`) when ``listen`` is on.
 
 Once running, a lost database connection is never fatal: each loop logs it once and
@@ -42,6 +44,7 @@ from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
 from .router import StatisticsKeeper, register_subscriptions, route_round
+from .schedule import Scheduler, register_schedules
 from .settings import OutboxSettings
 from .worker import JobRunner
 
@@ -52,8 +55,9 @@ class Relay:
     """One relay: ``registry``'s handlers plus routing and maintenance for the whole
     database, configured by ``settings`` (``settings.database_url`` is required).
 
-    ``route``, ``work`` and ``maintain`` turn the router, the job runner and the
-    reaper/pruner on or off (all on by default). Use :meth:`run` in a process (handles
+    ``route``, ``work``, ``maintain`` and ``schedule`` turn the router, the job runner, the
+    reaper/pruner and the scheduler of the registry's schedules on or off (all on by
+    default). Use :meth:`run` in a process (handles
     signals), or :meth:`start` / :meth:`stop` when embedding it (tests, an app's own
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
@@ -61,7 +65,8 @@ class Relay:
     """
 
     def __init__(self, registry: Outbox, settings: OutboxSettings, *, route: bool = True,
-                 work: bool = True, maintain: bool = True, worker_id: str | None = None) -> None:
+                 work: bool = True, maintain: bool = True, schedule: bool = True,
+                 worker_id: str | None = None) -> None:
         from .errors import ConfigurationError
 
         url = settings.url()
@@ -90,6 +95,8 @@ class Relay:
         self.reap_quarantine = Quarantine("job")
         self.prune_quarantine = Quarantine("row")
         self._maintain = maintain
+        self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect)
+                          if schedule and registry.schedules else None)
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
                                       "reaped": 0, "reaped_dead": 0, "reaped_unstarted": 0,
@@ -105,6 +112,8 @@ class Relay:
             with self.engine.connect() as conn:
                 check_schema(conn)
             register_subscriptions(self.engine, self.registry, self.settings)
+            if self.scheduler:
+                register_schedules(self.engine, self.registry.schedules)
         pool_size, overflow = self.settings.pool_limits()
         listen = (f"LISTEN on {redact(self.listener.conninfo)}" if self.listener else
                   f"polling only (every {self.settings.poll_interval:g}s)")
@@ -125,6 +134,8 @@ class Relay:
             self.runner.start()
         if self._maintain:
             self._spawn("outbox-maintenance", self._maintenance_loop)
+        if self.scheduler:
+            self._spawn("outbox-scheduler", self.scheduler.run)
 
     def stop(self, grace: float | None = None, cut_short: threading.Event | None = None) -> None:
         """Stop as on SIGTERM: stop claiming and routing, let in-flight handlers run for up
@@ -141,6 +152,8 @@ class Relay:
             self.listener.join(timeout=5)
         self.engine.dispose()
         stats = {**self.stats, **(self.runner.stats if self.runner else {})}
+        if self.scheduler:
+            stats["scheduled_events"] = self.scheduler.published
         log.info("relay stopped: %s", ", ".join(f"{k}={v}" for k, v in stats.items()))
 
     def run(self) -> int:

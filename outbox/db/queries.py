@@ -26,7 +26,7 @@ from sqlalchemy import TextClause, text
 event_route_many: TextClause = text(
     """
     WITH batch AS (
-        SELECT id, topic
+        SELECT id, topic, run_at, priority
         FROM outbox_events
         WHERE routed_at IS NULL
           AND id <> ALL (CAST(:skip AS bigint[]))
@@ -35,8 +35,11 @@ event_route_many: TextClause = text(
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     ), inserted AS (
-        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts)
-        SELECT b.id, s.consumer, s.priority, s.max_attempts
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at)
+        SELECT b.id, s.consumer,
+               CASE WHEN b.priority IS NULL THEN s.priority
+                    ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + b.priority)) AS smallint) END,
+               s.max_attempts, coalesce(b.run_at, now())
         FROM batch b
         JOIN outbox_subscriptions s ON s.topic = b.topic
         ORDER BY b.id, s.consumer
@@ -61,7 +64,9 @@ event_route_many: TextClause = text(
 routed, in one statement (one transaction). Rows locked by another router are skipped,
 so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
 above the last one seen") picks events, since ids commit out of order. Returns one row:
-events routed, jobs created, events that matched no subscription. ``:skip`` (ids, usually
+events routed, jobs created, events that matched no subscription. Each job's ``run_at`` is
+the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
+event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
 poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``."""
 
@@ -663,3 +668,110 @@ event_insert_many: TextClause = text(
 payload, headers]`` arrays (key ``null`` for none), validated by ``publish_many``; ids are
 drawn in array order. One JSON text rather than four array parameters: quoting every
 element into a text array and parsing it back cost more than the insert itself."""
+
+event_insert_options: TextClause = text(
+    """
+    INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)
+    VALUES (:topic, :key, CAST(:payload AS jsonb), CAST(:headers AS jsonb),
+            coalesce(CAST(:run_at AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
+            CAST(:priority AS smallint), CAST(:dedup_key AS text))
+    ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id
+    """
+)
+"""Write one event with publish options (each may be NULL): claimable from ``:run_at``, or
+``:delay`` seconds after ``now()`` (the transaction's start, by the database clock), or at
+once; ``:priority`` added to each subscription's; ``:dedup_key``. Returns no row when a
+retained event of the same topic already has ``:dedup_key`` (``ix_outbox_events_dedup``);
+then ``event_dedup_lookup_many`` finds it. Under READ COMMITTED a conflicting insert that
+has not committed yet makes this wait for it: its commit means no row here, its rollback
+means this row is written."""
+
+event_insert_options_many: TextClause = text(
+    """
+    INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)
+    SELECT e ->> 0, e ->> 1, e -> 2, e -> 3,
+           coalesce(CAST(e ->> 4 AS timestamptz), now() + make_interval(secs => CAST(e ->> 5 AS float8))),
+           CAST(e ->> 6 AS smallint), e ->> 7
+    FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS batch(e, position)
+    ORDER BY position
+    ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
+    RETURNING id, topic, dedup_key
+    """
+)
+"""``event_insert_many`` with publish options: ``:events`` is a JSON array of ``[topic, key,
+payload, headers]`` or ``[topic, key, payload, headers, run_at, delay, priority, dedup_key]``
+arrays (``run_at`` ISO 8601 text with an offset; absent or ``null`` for none), as
+``event_insert_options`` takes them one by one. Events whose (topic, dedup_key) a retained
+event already has are skipped; returns (id, topic, dedup_key) of the rows written, ids drawn
+in array order."""
+
+event_dedup_lookup_many: TextClause = text(
+    """
+    SELECT e.topic, e.dedup_key, e.id
+    FROM outbox_events e
+    JOIN unnest(CAST(:topics AS text[]), CAST(:dedup_keys AS text[])) AS k(topic, dedup_key)
+      ON e.topic = k.topic AND e.dedup_key = k.dedup_key
+    WHERE e.dedup_key IS NOT NULL
+    """
+)
+"""(topic, dedup_key, id) of the retained events holding any of the pairs
+(``:topics[i]``, ``:dedup_keys[i]``), read through ``ix_outbox_events_dedup``."""
+
+# ------------------------------------------------------------------------- schedules
+
+schedule_upsert_many: TextClause = text(
+    """
+    INSERT INTO outbox_schedules AS s (name, cron, timezone, topic, catch_up, next_slot)
+    SELECT * FROM unnest(
+        CAST(:names AS text[]), CAST(:crons AS text[]), CAST(:timezones AS text[]), CAST(:topics AS text[]),
+        CAST(:catch_ups AS bool[]), CAST(:next_slots AS timestamptz[]))
+    ON CONFLICT (name) DO UPDATE
+    SET cron = EXCLUDED.cron,
+        timezone = EXCLUDED.timezone,
+        topic = EXCLUDED.topic,
+        catch_up = EXCLUDED.catch_up,
+        next_slot = CASE WHEN (s.cron, s.timezone) IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.timezone)
+                         THEN EXCLUDED.next_slot ELSE s.next_slot END,
+        updated_at = now()
+    WHERE (s.cron, s.timezone, s.topic, s.catch_up)
+          IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.timezone, EXCLUDED.topic, EXCLUDED.catch_up)
+    RETURNING s.name, s.cron, s.timezone, s.topic, s.catch_up, s.next_slot, (s.xmax <> 0) AS updated
+    """
+)
+"""Write a registry's schedules. A new schedule starts at ``:next_slots[i]`` (its first slot
+after now); an existing one keeps its ``next_slot`` unless its cron expression or time zone
+changed (then it restarts at ``:next_slots[i]``, slots of the old expression are not
+caught up). Returns the rows inserted or changed (``updated``: an existing one)."""
+
+database_now: TextClause = text("SELECT now()")
+"""The database clock: the start of the current transaction (``now()``)."""
+
+schedule_due_list: TextClause = text(
+    """
+    SELECT name, next_slot, now() AS now
+    FROM outbox_schedules
+    WHERE name = ANY (CAST(:names AS text[]))
+    ORDER BY next_slot
+    """
+)
+"""``next_slot`` of each of ``:names`` with the database clock (``now``) beside it: the
+scheduler's whole view of time."""
+
+schedule_advance: TextClause = text(
+    """
+    UPDATE outbox_schedules
+    SET last_slot = CAST(:last_slot AS timestamptz), next_slot = CAST(:next_slot AS timestamptz), updated_at = now()
+    WHERE name = :name AND next_slot = CAST(:expected AS timestamptz) AND CAST(:last_slot AS timestamptz) <= now()
+    """
+)
+"""Compare-and-set of one schedule's slots: move ``next_slot`` from ``:expected`` to
+``:next_slot`` and record ``:last_slot`` (the last slot published now, due by the database
+clock). One row means this transaction owns the slots from ``:expected`` to ``:last_slot``
+and publishes their events before it commits; zero rows means another relay did (its
+update locked the row first; this one re-read it after that commit and no longer
+matched). The caller checks the row count."""
+
+schedule_list: TextClause = text(
+    "SELECT name, cron, timezone, topic, catch_up, last_slot, next_slot FROM outbox_schedules ORDER BY name"
+)

@@ -69,10 +69,17 @@ events = Table(
     Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("routed_at", DateTime(timezone=True), nullable=True),
+    # Publish options (migration 0004), NULL when not given: claimable from (NULL: at once),
+    # added to the subscription's priority (NULL: 0), unique with topic while retained.
+    Column("run_at", DateTime(timezone=True), nullable=True),
+    Column("priority", SmallInteger, nullable=True),
+    Column("dedup_key", Text, nullable=True),
     PrimaryKeyConstraint("id"),
     CheckConstraint("topic <> ''", name="topic_not_empty"),
     Index("ix_outbox_events_unrouted", "id", postgresql_where=text("routed_at IS NULL")),
     Index("ix_outbox_events_routed_at", "routed_at", postgresql_where=text("routed_at IS NOT NULL")),
+    # Only events with a dedup key enter it; publish's INSERT ... ON CONFLICT DO NOTHING arbiter.
+    Index("ix_outbox_events_dedup", "topic", "dedup_key", unique=True, postgresql_where=text("dedup_key IS NOT NULL")),
 )
 
 subscriptions = Table(
@@ -137,6 +144,25 @@ relays = Table(
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("id"),
+)
+
+#: One row per periodic schedule (``Outbox.periodic``; migration 0004), written by every relay
+#: that declares it. ``next_slot``: the next slot to publish, advanced by a compare-and-set
+#: (``schedule_advance``) in the transaction that publishes the slot's event, so each slot is
+#: published once however many relays run; ``last_slot``: the last one published.
+schedules = Table(
+    "outbox_schedules",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("cron", Text, nullable=False),
+    Column("timezone", Text, nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("catch_up", Boolean, nullable=False, server_default=text("false")),
+    Column("last_slot", DateTime(timezone=True), nullable=True),
+    Column("next_slot", DateTime(timezone=True), nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("name"),
 )
 
 #: NOTIFY channels. A statement-level trigger on each table sends one notification per

@@ -36,7 +36,7 @@ PARTIAL_INDEXES = {
     "ix_outbox_jobs_dead": "ON public.outbox_jobs USING btree (consumer, id) WHERE (status = 'dead'::text)",
 }
 
-OUTBOX_TABLES = {"outbox_events", "outbox_subscriptions", "outbox_jobs", "outbox_relays"}
+OUTBOX_TABLES = {"outbox_events", "outbox_subscriptions", "outbox_jobs", "outbox_relays", "outbox_schedules"}
 
 #: Autovacuum storage parameters of migration 0002, as ``pg_class.reloptions`` lists them.
 QUEUE_TABLE_OPTIONS = sorted([
