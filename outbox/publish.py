@@ -6,8 +6,10 @@ exists exactly when the caller's transaction (or SAVEPOINT) commits: rolled back
 never delivered, committed means delivered at least once to every subscribed consumer
 (docs/architecture.md; seed article 002, "Enqueue with your data").
 
-A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
-commit, so relays wake at once without an extra round trip here.
+A statement-level trigger sends ``NOTIFY outbox_events`` (``<schema>.outbox_events`` for a
+schema other than ``public``), which PostgreSQL delivers only on commit, so relays wake at
+once without an extra round trip here. The schema is ``publish``'s ``schema`` argument, else
+``OUTBOX_SCHEMA``, else ``public``.
 
 Everything is validated before the first byte is sent; a bad event raises
 :class:`~outbox.errors.InvalidEventError` naming the field and the problem, and the
@@ -316,6 +318,7 @@ def publish(
     headers: Mapping[str, Any] | None = None,
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
 ) -> Any:
     """Write one event in ``session``'s current transaction; never commits.
 
@@ -333,34 +336,46 @@ def publish(
     counts towards ``max_payload_bytes`` at that length, up to 312 bytes), but ``-0.0``
     arrives as ``0.0``: ``jsonb`` numbers have no negative zero (module notes).
 
+    ``schema`` names the schema of outbox's tables; None (the default) means the process
+    default: ``OUTBOX_SCHEMA`` from the environment, else ``public``, read on the first
+    publish and remembered (:func:`outbox.settings.default_schema`). Pass it to publish into
+    another schema (several outboxes in one database: one per tenant, say).
+
     Raises :class:`~outbox.errors.InvalidEventError` before anything is written; the
-    transaction stays usable. Raises :class:`~outbox.errors.SchemaNotReadyError` when
-    outbox's tables do not exist (the transaction is then aborted, as after any failed
-    statement). Other database errors propagate as SQLAlchemy raises them.
+    transaction stays usable. Raises :class:`~outbox.errors.ConfigurationError` for an
+    invalid schema name, also before anything is written. Raises
+    :class:`~outbox.errors.SchemaNotReadyError` when outbox's tables do not exist in the
+    schema (the transaction is then aborted, as after any failed statement). Other
+    database errors propagate as SQLAlchemy raises them.
     """
     topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes)
     params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
+    statements = queries.in_schema(schema)
     if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _publish_async(session, params)
+        return _publish_async(session, params, statements)
     _check_session(session)
-    with _schema_hint():
-        return session.execute(queries.event_insert, params).scalar_one()
+    with _schema_hint(statements):
+        return session.execute(statements.event_insert, params).scalar_one()
 
 
-async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
-    with _schema_hint():
-        result = await session.execute(queries.event_insert, params)
+async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any],
+                         statements: queries.Statements) -> int:
+    with _schema_hint(statements):
+        result = await session.execute(statements.event_insert, params)
     return result.scalar_one()
 
 
 @contextlib.contextmanager
-def _schema_hint() -> Iterator[None]:
-    """Say "run outbox-relay migrate" when the events table does not exist."""
+def _schema_hint(statements: queries.Statements) -> Iterator[None]:
+    """Say "run outbox-relay migrate" when the events table (or its schema) does not exist."""
     try:
         yield
     except ProgrammingError as exc:
-        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-            raise SchemaNotReadyError("table outbox_events does not exist; run `outbox-relay migrate`") from exc
+        if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)):
+            from .db.migrate import migrate_command
+
+            raise SchemaNotReadyError(f"table {statements.schema}.outbox_events does not exist; "
+                                      f"run `{migrate_command(statements.schema)}`") from exc
         raise
 
 
@@ -369,6 +384,7 @@ def publish_many(
     events: Iterable[Mapping[str, Any] | tuple],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
 ) -> Any:
     """Write many events in ``session``'s transaction: one statement (one round trip) for up
     to 16 Mi characters of encoded events, one more for each further 16 Mi.
@@ -378,24 +394,27 @@ def publish_many(
     first, by the rules of :func:`publish`: one bad event raises
     :class:`~outbox.errors.InvalidEventError` (its index in the message) and none is written.
     Returns the new ids in the order of ``events`` (a ``list[int]``, ascending, or an
-    awaitable of it for async sessions). Numbers are written as :func:`publish` writes them.
+    awaitable of it for async sessions). Numbers are written as :func:`publish` writes them;
+    ``schema`` is chosen as for :func:`publish`.
     """
     batches = _encode_many(events, max_payload_bytes)
+    statements = queries.in_schema(schema)
     if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _publish_many_async(session, batches)
+        return _publish_many_async(session, batches, statements)
     _check_session(session)
     ids: list[int] = []
-    with _schema_hint():
+    with _schema_hint(statements):
         for batch in batches:
-            ids.extend(session.execute(queries.event_insert_many, {"events": batch}).scalars())
+            ids.extend(session.execute(statements.event_insert_many, {"events": batch}).scalars())
     return sorted(ids)  # ids are drawn in the order of events; RETURNING promises no order
 
 
-async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str]) -> list[int]:
+async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str],
+                              statements: queries.Statements) -> list[int]:
     ids: list[int] = []
-    with _schema_hint():
+    with _schema_hint(statements):
         for batch in batches:
-            ids.extend((await session.execute(queries.event_insert_many, {"events": batch})).scalars())
+            ids.extend((await session.execute(statements.event_insert_many, {"events": batch})).scalars())
     return sorted(ids)
 
 
