@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _setting_error(error: Any) -> str:
     field = ".".join(map(str, error["loc"]))
-    if field == "outbox_schema":  # schema_name, read from OUTBOX_SCHEMA
+    if field in ("outbox_schema", "schema_name"):  # read from OUTBOX_SCHEMA
         return f"schema (OUTBOX_SCHEMA or --schema): {error['msg']}"
     if not field:
         return f"settings: {error['msg']}"

@@ -51,11 +51,10 @@ def check_schema_name(value: object) -> str:
     if not isinstance(value, str) or SCHEMA_PATTERN.fullmatch(value) is None:
         raise ConfigurationError(
             f"schema name {value!r} is not valid: use lowercase letters, digits and _ (not first a digit), "
-            "at most 49 characters (OUTBOX_SCHEMA or --schema)")
+            "at most 49 characters")
     if value in _SCHEMA_KEYWORDS or value.startswith("pg_") or value == "information_schema":
         raise ConfigurationError(
-            f"schema name {value!r} is not valid: it is a reserved SQL key word or system schema name "
-            "(OUTBOX_SCHEMA or --schema)")
+            f"schema name {value!r} is not valid: it is a reserved SQL key word or system schema name")
     return value
 
 
@@ -66,7 +65,12 @@ def default_schema() -> str:
     and every other function whose ``schema`` is None. Raises
     :class:`~outbox.errors.ConfigurationError` when it is not a valid schema name
     (:func:`check_schema_name`). ``default_schema.cache_clear()`` forgets it (tests)."""
-    return check_schema_name(os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA)
+    from .errors import ConfigurationError
+
+    try:
+        return check_schema_name(os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"OUTBOX_SCHEMA: {exc}") from None
 
 
 class OutboxSettings(BaseSettings):
