@@ -5,6 +5,7 @@ URL's own ``options`` reach the server; NOTIFY channels per schema."""
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -238,3 +239,37 @@ def test_a_missing_schema_is_named(two_schemas, empty_db_url, capsys):
     assert main(["migrate", "--schema", "tenant_c", "--database-url", url]) == 0
     assert capsys.readouterr().out == f"outbox schema tenant_c at revision {head_revision()}\n"
     assert set(objects(two_schemas)) == {A, B, "tenant_c"}
+
+
+@pytest.fixture
+def schema_owner(server, empty_db_url) -> Iterator[str]:
+    """The URL of a new login role that owns schema ``owned`` in the test's database and has
+    no CREATE privilege on the database (PostgreSQL grants PUBLIC none). Dropped afterwards."""
+    role = f"outbox_owner_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server[0], isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f"CREATE ROLE {role} LOGIN")
+    db = sa.create_engine(empty_db_url, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+    with db.connect() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA owned AUTHORIZATION {role}")
+    try:
+        yield empty_db_url.set(username=role).render_as_string(hide_password=False)
+    finally:
+        with db.connect() as conn:
+            conn.exec_driver_sql(f"DROP OWNED BY {role} CASCADE")
+        db.dispose()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f"DROP ROLE IF EXISTS {role}")
+        admin.dispose()
+
+
+def test_migrate_into_an_existing_schema_needs_no_database_privilege(schema_owner, capsys):
+    """A role that owns its schema, without CREATE on the database, migrates into it (and
+    again: nothing to do); creating a missing schema is refused with one line."""
+    for _ in range(2):
+        assert main(["migrate", "--schema", "owned", "--database-url", schema_owner]) == 0
+        assert capsys.readouterr().out == f"outbox schema owned at revision {head_revision()}\n"
+    assert main(["status", "--schema", "owned", "--database-url", schema_owner]) == 0
+    capsys.readouterr()
+    assert main(["migrate", "--schema", "elsewhere", "--database-url", schema_owner]) == 2
+    assert "InsufficientPrivilege: permission denied for database" in capsys.readouterr().err
