@@ -287,16 +287,16 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
 
 
 def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
-    from .db import queries as all_queries
+    from .db import queries
     from .db.migrate import check_schema
     from .maintenance import dead_letters, redrive
 
-    queries = all_queries.in_schema(schema)
+    statements = queries.in_schema(schema)
     with engine.begin() as conn:
         check_schema(conn, schema)
         if args.command == "status":
-            rows = conn.execute(queries.job_count_by_status).all()
-            unrouted = conn.execute(queries.event_unrouted_count).scalar_one()
+            rows = conn.execute(statements.job_count_by_status).all()
+            unrouted = conn.execute(statements.event_unrouted_count).scalar_one()
             print(f"unrouted events: {unrouted}")
             print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
             for r in rows:
@@ -320,14 +320,14 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
             if missing:
                 print(f"not redriven (no such job, or not dead): {missing[:20]}")
         elif args.command == "subscriptions":
-            rows = conn.execute(queries.subscription_list).all()
+            rows = conn.execute(statements.subscription_list).all()
             if not rows:
                 print("no subscriptions (a relay writes its registry's when it starts)")
             for r in rows:
                 print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
                       f" priority={r.priority}{' transactional' if r.transactional else ''}")
         elif args.command == "unsubscribe":
-            topics = list(conn.execute(queries.subscription_delete, {"consumer": args.consumer}).scalars())
+            topics = list(conn.execute(statements.subscription_delete, {"consumer": args.consumer}).scalars())
             if not topics:
                 raise UsageError(f"no subscription for consumer {args.consumer!r}")
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")

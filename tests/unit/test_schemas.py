@@ -127,3 +127,24 @@ def test_channels_and_lock_keys_per_schema():
     assert queries.schema_migrate_lock_key("public") == queries.SCHEMA_MIGRATE_LOCK_KEY
     keys = {queries.schema_migrate_lock_key(s) for s in ("public", "a", "b", "tenant_a")}
     assert len(keys) == 4 and all(-2**63 <= k < 2**63 for k in keys)
+
+
+def test_runtime_code_runs_no_unqualified_statement():
+    """Every statement that names an outbox relation is taken from ``queries.in_schema(...)``
+    in the package, never as the unqualified module constant (which would follow the
+    connection's search_path instead of the configured schema)."""
+    from pathlib import Path
+
+    import outbox
+
+    qualified = {name for name, s in queries.statements().items() if ANY_REFERENCE.search(s.text)}
+    use = re.compile(r"\bqueries\.(\w+)\b(?!\()")
+    offenders = []
+    for path in Path(outbox.__file__).parent.rglob("*.py"):
+        if path.name == "queries.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            offenders += [f"{path.name}:{number}: queries.{m}" for m in use.findall(code) if m in qualified
+                          and "``" not in code and ":data:" not in code]
+    assert offenders == []
