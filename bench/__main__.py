@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     data: dict[str, Any] = {
         "size": size.name, "runs": size.runs, "scenarios": args.scenarios,
-        "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit(), "facts": server_facts(server), "sizes": dataclasses.asdict(size),
         "timings": {}, "errors": {},
     }

@@ -195,7 +195,7 @@ def wait_for_server(url: URL, timeout: float = 90.0) -> bool:
 
 def drop_quietly(url: URL) -> None:
     """Drop ``url``'s database, waiting out a server restart; log instead of raising."""
-    for attempt in range(3):
+    for _attempt in range(3):
         try:
             drop_database(url)
             return

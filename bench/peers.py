@@ -70,7 +70,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         sweep.append(r)
     best = max(sweep, key=lambda r: r["jobs_per_s"])
     pgq_runs, pro_runs = [], []
-    for rep in range(size.runs):
+    for _rep in range(size.runs):
         with dbs.fresh(migrated=False) as url:
             r = peer("peer_pgqueuer.py", url, "--jobs", str(jobs), "--driver", best["driver"],
                      "--batch", str(best["batch"]))

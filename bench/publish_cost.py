@@ -76,9 +76,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         domain_txns(eng, 100, True)  # warm up: connection, prepared statements, caches
         thousand(eng, 1, True)
         thousand(eng, 1, False)
-        for rep in range(size.runs):
+        for _rep in range(size.runs):
             plain = with_ = quiet = bare = 0.0
-            for b in range(max(1, size.publish_txns // BLOCK)):
+            for _block in range(max(1, size.publish_txns // BLOCK)):
                 plain += domain_txns(eng, BLOCK, False)
                 with_ += domain_txns(eng, BLOCK, True)
                 bare += domain_txns(eng, BLOCK, True, bare=True)

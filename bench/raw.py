@@ -121,7 +121,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     if not have_pgbench:
         log("raw: pgbench not found (install the PostgreSQL client tools); only the psycopg loop runs")
     with dbs.fresh() as url, psycopg.connect(conninfo(url), autocommit=True) as conn:
-        for rep in range(size.runs if have_pgbench else 0):
+        for _rep in range(size.runs if have_pgbench else 0):
             for batch in BATCHES:
                 for clients in CLIENTS:
                     key = f"b{batch}_c{clients}"

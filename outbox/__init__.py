@@ -4,7 +4,46 @@ Public API::
 
     from outbox import Outbox, Job, publish, publish_many, fenced_write, PermanentError
 
-See ``docs/architecture.md`` for the guarantees.
+    ob = Outbox()
+
+    @ob.subscriber("order.placed", consumer="send_receipt", max_attempts=5)
+    def send_receipt(job: Job) -> None: ...          # lease mode, outside any transaction
+
+    @ob.subscriber("order.placed", consumer="create_invoice", transactional=True)
+    def create_invoice(job: Job, session: Session) -> None: ...   # exactly-once effects
+
+    with Session(engine) as s, s.begin():
+        publish(s, "order.placed", {"order_id": 4}, key="order:4")
+
+``outbox-relay --app myapp.jobs:ob`` runs the router, the workers and the reaper.
+
+Guarantees:
+
+* Transactional publish: an event exists if and only if the transaction (or SAVEPOINT)
+  that published it commits. Bad input raises ``InvalidEventError`` naming the field
+  before anything is written.
+* Exactly-once routing: each committed event becomes one job per consumer subscribed when
+  it is routed, however many relays run; ids that commit out of order are handled.
+* At-least-once delivery: a job runs until a worker reports it done, or it is
+  dead-lettered after ``max_attempts`` (at once on ``PermanentError``). A crash, a kill or
+  a pause past the lease runs it again, so lease-mode handlers must be idempotent and give
+  ``job.idempotency_key`` (stable across retries) to external systems.
+* Attempts count starts, not claims: a relay killed with jobs in its prefetch buffer costs
+  those jobs no attempt; a job running in a process that dies is charged one.
+* Fencing: every claim takes a new fence from one global sequence; every statement that
+  changes a claimed job checks the fence and ``status = 'running'``, so a stale worker's
+  heartbeat, completion, failure or release changes nothing (``job.lease_lost`` says so).
+* Exactly-once effects inside PostgreSQL: a transactional handler's writes commit in the
+  transaction of the fenced completion and roll back if another worker took the job over;
+  ``fenced_write`` keeps a paused worker from overwriting a newer writer's row.
+* One bad row never stalls the relay: a batch statement that fails for some rows runs
+  again by halves, and only the rows that fail alone are dead-lettered.
+* Time (leases, run_at, retention) comes from the database clock only.
+
+Documentation: the design notes cited by name in docstrings ("architecture notes",
+"performance notes", "reliability notes", with a section name) are the project's
+``architecture``, ``performance`` and ``reliability`` documents, published at
+:data:`DOCS_URL`.
 """
 
 from .errors import (
@@ -24,7 +63,12 @@ from .publish import publish, publish_many
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
 
+#: Where the project's documents (architecture, performance and reliability notes) are
+#: published; the one place the package names their location.
+DOCS_URL = "https://github.com/outbox-relay/outbox/tree/main/docs"
+
 __all__ = [
+    "DOCS_URL",
     "ConfigurationError",
     "DatabaseStatementError",
     "DatabaseUnavailableError",

@@ -25,12 +25,15 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from .errors import ConfigurationError, OutboxError
 from .settings import OutboxSettings
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
 
 log = logging.getLogger("outbox.cli")
 
@@ -104,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     run = add("run", "Run the router, the workers of --app's consumers, the reaper and the pruner.")
-    run.description = (run.description + " SIGTERM or SIGINT drains: in-flight jobs get --shutdown-grace "
+    run.description = (f"{run.description} SIGTERM or SIGINT drains: in-flight jobs get --shutdown-grace "
                        "seconds, the rest are released for other relays; exit status 0. Errors before "
                        "start (bad --app, unreachable database, missing migrations): one line, status 2.")
     run.add_argument("--app", help="module:attribute naming the outbox.Outbox registry (or a function "
@@ -173,7 +176,7 @@ def _settings(args: argparse.Namespace) -> OutboxSettings:
     return OutboxSettings(**overrides)
 
 
-def _engine(settings: OutboxSettings):
+def _engine(settings: OutboxSettings) -> Engine:
     from .db.engine import make_engine
 
     url = settings.url()
@@ -270,9 +273,10 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
                              "or set OUTBOX_DATABASE_URL")
         url, binary = start_embedded(data_dir), psql_binary()
     else:
-        binary = shutil.which("psql")
-        if binary is None:
+        found = shutil.which("psql")
+        if found is None:
             raise UsageError("psql is not installed (it comes with the PostgreSQL client package)")
+        binary = found
     target = parse_url(url)
     if args.db_name:
         target = target.set(database=args.db_name)

@@ -28,7 +28,8 @@ def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
     try:
         with warnings.catch_warnings():  # its platformdirs complains when XDG_RUNTIME_DIR is unset
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-            import pgserver
+            # From its module: pgserver's __init__ does not re-export it for type checkers.
+            from pgserver.postgres_server import get_server
     except ImportError:
         raise ConfigurationError(
             "no database configured and the embedded server is not installed: "
@@ -37,7 +38,7 @@ def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
     path.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-        server = pgserver.get_server(path, cleanup_mode="stop")
+        server = get_server(path, cleanup_mode="stop")
     log.info("embedded PostgreSQL running with its data in %s", path)
     return server.get_uri()
 

@@ -7,6 +7,8 @@ exception is kept as ``__cause__`` (``raise ... from``).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class OutboxError(Exception):
     """Root of every error outbox raises on purpose."""
@@ -82,3 +84,13 @@ class SchemaNotReadyError(OutboxError):
 
     Fix: run ``outbox-relay migrate``.
     """
+
+
+class DrainLimitError(OutboxError):
+    """:func:`outbox.testing.drain` still found jobs to run after its ``max_rounds`` rounds:
+    a handler that keeps publishing events its own consumers handle, or retries that never
+    end. ``results`` holds what ran until then."""
+
+    def __init__(self, message: str, results: list[Any]) -> None:
+        super().__init__(message)
+        self.results = results

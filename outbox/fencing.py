@@ -13,10 +13,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Table, UniqueConstraint
+from sqlalchemy import FromClause, Table, UniqueConstraint, inspect
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Mapper, Session
 
 from .errors import ConfigurationError, StaleFenceError
 
@@ -25,7 +25,7 @@ log = logging.getLogger("outbox.fencing")
 
 def fenced_write(
     session: Session | Connection,
-    table: Table,
+    table: FromClause | type[Any],
     key: Mapping[str, Any],
     values: Mapping[str, Any],
     fence: int,
@@ -35,15 +35,20 @@ def fenced_write(
     """Insert or update the row of ``table`` identified by ``key`` unless a write with an
     equal or higher fence got there first. Runs in ``session``'s transaction.
 
-    ``table`` needs a ``fence`` bigint column and a primary key or unique constraint on
-    exactly the columns of ``key`` (a mapping column name -> value). ``values`` are the
-    other columns to write. ``fence`` is :attr:`outbox.Job.fence` (a positive int).
+    ``table`` is a SQLAlchemy ``Table``, an ORM mapped class (its mapped table is written:
+    ``Invoice`` and ``Invoice.__table__`` are the same) or that class's ``__table__`` (which
+    SQLAlchemy types as a ``FromClause``; other ``FromClause`` objects are refused). It needs
+    a ``fence`` bigint column and a primary key or unique constraint on exactly the columns of
+    ``key`` (a mapping column name -> value; column names, not ORM attribute names, where the
+    two differ). ``values`` are the other columns to write. ``fence`` is :attr:`outbox.Job.fence` (a positive int).
 
     Returns True when the row was written, False when it was left alone because its stored
     fence is equal or higher (logged as "stale write rejected"); with ``raise_on_stale``
     raises :class:`~outbox.errors.StaleFenceError` instead. Raises
-    :class:`~outbox.errors.ConfigurationError` for a table or key that does not fit.
+    :class:`~outbox.errors.ConfigurationError` for a table or key that does not fit, and for
+    a ``table`` that is neither a ``Table`` nor a mapped class (naming what it got).
     """
+    table = table_of(table)
     if type(fence) is not int or fence < 1:
         raise ConfigurationError(f"fence must be a positive int (job.fence), got {fence!r}")
     if not key:
@@ -69,6 +74,21 @@ def fenced_write(
         if raise_on_stale:
             raise StaleFenceError(f"{table.name} {dict(key)}: fence {fence} is not newer than the stored one")
     return applied
+
+
+def table_of(target: Any) -> Table:
+    """The ``Table`` that ``target`` writes to: ``target`` itself when it is a ``Table``, the
+    mapped table of an ORM mapped class (declarative or imperative). Raises
+    :class:`~outbox.errors.ConfigurationError` naming ``target`` for anything else (an ORM
+    instance, a ``select()``, a table name as ``str``, a class mapped to a join)."""
+    if isinstance(target, Table):
+        return target
+    mapper = inspect(target, raiseerr=False) if isinstance(target, type) else None
+    if isinstance(mapper, Mapper) and isinstance(mapper.local_table, Table):
+        return mapper.local_table
+    what = f"class {target.__qualname__}" if isinstance(target, type) else f"{type(target).__name__} {target!r:.80}"
+    raise ConfigurationError(
+        f"table must be a sqlalchemy Table, an ORM mapped class or its __table__, got {what}")
 
 
 def _unique_keys(table: Table) -> set[frozenset[str]]:

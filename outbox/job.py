@@ -36,14 +36,14 @@ class Job:
     fence: int
     lease_seconds: float
     event_created_at: datetime | None = None
-    _lost: bool = field(default=False, repr=False)
+    _lost: bool = field(default=False, init=False, repr=False)
     # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event per
-    # claimed job was a measurable share of the relay's time (docs/performance.md).
-    _lost_event: threading.Event | None = field(default=None, repr=False)
+    # claimed job was a measurable share of the relay's time (performance notes).
+    _lost_event: threading.Event | None = field(default=None, init=False, repr=False)
     # time.monotonic() by which the lease has surely expired, if no heartbeat renewed it:
     # the relay's own conservative bound, used only to not start a buffered job whose lease
     # ran out while the process was paused; never to write anything.
-    _lease_bound: float = field(default=float("inf"), repr=False)
+    _lease_bound: float = field(default=float("inf"), init=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:

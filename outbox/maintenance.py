@@ -64,7 +64,7 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     skip = quarantine.ids()
     statements = queries.in_schema(schema)
 
-    def reap(only: Sequence[int] | None) -> list[Any]:
+    def reap(only: Sequence[int] | None) -> Sequence[Any]:
         with conn.begin_nested():
             return conn.execute(statements.job_reap_many, {
                 "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
@@ -166,7 +166,7 @@ def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
 
 
 def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
-                 schema: str | None = None) -> list[Any]:
+                 schema: str | None = None) -> Sequence[Any]:
     """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
     finished_at, last_error."""
     return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()

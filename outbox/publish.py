@@ -4,7 +4,7 @@ The event is an ordinary row, inserted through the caller's own ``Session``,
 ``AsyncSession``, ``Connection`` or ``AsyncConnection``; outbox never commits. So the event
 exists exactly when the caller's transaction (or SAVEPOINT) commits: rolled back means
 never delivered, committed means delivered at least once to every subscribed consumer
-(docs/architecture.md; seed article 002, "Enqueue with your data").
+(architecture notes; seed article 002, "Enqueue with your data").
 
 A statement-level trigger sends ``NOTIFY outbox_events`` (``<schema>.outbox_events`` for a
 schema other than ``public``), which PostgreSQL delivers only on commit, so relays wake at
@@ -59,7 +59,6 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from json.encoder import c_make_encoder, encode_basestring
 from typing import Any
 
 import psycopg
@@ -85,8 +84,8 @@ MAX_HEADERS_BYTES = 65_536
 MAX_INT_DIGITS = 1000
 #: Ints of at most this many bits have at most ``MAX_INT_DIGITS`` digits for sure (2**3321 <
 #: 10**1000 < 2**3322); one bit more may or may not, and is checked exactly by the full walk.
-_MAX_INT_BITS = (10**MAX_INT_DIGITS).bit_length() - 1
-_INT_LIMIT = 10**MAX_INT_DIGITS
+_MAX_INT_BITS: int = (10**MAX_INT_DIGITS).bit_length() - 1
+_INT_LIMIT: int = 10**MAX_INT_DIGITS
 
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
@@ -165,7 +164,7 @@ def _plain(value: str | int | float) -> str | int | float:
     raise AssertionError(type(value))
 
 
-def _mapping_as_dict(value: Any) -> dict:
+def _mapping_as_dict(value: Any) -> dict[str, Any]:
     # _check_json accepts any Mapping as a JSON object; json.dumps knows only dict.
     if isinstance(value, Mapping):
         return dict(value)
@@ -225,7 +224,8 @@ def _is_plain(value: Any, depth: int = 0) -> bool:
     elif kind is list or kind is tuple:
         items = value
     elif kind is int:
-        return value.bit_length() <= _MAX_INT_BITS
+        bits: int = value.bit_length()
+        return bits <= _MAX_INT_BITS
     else:
         return kind in _PLAIN_LEAVES
     if items and depth >= MAX_DEPTH:
@@ -243,17 +243,13 @@ def _refuse(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
-if c_make_encoder is not None:
-    # json.dumps's own C encoder, built once rather than per call (json.dumps with options
-    # builds a JSONEncoder each time). No circular check: it only ever sees plain values,
-    # whose depth _is_plain bounded.
-    _plain_encoder = c_make_encoder(None, _refuse, encode_basestring, None, ":", ",", False, False, False)
-
-    def _dumps_plain(value: Any) -> str:
-        return "".join(_plain_encoder(value, 0))
-else:  # pragma: no cover - CPython always has the C encoder
-    _dumps_plain = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
-                                    check_circular=False, default=_refuse).encode
+#: The encoder of plain values, built once (``json.dumps`` with options builds a
+#: ``JSONEncoder`` per call). ``encode`` is the public entry to CPython's C encoder (the
+#: ``_json`` accelerator, used whenever ``indent`` is None); no circular check, since it
+#: only ever sees plain values, whose depth ``_is_plain`` bounded. For a ``str`` it returns
+#: the quoted JSON string, which ``_encode_many`` uses for topics and keys.
+_dumps_plain = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                check_circular=False, default=_refuse).encode
 
 
 def _encode(value: Any, field: str, limit: int) -> str:
@@ -362,7 +358,8 @@ async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[s
                          statements: queries.Statements) -> int:
     with _schema_hint(statements):
         result = await session.execute(statements.event_insert, params)
-    return result.scalar_one()
+    event_id: int = result.scalar_one()
+    return event_id
 
 
 @contextlib.contextmanager
@@ -381,7 +378,7 @@ def _schema_hint(statements: queries.Statements) -> Iterator[None]:
 
 def publish_many(
     session: Session | Connection | AsyncSession | AsyncConnection,
-    events: Iterable[Mapping[str, Any] | tuple],
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     schema: str | None = None,
@@ -440,7 +437,7 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> list[str]:
             topic, key, payload, headers = _validate(*fields, max_payload_bytes)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
-        row = f'[{encode_basestring(topic)},{"null" if key is None else encode_basestring(key)},{payload},{headers}]'
+        row = f'[{_dumps_plain(topic)},{"null" if key is None else _dumps_plain(key)},{payload},{headers}]'
         if rows and size + len(row) + 1 > MANY_BATCH_CHARS:
             batches.append(f"[{','.join(rows)}]")
             rows, size = [], 1

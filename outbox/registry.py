@@ -12,21 +12,31 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 from .errors import ConfigurationError, InvalidEventError
+from .job import Job
 from .publish import check_name
 
 #: Most attempts a subscriber may allow.
 MAX_ATTEMPTS_LIMIT = 1000
+
+#: A lease-mode handler: ``handler(job)``, a ``def`` or an ``async def``; what it returns is
+#: ignored. The decorator returns it unchanged, so its own type is kept.
+LeaseHandlerT = TypeVar("LeaseHandlerT", bound=Callable[[Job], object])
+#: A transactional handler: ``handler(job, session)``.
+TransactionalHandlerT = TypeVar("TransactionalHandlerT", bound=Callable[[Job, Any], object])
+#: Either, when ``transactional`` is not a literal.
+HandlerT = TypeVar("HandlerT", bound=Callable[..., object])
 
 
 @dataclass(frozen=True, slots=True)
 class Subscriber:
     """One declared subscriber: ``handler`` runs for every event on ``topic``, once per
     event for ``consumer``. ``lease`` is seconds, or None for the relay's default lease.
-    ``transactional`` handlers take ``(job, session)`` and run inside the transaction that
-    completes the job; the others take ``(job)`` and run outside any transaction.
+    ``transactional`` handlers take ``(job, session)`` (an ``AsyncSession`` when
+    ``is_async``) and run inside the transaction that completes the job; the others take
+    ``(job)`` and run outside any transaction.
     ``priority``: lower runs first (default 0)."""
 
     topic: str
@@ -50,6 +60,24 @@ class Outbox:
     def __init__(self) -> None:
         self._subscribers: dict[str, Subscriber] = {}
 
+    @overload
+    def subscriber(
+        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        transactional: Literal[False] = ..., priority: int = ...,
+    ) -> Callable[[LeaseHandlerT], LeaseHandlerT]: ...
+
+    @overload
+    def subscriber(
+        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        transactional: Literal[True], priority: int = ...,
+    ) -> Callable[[TransactionalHandlerT], TransactionalHandlerT]: ...
+
+    @overload
+    def subscriber(
+        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        transactional: bool, priority: int = ...,
+    ) -> Callable[[HandlerT], HandlerT]: ...
+
     def subscriber(
         self,
         topic: str,
@@ -59,22 +87,25 @@ class Outbox:
         lease: float | None = None,
         transactional: bool = False,
         priority: int = 0,
-    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    ) -> Callable[[Any], Any]:
         """Decorator declaring ``handler`` as consumer ``consumer`` (default: the
         function's ``module.qualname``) of events on ``topic``.
 
         ``max_attempts``: 1..1000 attempts before the job is dead-lettered (default 5).
         ``lease``: seconds a claim lasts without a heartbeat (heartbeats run every
         lease/3); default the relay's ``default_lease``. ``transactional``: run the handler
-        as ``handler(job, session)`` inside the transaction that completes the job (a
-        plain ``def``; ``async def`` is refused). ``priority``: -32768..32767, lower first.
+        as ``handler(job, session)`` inside the transaction that completes the job: a
+        ``Session`` for a plain ``def``, an ``AsyncSession`` for an ``async def`` (the same
+        fenced commit either way). ``priority``: -32768..32767, lower first.
 
         Raises :class:`ConfigurationError` naming the option for bad values, a duplicate
         consumer name, or a handler whose signature does not fit its mode. Returns the
-        handler unchanged.
+        handler unchanged, and type checkers see it so: ``@ob.subscriber(...)`` on
+        ``def f(job: Job) -> None`` leaves ``f`` typed as that function; a lease-mode
+        handler must accept ``(Job)``, a transactional one ``(Job, session)``.
         """
 
-        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+        def register(handler: HandlerT) -> HandlerT:
             name = consumer if consumer is not None else f"{handler.__module__}.{handler.__qualname__}"
             sub = _validated(topic, name, handler, max_attempts, lease, transactional, priority)
             if sub.consumer in self._subscribers:
@@ -120,9 +151,7 @@ def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease
         raise ConfigurationError(f"subscriber {consumer!r}: priority must be an int in -32768..32767, got {priority!r}")
     # An object whose __call__ is ``async def`` is a coroutine function too; missing it
     # would let the relay drop the never-awaited coroutine and mark the job done.
-    is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))
-    if transactional and is_async:
-        raise ConfigurationError(f"subscriber {consumer!r}: a transactional handler must be a plain def (it runs in a sync Session)")
+    is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
     _check_arity(consumer, handler, 2 if transactional else 1)
     return Subscriber(topic, consumer, handler, max_attempts, lease, transactional, priority, is_async)
 

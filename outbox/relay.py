@@ -32,45 +32,20 @@ import uuid
 from collections.abc import Callable
 from types import FrameType
 
-from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from .db import queries
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
+from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
-from .poison import Quarantine, SystemicError
-from .router import StatisticsKeeper, route_round
+from .router import StatisticsKeeper, register_subscriptions, route_round
 from .settings import OutboxSettings
 from .worker import JobRunner
 
 log = logging.getLogger("outbox.relay")
-
-
-def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
-    """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``
-    of ``settings.schema_name``."""
-    subs = list(registry)
-    if not subs:
-        return
-    with engine.begin() as conn:
-        changed = conn.execute(queries.in_schema(settings.schema_name).subscription_upsert_many, {
-            "topics": [s.topic for s in subs],
-            "consumers": [s.consumer for s in subs],
-            "max_attempts": [s.max_attempts for s in subs],
-            "leases": [s.lease or settings.default_lease for s in subs],
-            "priorities": [s.priority for s in subs],
-            "transactional": [s.transactional for s in subs],
-        }).all()
-    for row in changed:
-        if row.updated:
-            log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "
-                        "priority=%s, transactional=%s); another registry declaring it differently would be "
-                        "overwritten the same way", row.consumer, row.topic, row.max_attempts, row.lease_seconds,
-                        row.priority, row.transactional)
 
 
 class Relay:
@@ -138,12 +113,15 @@ class Relay:
         pool_size, overflow = self.settings.pool_limits()
         listen = (f"LISTEN on {redact(self.listener.conninfo)}" if self.listener else
                   f"polling only (every {self.settings.poll_interval:g}s)")
+        # async transactional handlers: each worker thread may hold one connection of its own async engine
+        async_tx = self.settings.concurrency if self.runner and any(
+            s.transactional and s.is_async for s in self.registry) else 0
         log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s, "
-                 "pooler %s, schema %s; at most %d connections (pool %d + overflow %d%s); %s",
+                 "pooler %s, schema %s; at most %d connections (pool %d + overflow %d%s%s); %s",
                  self.worker_id, self.registry.consumers or "none", self.settings.concurrency,
                  self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, self.schema,
-                 pool_size + overflow + (1 if self.listener else 0), pool_size, overflow,
-                 " + 1 LISTEN" if self.listener else "", listen)
+                 pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
+                 f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
         if self.listener:
             self.listener.start()
         if self._route:

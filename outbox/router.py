@@ -16,7 +16,7 @@ Statistics (:class:`StatisticsKeeper`): the router is the one part that knows wh
 of that table current. Without them a burst into a table that was never analysed (or
 analysed while quiet) makes every claim sort the whole ready backlog instead of reading
 ``ix_outbox_jobs_ready`` in claim order, and autovacuum's analyze comes a minute or more
-later (docs/performance.md, finding 1). An ANALYZE that cannot get its lock at once, or
+later (performance notes, finding 1). An ANALYZE that cannot get its lock at once, or
 fails, is skipped and tried again later; it never stops routing.
 """
 
@@ -35,6 +35,8 @@ from . import backoff
 from .db import queries
 from .db.engine import describe
 from .poison import Quarantine, whole_or_halves
+from .registry import Outbox
+from .settings import OutboxSettings
 
 log = logging.getLogger("outbox.router")
 
@@ -46,6 +48,30 @@ class RouteResult:
     events: int
     jobs: int
     unsubscribed: int
+
+
+def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
+    """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``
+    of schema ``settings.schema_name`` (the relay does at start, :func:`outbox.testing.drain`
+    before routing): routing creates jobs for the pairs found there."""
+    subs = list(registry)
+    if not subs:
+        return
+    with engine.begin() as conn:
+        changed = conn.execute(queries.in_schema(settings.schema_name).subscription_upsert_many, {
+            "topics": [s.topic for s in subs],
+            "consumers": [s.consumer for s in subs],
+            "max_attempts": [s.max_attempts for s in subs],
+            "leases": [s.lease or settings.default_lease for s in subs],
+            "priorities": [s.priority for s in subs],
+            "transactional": [s.transactional for s in subs],
+        }).all()
+    for row in changed:
+        if row.updated:
+            log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "
+                        "priority=%s, transactional=%s); another registry declaring it differently would be "
+                        "overwritten the same way", row.consumer, row.topic, row.max_attempts, row.lease_seconds,
+                        row.priority, row.transactional)
 
 
 def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),

@@ -13,7 +13,6 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-
 #: Longest retention, seconds (100 years): PostgreSQL cannot compute ``now()`` minus much more.
 MAX_RETENTION = 100 * 365 * 86_400.0
 

@@ -1,27 +1,296 @@
-"""Helpers for tests of outbox and of applications using it: a server to test against and
-throw-away databases on it.
+"""Helpers for tests of outbox and of applications using it: jobs to hand to a handler,
+the relay's work run in-process, a server to test against and throw-away databases on it.
+
+:func:`make_job` builds a :class:`~outbox.Job` for a unit test of a handler.
+:func:`drain` routes and runs every due job of a registry in the calling thread, with the
+relay's own claim, handler execution (:class:`outbox.worker.JobExecutor`) and fenced
+statements, and returns how each attempt ended (Oban's ``drain_queue``, River's
+``rivertest``). The pytest fixtures of :mod:`outbox.pytest_plugin` give each test a
+migrated database of its own.
 
 :func:`server_url` picks the server: ``OUTBOX_TEST_DATABASE_URL``, else
 ``OUTBOX_DATABASE_URL``, else an embedded PostgreSQL (extra ``embedded``) started in a
 temporary folder. :func:`temporary_database` creates a uniquely named database (from a
 template, when given) and drops it afterwards, so tests never touch data they did not
 create.
+
+Drain's rounds: each round routes every unrouted event (the registry's subscriptions
+written first, as a relay does at start), then claims and runs the due jobs of the chosen
+consumers one at a time until none is left that the round has not run: one attempt per
+job per round. A job whose attempt failed is ``retried`` (back to ``ready`` after its
+backoff, by the database clock) or ``dead``. Without ``run_retries`` a retried job is not
+run again by the same call, even once its backoff has passed; with it, each round starts
+by making every retry of the chosen consumers due at once (``job_retry_now_many``: ready
+jobs with an attempt behind them, from this call or an earlier one; jobs never attempted
+keep their ``run_at``), so retried jobs run again until they are done or dead. Rounds go on while a round ran something (a handler may publish events that other
+consumers handle), at most ``max_rounds``: a round that would start past it raises
+:class:`~outbox.errors.DrainLimitError`. Nothing heartbeats: a handler that runs past its
+lease while a relay runs against the same database may lose its job to the reaper, and its
+result is then reported ``stale``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from .db.engine import make_engine, parse_url
+from . import transaction
+from .db import queries
+from .db.engine import make_async_engine, make_engine, parse_url
+from .errors import ConfigurationError, DrainLimitError, InvalidEventError
+from .job import Job
+from .publish import check_name
+from .registry import Outbox
+from .router import register_subscriptions, route_all
+from .settings import OutboxSettings
+from .worker import (
+    Failure,
+    JobExecutor,
+    Outcome,
+    WorkerContext,
+    complete_and_claim_after,
+    complete_jobs,
+    fail_jobs,
+    release_jobs,
+)
+
+__all__ = [
+    "DrainLimitError",
+    "DrainResult",
+    "create_database",
+    "drain",
+    "drop_database",
+    "make_job",
+    "migrated_template",
+    "server_url",
+    "temporary_database",
+    "wait_for",
+]
+
+# ------------------------------------------------------------------------ make_job
+
+
+def make_job(
+    payload: Any = None,
+    *,
+    id: int = 1,  # noqa: A002 - the field's name
+    event_id: int = 1,
+    consumer: str = "test_consumer",
+    topic: str = "test.topic",
+    key: str | None = None,
+    headers: dict[str, Any] | None = None,
+    attempt: int = 1,
+    max_attempts: int = 5,
+    fence: int = 1,
+    lease_seconds: float = 30.0,
+    event_created_at: datetime | None = None,
+) -> Job:
+    """A :class:`~outbox.Job` as a handler receives it, for calling a handler directly in
+    a unit test (no database involved). Every public field can be given by keyword;
+    defaults: ``payload`` ``{}``, ``id`` 1, ``event_id`` 1, ``consumer``
+    ``"test_consumer"``, ``topic`` ``"test.topic"``, ``key`` None, ``headers`` ``{}``,
+    ``attempt`` 1 of ``max_attempts`` 5, ``fence`` 1, ``lease_seconds`` 30.0,
+    ``event_created_at`` now (UTC). ``idempotency_key`` follows from them
+    (``"test_consumer:1"``). The job's lease is never lost (``job.lease_lost`` stays False
+    unless the test calls ``job.mark_lease_lost()``).
+
+    Raises :class:`~outbox.errors.ConfigurationError` naming the field for an id, event id,
+    fence or attempt count that is not a positive int, an ``attempt`` above
+    ``max_attempts``, an empty topic or consumer, or a lease that is not positive."""
+    for name, value in (("id", id), ("event_id", event_id), ("fence", fence), ("attempt", attempt),
+                        ("max_attempts", max_attempts)):
+        if type(value) is not int or value < 1:
+            raise ConfigurationError(f"make_job: {name} must be a positive int, got {value!r}")
+    if attempt > max_attempts:
+        raise ConfigurationError(f"make_job: attempt ({attempt}) must not exceed max_attempts ({max_attempts})")
+    try:
+        check_name(topic, "topic")
+        check_name(consumer, "consumer")
+    except InvalidEventError as exc:
+        raise ConfigurationError(f"make_job: {exc}") from None
+    if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or not lease_seconds > 0:
+        raise ConfigurationError(f"make_job: lease_seconds must be positive seconds, got {lease_seconds!r}")
+    return Job(id, event_id, consumer, topic, key, {} if payload is None else payload,
+               {} if headers is None else headers, attempt, max_attempts, fence, float(lease_seconds),
+               event_created_at if event_created_at is not None else datetime.now(UTC))
+
+
+# --------------------------------------------------------------------------- drain
+
+#: ``locked_by`` of the jobs :func:`drain` claims.
+DRAIN_WORKER_ID = "outbox.testing.drain"
+
+DrainOutcome = Literal["done", "retried", "dead", "released", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class DrainResult:
+    """How one attempt run by :func:`drain` ended.
+
+    ``outcome``: ``"done"`` (completed; a transactional handler's writes committed with it),
+    ``"retried"`` (failed, back to ``ready`` after its backoff), ``"dead"`` (failed with
+    :class:`~outbox.PermanentError` or on its last attempt), ``"released"`` (handed back
+    without counting the attempt: no database connection for a transactional handler, or
+    its connection broke) or ``"stale"`` (the claim was no longer drain's: another worker
+    took the job, nothing was written). ``error`` is the job's ``last_error`` text for
+    ``retried`` and ``dead`` (type, message, traceback), else None. ``attempt`` counts from 1."""
+
+    job_id: int
+    consumer: str
+    event_id: int
+    topic: str
+    attempt: int
+    outcome: DrainOutcome
+    error: str | None = None
+
+
+def drain(
+    engine: sa.Engine,
+    ob: Outbox,
+    *,
+    consumers: Collection[str] | None = None,
+    run_retries: bool = False,
+    max_rounds: int = 100,
+    settings: OutboxSettings | None = None,
+) -> list[DrainResult]:
+    """Route every unrouted event and run every due job of ``ob``'s consumers (or only of
+    ``consumers``) in the calling thread, on ``engine``'s database, until nothing is due;
+    returns one :class:`DrainResult` per attempt, in the order they ran.
+
+    The work is the relay's own: ``ob``'s subscriptions are written to
+    ``outbox_subscriptions``, events are routed by ``event_route_many``, each job is claimed
+    (fence, lease, attempt) and finished by the fenced statements the relay uses, and its
+    handler runs through :class:`outbox.worker.JobExecutor`: lease mode or transactional,
+    ``def`` or ``async def`` (an ``async def`` handler runs on an event loop of drain's own;
+    an async transactional one on an ``AsyncEngine`` made from ``engine.url`` for the call).
+    One attempt per job per round; ``run_retries=True`` makes jobs waiting out a retry's
+    backoff due at once and runs them again, round after round, until they are done or
+    dead; otherwise each retried job is reported once and left waiting out its backoff
+    (see the module's notes).
+    ``settings`` gives the backoff, the default lease and the schema of outbox's tables
+    (``schema_name``; default: ``OutboxSettings()``, the ``OUTBOX_*`` environment).
+
+    Raises :class:`~outbox.errors.ConfigurationError` for a consumer not in ``ob``, a
+    ``max_rounds`` that is not a positive int, or ``async def`` handlers to run while an
+    event loop is running in this thread (call ``await asyncio.to_thread(drain, ...)``);
+    :class:`~outbox.errors.DrainLimitError` (with the results so far) when jobs are still
+    due after ``max_rounds`` rounds; database errors of its own statements propagate.
+    Handler failures never raise: they are results."""
+    if type(max_rounds) is not int or max_rounds < 1:
+        raise ConfigurationError(f"drain: max_rounds must be a positive int, got {max_rounds!r}")
+    chosen = list(ob.consumers if consumers is None else consumers)
+    unknown = [c for c in chosen if c not in ob.consumers]
+    if unknown or isinstance(consumers, str):
+        raise ConfigurationError(f"drain: consumers {unknown or [consumers]!r} are not declared in the registry "
+                                 f"(it declares {ob.consumers!r})")
+    subscribers = {c: ob[c] for c in chosen}
+    if any(s.is_async for s in subscribers.values()) and _loop_running():
+        raise ConfigurationError("drain runs async def handlers on an event loop of its own, and this thread's loop "
+                                 "is running: call it as `await asyncio.to_thread(drain, ...)`")
+    settings = settings if settings is not None else OutboxSettings()
+    schema = settings.schema_name
+    register_subscriptions(engine, ob, settings)
+    if not subscribers:
+        route_all(engine, settings.route_batch, schema=schema)
+        return []
+    leases = {c: s.lease or settings.default_lease for c, s in subscribers.items()}
+    deadlines: dict[int, float] = {}  # fence -> time.monotonic() by which the claim's lease has surely run out
+    executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
+                           held=lambda job: time.monotonic() < deadlines.get(job.fence, 0.0),
+                           stopping=threading.Event())
+    context = WorkerContext(lambda: make_async_engine(engine.url, pool_size=1, max_overflow=0,
+                                                      application_name="outbox-drain"))
+    results: list[DrainResult] = []
+    left_waiting: set[int] = set()  # retried jobs this call will not run again (no run_retries)
+    rounds = 0
+    try:
+        while True:
+            route_all(engine, settings.route_batch, schema=schema)
+            if run_retries:
+                with _autocommit(engine) as conn:
+                    conn.execute(queries.in_schema(schema).job_retry_now_many, {"consumers": chosen})
+            ran: set[int] = set()
+            retried: list[int] = []
+            while True:
+                sent = time.monotonic()
+                job = _claim_one(engine, leases, ran | left_waiting, schema)
+                if job is None:
+                    break
+                if not ran and rounds == max_rounds:
+                    with _autocommit(engine) as conn:
+                        release_jobs(conn, [job], schema=schema)
+                    raise DrainLimitError(f"drain: jobs still due after {max_rounds} rounds (max_rounds); the "
+                                          f"next was job {job.id} of {job.consumer}", results)
+                ran.add(job.id)
+                deadlines[job.fence] = sent + job.lease_seconds
+                result = _record(engine, job, executor.run(job, subscribers[job.consumer], context), schema)
+                del deadlines[job.fence]
+                results.append(result)
+                if result.outcome == "retried":
+                    retried.append(job.id)
+            if not ran:
+                return results
+            rounds += 1
+            if not run_retries:
+                left_waiting.update(retried)
+    finally:
+        context.close()
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _autocommit(engine: sa.Engine) -> sa.Connection:
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], schema: str) -> Job | None:
+    """Claim the next due job of the consumers in ``leases`` (claim order), leaving out
+    ``skip``; None when there is none."""
+    with _autocommit(engine) as conn:
+        _, claimed, _ = complete_and_claim_after(conn, [], leases, 1, DRAIN_WORKER_ID, None, skip=sorted(skip),
+                                                 schema=schema)
+    return claimed[0] if claimed else None
+
+
+def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure, schema: str) -> DrainResult:
+    """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements (in ``schema``)."""
+    error = None
+    ended: DrainOutcome
+    with _autocommit(engine) as conn:
+        if outcome is Outcome.COMMITTED:
+            ended = "done"
+        elif outcome is Outcome.DONE:
+            ended = "done" if job.id in complete_jobs(conn, [job], schema=schema) else "stale"
+        elif outcome is Outcome.RELEASE:
+            ended = "released" if job.id in release_jobs(conn, [job], schema=schema) else "stale"
+        elif isinstance(outcome, Failure):
+            status = fail_jobs(conn, [(job, outcome)], schema=schema).get(job.id)
+            ended = "retried" if status == "ready" else "dead" if status == "dead" else "stale"
+            error = outcome.error if ended != "stale" else None
+        else:
+            ended = "stale"
+    return DrainResult(job.id, job.consumer, job.event_id, job.topic, job.attempt, ended, error)
+
+
+# ------------------------------------------------------------ servers and databases
 
 
 def server_url() -> tuple[URL, bool]:

@@ -1,6 +1,6 @@
 """The transaction a transactional handler runs in: its connection, its isolation, its
 limits and its retries. The job runner (:mod:`outbox.worker`) drives it; this module holds
-the rules (docs/architecture.md, "The handler's transaction").
+the rules (architecture notes, "The handler's transaction").
 
 Connection first. A worker checks a connection out of the relay's pool *before* it calls
 the handler (:meth:`HandlerConnections.acquire`), so "no connection" is told apart from
@@ -41,6 +41,14 @@ transaction is rolled back and the handler runs again in a new one, on the same 
 the same attempt, up to :data:`IN_PLACE_RETRIES` times after a short jittered pause
 (:func:`retry_pause`), and only while the lease is still held. After that the error
 counts as one failed attempt like any other.
+
+Sync and async: a plain ``def`` handler gets a :class:`~sqlalchemy.orm.Session`, an
+``async def`` one an :class:`~sqlalchemy.ext.asyncio.AsyncSession` on a connection of the
+worker thread's own :class:`~sqlalchemy.ext.asyncio.AsyncEngine` (one event loop per
+worker thread, and an async engine's pool must stay on one loop: SQLAlchemy docs, "Using
+multiple asyncio event loops"). Both run the same steps, :func:`begin` before the handler
+and :func:`complete` after it (the async form through ``AsyncSession.run_sync``), so the
+rules above are written once.
 """
 
 from __future__ import annotations
@@ -49,10 +57,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection, CursorResult, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from . import backoff
 from .db import queries
@@ -109,6 +119,31 @@ def set_limits(conn: Connection, lease_seconds: float) -> None:
     conn.execute(queries.job_transaction_limits_set_local, {"idle_timeout": str(millis)})
 
 
+def begin(session: Session, lease_seconds: float) -> None:
+    """Begin the handler's transaction on ``session`` (its bind begins at
+    :data:`ISOLATION_LEVEL`) and run its first statement, :func:`set_limits`."""
+    session.begin()
+    set_limits(session.connection(), lease_seconds)
+
+
+def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None], *,
+             schema: str | None = None) -> bool:
+    """End the handler's transaction on ``session``: flush the handler's writes, call
+    ``completing()`` (the runner's mark that this claim's outcome is being written), run the
+    fenced :data:`~outbox.db.queries.job_complete` and commit. Returns False, without
+    committing, when the completion matched no row (the claim is no longer this worker's):
+    the caller rolls back, the handler's writes with it. ``schema``: the schema of outbox's
+    tables (None: the process default). Database errors propagate."""
+    session.flush()
+    completing()
+    completed = cast(CursorResult[Any], session.execute(queries.in_schema(schema).job_complete,
+                                                          {"id": job_id, "fence": fence}))
+    if completed.rowcount != 1:
+        return False
+    Session.commit(session)  # the base class's: a handler's session refuses commit() from the handler
+    return True
+
+
 class HandlerConnections:
     """Connections for transactional handlers, checked out of ``engine``'s pool before the
     handler runs, each beginning its transactions at :data:`ISOLATION_LEVEL` (the driver's
@@ -127,18 +162,25 @@ class HandlerConnections:
         self._warned_at = -EPISODE_LOG_INTERVAL  # time.monotonic() of the last episode logged
         self._logged = False  # the current episode was logged (so its end is too)
 
-    def acquire(self, held: Callable[[], bool], wait_limit: float, wake: threading.Event) -> Connection | None:
+    def acquire(self, held: Callable[[], bool], wait_limit: float, wake: threading.Event,
+                connect: Callable[[], Any] | None = None) -> Any:
         """A connection for one job's transaction, or None when none could be had while
         ``held()`` stayed true, within ``wait_limit`` seconds of waiting: the caller then
         releases the job (attempt not counted). Connect failures (a ``DBAPIError`` such as
         the server's ``too many connections``, SQLSTATE 53300) and the pool's
         ``TimeoutError`` are retried with capped jittered backoff; ``wake`` (the relay
-        draining) cuts a wait short. Never raises for a connection problem."""
+        draining) cuts a wait short. Never raises for a connection problem.
+
+        ``connect`` makes the connection (default: a ``Connection`` of this object's
+        engine); an async transactional handler's worker passes one that opens an
+        ``AsyncConnection`` of its own async engine, so both kinds share the waiting, the
+        episode logging and :attr:`stats`."""
         failures = 0
         deadline = time.monotonic() + wait_limit
+        connect = connect or self.engine.connect
         while True:
             try:
-                conn = self.engine.connect()
+                conn = connect()
             except (DBAPIError, sa.exc.TimeoutError) as exc:
                 failures += 1
                 self._failed(exc, first=failures == 1)

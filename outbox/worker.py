@@ -13,15 +13,17 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   in the relay's row of ``outbox_relays`` by the same statement;
 * the **starter** hands buffered jobs to workers as they come free, on its own
   connection: one small statement unlists all it hands over at once (``relay_buffer_remove``),
-  and only then do their handlers start (see "Attempts and crashes" in docs/architecture.md);
-* ``concurrency`` **worker threads** run handlers; a worker is free again the moment its
-  handler returns (the claim stays held, and heartbeated, until its outcome is written);
+  and only then do their handlers start (architecture notes, "Attempts and crashes");
+* ``concurrency`` **worker threads** run handlers through the **executor**
+  (:class:`JobExecutor`, which runs one job and says how it ended; ``outbox.testing.drain``
+  uses the same one); a worker is free again the moment its handler returns (the claim
+  stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** renews the leases of every claim this process holds, buffered ones
   included, in one statement every lease/3 (of the shortest lease).
 
 Every write that changes a claimed job names its fence and requires ``status='running'``;
 a row that does not come back means the report was stale and changed nothing: it is
-dropped and logged (docs/architecture.md, "Statements").
+dropped and logged (architecture notes, "Statements").
 
 Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
 (reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``
@@ -31,7 +33,9 @@ Transactional mode: the handler runs as ``handler(job, session)`` inside a trans
 ends with the fenced completion; if the fence no longer matches, the whole transaction,
 handler writes included, rolls back. Its connection is checked out first, its isolation is
 READ COMMITTED, and a serialization failure or deadlock is retried in place
-(:mod:`outbox.transaction`).
+(:mod:`outbox.transaction`). An ``async def`` transactional handler gets an
+``AsyncSession`` on a connection of its worker thread's own async engine (made on first
+use, one connection) and the same steps.
 
 Failures: an exception puts the job back to ``ready`` after :func:`outbox.backoff.retry_delay`
 or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
@@ -48,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import queue
 import threading
@@ -55,18 +60,19 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 from sqlalchemy import TextClause
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import backoff, poison, transaction
 from .db import queries
-from .db.engine import describe, is_disconnect
+from .db.engine import describe, is_disconnect, make_async_engine
 from .errors import ConfigurationError, LeaseLostError, PermanentError
 from .job import Job
 from .notify import Wakeup
@@ -131,7 +137,7 @@ def _clean(text: str) -> str:
 
 Executor = Connection | psycopg.Connection[Any]
 
-_PSYCOPG_DIALECT = psycopg_dialect.dialect()
+_PSYCOPG_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy's dialects are untyped
 _COMPILED: dict[int, str] = {}
 
 
@@ -307,14 +313,24 @@ def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]], *, schema: st
 
 # ------------------------------------------------------------------ the runner
 
-_DONE = "done"          # lease mode: handler returned
-_COMMITTED = "committed"  # transactional mode: completion already committed
-_STALE = "stale"        # nothing to write: the fence no longer matches
-_RELEASE = "release"
+class Outcome(enum.Enum):
+    """How running a claimed job's handler ended, when it did not fail (a failure is a
+    :class:`Failure`). Which statement, if any, is still to write follows from it."""
+
+    #: Lease mode: the handler returned; the fenced completion is still to write.
+    DONE = "done"
+    #: Transactional mode: the fenced completion committed with the handler's writes.
+    COMMITTED = "committed"
+    #: Nothing to write: the claim is no longer this worker's (lease lost, fence stale).
+    STALE = "stale"
+    #: Hand the job back as ready now, the attempt not counted (fenced).
+    RELEASE = "release"
 
 
-class _StaleCompletion(Exception):
-    """The fenced completion inside a transactional handler's transaction matched no row."""
+_DONE = Outcome.DONE
+_COMMITTED = Outcome.COMMITTED
+_STALE = Outcome.STALE
+_RELEASE = Outcome.RELEASE
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,16 +345,222 @@ class _RetryInPlace:
 class HandlerSession(Session):
     """The ``Session`` given to transactional handlers. The relay owns the transaction:
     ``commit()`` raises, since the job's completion must commit with the handler's writes.
-    Use ``flush()`` to send writes early, or a SAVEPOINT (``begin_nested()``)."""
-
-    _outbox_owned = False
+    Use ``flush()`` to send writes early, or a SAVEPOINT (``begin_nested()``). An
+    ``async def`` handler gets an ``AsyncSession`` around one of these, so the same holds."""
 
     def commit(self) -> None:
         """Refused inside a handler (ConfigurationError); outbox commits."""
-        if not self._outbox_owned:
-            raise ConfigurationError(
-                "a transactional handler must not commit: outbox commits its writes together with the job's completion")
-        super().commit()
+        raise ConfigurationError(
+            "a transactional handler must not commit: outbox commits its writes together with the job's completion")
+
+
+class WorkerContext:
+    """What one worker thread keeps for the handlers it runs, each made on first use: an
+    event loop for ``async def`` handlers, and for async transactional handlers an
+    :class:`~sqlalchemy.ext.asyncio.AsyncEngine` of one connection made by
+    ``async_engine`` (an async engine's pool must stay on one event loop). A thread that
+    never runs an ``async def`` handler makes neither. Not thread-safe: one per thread;
+    :meth:`close` at the end."""
+
+    def __init__(self, async_engine: Callable[[], AsyncEngine]) -> None:
+        self._make_async_engine = async_engine
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._async_engine: AsyncEngine | None = None
+        self._transaction_engine: AsyncEngine | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """This thread's event loop."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    def connect_async(self) -> AsyncConnection:
+        """A started ``AsyncConnection`` of this thread's async engine, its transactions at
+        :data:`outbox.transaction.ISOLATION_LEVEL`; raises what connecting raises."""
+        if self._transaction_engine is None:
+            self._async_engine = self._make_async_engine()
+            self._transaction_engine = self._async_engine.execution_options(
+                isolation_level=transaction.ISOLATION_LEVEL)
+        return self.loop.run_until_complete(self._transaction_engine.connect().start())
+
+    def close(self) -> None:
+        """Dispose of the async engine and close the event loop (if made)."""
+        if self._async_engine is not None:
+            try:
+                self.loop.run_until_complete(self._async_engine.dispose())
+            except Exception:  # noqa: BLE001 - closing down
+                pass
+            self._async_engine = self._transaction_engine = None
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+
+class JobExecutor:
+    """Runs one claimed job's handler and says how it ended: an :class:`Outcome` or a
+    :class:`Failure` (the statement that records it is the caller's). Shared by the
+    relay's worker threads (:class:`JobRunner`) and :func:`outbox.testing.drain`.
+
+    Lease mode: ``handler(job)`` outside any transaction. Transactional mode: a connection
+    first (:meth:`outbox.transaction.HandlerConnections.acquire`), then
+    ``handler(job, session)`` between :func:`outbox.transaction.begin` and
+    :func:`outbox.transaction.complete` in one READ COMMITTED transaction, run again in
+    place after a serialization failure or deadlock (at most
+    :data:`outbox.transaction.IN_PLACE_RETRIES` times, while the claim is held). An
+    ``async def`` handler runs on the thread's event loop (:class:`WorkerContext`); an
+    async transactional one gets an ``AsyncSession`` and the same steps.
+
+    ``held(job)`` says whether the caller still holds the claim; ``stopping`` (the relay
+    draining) cuts waits short; ``completing(job)`` is called as the fenced completion of
+    a transactional handler is about to run, ``abandoned(job)`` when that transaction
+    failed instead. ``stats["retried_in_place"]`` counts in-place retries."""
+
+    def __init__(self, settings: OutboxSettings, connections: transaction.HandlerConnections, *,
+                 held: Callable[[Job], bool], stopping: threading.Event,
+                 completing: Callable[[Job], None] = lambda job: None,
+                 abandoned: Callable[[Job], None] = lambda job: None,
+                 stats: dict[str, int] | None = None) -> None:
+        self.settings = settings
+        self.connections = connections
+        self.held = held
+        self.stopping = stopping
+        self.completing = completing
+        self.abandoned = abandoned
+        self.stats = stats if stats is not None else {"retried_in_place": 0}
+        self._warned_return: set[str] = set()  # consumers whose handler returned a value (warned once)
+
+    def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure:
+        """Run ``sub``'s handler for ``job`` once (a transactional one perhaps again in
+        place); never raises for the handler's failures."""
+        if sub.transactional:
+            return self._run_transactional(job, sub, context)
+        try:
+            if sub.is_async:
+                result = context.loop.run_until_complete(sub.handler(job))
+            else:
+                result = sub.handler(job)
+        except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
+            return self.failure(job, exc)
+        self._warn_return(sub, result)
+        return _DONE
+
+    def _run_transactional(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure:
+        """Get a connection first (waiting while the claim is held; released, attempt not
+        counted, without one), then run the handler and the fenced completion in one
+        transaction, retried in place after a serialization failure or deadlock while the
+        claim is held."""
+        conn = self.connections.acquire(lambda: self.held(job) and not self.stopping.is_set(),
+                                        job.lease_seconds, self.stopping,
+                                        context.connect_async if sub.is_async else None)
+        if conn is None:
+            if job.lease_lost:
+                return _STALE
+            log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer)
+            return _RELEASE
+        try:
+            retries = 0
+            while True:
+                if sub.is_async:
+                    outcome = context.loop.run_until_complete(self._async_transaction_once(job, sub, conn))
+                else:
+                    outcome = self._transaction_once(job, sub, conn)
+                if not isinstance(outcome, _RetryInPlace):
+                    return outcome
+                if retries >= transaction.IN_PLACE_RETRIES or not self.held(job):
+                    return self.failure(job, outcome.exc)
+                retries += 1
+                self.stats["retried_in_place"] += 1
+                log.info("job %s (%s): %s in its transaction (%s); running it again in place (%d/%d, attempt %s "
+                         "not counted again)", job.id, job.consumer, transaction.RETRY_SQLSTATES[outcome.sqlstate],
+                         describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt)
+                self.stopping.wait(transaction.retry_pause(retries))
+        finally:
+            try:
+                if sub.is_async:
+                    context.loop.run_until_complete(conn.close())
+                else:
+                    conn.close()
+            except Exception as exc:  # noqa: BLE001 - a broken connection; the pool replaces it
+                log.debug("closing job %s's transaction connection failed: %s", job.id, describe(exc))
+
+    def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection) -> Outcome | Failure | _RetryInPlace:
+        """One transaction on ``conn``: begin (limits), handler, complete (fenced), commit."""
+        session = HandlerSession(bind=conn)
+        try:
+            with session:
+                transaction.begin(session, job.lease_seconds)
+                result = sub.handler(job, session)
+                committed = transaction.complete(session, job.id, job.fence, lambda: self.completing(job),
+                                                 schema=self.settings.schema_name)
+        except BaseException as exc:  # noqa: BLE001
+            return self._transaction_failed(job, exc)
+        return self._transaction_ended(job, sub, committed, result)
+
+    async def _async_transaction_once(self, job: Job, sub: Subscriber, conn: AsyncConnection) -> Outcome | Failure | _RetryInPlace:
+        """:meth:`_transaction_once` for an ``async def`` handler: the same steps on an
+        ``AsyncSession`` (its sync session runs :func:`outbox.transaction.begin` and
+        :func:`outbox.transaction.complete` through ``run_sync``)."""
+        session = AsyncSession(bind=conn, sync_session_class=HandlerSession)
+        try:
+            async with session:
+                await session.run_sync(transaction.begin, job.lease_seconds)
+                result = await sub.handler(job, session)
+                committed = await session.run_sync(transaction.complete, job.id, job.fence,
+                                                   lambda: self.completing(job), schema=self.settings.schema_name)
+        except BaseException as exc:  # noqa: BLE001
+            return self._transaction_failed(job, exc)
+        return self._transaction_ended(job, sub, committed, result)
+
+    def _transaction_ended(self, job: Job, sub: Subscriber, committed: bool, result: Any) -> Outcome:
+        if not committed:  # the session's close rolled the handler's writes back
+            return _STALE
+        self._warn_return(sub, result)
+        return _COMMITTED
+
+    def _transaction_failed(self, job: Job, exc: BaseException) -> Outcome | Failure | _RetryInPlace:
+        """The outcome of a handler's transaction that raised ``exc`` (rolled back)."""
+        self.abandoned(job)
+        if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+            if getattr(exc.orig, "sqlstate", None) == IDLE_IN_TRANSACTION_TIMEOUT:
+                # The server ended the session because the handler sat idle inside its
+                # transaction for longer than the lease: the handler's doing, so the
+                # attempt counts (released, a handler that is always this slow would be
+                # retried forever). Fenced: if a pause cost this worker the job, the
+                # failure report changes nothing.
+                log.warning("job %s (%s): its transaction sat idle longer than the lease and the server ended "
+                            "it; counted as a failed attempt", job.id, job.consumer)
+                return self.failure(job, exc)
+            # The connection broke (server restart, terminated backend): not the
+            # handler's failure, so the attempt does not count. The release is fenced:
+            # if the commit did happen before the connection broke, it changes nothing.
+            log.warning("job %s (%s): database connection lost during its transaction (%s); releasing it",
+                        job.id, job.consumer, describe(exc))
+            return _RELEASE
+        sqlstate = transaction.retryable_sqlstate(exc)
+        if sqlstate is not None and not isinstance(exc, LeaseLostError):
+            return _RetryInPlace(exc, sqlstate)
+        return self.failure(job, exc)
+
+    def failure(self, job: Job, exc: BaseException) -> Outcome | Failure:
+        """The outcome of an attempt that raised ``exc``: :attr:`Outcome.STALE` when the
+        claim was lost (``LeaseLostError``, or ``job.lease_lost``), else a :class:`Failure`
+        whose delay is :func:`outbox.backoff.retry_delay` of the attempt (``PermanentError``:
+        permanent)."""
+        if isinstance(exc, LeaseLostError) or job.lease_lost:
+            return _STALE
+        s = self.settings
+        return Failure(
+            delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),
+            permanent=isinstance(exc, PermanentError),
+            error=format_error(exc),
+        )
+
+    def _warn_return(self, sub: Subscriber, result: Any) -> None:
+        if result is not None and sub.consumer not in self._warned_return:
+            self._warned_return.add(sub.consumer)
+            log.warning("handler of %s returned %s; the value is ignored (handlers return None)",
+                        sub.consumer, type(result).__name__)
 
 
 class JobRunner:
@@ -362,7 +584,8 @@ class JobRunner:
     """
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
-                 worker_id: str, wake: Wakeup, *, reconnect: Reconnector | None = None) -> None:
+                 worker_id: str, wake: Wakeup, *, reconnect: Reconnector | None = None,
+                 async_engine: Callable[[], AsyncEngine] | None = None) -> None:
         self.engine = engine
         self.settings = settings
         self.schema = settings.schema_name  # every statement below runs on this schema's tables
@@ -374,7 +597,11 @@ class JobRunner:
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
         self.stats: dict[str, int] = {k: 0 for k in (
             "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released", "retried_in_place")}
-        self._handler_connections = transaction.HandlerConnections(engine, settings.reconnect_max)
+        # Handlers run in the worker threads through one executor; an async transactional
+        # handler's thread makes an async engine of one connection on first use.
+        self._async_engine = async_engine or (lambda: make_async_engine(
+            engine.url, pool_size=1, max_overflow=0, application_name="outbox-relay",
+            prepared_statements=settings.pooler == "none"))
         # Claims held, by fence: a fence names one claim, while a job id may be held twice
         # (an attempt that outlived its lease, and the re-claim that took it over).
         self._inflight: dict[int, Job] = {}
@@ -399,9 +626,8 @@ class JobRunner:
         # is in flight after that, so what stop() counts is everything the runner holds.
         self._claims_closed = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._warned_return: set[str] = set()
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
-        # it, until HINT_SECONDS after the last claim from the head (docs/performance.md).
+        # it, until HINT_SECONDS after the last claim from the head (performance notes).
         self._hint: tuple[int, Any, int] | None = None
         self._hint_until = 0.0
         self._conn: Any = None  # the dispatcher's own pooled connection (a PoolProxiedConnection)
@@ -411,6 +637,9 @@ class JobRunner:
         self._quarantine = poison.Quarantine("job")
         self._claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
         self._claims_paused_until = 0.0
+        self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
+                                    held=self._holds, stopping=self._draining, completing=self._mark_finishing,
+                                    abandoned=self._unmark_finishing, stats=self.stats)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -620,15 +849,16 @@ class JobRunner:
         this relay's row of ``outbox_relays`` (its buffer list lives there)."""
         if self._conn is None:
             raw = self.engine.raw_connection()
-            raw.driver_connection.autocommit = True
+            driver = cast(psycopg.Connection[Any], raw.driver_connection)  # the engine's driver is psycopg
+            driver.autocommit = True
             try:
-                relay_seen(raw.driver_connection, self.worker_id, self._buffer_fences(), schema=self.schema)
+                relay_seen(driver, self.worker_id, self._buffer_fences(), schema=self.schema)
             except BaseException:
                 raw.invalidate()
                 raise
             self._conn = raw
             self._seen_at = time.monotonic()
-        return self._conn.driver_connection
+        return cast(psycopg.Connection[Any], self._conn.driver_connection)
 
     def _mark_seen(self) -> None:
         """Refresh this relay's row every ``RELAY_SEEN_INTERVAL`` seconds, busy or idle, so
@@ -806,11 +1036,11 @@ class JobRunner:
         self._claim_failures = 0
         for part in parts:
             claimed += part
-        for job_id, exc in poisoned:
-            error = f"Claiming failed for this job: {poison.describe_error(exc)}"
+        for job_id, failure in poisoned:
+            error = f"Claiming failed for this job: {poison.describe_error(failure)}"
             dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error, schema=self.schema))
             if dead is None:
-                self._quarantine.add(job_id, exc, "claiming")
+                self._quarantine.add(job_id, failure, "claiming")
             elif dead:
                 self.stats["dead"] += 1
                 log.error("dead-lettered job %s: %s", job_id, error)
@@ -1018,21 +1248,18 @@ class JobRunner:
     # ------------------------------------------------------------- workers
 
     def _work_loop(self) -> None:
-        loop: asyncio.AbstractEventLoop | None = None
-        while True:
-            job = self._todo.get()
-            if job is None:
-                break
-            if self._draining.is_set() or job.lease_lost:
-                self._post(job, _RELEASE)
-                continue
-            sub = self.subscribers[job.consumer]
-            if sub.is_async and loop is None:
-                loop = asyncio.new_event_loop()
-            outcome = self._run_transactional(job, sub) if sub.transactional else self._run_lease_mode(job, sub, loop)
-            self._post(job, outcome)
-        if loop is not None:
-            loop.close()
+        context = WorkerContext(self._async_engine)
+        try:
+            while True:
+                job = self._todo.get()
+                if job is None:
+                    break
+                if self._draining.is_set() or job.lease_lost:
+                    self._post(job, _RELEASE)
+                    continue
+                self._post(job, self.executor.run(job, self.subscribers[job.consumer], context))
+        finally:
+            context.close()
 
     def _post(self, job: Job, outcome: Any) -> None:
         """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
@@ -1045,107 +1272,20 @@ class JobRunner:
         self._outcomes.put((job, outcome))
         self.wake.poke()
 
-    def _run_lease_mode(self, job: Job, sub: Subscriber, loop: asyncio.AbstractEventLoop | None) -> Any:
-        try:
-            if sub.is_async:  # not "loop is not None": once made, the loop stays for sync handlers too
-                result = loop.run_until_complete(sub.handler(job))
-            else:
-                result = sub.handler(job)
-        except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
-            return self._failure(job, exc)
-        self._warn_return(sub, result)
-        return _DONE
-
-    def _run_transactional(self, job: Job, sub: Subscriber) -> Any:
-        """Run a transactional handler (:mod:`outbox.transaction`): get a connection first
-        (waiting while the claim is held; released, attempt not counted, without one), then
-        run the handler and the fenced completion in one READ COMMITTED transaction,
-        retried in place after a serialization failure or deadlock while the lease holds."""
-        conn = self._handler_connections.acquire(lambda: self._holds(job) and not self._draining.is_set(),
-                                                 job.lease_seconds, self._draining)
-        if conn is None:
-            if job.lease_lost:
-                return _STALE
-            log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer)
-            return _RELEASE
-        with conn:
-            retries = 0
-            while True:
-                outcome = self._transaction_once(job, sub, conn)
-                if not isinstance(outcome, _RetryInPlace):
-                    return outcome
-                if retries >= transaction.IN_PLACE_RETRIES or not self._holds(job):
-                    return self._failure(job, outcome.exc)
-                retries += 1
-                self.stats["retried_in_place"] += 1
-                log.info("job %s (%s): %s in its transaction (%s); running it again in place (%d/%d, attempt %s "
-                         "not counted again)", job.id, job.consumer, transaction.RETRY_SQLSTATES[outcome.sqlstate],
-                         describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt)
-                self._draining.wait(transaction.retry_pause(retries))
-
     def _holds(self, job: Job) -> bool:
         """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its
         lease not past the local bound renewed by each heartbeat."""
         return not job.lease_lost and time.monotonic() < job._lease_bound
 
-    def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection) -> Any:
-        """One transaction on ``conn``: limits, handler, flush, fenced completion, commit."""
-        session = HandlerSession(bind=conn)
-        try:
-            with session:
-                session.begin()
-                transaction.set_limits(session.connection(), job.lease_seconds)
-                result = sub.handler(job, session)
-                session.flush()
-                with self._lock:
-                    self._finishing.add(job.fence)
-                if session.execute(self.statements.job_complete, {"id": job.id, "fence": job.fence}).rowcount != 1:
-                    raise _StaleCompletion()
-                session._outbox_owned = True
-                session.commit()
-        except _StaleCompletion:
-            return _STALE
-        except BaseException as exc:  # noqa: BLE001
-            with self._lock:
-                self._finishing.discard(job.fence)
-            if isinstance(exc, DBAPIError) and exc.connection_invalidated:
-                if getattr(exc.orig, "sqlstate", None) == IDLE_IN_TRANSACTION_TIMEOUT:
-                    # The server ended the session because the handler sat idle inside its
-                    # transaction for longer than the lease: the handler's doing, so the
-                    # attempt counts (released, a handler that is always this slow would be
-                    # retried forever). Fenced: if a pause cost this worker the job, the
-                    # failure report changes nothing.
-                    log.warning("job %s (%s): its transaction sat idle longer than the lease and the server ended "
-                                "it; counted as a failed attempt", job.id, job.consumer)
-                    return self._failure(job, exc)
-                # The connection broke (server restart, terminated backend): not the
-                # handler's failure, so the attempt does not count. The release is fenced:
-                # if the commit did happen before the connection broke, it changes nothing.
-                log.warning("job %s (%s): database connection lost during its transaction (%s); releasing it",
-                            job.id, job.consumer, describe(exc))
-                return _RELEASE
-            sqlstate = transaction.retryable_sqlstate(exc)
-            if sqlstate is not None and not isinstance(exc, LeaseLostError):
-                return _RetryInPlace(exc, sqlstate)
-            return self._failure(job, exc)
-        self._warn_return(sub, result)
-        return _COMMITTED
+    def _mark_finishing(self, job: Job) -> None:
+        """A transactional handler's completion is about to run: a heartbeat that misses
+        the row from now on must not take it for a lost lease."""
+        with self._lock:
+            self._finishing.add(job.fence)
 
-    def _failure(self, job: Job, exc: BaseException) -> Any:
-        if isinstance(exc, LeaseLostError) or job.lease_lost:
-            return _STALE
-        s = self.settings
-        return Failure(
-            delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),
-            permanent=isinstance(exc, PermanentError),
-            error=format_error(exc),
-        )
-
-    def _warn_return(self, sub: Subscriber, result: Any) -> None:
-        if result is not None and sub.consumer not in self._warned_return:
-            self._warned_return.add(sub.consumer)
-            log.warning("handler of %s returned %s; the value is ignored (handlers return None)",
-                        sub.consumer, type(result).__name__)
+    def _unmark_finishing(self, job: Job) -> None:
+        with self._lock:
+            self._finishing.discard(job.fence)
 
     # ------------------------------------------------------------- heartbeat
 

@@ -1,11 +1,11 @@
 """initial schema: events, subscriptions, jobs, the fence sequence, NOTIFY triggers
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-29 10:07:28.499136
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 from outbox.db.tables import NOTIFY_DDL, NOTIFY_DROP_DDL

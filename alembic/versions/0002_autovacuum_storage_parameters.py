@@ -4,7 +4,7 @@ Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-30 09:00:00.000000
 
-Why (docs/performance.md, findings 1 and 7). The autovacuum daemon vacuums a table once
+Why (performance notes, findings 1 and 7). The autovacuum daemon vacuums a table once
 its dead rows exceed ``autovacuum_vacuum_threshold + autovacuum_vacuum_scale_factor *
 reltuples``, and analyses it once its rows inserted, updated or deleted since the last
 ANALYZE exceed ``autovacuum_analyze_threshold + autovacuum_analyze_scale_factor *
@@ -50,9 +50,8 @@ or ANALYZE of the table. The downgrade resets the parameters to the server's def
 ``outbox.db.tables`` sets the same parameters when the schema is made by
 ``metadata.create_all`` (a test compares the two).
 """
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0002'
 down_revision = '0001'

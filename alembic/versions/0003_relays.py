@@ -14,12 +14,11 @@ reaper gives the attempt back to an expired claim whose fence its relay still li
 (``job_reap_many``): a crash never charges a job that did not start, and a handler that
 kills its process is charged each time it starts, so it still ends dead after
 ``max_attempts`` instead of looping. One row per relay, rewritten once per dispatcher
-round, never per job (docs/architecture.md, "Attempts and crashes").
+round, never per job (architecture notes, "Attempts and crashes").
 """
-from alembic import op
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
-
 
 revision = '0003'
 down_revision = '0002'

@@ -1,2 +1,9 @@
 """Database layer: the tables (:mod:`outbox.db.tables`), every runtime statement by name
-(:mod:`outbox.db.queries`), engines and error translation (:mod:`outbox.db.engine`)."""
+(:mod:`outbox.db.queries`), engines and error translation (:mod:`outbox.db.engine`).
+
+:func:`include_object` is the alembic hook an application's ``env.py`` passes so that its
+own autogenerate leaves outbox's tables alone."""
+
+from .tables import include_object
+
+__all__ = ["include_object"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import ConfigurationError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
 
@@ -74,17 +76,29 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None 
     (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL.
     """
     parsed = parse_url(url)
+    return sa.create_engine(parsed, **_engine_options(pool_size, max_overflow, application_name, prepared_statements))
+
+
+def make_async_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
+                      application_name: str = "outbox", prepared_statements: bool = True) -> AsyncEngine:
+    """The :class:`~sqlalchemy.ext.asyncio.AsyncEngine` twin of :func:`make_engine`: the
+    same URL handling, pool, pre-ping, timeouts and options, on psycopg 3's async
+    connections. Its pool belongs to the event loop that first uses it (SQLAlchemy docs,
+    "Using multiple asyncio event loops"): use one per event loop. Raises
+    :class:`ConfigurationError` for a malformed URL."""
+    parsed = parse_url(url)
+    return create_async_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
+                                                         prepared_statements))
+
+
+def _engine_options(pool_size: int, max_overflow: int | None, application_name: str,
+                    prepared_statements: bool) -> dict[str, Any]:
+    """Keyword arguments of ``create_engine`` / ``create_async_engine`` for both makers."""
     connect_args: dict[str, object] = {"connect_timeout": 5, "application_name": application_name}
     if not prepared_statements:
         connect_args["prepare_threshold"] = None
-    return sa.create_engine(
-        parsed,
-        pool_size=pool_size,
-        max_overflow=pool_size if max_overflow is None else max_overflow,
-        pool_pre_ping=True,
-        pool_recycle=1800,
-        connect_args=connect_args,
-    )
+    return {"pool_size": pool_size, "max_overflow": pool_size if max_overflow is None else max_overflow,
+            "pool_pre_ping": True, "pool_recycle": 1800, "connect_args": connect_args}
 
 
 def is_disconnect(exc: BaseException) -> bool:

@@ -83,7 +83,8 @@ def upgrade(engine: Engine, revision: str = "head", *, schema: str | None = None
     with engine.begin() as connection:
         _lock(connection, statements.schema)
         command.upgrade(alembic_config(connection, statements.schema), revision)
-        return connection.execute(statements.schema_revision).scalar_one()
+        current: str = connection.execute(statements.schema_revision).scalar_one()
+        return current
 
 
 def downgrade(engine: Engine, revision: str, *, schema: str | None = None) -> None:

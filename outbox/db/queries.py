@@ -1,6 +1,6 @@
 """Every runtime statement of outbox, by name: noun first, batch forms end in ``_many``.
 
-Rules every job-changing statement here keeps (docs/architecture.md):
+Rules every job-changing statement here keeps (architecture notes, "Statements"):
 
 * Time comes from the database clock (``now()``), never from the worker; durations are
   passed in seconds and turned into intervals by ``make_interval``.
@@ -302,7 +302,7 @@ at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually 
 unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
 bisection; :mod:`outbox.poison`): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
-(docs/performance.md).
+(performance notes).
 
 It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
 the fences of the claimed jobs after the first ``:start_now`` in claim order (those go
@@ -513,6 +513,19 @@ job_redrive_many: TextClause = text(
 )
 """Put dead jobs back to ``ready`` with a fresh attempt budget; ``last_error`` is kept
 until the next failure. Only ``dead`` rows change."""
+
+job_retry_now_many: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET run_at = now(), updated_at = now()
+    WHERE consumer = ANY (CAST(:consumers AS text[]))
+      AND status = 'ready' AND attempts > 0 AND run_at > now()
+    RETURNING id
+    """
+)
+"""Make the ready jobs of ``:consumers`` that wait out a retry's backoff (a failed or reaped
+attempt: ``attempts > 0``) due now, for ``outbox.testing.drain`` with ``run_retries``.
+Jobs never attempted (a delayed publish) keep their ``run_at``; attempts are not touched."""
 
 job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"

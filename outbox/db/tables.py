@@ -15,6 +15,8 @@ Job states (``jobs.status``)::
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
@@ -38,6 +40,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.engine import Connection
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -192,7 +195,7 @@ NOTIFY_DROP_DDL = (
 )
 
 
-def _create_notify_triggers(target, connection, **kw) -> None:
+def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any) -> None:
     for statement in NOTIFY_DDL:
         connection.exec_driver_sql(statement)
 
@@ -214,10 +217,41 @@ STORAGE_PARAMETERS: dict[str, dict[str, float]] = {
 }
 
 
-def _set_storage_parameters(target: Table, connection, **kw) -> None:
+def _set_storage_parameters(target: Table, connection: Connection, **kw: Any) -> None:
     parameters = ", ".join(f"{name} = {value}" for name, value in STORAGE_PARAMETERS[target.name].items())
     connection.exec_driver_sql(f"ALTER TABLE {target.name} SET ({parameters})")
 
 
 for _table in (events, jobs):
     event.listen(_table, "after_create", _set_storage_parameters)
+
+#: The alembic version table of outbox's own migrations, beside any application's
+#: ``alembic_version``.
+VERSION_TABLE = "outbox_alembic_version"
+
+
+def table_names() -> frozenset[str]:
+    """Names (without schema) of every table outbox creates: those on :data:`metadata` and
+    :data:`VERSION_TABLE`."""
+    return frozenset(table.name for table in metadata.tables.values()) | {VERSION_TABLE}
+
+
+def include_object(object: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
+    """An alembic ``include_object`` hook (``context.configure(include_object=...)`` in an
+    application's ``env.py``) that keeps outbox's own objects out of the application's
+    ``alembic revision --autogenerate``: False for outbox's tables (:func:`table_names`,
+    the version table included) and for the columns, indexes and constraints on them, and
+    for outbox's fence sequence; True for everything else, so the application's own
+    objects are compared as usual. Decides by name, whatever schema outbox's tables are in.
+
+    Without it, autogenerate sees outbox's tables in the database but not in the
+    application's ``target_metadata`` and proposes to drop them (outbox's migrations, run
+    by ``outbox-relay migrate``, own them). To combine with a hook of your own:
+    ``include_object=lambda *a: outbox.db.include_object(*a) and mine(*a)``.
+    """
+    if type_ == "table":
+        return name not in table_names()
+    if type_ == "sequence":
+        return name != fence_seq.name
+    table = getattr(object, "table", None)  # columns, indexes, constraints: decided by their table
+    return not (isinstance(table, Table) and table.name in table_names())

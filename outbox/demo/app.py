@@ -179,7 +179,8 @@ def demo_settings() -> DemoSettings:
     with _lock:
         if "settings" not in _state:
             _state["settings"] = DemoSettings()
-        return _state["settings"]
+        settings: DemoSettings = _state["settings"]
+        return settings
 
 
 def side_engine() -> Engine:
@@ -193,7 +194,8 @@ def side_engine() -> Engine:
                 raise ConfigurationError("the demo app needs OUTBOX_DATABASE_URL")
             engine = make_engine(url, pool_size=4, application_name="outbox-demo-app")
             _state["engine"] = engine.execution_options(isolation_level="AUTOCOMMIT")
-        return _state["engine"]
+        side: Engine = _state["engine"]
+        return side
 
 
 def _record_start(job: Job, slow: bool = False) -> None:

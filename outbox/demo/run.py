@@ -611,8 +611,8 @@ class Demo:
         committed, _ = self.producer.counts()
         with self._conn() as conn:
             p = conn.execute(_PROGRESS).one()
-        return (p.unrouted == 0 and p.events == committed and p.jobs == committed * len(CONSUMERS)
-                and p.ready == 0 and p.running == 0)
+        return bool(p.unrouted == 0 and p.events == committed and p.jobs == committed * len(CONSUMERS)
+                    and p.ready == 0 and p.running == 0)
 
     def _stop_relays(self) -> None:
         grace = self.config.grace

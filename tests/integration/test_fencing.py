@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from outbox import ConfigurationError, StaleFenceError, fenced_write
 from outbox.maintenance import reap_expired
@@ -145,3 +145,59 @@ def test_bad_arguments_raise_configuration_error_before_writing(engine, tables, 
             fenced_write(s, table, key=key, values=values, fence=fence)
         s.execute(sa.text("SELECT 1"))  # the transaction is still usable
     assert _invoice(engine) is None
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Invoice(Base):
+    """A declarative mapped class whose attribute names are its column names."""
+
+    __tablename__ = "orm_invoices"
+    order_id: Mapped[int] = mapped_column(primary_key=True)
+    amount: Mapped[int]
+    fence: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+class Unmapped:
+    __tablename__ = "orm_invoices"
+
+
+def _orm_invoice(engine: sa.Engine) -> tuple[int, int] | None:
+    with Session(engine) as s:
+        row = s.get(Invoice, 1)
+        return (row.amount, row.fence) if row else None
+
+
+@pytest.mark.parametrize("target", [Invoice, Invoice.__table__], ids=["mapped-class", "__table__"])
+def test_a_mapped_class_or_its_table_is_fenced_like_a_table(engine, target):
+    Base.metadata.create_all(engine)
+
+    def write(fence: int, amount: int) -> bool:
+        with Session(engine) as s, s.begin():
+            return fenced_write(s, target, key={"order_id": 1}, values={"amount": amount}, fence=fence)
+
+    assert write(5, 50) is True
+    assert _orm_invoice(engine) == (50, 5)
+    assert write(4, 999) is False  # stale: an older claim
+    assert write(5, 999) is False  # equal: refused too
+    assert _orm_invoice(engine) == (50, 5)
+    assert write(6, 60) is True    # fresh
+    assert _orm_invoice(engine) == (60, 6)
+    with Session(engine) as s, s.begin(), pytest.raises(StaleFenceError):
+        fenced_write(s, Invoice, key={"order_id": 1}, values={"amount": 1}, fence=6, raise_on_stale=True)
+
+
+@pytest.mark.parametrize("target, words", [
+    ("orm_invoices", "got str 'orm_invoices'"),
+    (Unmapped, "got class Unmapped"),
+    (Invoice(order_id=1, amount=1, fence=1), "got Invoice"),
+    (sa.select(invoices), "got Select"),
+    (None, "got NoneType"),
+], ids=["str", "unmapped-class", "orm-instance", "select", "none"])
+def test_anything_but_a_table_or_mapped_class_is_a_configuration_error(engine, tables, target, words):
+    with Session(engine) as s, s.begin():
+        with pytest.raises(ConfigurationError, match=f"Table, an ORM mapped class or its __table__, {words}"):
+            fenced_write(s, target, key={"order_id": 1}, values={"amount": 1}, fence=1)
+        s.execute(sa.text("SELECT 1"))  # nothing was sent; the transaction is still usable

@@ -17,8 +17,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy.engine import URL
 
 from outbox.cli import main
-from outbox.db.engine import make_engine
 from outbox.db import queries
+from outbox.db.engine import make_engine
 from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
 from outbox.testing import temporary_database, wait_for

@@ -17,8 +17,8 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish
-from outbox.errors import OutboxError
 from outbox.db.engine import make_engine
+from outbox.errors import OutboxError
 from outbox.relay import Relay
 from outbox.testing import wait_for
 

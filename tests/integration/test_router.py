@@ -135,7 +135,7 @@ def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
     first.subscriber("t", consumer="shared", max_attempts=4)(lambda job: None)
     second.subscriber("t", consumer="shared", max_attempts=1)(lambda job: None)
     settings = OutboxSettings(_env_file=None)
-    with caplog.at_level(logging.WARNING, logger="outbox.relay"):
+    with caplog.at_level(logging.WARNING, logger="outbox.router"):
         register_subscriptions(engine, first, settings)
         register_subscriptions(engine, first, settings)  # same options again: silent
         assert not caplog.records

@@ -4,18 +4,17 @@ prefetch buffer, and its own connection's recovery. Real PostgreSQL throughout."
 from __future__ import annotations
 
 import logging
-import time
 import threading
+import time
 
 import psycopg
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
 from outbox.relay import Relay
+from outbox.router import route_all
 from outbox.testing import wait_for
 from outbox.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
-
-from outbox.router import route_all
 
 from .helpers import job_row, publish_events, routed_jobs, subscribe
 

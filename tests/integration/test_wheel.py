@@ -62,6 +62,12 @@ def _revision_file() -> str:
     return path
 
 
+def test_wheel_is_typed(wheel):
+    """PEP 561: without ``outbox/py.typed`` in the wheel, mypy treats an installed outbox as
+    untyped and checks nothing an application does with it."""
+    assert "outbox/py.typed" in zipfile.ZipFile(wheel).namelist()
+
+
 def test_installed_wheel_migrates_a_fresh_database(wheel, tmp_path, empty_db_url):
     # A fresh venv holding only the wheel's outbox; its dependencies come from the dev
     # venv's site-packages through a .pth line, which (unlike a site directory) does not

@@ -148,11 +148,20 @@ def test_bad_transactional(value):
         Outbox().subscriber("t", consumer="c", transactional=value)(tx_handler)
 
 
-def test_async_transactional_handler_is_refused():
+def test_async_transactional_handler_is_accepted():
     async def handle(job, session): ...
 
-    with pytest.raises(ConfigurationError, match="transactional handler must be a plain def"):
-        Outbox().subscriber("t", consumer="c", transactional=True)(handle)
+    ob = Outbox()
+    ob.subscriber("t", consumer="c", transactional=True)(handle)
+    assert ob["c"].transactional and ob["c"].is_async
+
+
+@pytest.mark.parametrize("arity", ["job", "job, session, extra", ""])
+def test_async_transactional_handler_must_take_two_positionals(arity):
+    namespace: dict = {}
+    exec(f"async def handle({arity}): ...", namespace)
+    with pytest.raises(ConfigurationError, match=r"must accept \(job, session\)"):
+        Outbox().subscriber("t", consumer="c", transactional=True)(namespace["handle"])
 
 
 def test_handler_must_be_callable():
@@ -210,8 +219,8 @@ def test_object_with_async_call_is_async():
     ob = Outbox()
     ob.subscriber("t", consumer="c")(Handler())
     assert ob["c"].is_async
-    with pytest.raises(ConfigurationError, match="plain def"):
-        ob.subscriber("t", consumer="d", transactional=True)(type("H", (), {"__call__": _async_call})())
+    ob.subscriber("t", consumer="d", transactional=True)(type("H", (), {"__call__": _async_call})())
+    assert ob["d"].is_async and ob["d"].transactional
 
 
 async def _async_call(self, job, session): ...

@@ -1,0 +1,132 @@
+"""Typing of the public API: ``mypy --strict`` passes on a small application that uses it as
+the README does (publish, lease-mode and transactional subscribers, fenced_write with a
+Table and an ORM class, Job's fields), and reports the mistakes a type checker should catch
+there (a decorated handler called with the wrong arguments, a Job field used as the wrong
+type, a transactional handler without its session), so the decorators keep the handler's
+own type instead of ``Callable[..., Any]``."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import outbox
+
+pytest.importorskip("mypy")
+
+SOURCE_ROOT = Path(outbox.__file__).resolve().parents[1]  # the folder that holds the outbox package
+
+APP = textwrap.dedent('''
+    from __future__ import annotations
+
+    from typing import Any
+
+    import sqlalchemy as sa
+    from sqlalchemy.ext.asyncio import AsyncSession
+    from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+    from outbox import Job, Outbox, PermanentError, fenced_write, publish, publish_many
+
+    ob = Outbox()
+    md = sa.MetaData()
+    invoices = sa.Table("invoices", md, sa.Column("order_id", sa.Integer, primary_key=True),
+                        sa.Column("amount", sa.Integer), sa.Column("fence", sa.BigInteger))
+
+
+    class Base(DeclarativeBase):
+        pass
+
+
+    class Invoice(Base):
+        __tablename__ = "orm_invoices"
+        order_id: Mapped[int] = mapped_column(primary_key=True)
+        amount: Mapped[int]
+        fence: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+    @ob.subscriber("order.placed", consumer="send_receipt", max_attempts=5, lease=30.0, priority=-1)
+    def send_receipt(job: Job) -> None:
+        idempotency_key: str = job.idempotency_key
+        attempt: int = job.attempt + job.max_attempts + job.id + job.event_id
+        names: str = job.consumer + job.topic
+        key: str | None = job.key
+        headers: dict[str, Any] = job.headers
+        order_id: int = job.payload["order_id"]
+        lease: float = job.lease_seconds
+        job.check_lease()
+        if job.lease_lost or job.wait_lease_lost(0.5):
+            raise PermanentError(f"{idempotency_key} {attempt} {names} {key} {headers} {order_id} {lease}")
+
+
+    @ob.subscriber("order.placed", consumer="notify")
+    async def notify(job: Job) -> None:
+        print(job.fence)
+
+
+    @ob.subscriber("order.placed", consumer="create_invoice", transactional=True)
+    def create_invoice(job: Job, session: Session) -> None:
+        key = {"order_id": job.payload["order_id"]}
+        written: bool = fenced_write(session, invoices, key=key, values={"amount": 1}, fence=job.fence)
+        written = written and fenced_write(session, Invoice, key=key, values={"amount": 1}, fence=job.fence)
+        written = written and fenced_write(session, Invoice.__table__, key=key, values={"amount": 1},
+                                           fence=job.fence, raise_on_stale=True)
+
+
+    def place_order(engine: sa.Engine, job: Job) -> None:
+        with Session(engine) as s, s.begin():
+            publish(s, "order.placed", {"order_id": 4}, key="order:4", headers={"trace": "x"})
+            publish_many(s, [("order.placed", {"order_id": 5}), {"topic": "order.placed", "payload": {}}])
+        send_receipt(job)  # the decorated functions keep their own signatures
+        with Session(engine) as s, s.begin():
+            create_invoice(job, s)
+
+
+    async def place_order_async(session: AsyncSession, job: Job) -> None:
+        await publish(session, "order.placed", {"order_id": 6})
+        await notify(job)
+''')
+
+#: (code appended to APP, the mypy error code it must draw, words of the message)
+MISTAKES = [
+    ("send_receipt(1)", "arg-type", 'Argument 1 to "send_receipt" has incompatible type "int"; expected "Job"'),
+    ("create_invoice(Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0))", "call-arg",
+     'Missing positional argument "session" in call to "create_invoice"'),
+    ("def f(job: Job) -> int:\n    return job.key", "return-value", 'got "str | None", expected "int"'),
+    ("def g(job: Job) -> str:\n    return job.fence.upper()", "attr-defined", '"int" has no attribute "upper"'),
+    ("n: int = send_receipt(Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0))", "assignment",
+     'expression has type "None", variable has type "int"'),
+    ("Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0, _lost=True)", "call-arg", 'Unexpected keyword argument "_lost"'),
+    ("@ob.subscriber('t', consumer='tx', transactional=True)\ndef tx(job: Job) -> None: ...", "type-var",
+     'Value of type variable "TransactionalHandlerT"'),
+]
+
+
+def _mypy(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "app.py").write_text(source)
+    env = {**os.environ, "MYPYPATH": str(SOURCE_ROOT)}
+    # cwd: tmp_path, so no configuration file of the repository applies; the cache stays there.
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--no-error-summary", "--show-error-codes",
+                           "--cache-dir", str(tmp_path.parent / "mypy-cache"), "app.py"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_mypy_strict_passes_on_an_app_using_the_public_api(tmp_path):
+    result = _mypy(tmp_path, APP)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_reports_each_mistake_in_the_app(tmp_path):
+    lines = APP.count("\n") + 1
+    source = APP + "\n\n" + "\n\n".join(code for code, _, _ in MISTAKES) + "\n"
+    result = _mypy(tmp_path, source)
+    assert result.returncode == 1, result.stdout + result.stderr
+    errors = [line for line in result.stdout.splitlines() if ": error: " in line]
+    assert all(int(re.match(r"app\.py:(\d+):", line)[1]) > lines for line in errors), errors  # the app is clean
+    for code, error_code, words in MISTAKES:
+        assert any(f"[{error_code}]" in line and words in line for line in errors), (code, errors)
