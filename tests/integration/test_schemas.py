@@ -273,3 +273,31 @@ def test_migrate_into_an_existing_schema_needs_no_database_privilege(schema_owne
     capsys.readouterr()
     assert main(["migrate", "--schema", "elsewhere", "--database-url", schema_owner]) == 2
     assert "InsufficientPrivilege: permission denied for database" in capsys.readouterr().err
+
+
+def test_drain_runs_one_schema(two_schemas):
+    """outbox.testing.drain works on the schema its settings name, sync and async
+    transactional handlers included, and leaves the other schema alone."""
+    from outbox.testing import drain
+
+    ob = Outbox()
+    ran: list[int] = []
+
+    @ob.subscriber("t", consumer="sync_tx", transactional=True)
+    def sync_tx(job: Job, session: Session) -> None:
+        ran.append(job.payload["n"])
+
+    @ob.subscriber("t", consumer="async_tx", transactional=True)
+    async def async_tx(job: Job, session: Any) -> None:
+        ran.append(job.payload["n"])
+
+    with Session(two_schemas) as s, s.begin():
+        publish_many(s, [("t", {"n": n}) for n in range(2)], schema=A)
+        publish(s, "t", {"n": 9}, schema=B)
+    results = drain(two_schemas, ob, settings=OutboxSettings(_env_file=None, schema_name=A))
+    assert sorted((r.consumer, r.outcome) for r in results) == [("async_tx", "done")] * 2 + [("sync_tx", "done")] * 2
+    assert sorted(ran) == [0, 0, 1, 1]
+    assert done_jobs(two_schemas, A) == 4
+    with two_schemas.connect() as conn:
+        assert conn.execute(sa.text(f"SELECT count(*) FROM {B}.outbox_jobs")).scalar_one() == 0
+        assert conn.execute(sa.text(f"SELECT count(*) FROM {B}.outbox_events WHERE routed_at IS NULL")).scalar_one() == 1
