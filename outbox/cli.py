@@ -11,6 +11,10 @@ translated by :func:`outbox.db.engine.translate_errors`) print one line
 ``outbox-relay: error: ...`` and exit with status 2; never a traceback, never a password.
 ``migrate`` may run from many processes at once: they take turns (an advisory lock,
 :mod:`outbox.db.migrate`), and all but the first find the schema at head.
+
+Every command works on the outbox in schema ``--schema`` (default ``$OUTBOX_SCHEMA``, else
+``public``): ``migrate`` creates it there, ``run`` routes and runs its events only, and the
+inspecting commands read and change its tables only.
 """
 
 from __future__ import annotations
@@ -100,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--database-url", help="database URL (default: $OUTBOX_DATABASE_URL)")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: $OUTBOX_LOG_LEVEL or INFO)")
+        p.add_argument("--schema", help="schema of outbox's tables (default: $OUTBOX_SCHEMA or public)")
         return p
 
     run = add("run", "Run the router, the workers of --app's consumers, the reaper and the pruner.")
@@ -117,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         run.add_argument("--" + flag.replace("_", "-"), type=kind,
                          help=f"{OutboxSettings.model_fields[flag].description} Env: OUTBOX_{flag.upper()}.")
 
-    add("migrate", "Create or upgrade outbox's tables (alembic, version table outbox_alembic_version).")
+    add("migrate", "Create or upgrade outbox's tables in --schema (alembic, version table outbox_alembic_version "
+                   "in the same schema); the schema is created if missing (needs CREATE on the database).")
 
     demo = add("demo", "Run the order-processing demo on real data: relays are killed and paused on purpose.")
     from .demo.run import add_arguments as add_demo_arguments
@@ -161,6 +167,8 @@ def _settings(args: argparse.Namespace) -> OutboxSettings:
         overrides["database_url"] = args.database_url
     if getattr(args, "log_level", None):
         overrides["log_level"] = args.log_level
+    if getattr(args, "schema", None) is not None:
+        overrides["schema_name"] = args.schema
     for flag in _RUN_FLAGS:
         value = getattr(args, flag, None)
         if value is not None:
@@ -205,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _setting_error(error: Any) -> str:
     field = ".".join(map(str, error["loc"]))
+    if field in ("outbox_schema", "schema_name"):  # read from OUTBOX_SCHEMA
+        return f"schema (OUTBOX_SCHEMA or --schema): {error['msg']}"
     if not field:
         return f"settings: {error['msg']}"
     return f"{field} (OUTBOX_{field.upper()} or --{field.replace('_', '-')}): {error['msg']}"
@@ -235,19 +245,21 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
     if args.command == "psql":
         return _psql(args, settings)
     engine = _engine(settings)
-    with translate_errors(engine.url):
+    schema = settings.schema_name
+    with translate_errors(engine.url, schema):
         if args.command == "migrate":
             from .db.migrate import upgrade
 
-            revision = upgrade(engine)
-            print(f"outbox schema at revision {revision}")
+            revision = upgrade(engine, schema=schema)
+            print(f"outbox schema {schema} at revision {revision}")
             return 0
-        return _inspect(args, engine)
+        return _inspect(args, engine, schema)
 
 
 def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
     """Run psql on the configured database, or on the embedded server (kept running while
     psql runs). The embedded server's own psql binary is used for it."""
+    import os
     import shutil
     import subprocess
     from pathlib import Path
@@ -272,25 +284,31 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
     if args.db_name:
         target = target.set(database=args.db_name)
     conninfo = target.set(drivername="postgresql").render_as_string(hide_password=False)
-    return subprocess.call([binary, conninfo])
+    # Unqualified names resolve in outbox's schema first (then public), so `SELECT * FROM
+    # outbox_jobs` reads the jobs of --schema; PGOPTIONS reaches this psql only.
+    env = dict(os.environ)
+    if settings.schema_name != "public":
+        path = f"-c search_path={settings.schema_name},public"
+        env["PGOPTIONS"] = f"{env['PGOPTIONS']} {path}" if env.get("PGOPTIONS") else path
+    return subprocess.call([binary, conninfo], env=env)
 
 
-def _inspect(args: argparse.Namespace, engine: Any) -> int:
-
+def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
     from .db import queries
     from .db.migrate import check_schema
     from .maintenance import dead_letters, redrive
 
+    statements = queries.in_schema(schema)
     with engine.begin() as conn:
-        check_schema(conn)
+        check_schema(conn, schema)
         if args.command == "status":
-            rows = conn.execute(queries.job_count_by_status).all()
-            unrouted = conn.execute(queries.event_unrouted_count).scalar_one()
+            rows = conn.execute(statements.job_count_by_status).all()
+            unrouted = conn.execute(statements.event_unrouted_count).scalar_one()
             print(f"unrouted events: {unrouted}")
             print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
             for r in rows:
                 print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
-            schedules = conn.execute(queries.schedule_list).all()
+            schedules = conn.execute(statements.schedule_list).all()
             if schedules:
                 print(f"{'schedule':<32} {'cron':<18} {'timezone':<16} {'last slot published':<26} next slot")
             for r in schedules:
@@ -299,7 +317,7 @@ def _inspect(args: argparse.Namespace, engine: Any) -> int:
                       f"{r.next_slot.astimezone(UTC).isoformat()}"
                       f"{'  (catch_up)' if r.catch_up else ''}")
         elif args.command == "dead":
-            rows = dead_letters(conn, args.consumer, args.limit)
+            rows = dead_letters(conn, args.consumer, args.limit, schema=schema)
             if not rows and not args.json:
                 print("no dead jobs" + (f" for consumer {args.consumer}" if args.consumer else ""))
             for r in rows:
@@ -311,20 +329,20 @@ def _inspect(args: argparse.Namespace, engine: Any) -> int:
         elif args.command == "redrive":
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")
-            ids = redrive(conn, args.ids or None, args.consumer)
+            ids = redrive(conn, args.ids or None, args.consumer, schema=schema)
             print(f"redriven {len(ids)} job{'s' if len(ids) != 1 else ''}" + (f": {ids[:20]}" if ids else ""))
             missing = sorted(set(args.ids) - set(ids))
             if missing:
                 print(f"not redriven (no such job, or not dead): {missing[:20]}")
         elif args.command == "subscriptions":
-            rows = conn.execute(queries.subscription_list).all()
+            rows = conn.execute(statements.subscription_list).all()
             if not rows:
                 print("no subscriptions (a relay writes its registry's when it starts)")
             for r in rows:
                 print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
                       f" priority={r.priority}{' transactional' if r.transactional else ''}")
         elif args.command == "unsubscribe":
-            topics = list(conn.execute(queries.subscription_delete, {"consumer": args.consumer}).scalars())
+            topics = list(conn.execute(statements.subscription_delete, {"consumer": args.consumer}).scalars())
             if not topics:
                 raise UsageError(f"no subscription for consumer {args.consumer!r}")
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")

@@ -13,6 +13,9 @@ for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in 
 batches, so pruning never holds long locks. When the server's autovacuum is off (for the
 server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
 round, and says so once at start.
+
+Every function works on the tables of its ``schema`` argument (None: the process default,
+:func:`outbox.settings.default_schema`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class ReapResult:
     unstarted: int = 0
 
 
-def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quarantine | None = None) -> ReapResult:
+def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quarantine | None = None, *,
+                 schema: str | None = None) -> ReapResult:
     """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
     transaction; logs one line per job dead-lettered.
 
@@ -58,18 +62,19 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     kept in ``quarantine`` (skipped by later rounds for a while)."""
     quarantine = quarantine if quarantine is not None else Quarantine("job")
     skip = quarantine.ids()
+    statements = queries.in_schema(schema)
 
     def reap(only: Sequence[int] | None) -> Sequence[Any]:
         with conn.begin_nested():
-            return conn.execute(queries.job_reap_many, {
+            return conn.execute(statements.job_reap_many, {
                 "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
 
     parts, poisoned = whole_or_halves(
         "reaping", lambda: reap(None),
-        lambda: list(conn.execute(queries.job_reap_candidates, {"limit": limit, "skip": skip}).scalars()), reap)
+        lambda: list(conn.execute(statements.job_reap_candidates, {"limit": limit, "skip": skip}).scalars()), reap)
     rows = [row for part in parts for row in part]
     if poisoned:
-        buried = _bury_many(conn, poisoned, queries.job_bury_expired, "reaping", quarantine)
+        buried = _bury_many(conn, poisoned, statements.job_bury_expired, "reaping", quarantine)
         log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
                   describe_error(poisoned[0][1]))
     dead = [r for r in rows if r.status == "dead"]
@@ -106,16 +111,18 @@ def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], stat
 
 
 def prune(conn: Connection, done_older_than: float, events_older_than: float,
-          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None) -> tuple[int, int]:
+          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
+          schema: str | None = None) -> tuple[int, int]:
     """Delete up to ``limit`` done jobs older than ``done_older_than`` seconds and up to
     ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
     (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
     the application's pointing at an event) is found by halves (:mod:`outbox.poison`) and
     kept in ``quarantine``: it stays, logged, and every other row is pruned."""
     quarantine = quarantine if quarantine is not None else Quarantine("row")
-    jobs = _prune_by_halves(conn, queries.job_prune_done_many, queries.job_prune_candidates,
+    statements = queries.in_schema(schema)
+    jobs = _prune_by_halves(conn, statements.job_prune_done_many, statements.job_prune_candidates,
                             done_older_than, limit, quarantine, "pruning the done job")
-    events = _prune_by_halves(conn, queries.event_prune_many, queries.event_prune_candidates,
+    events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
                               events_older_than, limit, quarantine, "pruning the event")
     return jobs, events
 
@@ -137,36 +144,38 @@ def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than:
     return sum(parts)
 
 
-def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER) -> int:
+def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER, *, schema: str | None = None) -> int:
     """Forget relays (rows of ``outbox_relays``) not seen for ``older_than`` seconds that
     hold no running job: killed relays, whose buffer lists no claim the reaper could still
     meet. Returns how many were removed."""
-    return conn.execute(queries.relay_prune_many, {"older_than": older_than}).rowcount
+    return conn.execute(queries.in_schema(schema).relay_prune_many, {"older_than": older_than}).rowcount
 
 
-def autovacuum_enabled(conn: Connection) -> bool:
+def autovacuum_enabled(conn: Connection, *, schema: str | None = None) -> bool:
     """True when the server's autovacuum will visit ``outbox_jobs`` (on globally, not off
     for the table)."""
-    return bool(conn.execute(queries.autovacuum_enabled).scalar_one())
+    return bool(conn.execute(queries.in_schema(schema).autovacuum_enabled).scalar_one())
 
 
-def vacuum_tables(conn: Connection) -> None:
+def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
     """``VACUUM`` ``outbox_jobs`` and ``outbox_events`` (``conn`` must be in autocommit).
     The relay does this after pruning only when autovacuum is off: a queue's table turns
     over every row it holds many times a minute, and without vacuum its dead rows, and
     with them every index and every claim's scan, grow without bound."""
-    conn.execute(queries.job_tables_vacuum)
+    conn.execute(queries.in_schema(schema).job_tables_vacuum)
 
 
-def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100) -> Sequence[Any]:
+def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+                 schema: str | None = None) -> Sequence[Any]:
     """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
     finished_at, last_error."""
-    return conn.execute(queries.job_dead_list, {"consumer": consumer, "limit": limit}).all()
+    return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
 
 
-def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None) -> list[int]:
+def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
+            schema: str | None = None) -> list[int]:
     """Put dead jobs back to ``ready`` with a fresh attempt budget: the ones in ``ids``, or
     all of ``consumer``, or (both None) every dead job. Returns the ids redriven; jobs
     that are not dead are left alone."""
-    return list(conn.execute(queries.job_redrive_many, {
+    return list(conn.execute(queries.in_schema(schema).job_redrive_many, {
         "ids": list(ids) if ids is not None else None, "consumer": consumer}).scalars())

@@ -4,7 +4,9 @@ while the listener was reconnecting only costs latency, never an event.
 
 The listener holds its own autocommit psycopg connection (not one from the pool) and
 ``LISTEN``s on ``outbox_events`` (sent on commit of a publish) and ``outbox_jobs`` (sent on
-commit of routing). When the connection breaks, for instance because the server restarted
+commit of routing); for a schema other than ``public``, on ``<schema>.outbox_events`` and
+``<schema>.outbox_jobs`` (:func:`outbox.db.tables.notify_channel`), so publishing into one
+schema never wakes the relays of another. When the connection breaks, for instance because the server restarted
 or ``pg_terminate_backend`` ended it, it reconnects through the relay's
 :class:`~outbox.reconnect.Reconnector` (probing every 0.25-0.5 s while the database is
 unreachable, at once when another loop of the relay got through), listens again, announces
@@ -22,7 +24,7 @@ import time
 import psycopg
 from sqlalchemy.engine import URL
 
-from .db.tables import EVENTS_CHANNEL, JOBS_CHANNEL
+from .db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, notify_channel
 from .reconnect import Reconnector
 
 log = logging.getLogger("outbox.notify")
@@ -74,11 +76,14 @@ class Listener:
     """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
     ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL; ``reconnect`` is
     the relay's shared reconnect policy (default: one of its own with ``reconnect_max``
-    seconds of backoff for errors other than disconnects)."""
+    seconds of backoff for errors other than disconnects); ``schema`` the schema whose
+    channels it listens on (default ``public``)."""
 
     def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event | Wakeup,
                  stop: threading.Event, *, reconnect: Reconnector | None = None, reconnect_max: float = 10.0,
-                 keepalive: float = 15.0) -> None:
+                 keepalive: float = 15.0, schema: str = "public") -> None:
+        self.events_channel = notify_channel(EVENTS_CHANNEL, schema)
+        self.jobs_channel = notify_channel(JOBS_CHANNEL, schema)
         self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
         self.wake_router = wake_router
         self.wake_workers = wake_workers
@@ -106,8 +111,9 @@ class Listener:
             try:
                 with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5,
                                      application_name="outbox-listener") as conn:
-                    conn.execute(f"LISTEN {EVENTS_CHANNEL}")
-                    conn.execute(f"LISTEN {JOBS_CHANNEL}")
+                    # Quoted: a channel of another schema has a dot in its name (validated names only).
+                    conn.execute(f'LISTEN "{self.events_channel}"')
+                    conn.execute(f'LISTEN "{self.jobs_channel}"')
                     self.connected.set()
                     if failures:
                         log.info("listening again after %d failed tries", failures)
@@ -129,7 +135,7 @@ class Listener:
         last_check = time.monotonic()
         while not self.stop.is_set():
             for note in conn.notifies(timeout=STOP_CHECK, stop_after=64):
-                if note.channel == EVENTS_CHANNEL:
+                if note.channel == self.events_channel:
                     self.wake_router.set()
                 else:
                     self.wake_workers.set()

@@ -6,8 +6,10 @@ exists exactly when the caller's transaction (or SAVEPOINT) commits: rolled back
 never delivered, committed means delivered at least once to every subscribed consumer
 (architecture notes; seed article 002, "Enqueue with your data").
 
-A statement-level trigger sends ``NOTIFY outbox_events``, which PostgreSQL delivers only on
-commit, so relays wake at once without an extra round trip here.
+A statement-level trigger sends ``NOTIFY outbox_events`` (``<schema>.outbox_events`` for a
+schema other than ``public``), which PostgreSQL delivers only on commit, so relays wake at
+once without an extra round trip here. The schema is ``publish``'s ``schema`` argument, else
+``OUTBOX_SCHEMA``, else ``public``.
 
 Publish options (``run_at``, ``delay``, ``dedup_key``, ``priority``; see :func:`publish`)
 are columns of the event, NULL when not given; the router copies them into the
@@ -382,6 +384,7 @@ def publish(
     dedup_key: str | None = None,
     priority: int | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
 ) -> Any:
     """Write one event in ``session``'s current transaction; never commits.
 
@@ -413,43 +416,55 @@ def publish(
     counts towards ``max_payload_bytes`` at that length, up to 312 bytes), but ``-0.0``
     arrives as ``0.0``: ``jsonb`` numbers have no negative zero (module notes).
 
+    ``schema`` names the schema of outbox's tables; None (the default) means the process
+    default: ``OUTBOX_SCHEMA`` from the environment, else ``public``, read on the first
+    publish and remembered (:func:`outbox.settings.default_schema`). Pass it to publish into
+    another schema (several outboxes in one database: one per tenant, say).
+
     Raises :class:`~outbox.errors.InvalidEventError` before anything is written; the
-    transaction stays usable. Raises :class:`~outbox.errors.SchemaNotReadyError` when
-    outbox's tables do not exist (the transaction is then aborted, as after any failed
-    statement). Other database errors propagate as SQLAlchemy raises them.
+    transaction stays usable. Raises :class:`~outbox.errors.ConfigurationError` for an
+    invalid schema name, also before anything is written. Raises
+    :class:`~outbox.errors.SchemaNotReadyError` when outbox's tables do not exist in the
+    schema (the transaction is then aborted, as after any failed statement). Other
+    database errors propagate as SQLAlchemy raises them.
     """
     topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes)
+    statements = queries.in_schema(schema)
     if run_at is None and delay is None and dedup_key is None and priority is None:
         params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
         if isinstance(session, (AsyncSession, AsyncConnection)):
-            return _publish_async(session, params)
+            return _publish_async(session, params, statements)
         _check_session(session)
-        with _schema_hint():
-            return session.execute(queries.event_insert, params).scalar_one()
+        with _schema_hint(statements):
+            return session.execute(statements.event_insert, params).scalar_one()
     options = check_options(run_at, delay, dedup_key, priority)
     assert options is not None
-    plan = _publish_one_plan(topic, key, payload_json, headers_json, options)
+    plan = _publish_one_plan(topic, key, payload_json, headers_json, options, statements)
     if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _run_plan_async(session, plan)
+        return _run_plan_async(session, plan, statements)
     _check_session(session)
-    return _run_plan(session, plan)
+    return _run_plan(session, plan, statements)
 
 
-async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any]) -> int:
-    with _schema_hint():
-        result = await session.execute(queries.event_insert, params)
+async def _publish_async(session: AsyncSession | AsyncConnection, params: dict[str, Any],
+                         statements: queries.Statements) -> int:
+    with _schema_hint(statements):
+        result = await session.execute(statements.event_insert, params)
     event_id: int = result.scalar_one()
     return event_id
 
 
 @contextlib.contextmanager
-def _schema_hint() -> Iterator[None]:
-    """Say "run outbox-relay migrate" when the events table does not exist."""
+def _schema_hint(statements: queries.Statements) -> Iterator[None]:
+    """Say "run outbox-relay migrate" when the events table (or its schema) does not exist."""
     try:
         yield
     except ProgrammingError as exc:
-        if isinstance(exc.orig, psycopg.errors.UndefinedTable):
-            raise SchemaNotReadyError("table outbox_events does not exist; run `outbox-relay migrate`") from exc
+        if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)):
+            from .db.migrate import migrate_command
+
+            raise SchemaNotReadyError(f"table {statements.schema}.outbox_events does not exist; "
+                                      f"run `{migrate_command(statements.schema)}`") from exc
         raise
 
 
@@ -461,8 +476,8 @@ _Plan = Generator[tuple[TextClause, dict[str, Any]], Sequence[Row[Any]], Any]
 _DEDUP_TRIES = 3
 
 
-def _run_plan(session: Session | Connection, plan: _Plan) -> Any:
-    with _schema_hint():
+def _run_plan(session: Session | Connection, plan: _Plan, statements: queries.Statements) -> Any:
+    with _schema_hint(statements):
         statement, params = next(plan)
         while True:
             rows = session.execute(statement, params).all()
@@ -472,8 +487,9 @@ def _run_plan(session: Session | Connection, plan: _Plan) -> Any:
                 return done.value
 
 
-async def _run_plan_async(session: AsyncSession | AsyncConnection, plan: _Plan) -> Any:
-    with _schema_hint():
+async def _run_plan_async(session: AsyncSession | AsyncConnection, plan: _Plan,
+                          statements: queries.Statements) -> Any:
+    with _schema_hint(statements):
         statement, params = next(plan)
         while True:
             rows = (await session.execute(statement, params)).all()
@@ -483,16 +499,17 @@ async def _run_plan_async(session: AsyncSession | AsyncConnection, plan: _Plan) 
                 return done.value
 
 
-def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, options: PublishOptions) -> _Plan:
+def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, options: PublishOptions,
+                      statements: queries.Statements) -> _Plan:
     params = {"topic": topic, "key": key, "payload": payload, "headers": headers, "run_at": options.run_at,
               "delay": options.delay, "priority": options.priority, "dedup_key": options.dedup_key}
     for _ in range(_DEDUP_TRIES):
-        rows = yield queries.event_insert_options, params
+        rows = yield statements.event_insert_options, params
         if rows:
             return rows[0].id
         # A retained event has the key (ON CONFLICT waited for its transaction to commit);
         # this statement's fresh snapshot sees it, unless it was pruned meanwhile.
-        found = yield queries.event_dedup_lookup_many, {"topics": [topic], "dedup_keys": [options.dedup_key]}
+        found = yield statements.event_dedup_lookup_many, {"topics": [topic], "dedup_keys": [options.dedup_key]}
         if found:
             return found[0].id
     raise OutboxError(f"publish with dedup_key {options.dedup_key!r}: the event holding the key was deleted "
@@ -504,6 +521,7 @@ def publish_many(
     events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
 ) -> Any:
     """Write many events in ``session``'s transaction: one statement (one round trip) for up
     to 16 Mi characters of encoded events, one more for each further 16 Mi.
@@ -520,30 +538,33 @@ def publish_many(
     async sessions); ascending when no event has a ``dedup_key``. An event whose
     (topic, dedup_key) a retained event already has, or an earlier event of the same call,
     gets that event's id and writes nothing (one more statement looks the retained ones
-    up). Numbers are written as :func:`publish` writes them.
+    up). Numbers are written as :func:`publish` writes them; ``schema`` is chosen as for
+    :func:`publish`.
     """
     batches, plan = _encode_many(events, max_payload_bytes)
+    statements = queries.in_schema(schema)
     if plan is not None:
-        steps = _publish_many_plan(batches, plan)
+        steps = _publish_many_plan(batches, plan, statements)
         if isinstance(session, (AsyncSession, AsyncConnection)):
-            return _run_plan_async(session, steps)
+            return _run_plan_async(session, steps, statements)
         _check_session(session)
-        return _run_plan(session, steps)
+        return _run_plan(session, steps, statements)
     if isinstance(session, (AsyncSession, AsyncConnection)):
-        return _publish_many_async(session, batches)
+        return _publish_many_async(session, batches, statements)
     _check_session(session)
     ids: list[int] = []
-    with _schema_hint():
+    with _schema_hint(statements):
         for batch in batches:
-            ids.extend(session.execute(queries.event_insert_many, {"events": batch}).scalars())
+            ids.extend(session.execute(statements.event_insert_many, {"events": batch}).scalars())
     return sorted(ids)  # ids are drawn in the order of events; RETURNING promises no order
 
 
-async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str]) -> list[int]:
+async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str],
+                              statements: queries.Statements) -> list[int]:
     ids: list[int] = []
-    with _schema_hint():
+    with _schema_hint(statements):
         for batch in batches:
-            ids.extend((await session.execute(queries.event_insert_many, {"events": batch})).scalars())
+            ids.extend((await session.execute(statements.event_insert_many, {"events": batch})).scalars())
     return sorted(ids)
 
 
@@ -643,7 +664,7 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[st
     return batches, plan
 
 
-def _publish_many_plan(batches: list[str], plan: _ManyPlan) -> _Plan:
+def _publish_many_plan(batches: list[str], plan: _ManyPlan, statements: queries.Statements) -> _Plan:
     """Run ``event_insert_options_many`` per batch and map the rows written back to the
     events: rows come back in no promised order, but ids are drawn in array order, so sorted
     by id they are the batch's rows in order, less those skipped for their dedup key. Those
@@ -652,7 +673,7 @@ def _publish_many_plan(batches: list[str], plan: _ManyPlan) -> _Plan:
     ids: list[int | None] = [None] * plan.count
     pending: list[int] = []  # positions whose key a retained event holds
     for batch, positions in zip(batches, plan.rows):
-        written = sorted((yield queries.event_insert_options_many, {"events": batch}), key=lambda r: r.id)
+        written = sorted((yield statements.event_insert_options_many, {"events": batch}), key=lambda r: r.id)
         next_row = 0
         for position in positions:
             pair = plan.dedup.get(position)
@@ -665,7 +686,7 @@ def _publish_many_plan(batches: list[str], plan: _ManyPlan) -> _Plan:
         if not pending:
             break
         pairs = [plan.dedup[p] for p in pending]
-        found = yield queries.event_dedup_lookup_many, {"topics": [t for t, _ in pairs],
+        found = yield statements.event_dedup_lookup_many, {"topics": [t for t, _ in pairs],
                                                         "dedup_keys": [k for _, k in pairs]}
         held = {(r.topic, r.dedup_key): r.id for r in found}
         missing = []
@@ -678,7 +699,7 @@ def _publish_many_plan(batches: list[str], plan: _ManyPlan) -> _Plan:
         pending = []
         if missing:  # pruned between the insert and the lookup: write them after all
             document = f"[{','.join(plan.text[p] for p in missing)}]"
-            rewritten = yield queries.event_insert_options_many, {"events": document}
+            rewritten = yield statements.event_insert_options_many, {"events": document}
             by_pair = {(r.topic, r.dedup_key): r.id for r in rewritten}
             for position in missing:
                 event_id = by_pair.get(plan.dedup[position])

@@ -62,6 +62,10 @@ class Relay:
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
     from :meth:`start` when it cannot begin.
+
+    Everything it reads and writes is in schema ``settings.schema_name`` (``OUTBOX_SCHEMA``):
+    its events, jobs, subscriptions and relay rows, and the NOTIFY channels it listens on.
+    Relays of different schemas share a database without seeing each other's work.
     """
 
     def __init__(self, registry: Outbox, settings: OutboxSettings, *, route: bool = True,
@@ -75,6 +79,7 @@ class Relay:
         self.url = parse_url(url)
         self.registry = registry
         self.settings = settings
+        self.schema = settings.schema_name
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.stop_event = threading.Event()
         self.wake_router = threading.Event()
@@ -87,15 +92,16 @@ class Relay:
                                  reconnect=self.reconnect) if work else None)
         listen_url = settings.listen_target()
         self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
-                                  reconnect=self.reconnect) if listen_url else None)
+                                  reconnect=self.reconnect, schema=self.schema) if listen_url else None)
         self._route = route
-        self.job_statistics = StatisticsKeeper(self.engine)  # the router loop's ANALYZE after bursts
+        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema)  # the router loop's ANALYZE after bursts
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
         self.route_quarantine = Quarantine("event")
         self.reap_quarantine = Quarantine("job")
         self.prune_quarantine = Quarantine("row")
         self._maintain = maintain
-        self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect)
+        self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect,
+                                    schema=self.settings.schema_name)
                           if schedule and registry.schedules else None)
         self._threads: list[threading.Thread] = []
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
@@ -108,12 +114,12 @@ class Relay:
 
     def start(self) -> None:
         """Check the database and schema, register subscriptions, start every thread."""
-        with translate_errors(self.url):
+        with translate_errors(self.url, self.schema):
             with self.engine.connect() as conn:
-                check_schema(conn)
+                check_schema(conn, self.schema)
             register_subscriptions(self.engine, self.registry, self.settings)
             if self.scheduler:
-                register_schedules(self.engine, self.registry.schedules)
+                register_schedules(self.engine, self.registry.schedules, self.settings.schema_name)
         pool_size, overflow = self.settings.pool_limits()
         listen = (f"LISTEN on {redact(self.listener.conninfo)}" if self.listener else
                   f"polling only (every {self.settings.poll_interval:g}s)")
@@ -121,9 +127,9 @@ class Relay:
         async_tx = self.settings.concurrency if self.runner and any(
             s.transactional and s.is_async for s in self.registry) else 0
         log.info("relay started: worker %s, consumers %s, concurrency %d, prefetch %d, claim_batch %d, database %s, "
-                 "pooler %s; at most %d connections (pool %d + overflow %d%s%s); %s",
+                 "pooler %s, schema %s; at most %d connections (pool %d + overflow %d%s%s); %s",
                  self.worker_id, self.registry.consumers or "none", self.settings.concurrency,
-                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler,
+                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, self.schema,
                  pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
                  f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
         if self.listener:
@@ -199,7 +205,7 @@ class Relay:
             try:
                 # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
                 with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                    result = route_round(conn, limit, self.route_quarantine)
+                    result = route_round(conn, limit, self.route_quarantine, schema=self.schema)
                 failures = self.reconnect.recovered(failures, "router")
             except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
                 failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
@@ -219,13 +225,13 @@ class Relay:
     def _vacuum_if_autovacuum_is_off(self) -> None:
         """Vacuum the queue's tables when autovacuum will not (see :mod:`outbox.maintenance`)."""
         with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            if autovacuum_enabled(conn):
+            if autovacuum_enabled(conn, schema=self.schema):
                 return
             if not self._warned_autovacuum:
                 self._warned_autovacuum = True
                 log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
                             "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
-            vacuum_tables(conn)
+            vacuum_tables(conn, schema=self.schema)
         self.stats["vacuums"] += 1
 
     def _maintenance_loop(self) -> None:
@@ -234,7 +240,7 @@ class Relay:
         while not self.stop_event.wait(self.settings.reap_interval if not failures else 0):
             try:
                 with self.engine.begin() as conn:
-                    reaped = reap_expired(conn, quarantine=self.reap_quarantine)
+                    reaped = reap_expired(conn, quarantine=self.reap_quarantine, schema=self.schema)
                 self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
                 self.stats["reaped_unstarted"] += reaped.unstarted
@@ -243,8 +249,8 @@ class Relay:
                 if time.monotonic() >= next_prune:
                     with self.engine.begin() as conn:
                         jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,
-                                             quarantine=self.prune_quarantine)
-                        prune_relays(conn)
+                                             quarantine=self.prune_quarantine, schema=self.schema)
+                        prune_relays(conn, schema=self.schema)
                     self.stats["pruned_jobs"] += jobs
                     self.stats["pruned_events"] += events
                     if jobs or events:

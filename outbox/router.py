@@ -52,13 +52,13 @@ class RouteResult:
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
     """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``
-    (the relay does at start, :func:`outbox.testing.drain` before routing): routing creates
-    jobs for the pairs found there."""
+    of schema ``settings.schema_name`` (the relay does at start, :func:`outbox.testing.drain`
+    before routing): routing creates jobs for the pairs found there."""
     subs = list(registry)
     if not subs:
         return
     with engine.begin() as conn:
-        changed = conn.execute(queries.subscription_upsert_many, {
+        changed = conn.execute(queries.in_schema(settings.schema_name).subscription_upsert_many, {
             "topics": [s.topic for s in subs],
             "consumers": [s.consumer for s in subs],
             "max_attempts": [s.max_attempts for s in subs],
@@ -75,41 +75,44 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
 
 
 def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
-                only: Sequence[int] | None = None) -> RouteResult:
-    """Route up to ``limit`` unrouted events in ``conn``'s transaction; the caller commits.
+                only: Sequence[int] | None = None, *, schema: str | None = None) -> RouteResult:
+    """Route up to ``limit`` unrouted events of ``schema`` (None: the process default,
+    :func:`outbox.settings.default_schema`) in ``conn``'s transaction; the caller commits.
     Events whose id is in ``skip`` are left out; ``only``, when given, limits the batch to
     those ids."""
-    row = conn.execute(queries.event_route_many, {
+    row = conn.execute(queries.in_schema(schema).event_route_many, {
         "limit": limit, "skip": list(skip), "only": None if only is None else list(only)}).one()
     return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed)
 
 
-def route_round(conn: Connection, limit: int, quarantine: Quarantine) -> RouteResult:
+def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema: str | None = None) -> RouteResult:
     """One routing round on an autocommit connection: :func:`route_batch` of up to
     ``limit`` events, leaving out the events in ``quarantine``. A data error (a trigger or
     constraint of the application's on the jobs or events table failing for one event) is
     confined to the events that cause it (:mod:`outbox.poison`): the batch is routed by
     halves, and an event that fails alone is quarantined, logged with the database error:
     it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
-    ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals."""
+    ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals. ``schema``
+    as for :func:`route_batch`."""
     skip = quarantine.ids()
+    candidates = queries.in_schema(schema).event_route_candidates
     parts, poisoned = whole_or_halves(
-        "routing", lambda: route_batch(conn, limit, skip),
-        lambda: list(conn.execute(queries.event_route_candidates, {"limit": limit, "skip": skip}).scalars()),
-        lambda part: route_batch(conn, len(part), skip, part))
+        "routing", lambda: route_batch(conn, limit, skip, schema=schema),
+        lambda: list(conn.execute(candidates, {"limit": limit, "skip": skip}).scalars()),
+        lambda part: route_batch(conn, len(part), skip, part, schema=schema))
     for event_id, exc in poisoned:
         quarantine.add(event_id, exc, "routing")
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
                        unsubscribed=sum(p.unsubscribed for p in parts))
 
 
-def route_all(engine: Engine, limit: int = 500) -> RouteResult:
-    """Route every event that is unrouted and not locked by another router, ``limit`` per
-    transaction; returns the totals."""
+def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) -> RouteResult:
+    """Route every event of ``schema`` (None: the process default) that is unrouted and not
+    locked by another router, ``limit`` per transaction; returns the totals."""
     events = jobs = unsubscribed = 0
     while True:
         with engine.begin() as conn:
-            result = route_batch(conn, limit)
+            result = route_batch(conn, limit, schema=schema)
         events += result.events
         jobs += result.jobs
         unsubscribed += result.unsubscribed
@@ -167,8 +170,9 @@ class StatisticsKeeper:
     """
 
     def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 0.1, lock_timeout: float = 0.1,
-                 retry_base: float = 1.0, retry_cap: float = 60.0) -> None:
+                 retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None) -> None:
         self.engine = engine
+        self.statements = queries.in_schema(schema)  # outbox_jobs of this schema
         self.floor = floor
         self.fraction = fraction
         self.lock_timeout = lock_timeout
@@ -191,14 +195,14 @@ class StatisticsKeeper:
         started = time.perf_counter()
         try:
             with self.engine.begin() as conn:
-                before = conn.execute(queries.job_table_reltuples).scalar_one()
+                before = conn.execute(self.statements.job_table_reltuples).scalar_one()
                 self._trigger = max(float(self.floor), self.fraction * before)
                 if self.pending <= self._trigger:  # analysed or vacuumed by someone else meanwhile
                     return AnalyzeOutcome.NOT_DUE
                 timeout = f"{max(1, round(self.lock_timeout * 1000))}ms"
-                conn.execute(queries.lock_timeout_set_local, {"timeout": timeout})
-                conn.execute(queries.job_table_analyze)
-                after = conn.execute(queries.job_table_reltuples).scalar_one()
+                conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
+                conn.execute(self.statements.job_table_analyze)
+                after = conn.execute(self.statements.job_table_reltuples).scalar_one()
         except SQLAlchemyError as exc:
             return self._missed(exc)
         log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",

@@ -167,15 +167,16 @@ def make_schedule(cron: Any, *, topic: Any, payload: Any, name: Any, timezone: A
     return schedule
 
 
-def register_schedules(engine: Engine, schedules: Sequence[Schedule]) -> None:
-    """Write ``schedules`` to ``outbox_schedules``: a new one starts at its first slot after
-    the database's now; an existing one keeps its next slot unless its cron expression or
-    time zone changed (logged)."""
+def register_schedules(engine: Engine, schedules: Sequence[Schedule], schema: str | None = None) -> None:
+    """Write ``schedules`` to ``outbox_schedules`` of ``schema`` (None: ``OUTBOX_SCHEMA`` or
+    ``public``): a new one starts at its first slot after the database's now; an existing one
+    keeps its next slot unless its cron expression or time zone changed (logged)."""
     if not schedules:
         return
+    statements = queries.in_schema(schema)
     with engine.begin() as conn:
-        now = conn.execute(queries.database_now).scalar_one()
-        changed = conn.execute(queries.schedule_upsert_many, {
+        now = conn.execute(statements.database_now).scalar_one()
+        changed = conn.execute(statements.schedule_upsert_many, {
             "names": [s.name for s in schedules], "crons": [s.cron for s in schedules],
             "timezones": [s.timezone for s in schedules], "topics": [s.topic for s in schedules],
             "catch_ups": [s.catch_up for s in schedules], "next_slots": [s.next_after(now) for s in schedules],
@@ -192,11 +193,13 @@ class Scheduler:
     """Publishes the due slots of ``schedules`` (module notes): :meth:`run_due` is one pass,
     :meth:`run` the relay's loop until ``stop`` is set. Database errors in the loop are
     logged and retried through ``reconnect``; a slot is never published twice, and one
-    missed while the database was unreachable is treated as any missed slot."""
+    missed while the database was unreachable is treated as any missed slot. ``schema``: the
+    schema of outbox's tables (None: ``OUTBOX_SCHEMA`` or ``public``)."""
 
     def __init__(self, engine: Engine, schedules: Sequence[Schedule], stop: threading.Event,
-                 reconnect: Reconnector | None = None) -> None:
+                 reconnect: Reconnector | None = None, schema: str | None = None) -> None:
         self.engine = engine
+        self.statements = queries.in_schema(schema)
         self.schedules = {s.name: s for s in schedules}
         self.stop = stop
         self.reconnect = reconnect or Reconnector(10.0)
@@ -206,7 +209,7 @@ class Scheduler:
         """Publish every due slot of this scheduler's schedules, one transaction per schedule;
         returns the seconds (database clock) until the next slot of any of them."""
         with self.engine.connect() as conn:
-            rows = conn.execute(queries.schedule_due_list, {"names": list(self.schedules)}).all()
+            rows = conn.execute(self.statements.schedule_due_list, {"names": list(self.schedules)}).all()
             conn.rollback()
         if not rows:
             return SCHEDULER_MAX_SLEEP
@@ -220,13 +223,14 @@ class Scheduler:
                 continue
             following = schedule.next_after(slots[-1])
             with self.engine.begin() as conn:
-                owned = conn.execute(queries.schedule_advance, {
+                owned = conn.execute(self.statements.schedule_advance, {
                     "name": schedule.name, "expected": row.next_slot, "last_slot": slots[-1],
                     "next_slot": following}).rowcount
                 if owned == 1:
                     publish_many(conn, [{"topic": schedule.topic, "payload": schedule.payload,
                                          "headers": {"schedule": schedule.name, "slot": slot.isoformat()},
-                                         "dedup_key": schedule.dedup_key(slot)} for slot in slots])
+                                         "dedup_key": schedule.dedup_key(slot)} for slot in slots],
+                                 schema=self.statements.schema)
             if owned == 1:
                 self.published += len(slots)
                 log.info("schedule %s: published slot%s %s", schedule.name, "s" if len(slots) > 1 else "",

@@ -5,6 +5,9 @@ and lays its flags on top.
 
 from __future__ import annotations
 
+import functools
+import os
+import re
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -12,6 +15,61 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Longest retention, seconds (100 years): PostgreSQL cannot compute ``now()`` minus much more.
 MAX_RETENTION = 100 * 365 * 86_400.0
+
+#: The schema outbox's tables live in when ``OUTBOX_SCHEMA`` is not set.
+DEFAULT_SCHEMA = "public"
+#: What a schema name may be: a lowercase SQL identifier that never needs quoting, of at most
+#: 49 characters, so the NOTIFY channel ``<schema>.outbox_events`` fits PostgreSQL's 63-byte
+#: limit on identifiers (PostgreSQL docs, "Identifiers and Key Words": NAMEDATALEN).
+SCHEMA_PATTERN = re.compile(r"[a-z_][a-z0-9_]{0,48}")
+#: Key words that cannot name a schema unquoted (reserved and "reserved (can be function or
+#: type)" ones, ``pg_get_keywords()`` categories R and T of PostgreSQL 15-17).
+_SCHEMA_KEYWORDS = frozenset([
+    "all", "analyse", "analyze", "and", "any", "array", "as", "asc", "asymmetric", "authorization", "binary",
+    "both", "case", "cast", "check", "collate", "collation", "column", "concurrently", "constraint", "create",
+    "cross", "current_catalog", "current_date", "current_role", "current_schema", "current_time",
+    "current_timestamp", "current_user", "default", "deferrable", "desc", "distinct", "do", "else", "end",
+    "except", "false", "fetch", "for", "foreign", "freeze", "from", "full", "grant", "group", "having",
+    "ilike", "in", "initially", "inner", "intersect", "into", "is", "isnull", "join", "lateral", "leading",
+    "left", "like", "limit", "localtime", "localtimestamp", "natural", "not", "notnull", "null", "offset",
+    "on", "only", "or", "order", "outer", "overlaps", "placing", "primary", "references", "returning",
+    "right", "select", "session_user", "similar", "some", "symmetric", "table", "tablesample", "then", "to",
+    "trailing", "true", "union", "unique", "user", "using", "variadic", "verbose", "when", "where", "window",
+    "with",
+])
+
+
+def check_schema_name(value: object) -> str:
+    """Validate the name of the schema outbox's tables live in: a lowercase identifier
+    (``[a-z_][a-z0-9_]*``) of at most 49 characters that is not a reserved SQL key word and
+    does not start with ``pg_`` (reserved for system schemas), so it is written into SQL
+    unquoted. Returns it; raises :class:`~outbox.errors.ConfigurationError` naming the
+    problem otherwise."""
+    from .errors import ConfigurationError
+
+    if not isinstance(value, str) or SCHEMA_PATTERN.fullmatch(value) is None:
+        raise ConfigurationError(
+            f"schema name {value!r} is not valid: use lowercase letters, digits and _ (not first a digit), "
+            "at most 49 characters")
+    if value in _SCHEMA_KEYWORDS or value.startswith("pg_") or value == "information_schema":
+        raise ConfigurationError(
+            f"schema name {value!r} is not valid: it is a reserved SQL key word or system schema name")
+    return value
+
+
+@functools.cache
+def default_schema() -> str:
+    """The process's default schema: ``OUTBOX_SCHEMA`` from the environment (``public`` when
+    unset or empty), read on the first call and remembered; used by :func:`outbox.publish`
+    and every other function whose ``schema`` is None. Raises
+    :class:`~outbox.errors.ConfigurationError` when it is not a valid schema name
+    (:func:`check_schema_name`). ``default_schema.cache_clear()`` forgets it (tests)."""
+    from .errors import ConfigurationError
+
+    try:
+        return check_schema_name(os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"OUTBOX_SCHEMA: {exc}") from None
 
 
 class OutboxSettings(BaseSettings):
@@ -22,7 +80,9 @@ class OutboxSettings(BaseSettings):
     Raises :class:`pydantic.ValidationError` naming the field when a value is invalid.
     """
 
-    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore", allow_inf_nan=False)
+    # populate_by_name: ``schema_name`` is read from OUTBOX_SCHEMA (its alias) and passed by its name.
+    model_config = SettingsConfigDict(env_prefix="OUTBOX_", extra="ignore", allow_inf_nan=False,
+                                      populate_by_name=True)
 
     database_url: SecretStr | None = Field(
         default=None,
@@ -45,11 +105,22 @@ class OutboxSettings(BaseSettings):
     retention_events: float = Field(default=7 * 86_400.0, ge=0, le=MAX_RETENTION, description="How long fully finished events are kept, seconds (at most 100 years). Default 7 days.")
     prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
+    schema_name: str = Field(default=DEFAULT_SCHEMA, validation_alias="outbox_schema", description="Environment variable OUTBOX_SCHEMA, flag --schema. PostgreSQL schema that holds outbox's tables, sequence, trigger function and version table (outbox_alembic_version), for migrate, the relay, publish and every command: a lowercase identifier of at most 49 characters; migrate creates it if missing. Default public.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
     pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 4 (one per worker, the dispatcher, the heartbeat, the router and maintenance). pool_size + pool_overflow must be at least concurrency + 4, so no thread ever waits for the pool; to open fewer connections, lower concurrency.")
     pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
+
+    @field_validator("schema_name")
+    @classmethod
+    def _schema_valid(cls, value: str) -> str:
+        from .errors import ConfigurationError
+
+        try:
+            return check_schema_name(value)
+        except ConfigurationError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("log_level")
     @classmethod

@@ -179,8 +179,8 @@ def drain(
     backoff due at once and runs them again, round after round, until they are done or
     dead; otherwise each retried job is reported once and left waiting out its backoff
     (see the module's notes).
-    ``settings`` gives the backoff and the default lease (default: ``OutboxSettings()``, the
-    ``OUTBOX_*`` environment).
+    ``settings`` gives the backoff, the default lease and the schema of outbox's tables
+    (``schema_name``; default: ``OutboxSettings()``, the ``OUTBOX_*`` environment).
 
     Raises :class:`~outbox.errors.ConfigurationError` for a consumer not in ``ob``, a
     ``max_rounds`` that is not a positive int, or ``async def`` handlers to run while an
@@ -200,9 +200,10 @@ def drain(
         raise ConfigurationError("drain runs async def handlers on an event loop of its own, and this thread's loop "
                                  "is running: call it as `await asyncio.to_thread(drain, ...)`")
     settings = settings if settings is not None else OutboxSettings()
+    schema = settings.schema_name
     register_subscriptions(engine, ob, settings)
     if not subscribers:
-        route_all(engine, settings.route_batch)
+        route_all(engine, settings.route_batch, schema=schema)
         return []
     leases = {c: s.lease or settings.default_lease for c, s in subscribers.items()}
     deadlines: dict[int, float] = {}  # fence -> time.monotonic() by which the claim's lease has surely run out
@@ -216,25 +217,25 @@ def drain(
     rounds = 0
     try:
         while True:
-            route_all(engine, settings.route_batch)
+            route_all(engine, settings.route_batch, schema=schema)
             if run_retries:
                 with _autocommit(engine) as conn:
-                    conn.execute(queries.job_retry_now_many, {"consumers": chosen})
+                    conn.execute(queries.in_schema(schema).job_retry_now_many, {"consumers": chosen})
             ran: set[int] = set()
             retried: list[int] = []
             while True:
                 sent = time.monotonic()
-                job = _claim_one(engine, leases, ran | left_waiting)
+                job = _claim_one(engine, leases, ran | left_waiting, schema)
                 if job is None:
                     break
                 if not ran and rounds == max_rounds:
                     with _autocommit(engine) as conn:
-                        release_jobs(conn, [job])
+                        release_jobs(conn, [job], schema=schema)
                     raise DrainLimitError(f"drain: jobs still due after {max_rounds} rounds (max_rounds); the "
                                           f"next was job {job.id} of {job.consumer}", results)
                 ran.add(job.id)
                 deadlines[job.fence] = sent + job.lease_seconds
-                result = _record(engine, job, executor.run(job, subscribers[job.consumer], context))
+                result = _record(engine, job, executor.run(job, subscribers[job.consumer], context), schema)
                 del deadlines[job.fence]
                 results.append(result)
                 if result.outcome == "retried":
@@ -260,27 +261,28 @@ def _autocommit(engine: sa.Engine) -> sa.Connection:
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
 
-def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int]) -> Job | None:
+def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], schema: str) -> Job | None:
     """Claim the next due job of the consumers in ``leases`` (claim order), leaving out
     ``skip``; None when there is none."""
     with _autocommit(engine) as conn:
-        _, claimed, _ = complete_and_claim_after(conn, [], leases, 1, DRAIN_WORKER_ID, None, skip=sorted(skip))
+        _, claimed, _ = complete_and_claim_after(conn, [], leases, 1, DRAIN_WORKER_ID, None, skip=sorted(skip),
+                                                 schema=schema)
     return claimed[0] if claimed else None
 
 
-def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure) -> DrainResult:
-    """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements."""
+def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure, schema: str) -> DrainResult:
+    """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements (in ``schema``)."""
     error = None
     ended: DrainOutcome
     with _autocommit(engine) as conn:
         if outcome is Outcome.COMMITTED:
             ended = "done"
         elif outcome is Outcome.DONE:
-            ended = "done" if job.id in complete_jobs(conn, [job]) else "stale"
+            ended = "done" if job.id in complete_jobs(conn, [job], schema=schema) else "stale"
         elif outcome is Outcome.RELEASE:
-            ended = "released" if job.id in release_jobs(conn, [job]) else "stale"
+            ended = "released" if job.id in release_jobs(conn, [job], schema=schema) else "stale"
         elif isinstance(outcome, Failure):
-            status = fail_jobs(conn, [(job, outcome)]).get(job.id)
+            status = fail_jobs(conn, [(job, outcome)], schema=schema).get(job.id)
             ended = "retried" if status == "ready" else "dead" if status == "dead" else "stale"
             error = outcome.error if ended != "stale" else None
         else:

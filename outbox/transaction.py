@@ -126,15 +126,18 @@ def begin(session: Session, lease_seconds: float) -> None:
     set_limits(session.connection(), lease_seconds)
 
 
-def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None]) -> bool:
+def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None], *,
+             schema: str | None = None) -> bool:
     """End the handler's transaction on ``session``: flush the handler's writes, call
     ``completing()`` (the runner's mark that this claim's outcome is being written), run the
     fenced :data:`~outbox.db.queries.job_complete` and commit. Returns False, without
     committing, when the completion matched no row (the claim is no longer this worker's):
-    the caller rolls back, the handler's writes with it. Database errors propagate."""
+    the caller rolls back, the handler's writes with it. ``schema``: the schema of outbox's
+    tables (None: the process default). Database errors propagate."""
     session.flush()
     completing()
-    completed = cast(CursorResult[Any], session.execute(queries.job_complete, {"id": job_id, "fence": fence}))
+    completed = cast(CursorResult[Any], session.execute(queries.in_schema(schema).job_complete,
+                                                          {"id": job_id, "fence": fence}))
     if completed.rowcount != 1:
         return False
     Session.commit(session)  # the base class's: a handler's session refuses commit() from the handler

@@ -132,7 +132,8 @@ def _clean(text: str) -> str:
 #
 # Each function takes either a SQLAlchemy ``Connection`` (tests, tools, the heartbeat) or a
 # bare psycopg ``Connection`` (the runner's dispatcher, which skips SQLAlchemy's per-statement
-# work on its hot path); the SQL is the same named statement of ``db/queries.py`` either way.
+# work on its hot path); the SQL is the same named statement of ``db/queries.py`` either way,
+# for the tables of ``schema`` (None: the process default, ``outbox.settings.default_schema``).
 
 Executor = Connection | psycopg.Connection[Any]
 
@@ -141,8 +142,9 @@ _COMPILED: dict[int, str] = {}
 
 
 def _psycopg_sql(statement: TextClause) -> str:
-    """``statement`` compiled for psycopg's paramstyle (statements are module constants:
-    each is compiled once)."""
+    """``statement`` compiled for psycopg's paramstyle (statements are module constants or
+    members of a ``queries.Statements`` kept for the life of the process: each is compiled
+    once, and its ``id`` never reused)."""
     sql = _COMPILED.get(id(statement))
     if sql is None:
         sql = _COMPILED[id(statement)] = str(statement.compile(dialect=_PSYCOPG_DIALECT))
@@ -174,10 +176,11 @@ def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[
     return {"consumers": consumers, "leases": [leases[c] for c in consumers], "limit": limit, "worker": worker_id}
 
 
-def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: str) -> list[Job]:
+def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: str, *,
+               schema: str | None = None) -> list[Job]:
     """Claim up to ``limit`` due jobs of the consumers in ``leases`` (consumer -> lease
     seconds) in ``conn``'s transaction; the caller commits."""
-    rows = _rows(conn, queries.job_claim_many, _claim_params(leases, limit, worker_id))
+    rows = _rows(conn, queries.in_schema(schema).job_claim_many, _claim_params(leases, limit, worker_id))
     return [job_from_row(r, leases[r[2]]) for r in rows]
 
 
@@ -186,18 +189,18 @@ HEAD_KEY: tuple[int, Any, int] = (-32768, "-infinity", 0)
 
 
 def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
-                            worker_id: str) -> tuple[set[int], list[Job]]:
+                            worker_id: str, *, schema: str | None = None) -> tuple[set[int], list[Job]]:
     """Mark ``done`` completed (fenced) and claim up to ``limit`` due jobs, in one statement
     (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
     missing from the ids was a stale report and changed nothing."""
-    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None)
+    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None, schema=schema)
     return completed, claimed
 
 
 def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
                              worker_id: str, after: tuple[int, Any, int] | None, *,
                              buffer: BufferMark | None = None, skip: list[int] | None = None,
-                             only: list[int] | None = None,
+                             only: list[int] | None = None, schema: str | None = None,
                              ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
     """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
     (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
@@ -210,7 +213,7 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     is given, takes only jobs among those ids (:mod:`outbox.poison`)."""
     key = after or HEAD_KEY
     mark = buffer or BufferMark(None, 0)
-    rows = _rows(conn, queries.job_complete_claim_many, {
+    rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id),
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
         "relay": mark.relay, "start_now": mark.start_now,
@@ -232,58 +235,59 @@ class BufferMark:
     start_now: int
 
 
-def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int]) -> list[int]:
+def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int], *,
+                     schema: str | None = None) -> list[int]:
     """Ids of up to ``limit`` due ready jobs of ``consumers`` in claim order, not locked."""
-    return [r[0] for r in _rows(conn, queries.job_claim_candidates,
+    return [r[0] for r in _rows(conn, queries.in_schema(schema).job_claim_candidates,
                                 {"consumers": consumers, "limit": limit, "skip": skip})]
 
 
-def bury_job(conn: Executor, job: Job, error: str) -> bool:
+def bury_job(conn: Executor, job: Job, error: str, *, schema: str | None = None) -> bool:
     """Dead-letter claimed ``job`` (fenced) with ``last_error`` = ``error``; True if it changed."""
-    return _execute(conn, queries.job_bury, {"id": job.id, "fence": job.fence, "error": error}) == 1
+    return _execute(conn, queries.in_schema(schema).job_bury, {"id": job.id, "fence": job.fence, "error": error}) == 1
 
 
-def bury_ready_job(conn: Executor, job_id: int, error: str) -> bool:
+def bury_ready_job(conn: Executor, job_id: int, error: str, *, schema: str | None = None) -> bool:
     """Dead-letter ready job ``job_id`` with ``last_error`` = ``error``; True if it changed."""
-    return _execute(conn, queries.job_bury_ready, {"id": job_id, "error": error}) == 1
+    return _execute(conn, queries.in_schema(schema).job_bury_ready, {"id": job_id, "error": error}) == 1
 
 
-def relay_seen(conn: Executor, worker_id: str, buffer: list[int]) -> None:
+def relay_seen(conn: Executor, worker_id: str, buffer: list[int], *, schema: str | None = None) -> None:
     """Write (or refresh) the row of relay ``worker_id`` (``host:pid:suffix``) in
     ``outbox_relays``: seen now, listing ``buffer`` (the fences it holds unstarted) and
     nothing stale (``relay_seen``)."""
     host, _, rest = worker_id.partition(":")
     pid = rest.partition(":")[0]
-    _execute(conn, queries.relay_seen, {"relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0,
-                                        "buffer": buffer})
+    _execute(conn, queries.in_schema(schema).relay_seen, {
+        "relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0, "buffer": buffer})
 
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
     return {"ids": [j.id for j in jobs], "fences": [j.fence for j in jobs]}
 
 
-def heartbeat_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
+def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
     """Renew the leases of ``jobs``; returns the fences of the claims still owned (fence and
     status match). Fences, not ids: one process may hold a job's old claim (its worker
     paused past the lease) and its new claim at once, and only the new one is owned."""
     if not jobs:
         return set()
     params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
-    return {r[1] for r in _rows(conn, queries.job_heartbeat_many, params)}
+    return {r[1] for r in _rows(conn, queries.in_schema(schema).job_heartbeat_many, params)}
 
 
-def complete_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
+def complete_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
     """Mark ``jobs`` done (fenced); returns the ids that changed."""
     if not jobs:
         return set()
-    return {r[0] for r in _rows(conn, queries.job_complete_many, _ids_fences(jobs))}
+    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_complete_many, _ids_fences(jobs))}
 
 
-def release_jobs(conn: Executor, jobs: list[Job]) -> set[int]:
+def release_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
     """Hand ``jobs`` back as ready now, attempt not counted (fenced); returns changed ids."""
     if not jobs:
         return set()
-    return {r[0] for r in _rows(conn, queries.job_release_many, _ids_fences(jobs))}
+    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_release_many, _ids_fences(jobs))}
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,11 +299,11 @@ class Failure:
     error: str
 
 
-def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]]) -> dict[int, str]:
+def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]], *, schema: str | None = None) -> dict[int, str]:
     """Record failed attempts (fenced); returns ``{id: new status}`` for rows that changed."""
     if not failures:
         return {}
-    rows = _rows(conn, queries.job_fail_many, {
+    rows = _rows(conn, queries.in_schema(schema).job_fail_many, {
         "ids": [j.id for j, _ in failures], "fences": [j.fence for j, _ in failures],
         "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
         "errors": [f.error for _, f in failures],
@@ -487,7 +491,8 @@ class JobExecutor:
             with session:
                 transaction.begin(session, job.lease_seconds)
                 result = sub.handler(job, session)
-                committed = transaction.complete(session, job.id, job.fence, lambda: self.completing(job))
+                committed = transaction.complete(session, job.id, job.fence, lambda: self.completing(job),
+                                                 schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)
@@ -502,7 +507,7 @@ class JobExecutor:
                 await session.run_sync(transaction.begin, job.lease_seconds)
                 result = await sub.handler(job, session)
                 committed = await session.run_sync(transaction.complete, job.id, job.fence,
-                                                   lambda: self.completing(job))
+                                                   lambda: self.completing(job), schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)
@@ -583,6 +588,8 @@ class JobRunner:
                  async_engine: Callable[[], AsyncEngine] | None = None) -> None:
         self.engine = engine
         self.settings = settings
+        self.schema = settings.schema_name  # every statement below runs on this schema's tables
+        self.statements = queries.in_schema(self.schema)
         self.worker_id = worker_id
         self.wake = wake
         self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
@@ -708,7 +715,7 @@ class JobRunner:
     def _release_now(self, jobs: list[Job]) -> None:
         try:
             with self._autocommit() as conn:
-                released = release_jobs(conn, jobs)
+                released = release_jobs(conn, jobs, schema=self.schema)
         except DBAPIError as exc:
             log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
             return
@@ -845,7 +852,7 @@ class JobRunner:
             driver = cast(psycopg.Connection[Any], raw.driver_connection)  # the engine's driver is psycopg
             driver.autocommit = True
             try:
-                relay_seen(driver, self.worker_id, self._buffer_fences())
+                relay_seen(driver, self.worker_id, self._buffer_fences(), schema=self.schema)
             except BaseException:
                 raw.invalidate()
                 raise
@@ -863,7 +870,7 @@ class JobRunner:
             fresh = self._conn is None
             conn = self._connection()  # a new connection writes the row itself
             if not fresh:
-                relay_seen(conn, self.worker_id, self._buffer_fences())
+                relay_seen(conn, self.worker_id, self._buffer_fences(), schema=self.schema)
             self._seen_at = time.monotonic()
         except (DBAPIError, psycopg.Error) as exc:
             self._drop_connection(exc)
@@ -874,7 +881,7 @@ class JobRunner:
         if self._abandoned:
             return
         try:
-            _execute(self._connection(), queries.relay_delete, {"relay": self.worker_id})
+            _execute(self._connection(), self.statements.relay_delete, {"relay": self.worker_id})
         except (DBAPIError, psycopg.Error) as exc:
             log.info("could not remove this relay's row of outbox_relays (%s); pruning will", describe(exc))
 
@@ -948,7 +955,7 @@ class JobRunner:
                 try:
                     completed, claimed, last = complete_and_claim_after(
                         conn, done, self.leases, want, self.worker_id, self._hint if hinted else None,
-                        buffer=mark, skip=self._quarantine.ids())
+                        buffer=mark, skip=self._quarantine.ids(), schema=self.schema)
                 except psycopg.Error as exc:
                     if not poison.is_data_error(exc):
                         raise
@@ -981,14 +988,14 @@ class JobRunner:
             del pending[:len(done)]
         if failed:
             statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
-                self._connection(), list(part)), job_of=lambda item: item[0], merged={})
+                self._connection(), list(part), schema=self.schema), job_of=lambda item: item[0], merged={})
             self._log_failures(failed, statuses)
             self._stale([j for j, _ in failed if j.id not in statuses and j.id not in buried])
             self._forget(j for j, _ in failed)
             del pending[:len(failed)]
         if release:
             released, buried = self._by_halves("releasing", release, lambda part: release_jobs(
-                self._connection(), list(part)))
+                self._connection(), list(part), schema=self.schema))
             self.stats["released"] += len(released)
             self._stale([j for j in release if j.id not in released and j.id not in buried])
             self._forget(release)
@@ -1002,7 +1009,8 @@ class JobRunner:
         candidates, each half writing the buffer list as it then stands. A job that fails
         alone is dead-lettered naming the error (or quarantined); the others go on.
         Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
-        completed, buried = self._by_halves("completing", done, lambda part: complete_jobs(conn, list(part)))
+        completed, buried = self._by_halves("completing", done, lambda part: complete_jobs(conn, list(part),
+                                                                                            schema=self.schema))
         start_left = mark.start_now
         claimed: list[Job] = []
 
@@ -1010,7 +1018,8 @@ class JobRunner:
             nonlocal start_left
             _, got, _ = complete_and_claim_after(
                 conn, [], self.leases, want if only is None else len(only), self.worker_id, None,
-                buffer=BufferMark(mark.relay, start_left), skip=self._quarantine.ids(), only=only)
+                buffer=BufferMark(mark.relay, start_left), skip=self._quarantine.ids(), only=only,
+                schema=self.schema)
             start_left = max(0, start_left - len(got))
             return got
 
@@ -1019,7 +1028,7 @@ class JobRunner:
         try:
             parts, poisoned = poison.whole_or_halves(
                 "claiming", lambda: claim(None),
-                lambda: claim_candidates(conn, list(self.leases), want, self._quarantine.ids()),
+                lambda: claim_candidates(conn, list(self.leases), want, self._quarantine.ids(), schema=self.schema),
                 lambda part: claim(list(part)))
         except poison.SystemicError as exc:
             self._pause_claims(exc)
@@ -1029,7 +1038,7 @@ class JobRunner:
             claimed += part
         for job_id, failure in poisoned:
             error = f"Claiming failed for this job: {poison.describe_error(failure)}"
-            dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error))
+            dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error, schema=self.schema))
             if dead is None:
                 self._quarantine.add(job_id, failure, "claiming")
             elif dead:
@@ -1068,7 +1077,7 @@ class JobRunner:
         for item, exc in poisoned:
             job = job_of(item)
             error = f"{doing.capitalize()} failed for this job: {poison.describe_error(exc)}"
-            buried = poison.try_record(lambda: bury_job(conn, job, error))
+            buried = poison.try_record(lambda: bury_job(conn, job, error, schema=self.schema))
             if buried is None:
                 log.error("job %s (%s) fence %s: %s, and so did dead-lettering it; left to its lease",
                           job.id, job.consumer, job.fence, error)
@@ -1164,7 +1173,7 @@ class JobRunner:
                 if conn is None:
                     conn = self.engine.raw_connection()
                     conn.driver_connection.autocommit = True
-                _execute(conn.driver_connection, queries.relay_buffer_remove,
+                _execute(conn.driver_connection, self.statements.relay_buffer_remove,
                          {"relay": self.worker_id, "removed": [j.fence for j in jobs]})
                 failures = self.reconnect.recovered(failures, "starting buffered jobs")
             except (DBAPIError, psycopg.Error) as exc:
@@ -1315,11 +1324,11 @@ class JobRunner:
         confined to the jobs that cause it (:mod:`outbox.poison`): each is dead-lettered
         naming the error (fenced), or, where even that fails, reported not owned, so its
         worker is told and its lease runs out."""
-        parts, poisoned = poison.isolate(jobs, lambda part: heartbeat_jobs(conn, list(part)))
+        parts, poisoned = poison.isolate(jobs, lambda part: heartbeat_jobs(conn, list(part), schema=self.schema))
         owned: set[int] = set().union(*parts)
         for job, exc in poisoned:
             error = f"Renewing the lease failed for this job: {poison.describe_error(exc)}"
-            buried = poison.try_record(lambda: bury_job(conn, job, error))
+            buried = poison.try_record(lambda: bury_job(conn, job, error, schema=self.schema))
             log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
                       "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
         return owned

@@ -116,11 +116,12 @@ def describe(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def translate_errors(url: str | URL) -> Iterator[None]:
+def translate_errors(url: str | URL, schema: str = "public") -> Iterator[None]:
     """Turn connection failures into :class:`DatabaseUnavailableError`, a URL whose options
-    the driver refuses into :class:`ConfigurationError`, missing tables into
-    :class:`SchemaNotReadyError` and any other failed statement into
-    :class:`DatabaseStatementError`, with readable one-line messages; the cause is kept."""
+    the driver refuses into :class:`ConfigurationError`, missing tables (or a missing
+    ``schema``, the one outbox's tables are expected in) into :class:`SchemaNotReadyError`
+    naming the schema, and any other failed statement into :class:`DatabaseStatementError`,
+    with readable one-line messages; the cause is kept."""
     try:
         yield
     except OperationalError as exc:
@@ -128,7 +129,11 @@ def translate_errors(url: str | URL) -> Iterator[None]:
     except DBAPIError as exc:
         if exc.statement is None:  # refused before any statement: an option of the URL is wrong
             raise ConfigurationError(f"database URL {redact(url)} is not usable: {describe(exc)}") from exc
-        if isinstance(exc, sa.exc.ProgrammingError) and "outbox_" in str(exc.orig) and "does not exist" in str(exc.orig):
-            raise SchemaNotReadyError(
-                f"outbox tables are missing in {redact(url)}; run `outbox-relay migrate`") from exc
+        message = str(exc.orig)
+        if (isinstance(exc, sa.exc.ProgrammingError) and "does not exist" in message
+                and ("outbox_" in message or f'schema "{schema}"' in message)):
+            from .migrate import migrate_command
+
+            raise SchemaNotReadyError(f"outbox tables are missing in schema {schema} of {redact(url)}; "
+                                      f"run `{migrate_command(schema)}`") from exc
         raise DatabaseStatementError(f"database error in {redact(url)}: {describe(exc)}") from exc

@@ -6,11 +6,18 @@ non-editable install can migrate (:func:`migrations_dir`).
 Migrations may run at once from many places (every replica's start-up runs ``outbox-relay
 migrate``). Each upgrade or downgrade is one transaction whose first statement takes a
 transaction-scoped advisory lock (``queries.schema_migrate_lock``, key
-``queries.SCHEMA_MIGRATE_LOCK_KEY``): the others wait for it, then read the version table
+``queries.schema_migrate_lock_key(schema)``): the others wait for it, then read the version table
 afresh (each statement of a READ COMMITTED transaction sees what committed before it
 began), find the schema at the revision they want and change nothing. Without the lock two
 of them created the version table at the same moment and one failed with a unique
 violation. A migration that fails rolls back entirely and releases the lock.
+
+Schemas: every function takes ``schema`` (None: ``OUTBOX_SCHEMA``, else ``public``;
+:func:`outbox.settings.default_schema`). Everything outbox creates, the version table
+included, goes into that schema, created if missing (``CREATE SCHEMA`` needs the CREATE
+privilege on the database; a schema that exists needs only CREATE on it). The lock key is
+the schema's own, so two schemas migrate independently. A downgrade to ``base`` drops
+outbox's tables and leaves the schema and its (empty) version table.
 """
 
 from __future__ import annotations
@@ -38,13 +45,15 @@ def migrations_dir() -> Path:
     return shipped_dir("migrations", "alembic", "env.py")
 
 
-def alembic_config(connection: Connection | None = None) -> Config:
+def alembic_config(connection: Connection | None = None, schema: str | None = None) -> Config:
     """An alembic :class:`Config` for outbox's migrations (:func:`migrations_dir`);
-    ``connection``, when given, is the one the migrations run on."""
+    ``connection``, when given, is the one the migrations run on; ``schema`` the schema they
+    run in (None: the process default)."""
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
     if connection is not None:
         config.attributes["connection"] = connection
+    config.attributes["schema"] = schema
     return config
 
 
@@ -55,50 +64,64 @@ def head_revision() -> str:
     return head
 
 
-def upgrade(engine: Engine, revision: str = "head") -> str:
-    """Migrate the database of ``engine`` to ``revision`` (default: newest), in one
-    transaction holding the migration lock (see the module notes): safe to run again, and
-    from many processes at once, which take turns. Returns the revision the database is at
-    afterwards. Database errors propagate as SQLAlchemy raises them (the command line
-    translates them); nothing is changed then."""
+def upgrade(engine: Engine, revision: str = "head", *, schema: str | None = None) -> str:
+    """Migrate outbox's tables in ``schema`` (None: the process default) of the database of
+    ``engine`` to ``revision`` (default: newest), creating the schema if missing, in one
+    transaction holding the schema's migration lock (see the module notes): safe to run
+    again, and from many processes at once, which take turns. Returns the revision the
+    schema is at afterwards. Database errors propagate as SQLAlchemy raises them (the
+    command line translates them); nothing is changed then. Raises
+    :class:`~outbox.errors.ConfigurationError` for an invalid schema name."""
+    statements = queries.in_schema(schema)
     with engine.begin() as connection:
-        _lock(connection)
-        command.upgrade(alembic_config(connection), revision)
-        current: str = connection.execute(queries.schema_revision).scalar_one()
+        _lock(connection, statements.schema)
+        command.upgrade(alembic_config(connection, statements.schema), revision)
+        current: str = connection.execute(statements.schema_revision).scalar_one()
         return current
 
 
-def downgrade(engine: Engine, revision: str) -> None:
-    """Migrate the database of ``engine`` down to ``revision`` (``base`` drops everything),
-    in one transaction holding the migration lock, like :func:`upgrade`."""
+def downgrade(engine: Engine, revision: str, *, schema: str | None = None) -> None:
+    """Migrate outbox's tables in ``schema`` down to ``revision`` (``base`` drops them all;
+    the schema itself stays), in one transaction holding the schema's migration lock, like
+    :func:`upgrade`."""
+    statements = queries.in_schema(schema)
     with engine.begin() as connection:
-        _lock(connection)
-        command.downgrade(alembic_config(connection), revision)
+        _lock(connection, statements.schema)
+        command.downgrade(alembic_config(connection, statements.schema), revision)
 
 
-def _lock(connection: Connection) -> None:
-    """Take the migration lock in ``connection``'s transaction, saying so when it must wait."""
-    if not connection.execute(queries.schema_migrate_lock_try).scalar_one():
-        log.info("another migration holds the migration lock (advisory lock %d); waiting for it",
-                 queries.SCHEMA_MIGRATE_LOCK_KEY)
-        connection.execute(queries.schema_migrate_lock)
+def _lock(connection: Connection, schema: str) -> None:
+    """Take ``schema``'s migration lock in ``connection``'s transaction, saying so when it must wait."""
+    key = {"key": queries.schema_migrate_lock_key(schema)}
+    if not connection.execute(queries.schema_migrate_lock_try, key).scalar_one():
+        log.info("another migration of schema %s holds the migration lock (advisory lock %d); waiting for it",
+                 schema, key["key"])
+        connection.execute(queries.schema_migrate_lock, key)
 
 
-def check_schema(connection: Connection) -> None:
-    """Raise :class:`SchemaNotReadyError` unless the database is at this package's head
-    revision. Uses (and on failure rolls back) ``connection``'s current transaction. Any
-    other database error (a role that may not read the version table, say) propagates as
-    SQLAlchemy raises it."""
+def check_schema(connection: Connection, schema: str | None = None) -> None:
+    """Raise :class:`SchemaNotReadyError` (naming the schema) unless outbox's tables in
+    ``schema`` (None: the process default) are at this package's head revision. Uses (and
+    on failure rolls back) ``connection``'s current transaction. Any other database error (a
+    role that may not read the version table, say) propagates as SQLAlchemy raises it."""
+    statements = queries.in_schema(schema)
     try:
         with connection.begin_nested():
-            current = connection.execute(queries.schema_revision).scalar()
+            current = connection.execute(statements.schema_revision).scalar()
     except ProgrammingError as exc:
-        if not isinstance(exc.orig, psycopg.errors.UndefinedTable):
+        if not isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)):
             raise
         current = None
     head = head_revision()
+    migrate = migrate_command(statements.schema)
     if current is None:
-        raise SchemaNotReadyError("outbox tables are missing; run `outbox-relay migrate`")
+        raise SchemaNotReadyError(f"outbox tables are missing in schema {statements.schema}; run `{migrate}`")
     if current != head:
-        raise SchemaNotReadyError(
-            f"database schema is at revision {current}, this outbox needs {head}; run `outbox-relay migrate`")
+        raise SchemaNotReadyError(f"outbox schema {statements.schema} is at revision {current}, "
+                                  f"this outbox needs {head}; run `{migrate}`")
+
+
+def migrate_command(schema: str) -> str:
+    """The command that migrates ``schema``, for messages: ``outbox-relay migrate`` for
+    ``public``, else with ``--schema``."""
+    return "outbox-relay migrate" + ("" if schema == "public" else f" --schema {schema}")

@@ -15,11 +15,31 @@ Rules every job-changing statement here keeps (architecture notes, "Statements")
 
 Arrays are bound as PostgreSQL arrays (``CAST(:ids AS bigint[])``), so a batch costs one
 round trip whatever its size.
+
+Schemas. The statements below name outbox's relations unqualified (``outbox_jobs``), so they
+read as written and paste into psql. Runtime code never runs them as they are: it takes them
+from :func:`in_schema`, which returns every statement with each outbox relation (the names
+of :func:`outbox.db.tables.relation_names`: tables, sequences, the version table, the
+trigger function) qualified as ``<schema>.<name>``, string literals included
+(``nextval('tenant_a.outbox_fence_seq')``). The rewrite matches whole names only (not
+``ix_outbox_jobs_ready``, not ``j.outbox_x``), is made once per schema and kept for the
+life of the process, so each statement stays one object (SQLAlchemy's compiled cache and
+the job runner's per-statement cache keep working) and the hot path pays nothing for it. A
+statement that names no outbox relation is the same object in every schema. Statements
+must not pre-bind values (``.bindparams(x=1)``): a qualified copy is rebuilt from the text.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
+from typing import TYPE_CHECKING
+
 from sqlalchemy import TextClause, text
+
+from ..settings import check_schema_name, default_schema
+from . import tables
 
 # --------------------------------------------------------------------------- events
 
@@ -627,22 +647,46 @@ working on instead of waiting. Cannot run inside a transaction block: autocommit
 
 schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")
 
-#: Key of the advisory lock that serialises migrations: the first 8 bytes of
-#: SHA-256(b"outbox.migrate") read as a signed big-endian 64-bit integer. ``pg_locks`` shows it
-#: held as ``locktype = 'advisory'``, ``classid = 268231917``, ``objid = 895327184``,
-#: ``objsubid = 1``. An application must not use this key for locks of its own.
+#: Key of the advisory lock that serialises migrations of schema ``public``: the first 8
+#: bytes of SHA-256(b"outbox.migrate") read as a signed big-endian 64-bit integer. ``pg_locks``
+#: shows it held as ``locktype = 'advisory'``, ``classid = 268231917``, ``objid = 895327184``,
+#: ``objsubid = 1``. Other schemas have keys of their own (:func:`schema_migrate_lock_key`). An
+#: application must not use these keys for locks of its own.
 SCHEMA_MIGRATE_LOCK_KEY = 1152047312153713616
 
-schema_migrate_lock_try: TextClause = text(
-    "SELECT pg_try_advisory_xact_lock(:key)").bindparams(key=SCHEMA_MIGRATE_LOCK_KEY)
-"""Take the migration lock for the rest of the transaction (released by its commit or
-rollback) if no other transaction holds it; returns whether it did. The first statement
-of every upgrade and downgrade, so two ``outbox-relay migrate`` run at once take turns: the
-second finds the schema at head and does nothing."""
 
-schema_migrate_lock: TextClause = text("SELECT pg_advisory_xact_lock(:key)").bindparams(key=SCHEMA_MIGRATE_LOCK_KEY)
-"""Take the migration lock for the rest of the transaction, waiting while another
+def schema_migrate_lock_key(schema: str) -> int:
+    """The migration lock's key for ``schema``: :data:`SCHEMA_MIGRATE_LOCK_KEY` for
+    ``public`` (so releases from before schemas existed still take turns with this one),
+    else the first 8 bytes of SHA-256(b"outbox.migrate:" + schema) as a signed big-endian
+    64-bit integer: two schemas migrate independently, each serialised with itself."""
+    if schema == "public":
+        return SCHEMA_MIGRATE_LOCK_KEY
+    digest = hashlib.sha256(b"outbox.migrate:" + schema.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
+
+
+schema_migrate_lock_try: TextClause = text("SELECT pg_try_advisory_xact_lock(:key)")
+"""Take the migration lock ``:key`` (:func:`schema_migrate_lock_key`) for the rest of the
+transaction (released by its commit or rollback) if no other transaction holds it; returns
+whether it did. The first statement of every upgrade and downgrade, so two ``outbox-relay
+migrate`` of one schema run at once take turns: the second finds the schema at head and
+does nothing."""
+
+schema_migrate_lock: TextClause = text("SELECT pg_advisory_xact_lock(:key)")
+"""Take the migration lock ``:key`` for the rest of the transaction, waiting while another
 transaction holds it (after ``schema_migrate_lock_try`` found it taken)."""
+
+schema_exists: TextClause = text("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = :schema)")
+"""Whether schema ``:schema`` exists. Migrations ask before ``Statements.schema_create``:
+``CREATE SCHEMA IF NOT EXISTS`` needs the CREATE privilege on the database even when the
+schema exists (PostgreSQL checks the privilege first), which a role that owns only its
+schema lacks."""
+
+schema_search_path_set_local: TextClause = text("SELECT set_config('search_path', :schema, true)")
+"""Until the end of the current transaction, resolve unqualified names in ``:schema`` only
+(``SET LOCAL search_path``; ``pg_catalog`` is searched first anyway): the migrations run
+under it, so their unqualified DDL creates everything in outbox's schema."""
 
 # -------------------------------------------------------------------------- publish
 
@@ -775,3 +819,53 @@ matched). The caller checks the row count."""
 schedule_list: TextClause = text(
     "SELECT name, cron, timezone, topic, catch_up, last_slot, next_slot FROM outbox_schedules ORDER BY name"
 )
+
+# --------------------------------------------------------------------------- schemas
+
+def statements() -> dict[str, TextClause]:
+    """Every statement of this module by name, as written (unqualified): the texts
+    :class:`Statements` qualifies, wherever in the module they are defined."""
+    return {name: value for name, value in globals().items()
+            if isinstance(value, TextClause) and not name.startswith("_")}
+
+
+def relation_pattern() -> re.Pattern[str]:
+    """Matches an outbox relation's name (:func:`outbox.db.tables.relation_names`) standing
+    alone: not part of a longer name (``ix_outbox_jobs_ready``), not after a ``.``
+    (``j.outbox_x``, an already qualified name) and not quoted."""
+    names = "|".join(sorted(map(re.escape, tables.relation_names()), key=len, reverse=True))
+    return re.compile(rf'(?<![\w$."])({names})(?![\w$"])')
+
+
+class Statements:
+    """Every statement of :mod:`outbox.db.queries`, under the same names, with outbox's
+    relations in schema :attr:`schema` (see the module notes); made by :func:`in_schema`.
+    Besides: ``schema_create``, ``CREATE SCHEMA IF NOT EXISTS <schema>`` (DDL takes no
+    parameters; the name is validated)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = check_schema_name(schema)
+        pattern = relation_pattern()
+        for name, statement in statements().items():
+            qualified = pattern.sub(rf"{schema}.\1", statement.text)
+            setattr(self, name, statement if qualified == statement.text else text(qualified))
+        self.schema_create = text(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+
+    if TYPE_CHECKING:
+        def __getattr__(self, name: str) -> TextClause: ...
+
+    def __repr__(self) -> str:
+        return f"Statements(schema={self.schema!r})"
+
+
+def in_schema(schema: str | None = None) -> Statements:
+    """The statements of outbox's tables in ``schema`` (None: the process default,
+    :func:`outbox.settings.default_schema`, i.e. ``OUTBOX_SCHEMA`` or ``public``). Made once
+    per schema and kept: calling this on every use costs two dictionary look-ups. Raises
+    :class:`~outbox.errors.ConfigurationError` for an invalid schema name."""
+    return _statements(default_schema() if schema is None else schema)
+
+
+@functools.cache
+def _statements(schema: str) -> Statements:
+    return Statements(schema)

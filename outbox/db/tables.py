@@ -52,6 +52,11 @@ NAMING_CONVENTION = {
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
+#: alembic's version table of outbox's own migrations, beside the tables in outbox's schema.
+VERSION_TABLE = "outbox_alembic_version"
+#: The trigger function that sends the NOTIFY wake-ups (see ``NOTIFY_DDL``).
+NOTIFY_FUNCTION = "outbox_notify"
+
 #: Every claim takes ``nextval`` of this one sequence, so fences grow across all jobs:
 #: a downstream row guarded by ``WHERE fence < $n`` is never overwritten by a worker that
 #: claimed earlier than the last writer (seed article 000, "Fencing tokens").
@@ -167,15 +172,36 @@ schedules = Table(
 
 #: NOTIFY channels. A statement-level trigger on each table sends one notification per
 #: inserting statement; PostgreSQL delivers it only on commit and folds duplicates within a
-#: transaction ("NOTIFY", PostgreSQL docs), so publishing costs no extra round trip.
+#: transaction ("NOTIFY", PostgreSQL docs), so publishing costs no extra round trip. Tables
+#: in a schema other than ``public`` notify on ``<schema>.<channel>`` (:func:`notify_channel`),
+#: so a relay is woken only by its own schema's events and jobs.
 EVENTS_CHANNEL = "outbox_events"
 JOBS_CHANNEL = "outbox_jobs"
 
+
+def notify_channel(channel: str, schema: str) -> str:
+    """The name ``channel`` (``EVENTS_CHANNEL`` or ``JOBS_CHANNEL``) has for the tables of
+    ``schema``: unchanged for ``public`` (as before schemas existed), else
+    ``<schema>.<channel>``, as the trigger function computes it from ``TG_TABLE_SCHEMA``."""
+    return channel if schema == "public" else f"{schema}.{channel}"
+
+
+def relation_names() -> frozenset[str]:
+    """Every name outbox creates in its schema: the tables and sequences of
+    :data:`metadata`, the version table and the trigger function. Statements name these
+    unqualified; :func:`outbox.db.queries.in_schema` qualifies exactly these."""
+    sequences = {v.name for v in globals().values() if isinstance(v, Sequence) and v.metadata is metadata}
+    return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION})
+
+
+# The function resolves no relation by name (pg_notify is in pg_catalog, searched first), so
+# it behaves the same whatever search_path the inserting session has.
 NOTIFY_DDL = (
-    """
-    CREATE OR REPLACE FUNCTION outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+    f"""
+    CREATE OR REPLACE FUNCTION {NOTIFY_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$
     BEGIN
-        PERFORM pg_notify(TG_ARGV[0], '');
+        PERFORM pg_notify(CASE WHEN TG_TABLE_SCHEMA = 'public' THEN TG_ARGV[0]
+                               ELSE TG_TABLE_SCHEMA || '.' || TG_ARGV[0] END, '');
         RETURN NULL;
     END $$
     """,

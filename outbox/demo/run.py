@@ -184,9 +184,12 @@ class DemoConfig:
 # ------------------------------------------------------------------------ database
 
 
-def prepare_database(server: URL, name: str) -> URL:
+def prepare_database(server: URL, name: str, schema: str = "public") -> URL:
     """Drop and recreate database ``name`` on ``server`` (connecting to the server's own
-    database, or ``postgres``), migrate it and create the demo tables; returns its URL."""
+    database, or ``postgres``), migrate outbox's tables into ``schema`` and create the demo
+    tables beside them; returns its URL. For a schema other than ``public`` the URL carries
+    ``options=-csearch_path=<schema>,public``, so the demo's own unqualified SQL (its tables,
+    its report) finds that schema first, in this process and in the relays."""
     admin_db = server.database if server.database and server.database != name else "postgres"
     admin = sa.create_engine(server.set(database=admin_db), isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
     try:
@@ -196,10 +199,14 @@ def prepare_database(server: URL, name: str) -> URL:
     finally:
         admin.dispose()
     url = server.set(database=name)
+    if schema != "public":
+        path = f"-csearch_path={schema},public"
+        options = url.query.get("options")
+        url = url.update_query_dict({"options": f"{options} {path}" if isinstance(options, str) else path})
     engine = make_engine(url, pool_size=2, application_name="outbox-demo")
     try:
-        with translate_errors(url):
-            upgrade(engine)
+        with translate_errors(url, schema):
+            upgrade(engine, schema=schema)
             app.demo_metadata.create_all(engine)
     finally:
         engine.dispose()
@@ -212,10 +219,11 @@ def prepare_database(server: URL, name: str) -> URL:
 class Producer(threading.Thread):
     """Places the orders, one domain transaction each, paced evenly over ``duration``."""
 
-    def __init__(self, engine: Engine, config: DemoConfig) -> None:
+    def __init__(self, engine: Engine, config: DemoConfig, schema: str = "public") -> None:
         super().__init__(name="demo-producer", daemon=True)
         self.engine = engine
         self.config = config
+        self.schema = schema
         self.committed: list[int] = []
         self.rolled_back: list[int] = []
         self.error: BaseException | None = None
@@ -257,7 +265,7 @@ class Producer(threading.Thread):
             with Session(self.engine) as session, session.begin():
                 session.execute(app.orders.insert().values(id=order_id, customer=customer, total_cents=total))
                 publish(session, app.TOPIC, {"order_id": order_id, "customer": customer, "total_cents": total},
-                        key=f"order:{order_id}")
+                        key=f"order:{order_id}", schema=self.schema)
                 if roll_back:
                     raise _PaymentDeclined()
         except _PaymentDeclined:
@@ -369,7 +377,7 @@ class Demo:
         started = time.monotonic()
         cfg = self.config
         server = self._server()
-        self.url = prepare_database(server, cfg.db_name)
+        self.url = prepare_database(server, cfg.db_name, self.settings.schema_name)
         print(f"database: {redact(self.url)} (dropped, recreated, migrated; demo tables created)")
         self.engine = make_engine(self.url, pool_size=3, application_name="outbox-demo")
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
@@ -383,7 +391,7 @@ class Demo:
         try:
             self._start_relays()
             self.t0 = time.monotonic()
-            self.producer = Producer(self.engine, cfg)
+            self.producer = Producer(self.engine, cfg, self.settings.schema_name)
             self.producer.start()
             drained = self._loop()
             self._stop_relays()
@@ -422,6 +430,7 @@ class Demo:
             **os.environ,
             "OUTBOX_DATABASE_URL": self.url.render_as_string(hide_password=False),
             "OUTBOX_LOG_LEVEL": "INFO",
+            "OUTBOX_SCHEMA": self.settings.schema_name,
             "OUTBOX_DEMO_WORK_MS": str(cfg.work_ms),
             "OUTBOX_DEMO_FAIL_SHARE": str(cfg.fail_share),
             "OUTBOX_DEMO_SLOW_SHARE": str(cfg.slow_share),

@@ -149,7 +149,7 @@ def test_process_migrate_ok_from_environment(empty_db_url, tmp_path):
     url, secret = with_secret(empty_db_url)
     first = run_cli("migrate", cwd=tmp_path, env={"OUTBOX_DATABASE_URL": url})
     assert first.returncode == 0, first.stderr
-    assert first.stdout == f"outbox schema at revision {head_revision()}\n"
+    assert first.stdout == f"outbox schema public at revision {head_revision()}\n"
     assert "Traceback" not in first.stderr and "error" not in first.stderr.lower()
     assert secret not in first.stdout + first.stderr
     # the flag wins over an environment naming an unreachable server
@@ -253,7 +253,7 @@ def test_database_at_another_schema_revision(cli, db_url, command):
         conn.execute(sa.text("UPDATE outbox_alembic_version SET version_num = '0000_older'"))
     url, secret = with_secret(db_url)
     assert_one_error_line(cli(*command, "--database-url", url),
-                          "schema is at revision 0000_older", "run `outbox-relay migrate`", secret=secret)
+                          "schema public is at revision 0000_older", "run `outbox-relay migrate`", secret=secret)
 
 
 @pytest.fixture
@@ -358,7 +358,7 @@ def test_flag_overrides_environment(cli, db_url):
 def test_migrate_ok_and_again(cli, empty_db_url):
     url, secret = with_secret(empty_db_url)
     first = cli("migrate", "--database-url", url)
-    assert (first.returncode, first.stdout, first.stderr) == (0, f"outbox schema at revision {head_revision()}\n", "")
+    assert (first.returncode, first.stdout, first.stderr) == (0, f"outbox schema public at revision {head_revision()}\n", "")
     again = cli("migrate", "--database-url", url)
     assert (again.returncode, again.stdout, again.stderr) == (0, first.stdout, "")
     status = cli("status", "--database-url", url)

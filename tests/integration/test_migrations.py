@@ -132,7 +132,7 @@ def table_oids(engine: sa.Engine) -> dict[str, int]:
 def test_migrate_on_empty_database_creates_the_schema(empty_db_url, empty_engine, capsys):
     out = cli_migrate(empty_db_url, capsys)
     head = head_revision()
-    assert out.strip() == f"outbox schema at revision {head}"
+    assert out.strip() == f"outbox schema public at revision {head}"
     snap = snapshot(empty_engine)
     assert {t for (t,) in snap["tables"]} == OUTBOX_TABLES | {VERSION_TABLE}
     with empty_engine.connect() as conn:
@@ -195,7 +195,7 @@ def test_migrate_again_is_a_no_op(empty_db_url, empty_engine, capsys):
     with empty_engine.begin() as conn:
         conn.exec_driver_sql("INSERT INTO outbox_events (topic, payload) VALUES ('t', '{\"kept\": true}')")
     out = cli_migrate(empty_db_url, capsys)
-    assert out.strip() == f"outbox schema at revision {head_revision()}"
+    assert out.strip() == f"outbox schema public at revision {head_revision()}"
     assert snapshot(empty_engine) == before
     assert table_oids(empty_engine) == oids  # nothing dropped and recreated
     with empty_engine.connect() as conn:
@@ -260,7 +260,7 @@ def test_concurrent_migrate_processes_take_turns(server, round_):
         results = [(p.wait(timeout=120), *p.communicate()) for p in processes]
         head = head_revision()
         for status, out, err in results:  # stderr holds alembic's INFO lines, nothing else
-            assert (status, out) == (0, f"outbox schema at revision {head}\n"), (status, out, err)
+            assert (status, out) == (0, f"outbox schema public at revision {head}\n"), (status, out, err)
             assert "Traceback" not in err and "error" not in err.lower(), err
         engine = make_engine(url)
         try:
@@ -298,7 +298,7 @@ def test_migration_waits_for_the_migration_lock(empty_engine, operation):
             outcome.append(exc)
 
     with empty_engine.connect() as holder:
-        holder.execute(queries.schema_migrate_lock)
+        holder.execute(queries.schema_migrate_lock, {"key": queries.SCHEMA_MIGRATE_LOCK_KEY})
         thread = threading.Thread(target=migrate)
         thread.start()
         wait_for(lambda: waiting_for_the_migration_lock(empty_engine) or outcome, what="the migration to wait")

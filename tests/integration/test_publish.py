@@ -276,7 +276,7 @@ def test_publish_many_thousand_events_is_one_statement(engine):
             ids = publish_many(s, events)
     assert len(counter.statements) == 1, counter.statements
     statement, executemany = counter.statements[0]
-    assert "INSERT INTO outbox_events" in statement and not executemany
+    assert "INSERT INTO public.outbox_events" in statement and not executemany
     assert len(ids) == 1000 and len(set(ids)) == 1000 and ids == sorted(ids)
     rows = stored(engine)
     assert [r["id"] for r in rows] == ids

@@ -47,7 +47,7 @@ def _unrouted(engine: sa.Engine) -> int:
 def _claim_plan(engine: sa.Engine, limit: int) -> str:
     """EXPLAIN of the claim as a relay with consumers a, b, c would run it (not executed)."""
     with engine.connect() as conn:
-        rows = conn.execute(sa.text("EXPLAIN " + queries.job_claim_many.text), {
+        rows = conn.execute(sa.text("EXPLAIN " + queries.in_schema("public").job_claim_many.text), {
             "consumers": CONSUMERS, "leases": [30.0] * len(CONSUMERS), "limit": limit, "worker": "plan-guard",
         }).scalars().all()
         conn.rollback()
@@ -270,7 +270,8 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
     claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
     combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
                 "after_id": 0, "relay": None, "start_now": 0, "skip": [], "only": None}
-    for statement, params in ((queries.job_claim_many, claim), (queries.job_complete_claim_many, combined)):
+    public = queries.in_schema("public")
+    for statement, params in ((public.job_claim_many, claim), (public.job_complete_claim_many, combined)):
         with engine.connect() as conn:
             [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
             conn.rollback()

@@ -95,7 +95,7 @@ def test_installed_wheel_migrates_a_fresh_database(wheel, tmp_path, empty_db_url
 
     url = empty_db_url.render_as_string(hide_password=False)
     result = run(python, "-m", "outbox.cli", "migrate", "--database-url", url, cwd=elsewhere)
-    assert result.stdout == f"outbox schema at revision {head_revision()}\n"
+    assert result.stdout == f"outbox schema public at revision {head_revision()}\n"
 
     engine = make_engine(empty_db_url)
     try:
