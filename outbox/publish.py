@@ -65,11 +65,11 @@ import contextlib
 import json
 import math
 import re
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, overload
 
 import psycopg
 from sqlalchemy import TextClause
@@ -372,6 +372,41 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
     return PublishOptions(run_at, delay, priority, dedup_key)
 
 
+# The type checker's view: a sync session gets the id, an async one an awaitable of it.
+@overload
+def publish(
+    session: Session | Connection,
+    topic: str,
+    payload: Any,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    *,
+    run_at: datetime | None = None,
+    delay: float | None = None,
+    dedup_key: str | None = None,
+    priority: int | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
+) -> int: ...
+
+
+@overload
+def publish(
+    session: AsyncSession | AsyncConnection,
+    topic: str,
+    payload: Any,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    *,
+    run_at: datetime | None = None,
+    delay: float | None = None,
+    dedup_key: str | None = None,
+    priority: int | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
+) -> Coroutine[Any, Any, int]: ...
+
+
 def publish(
     session: Session | Connection | AsyncSession | AsyncConnection,
     topic: str,
@@ -514,6 +549,26 @@ def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, o
             return found[0].id
     raise OutboxError(f"publish with dedup_key {options.dedup_key!r}: the event holding the key was deleted "
                       f"between the insert and its lookup {_DEDUP_TRIES} times in a row")
+
+
+@overload
+def publish_many(
+    session: Session | Connection,
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
+) -> list[int]: ...
+
+
+@overload
+def publish_many(
+    session: AsyncSession | AsyncConnection,
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
+    *,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    schema: str | None = None,
+) -> Coroutine[Any, Any, list[int]]: ...
 
 
 def publish_many(

@@ -80,15 +80,20 @@ APP = textwrap.dedent('''
 
     def place_order(engine: sa.Engine, job: Job) -> None:
         with Session(engine) as s, s.begin():
-            publish(s, "order.placed", {"order_id": 4}, key="order:4", headers={"trace": "x"})
-            publish_many(s, [("order.placed", {"order_id": 5}), {"topic": "order.placed", "payload": {}}])
+            event_id: int = publish(s, "order.placed", {"order_id": 4}, key="order:4", headers={"trace": "x"},
+                                    delay=1.5, dedup_key="order:4", priority=-1)
+            ids: list[int] = publish_many(s, [("order.placed", {"order_id": 5}),
+                                              {"topic": "order.placed", "payload": {}, "delay": 2}])
+            assert event_id not in ids
         send_receipt(job)  # the decorated functions keep their own signatures
         with Session(engine) as s, s.begin():
             create_invoice(job, s)
 
 
     async def place_order_async(session: AsyncSession, job: Job) -> None:
-        await publish(session, "order.placed", {"order_id": 6})
+        event_id: int = await publish(session, "order.placed", {"order_id": 6})
+        ids: list[int] = await publish_many(session, [("order.placed", {"order_id": event_id})])
+        assert ids
         await notify(job)
 ''')
 
@@ -102,6 +107,9 @@ MISTAKES = [
     ("n: int = send_receipt(Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0))", "assignment",
      'expression has type "None", variable has type "int"'),
     ("Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0, _lost=True)", "call-arg", 'Unexpected keyword argument "_lost"'),
+    ("def h(s: Session) -> str:\n    return publish(s, 't', {})", "return-value", 'got "int", expected "str"'),
+    ("async def k(s: AsyncSession) -> int:\n    return publish(s, 't', {})", "return-value",
+     'got "Coroutine[Any, Any, int]", expected "int"'),
     ("@ob.subscriber('t', consumer='tx', transactional=True)\ndef tx(job: Job) -> None: ...", "type-var",
      'Value of type variable "TransactionalHandlerT"'),
 ]
