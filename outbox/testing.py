@@ -162,6 +162,7 @@ def drain(
     *,
     consumers: Collection[str] | None = None,
     run_retries: bool = False,
+    run_scheduled: bool = False,
     max_rounds: int = 100,
     settings: OutboxSettings | None = None,
 ) -> list[DrainResult]:
@@ -178,7 +179,9 @@ def drain(
     One attempt per job per round; ``run_retries=True`` makes jobs waiting out a retry's
     backoff due at once and runs them again, round after round, until they are done or
     dead; otherwise each retried job is reported once and left waiting out its backoff
-    (see the module's notes).
+    (see the module's notes). Jobs of a delayed publish (``run_at=``, ``delay=``) wait for
+    their time like in the relay, unless ``run_scheduled=True`` makes them due at once (as
+    Oban's ``drain_queue(with_scheduled: true)``), in every round.
     ``settings`` gives the backoff, the default lease and the schema of outbox's tables
     (``schema_name``; default: ``OutboxSettings()``, the ``OUTBOX_*`` environment).
 
@@ -218,9 +221,13 @@ def drain(
     try:
         while True:
             route_all(engine, settings.route_batch, schema=schema)
-            if run_retries:
+            if run_retries or run_scheduled:
+                statements = queries.in_schema(schema)
                 with _autocommit(engine) as conn:
-                    conn.execute(queries.in_schema(schema).job_retry_now_many, {"consumers": chosen})
+                    if run_retries:
+                        conn.execute(statements.job_retry_now_many, {"consumers": chosen})
+                    if run_scheduled:
+                        conn.execute(statements.job_scheduled_now_many, {"consumers": chosen})
             ran: set[int] = set()
             retried: list[int] = []
             while True:

@@ -532,6 +532,19 @@ job_retry_now_many: TextClause = text(
 attempt: ``attempts > 0``) due now, for ``outbox.testing.drain`` with ``run_retries``.
 Jobs never attempted (a delayed publish) keep their ``run_at``; attempts are not touched."""
 
+job_scheduled_now_many: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET run_at = now(), updated_at = now()
+    WHERE consumer = ANY (CAST(:consumers AS text[]))
+      AND status = 'ready' AND attempts = 0 AND run_at > now()
+    RETURNING id
+    """
+)
+"""Make the ready jobs of ``:consumers`` that were never attempted and wait for a later
+``run_at`` (a delayed publish, ``run_at=`` or ``delay=``) due now, for
+``outbox.testing.drain`` with ``run_scheduled``; attempts are not touched."""
+
 job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
 )

@@ -230,3 +230,24 @@ def test_drain_refuses_async_handlers_inside_a_running_event_loop(engine):
         assert await asyncio.to_thread(drain, engine, ob, settings=_settings()) == []
 
     asyncio.run(main())
+
+
+def test_drain_runs_delayed_publishes_only_with_run_scheduled(engine):
+    ob = Outbox()
+    seen: list[dict] = []
+
+    @ob.subscriber("reminder", consumer="remind")
+    def remind(job: Job) -> None:
+        seen.append(job.payload)
+
+    with Session(engine) as s, s.begin():
+        publish(s, "reminder", {"n": 1}, delay=3600)
+        publish(s, "reminder", {"n": 2})
+    assert [r.outcome for r in drain(engine, ob, settings=_settings())] == ["done"]
+    assert seen == [{"n": 2}]  # the delayed one waits for its hour, as in the relay
+    assert [(j.status, j.waiting) for j in _jobs(engine)] == [("ready", True), ("done", False)]
+
+    results = drain(engine, ob, run_scheduled=True, settings=_settings())
+    assert [(r.outcome, r.attempt) for r in results] == [("done", 1)]
+    assert seen == [{"n": 2}, {"n": 1}]
+    assert [j.status for j in _jobs(engine)] == ["done", "done"]
