@@ -56,6 +56,7 @@ from .errors import (
     PermanentError,
     SchemaNotReadyError,
     StaleFenceError,
+    TransactionEndedError,
 )
 from .fencing import fenced_write
 from .job import Job
@@ -77,6 +78,7 @@ __all__ = [
     "PermanentError",
     "SchemaNotReadyError",
     "StaleFenceError",
+    "TransactionEndedError",
     "Subscriber",
     "docs_dir",
     "fenced_write",

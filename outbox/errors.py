@@ -94,3 +94,11 @@ class DrainLimitError(OutboxError):
     def __init__(self, message: str, results: list[Any]) -> None:
         super().__init__(message)
         self.results = results
+
+
+class TransactionEndedError(PermanentError):
+    """A transactional handler ended the transaction outbox began for it (a raw ``COMMIT`` or
+    ``ROLLBACK``, closing its session) instead of leaving the commit to outbox: its writes
+    could no longer commit together with the fenced completion. Recorded as the job's
+    failure, permanent (dead at once), since the handler would do the same on every attempt;
+    writes it committed itself stay committed (the database cannot take them back)."""

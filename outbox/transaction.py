@@ -57,16 +57,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, CursorResult, Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from . import backoff
 from .db import queries
 from .db.engine import describe
+from .errors import TransactionEndedError
 from .poison import sqlstate
 
 log = logging.getLogger("outbox.transaction")
@@ -112,18 +113,19 @@ def retry_pause(retry: int) -> float:
     return backoff.retry_delay(retry, base=RETRY_PAUSE_BASE, cap=RETRY_PAUSE_CAP, jitter=0.5)
 
 
-def set_limits(conn: Connection, lease_seconds: float) -> None:
+def set_limits(conn: Connection, lease_seconds: float, fence: int) -> None:
     """Run the transaction's first statement on ``conn``: the server ends the session if the
-    transaction then sits idle for longer than ``lease_seconds`` (at least 1 ms)."""
+    transaction then sits idle for longer than ``lease_seconds`` (at least 1 ms), and the
+    transaction carries ``fence`` (``outbox.handler_fence``) for :func:`complete` to check."""
     millis = max(1, int(lease_seconds * 1000))
-    conn.execute(queries.job_transaction_limits_set_local, {"idle_timeout": str(millis)})
+    conn.execute(queries.job_transaction_limits_set_local, {"idle_timeout": str(millis), "fence": fence})
 
 
-def begin(session: Session, lease_seconds: float) -> None:
+def begin(session: Session, lease_seconds: float, fence: int) -> None:
     """Begin the handler's transaction on ``session`` (its bind begins at
     :data:`ISOLATION_LEVEL`) and run its first statement, :func:`set_limits`."""
     session.begin()
-    set_limits(session.connection(), lease_seconds)
+    set_limits(session.connection(), lease_seconds, fence)
 
 
 def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None], *,
@@ -132,13 +134,21 @@ def complete(session: Session, job_id: int, fence: int, completing: Callable[[],
     ``completing()`` (the runner's mark that this claim's outcome is being written), run the
     fenced :data:`~outbox.db.queries.job_complete` and commit. Returns False, without
     committing, when the completion matched no row (the claim is no longer this worker's):
-    the caller rolls back, the handler's writes with it. ``schema``: the schema of outbox's
-    tables (None: the process default). Database errors propagate."""
+    the caller rolls back, the handler's writes with it. Raises
+    :class:`~outbox.errors.TransactionEndedError` (a permanent failure; the caller rolls back)
+    when the handler ended the transaction :func:`begin` started (a raw ``COMMIT`` or
+    ``ROLLBACK``, a closed session): its writes did not, or did not only, commit with the
+    completion. ``schema``: the schema of outbox's tables (None: the process default).
+    Database errors propagate."""
     session.flush()
     completing()
-    completed = cast(CursorResult[Any], session.execute(queries.in_schema(schema).job_complete,
-                                                          {"id": job_id, "fence": fence}))
-    if completed.rowcount != 1:
+    row = session.execute(queries.in_schema(schema).job_complete, {"id": job_id, "fence": fence}).one()
+    if not row.same_transaction:
+        raise TransactionEndedError(
+            f"the handler of job {job_id} ended its transaction itself (COMMIT, ROLLBACK or closing its session); "
+            "a transactional handler's writes must commit with the job's completion, so outbox commits it: "
+            "dead-lettered, since it would do the same on every attempt")
+    if row.completed != 1:
         return False
     Session.commit(session)  # the base class's: a handler's session refuses commit() from the handler
     return True

@@ -489,7 +489,7 @@ class JobExecutor:
         session = HandlerSession(bind=conn)
         try:
             with session:
-                transaction.begin(session, job.lease_seconds)
+                transaction.begin(session, job.lease_seconds, job.fence)
                 result = sub.handler(job, session)
                 committed = transaction.complete(session, job.id, job.fence, lambda: self.completing(job),
                                                  schema=self.settings.schema_name)
@@ -504,7 +504,7 @@ class JobExecutor:
         session = AsyncSession(bind=conn, sync_session_class=HandlerSession)
         try:
             async with session:
-                await session.run_sync(transaction.begin, job.lease_seconds)
+                await session.run_sync(transaction.begin, job.lease_seconds, job.fence)
                 result = await sub.handler(job, session)
                 committed = await session.run_sync(transaction.complete, job.id, job.fence,
                                                    lambda: self.completing(job), schema=self.settings.schema_name)

@@ -325,13 +325,27 @@ WITH": sub-statements run on one snapshot and must not update the same row twice
 
 job_complete: TextClause = text(
     """
-    UPDATE outbox_jobs
-    SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
-    WHERE id = :id AND fence = :fence AND status = 'running'
+    WITH handler AS (
+        SELECT current_setting('outbox.handler_fence', true) IS NOT DISTINCT FROM CAST(:fence AS text)
+            AS same_transaction
+    ), completed AS (
+        UPDATE outbox_jobs
+        SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+        WHERE id = :id AND fence = :fence AND status = 'running'
+          AND (SELECT same_transaction FROM handler)
+        RETURNING id
+    )
+    SELECT (SELECT same_transaction FROM handler) AS same_transaction,
+           (SELECT count(*) FROM completed) AS completed
     """
 )
-"""Mark one job done if it still holds ``:fence``; used inside a transactional handler's
-transaction, so a row count of 0 rolls the handler's writes back."""
+"""Mark one job done if it still holds ``:fence``, inside a transactional handler's
+transaction: ``completed`` 0 (the claim is no longer this worker's) rolls the handler's
+writes back. ``same_transaction`` says whether this is still the transaction the handler's
+first statement (``job_transaction_limits_set_local``) began: that statement set
+``outbox.handler_fence`` to the fence for the transaction only, so a handler that ended its
+transaction itself (a raw ``COMMIT`` or ``ROLLBACK``, closing its session) is caught here,
+before the completion could commit in a transaction of its own; then nothing is marked."""
 
 job_fail_many: TextClause = text(
     f"""
@@ -550,12 +564,14 @@ job_count_by_status: TextClause = text(
 )
 
 job_transaction_limits_set_local: TextClause = text(
-    "SELECT set_config('idle_in_transaction_session_timeout', :idle_timeout, true)"
+    "SELECT set_config('idle_in_transaction_session_timeout', :idle_timeout, true),"
+    " set_config('outbox.handler_fence', CAST(:fence AS text), true)"
 )
 """The first statement of a transactional handler's transaction: until it ends, the server
 ends the session (SQLSTATE 25P03) when the transaction sits idle for longer than
 ``:idle_timeout`` (milliseconds, as text), so a worker paused or hung inside it cannot hold
-its row locks past its job's lease. ``set_config(..., true)`` is ``SET LOCAL`` with a bound
+its row locks past its job's lease; and ``outbox.handler_fence`` holds the job's fence, which
+``job_complete`` reads to know the handler did not end the transaction itself. ``set_config(..., true)`` is ``SET LOCAL`` with a bound
 parameter: it lasts until the transaction ends, so it never leaks to the next user of a
 pooled connection and works through a pooler in transaction mode, where startup options
 and session-level ``SET`` do not (PostgreSQL docs, "Configuration Settings Functions" and

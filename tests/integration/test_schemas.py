@@ -134,7 +134,9 @@ def test_two_relays_side_by_side(two_schemas, empty_db_url, capsys):
     base = dict(poll_interval=0.2, reap_interval=0.2, shutdown_grace=2.0, backoff_base=0.05, backoff_cap=0.2)
     relays = {
         A: Relay(registry(A, seen, lock), OutboxSettings(
-            _env_file=None, database_url=url + "?options=-csearch_path%3Dapp_a", schema_name=A, **base)),
+            _env_file=None, schema_name=A, **base,  # the embedded server's URL has a query (host=) already
+            database_url=empty_db_url.update_query_dict({"options": "-csearch_path=app_a"}).render_as_string(
+                hide_password=False))),
         B: Relay(registry(B, seen, lock), OutboxSettings(_env_file=None, database_url=url, schema_name=B, **base)),
     }
     for relay in relays.values():
