@@ -190,7 +190,9 @@ def drain(
     event loop is running in this thread (call ``await asyncio.to_thread(drain, ...)``);
     :class:`~outbox.errors.DrainLimitError` (with the results so far) when jobs are still
     due after ``max_rounds`` rounds; database errors of its own statements propagate.
-    Handler failures never raise: they are results."""
+    Handler failures never raise: they are results; but a ``KeyboardInterrupt`` or
+    ``SystemExit`` from a handler (Ctrl-C in a test run) hands its job back, attempt not
+    counted, and propagates."""
     if type(max_rounds) is not int or max_rounds < 1:
         raise ConfigurationError(f"drain: max_rounds must be a positive int, got {max_rounds!r}")
     chosen = list(ob.consumers if consumers is None else consumers)
@@ -212,7 +214,7 @@ def drain(
     deadlines: dict[int, float] = {}  # fence -> time.monotonic() by which the claim's lease has surely run out
     executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                            held=lambda job: time.monotonic() < deadlines.get(job.fence, 0.0),
-                           stopping=threading.Event())
+                           stopping=threading.Event(), reraise_interrupts=True)
     context = WorkerContext(lambda: make_async_engine(engine.url, pool_size=1, max_overflow=0,
                                                       application_name="outbox-drain"))
     results: list[DrainResult] = []
@@ -242,7 +244,13 @@ def drain(
                                           f"next was job {job.id} of {job.consumer}", results)
                 ran.add(job.id)
                 deadlines[job.fence] = sent + job.lease_seconds
-                result = _record(engine, job, executor.run(job, subscribers[job.consumer], context), schema)
+                try:
+                    outcome = executor.run(job, subscribers[job.consumer], context)
+                except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a test run: hand the job back, stop
+                    with _autocommit(engine) as conn:
+                        release_jobs(conn, [job], schema=schema)
+                    raise
+                result = _record(engine, job, outcome, schema)
                 del deadlines[job.fence]
                 results.append(result)
                 if result.outcome == "retried":

@@ -414,13 +414,18 @@ class JobExecutor:
     ``held(job)`` says whether the caller still holds the claim; ``stopping`` (the relay
     draining) cuts waits short; ``completing(job)`` is called as the fenced completion of
     a transactional handler is about to run, ``abandoned(job)`` when that transaction
-    failed instead. ``stats["retried_in_place"]`` counts in-place retries."""
+    failed instead. ``stats["retried_in_place"]`` counts in-place retries.
+    ``reraise_interrupts=True`` (for :func:`outbox.testing.drain`, which runs handlers in the
+    caller's thread) lets a ``KeyboardInterrupt`` or ``SystemExit`` out of a handler, after
+    its transaction rolled back, instead of recording it as the attempt's failure; the
+    caller still holds the claim then and hands it back."""
 
     def __init__(self, settings: OutboxSettings, connections: transaction.HandlerConnections, *,
                  held: Callable[[Job], bool], stopping: threading.Event,
                  completing: Callable[[Job], None] = lambda job: None,
                  abandoned: Callable[[Job], None] = lambda job: None,
-                 stats: dict[str, int] | None = None) -> None:
+                 stats: dict[str, int] | None = None, reraise_interrupts: bool = False) -> None:
+        self.reraise_interrupts = reraise_interrupts
         self.settings = settings
         self.connections = connections
         self.held = held
@@ -546,7 +551,10 @@ class JobExecutor:
         """The outcome of an attempt that raised ``exc``: :attr:`Outcome.STALE` when the
         claim was lost (``LeaseLostError``, or ``job.lease_lost``), else a :class:`Failure`
         whose delay is :func:`outbox.backoff.retry_delay` of the attempt (``PermanentError``:
-        permanent)."""
+        permanent). Re-raises ``exc`` if it is a ``KeyboardInterrupt`` or ``SystemExit`` and
+        the executor was made with ``reraise_interrupts``."""
+        if self.reraise_interrupts and isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise exc
         if isinstance(exc, LeaseLostError) or job.lease_lost:
             return _STALE
         s = self.settings

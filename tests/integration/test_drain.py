@@ -251,3 +251,25 @@ def test_drain_runs_delayed_publishes_only_with_run_scheduled(engine):
     assert [(r.outcome, r.attempt) for r in results] == [("done", 1)]
     assert seen == [{"n": 2}, {"n": 1}]
     assert [j.status for j in _jobs(engine)] == ["done", "done"]
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit], ids=["ctrl-c", "exit"])
+@pytest.mark.parametrize("transactional", [False, True], ids=["lease", "transactional"])
+def test_an_interrupt_in_a_handler_stops_drain_and_hands_the_job_back(engine, interrupt, transactional):
+    ob = Outbox()
+    ran: list[int] = []
+
+    def lease(job: Job) -> None:
+        ran.append(job.id)
+        raise interrupt()
+
+    def tx(job: Job, session: Session) -> None:
+        session.execute(sa.text("SELECT 1"))
+        lease(job)
+
+    ob.subscriber("t", consumer="c", transactional=transactional)(tx if transactional else lease)
+    publish_events(engine, "t", [{"n": 1}, {"n": 2}])
+    with pytest.raises(interrupt):
+        drain(engine, ob, settings=_settings())
+    assert len(ran) == 1  # the second job did not run after the interrupt
+    assert [(j.status, j.attempts, j.waiting) for j in _jobs(engine)] == [("ready", 0, False), ("ready", 0, False)]
