@@ -142,7 +142,8 @@ def make_schedule(cron: Any, *, topic: Any, payload: Any, name: Any, timezone: A
         make_event(topic, payload)
     except InvalidEventError as exc:
         raise ConfigurationError(f"schedule {name!r}: {exc}") from None
-    if not isinstance(cron, str) or not croniter.is_valid(cron):
+    # croniter reads a 7th field as a year, which the docs do not promise: 5 or 6 only.
+    if not isinstance(cron, str) or len(cron.split()) not in (5, 6) or not croniter.is_valid(cron):
         raise ConfigurationError(f"schedule {name!r}: {cron!r} is not a valid cron expression (5 fields: "
                                  "minute hour day-of-month month day-of-week, or a 6th for seconds)")
     if isinstance(timezone, ZoneInfo):
@@ -204,6 +205,7 @@ class Scheduler:
         self.stop = stop
         self.reconnect = reconnect or Reconnector(10.0)
         self.published = 0  # events published by this scheduler
+        self._differs: set[tuple[str, str, str]] = set()  # (name, cron, timezone) of rows warned about
 
     def run_due(self) -> float:
         """Publish every due slot of this scheduler's schedules, one transaction per schedule;
@@ -217,6 +219,16 @@ class Scheduler:
         upcoming: list[datetime] = []
         for row in rows:
             schedule = self.schedules[row.name]
+            if (row.cron, row.timezone) != (schedule.cron, schedule.timezone):
+                # Another registry (a rolling deploy's other version) declared it since: its
+                # relays own it now; slots of this definition would interleave with theirs.
+                if (row.name, row.cron, row.timezone) not in self._differs:
+                    self._differs.add((row.name, row.cron, row.timezone))
+                    log.warning("schedule %s: the database has cron %r (timezone %s) from another registry, this "
+                                "relay declares %r (%s); it publishes nothing for it until they agree (restart it "
+                                "with the new definition)", row.name, row.cron, row.timezone, schedule.cron,
+                                schedule.timezone)
+                continue
             slots = schedule.due(row.next_slot, now)
             if not slots:
                 upcoming.append(row.next_slot)
@@ -225,7 +237,7 @@ class Scheduler:
             with self.engine.begin() as conn:
                 owned = conn.execute(self.statements.schedule_advance, {
                     "name": schedule.name, "expected": row.next_slot, "last_slot": slots[-1],
-                    "next_slot": following}).rowcount
+                    "next_slot": following, "cron": schedule.cron, "timezone": schedule.timezone}).rowcount
                 if owned == 1:
                     publish_many(conn, [{"topic": schedule.topic, "payload": schedule.payload,
                                          "headers": {"schedule": schedule.name, "slot": slot.isoformat()},
@@ -236,6 +248,8 @@ class Scheduler:
                 log.info("schedule %s: published slot%s %s", schedule.name, "s" if len(slots) > 1 else "",
                          ", ".join(s.isoformat() for s in slots[-3:]) + (" ..." if len(slots) > 3 else ""))
             upcoming.append(following)
+        if not upcoming:  # every schedule here is another registry's now
+            return SCHEDULER_MAX_SLEEP
         return max(0.0, float((min(upcoming) - now).total_seconds()))
 
     def run(self) -> None:

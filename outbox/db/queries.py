@@ -822,25 +822,28 @@ database_now: TextClause = text("SELECT now()")
 
 schedule_due_list: TextClause = text(
     """
-    SELECT name, next_slot, now() AS now
+    SELECT name, cron, timezone, next_slot, now() AS now
     FROM outbox_schedules
     WHERE name = ANY (CAST(:names AS text[]))
     ORDER BY next_slot
     """
 )
-"""``next_slot`` of each of ``:names`` with the database clock (``now``) beside it: the
-scheduler's whole view of time."""
+"""``next_slot`` (and the definition, ``cron`` and ``timezone``, the row holds) of each of
+``:names`` with the database clock (``now``) beside it: the scheduler's whole view of time."""
 
 schedule_advance: TextClause = text(
     """
     UPDATE outbox_schedules
     SET last_slot = CAST(:last_slot AS timestamptz), next_slot = CAST(:next_slot AS timestamptz), updated_at = now()
     WHERE name = :name AND next_slot = CAST(:expected AS timestamptz) AND CAST(:last_slot AS timestamptz) <= now()
+      AND cron = :cron AND timezone = :timezone
     """
 )
 """Compare-and-set of one schedule's slots: move ``next_slot`` from ``:expected`` to
 ``:next_slot`` and record ``:last_slot`` (the last slot published now, due by the database
-clock). One row means this transaction owns the slots from ``:expected`` to ``:last_slot``
+clock), only while the row still has this relay's definition (``:cron``, ``:timezone``: a
+relay of another deploy, whose slots are computed from another expression, never advances
+it). One row means this transaction owns the slots from ``:expected`` to ``:last_slot``
 and publishes their events before it commits; zero rows means another relay did (its
 update locked the row first; this one re-read it after that commit and no longer
 matched). The caller checks the row count."""

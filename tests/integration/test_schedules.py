@@ -128,3 +128,23 @@ def test_a_changed_cron_expression_restarts_the_schedule(engine):
     with engine.connect() as c:
         restarted = c.execute(sa.text("SELECT next_slot, now() AS now FROM outbox_schedules")).one()
     assert restarted.next_slot != first and restarted.next_slot - restarted.now <= timedelta(minutes=5)
+
+
+def test_relays_of_an_older_definition_publish_nothing_once_a_newer_one_is_registered(engine, settings, caplog):
+    """A rolling deploy: relays with the old cron keep running while one with the new cron
+    starts. The row then has the new definition; the old relays publish nothing for it (and
+    say so once) instead of interleaving slots of both expressions."""
+    old, new = Outbox(), Outbox()
+    old.periodic(EVERY_SECOND, topic="tick", name="tick", payload={"cron": "old"})
+    new.periodic("* * * * * */2", topic="tick", name="tick", payload={"cron": "new"})
+    with relays(old, settings, 2) as running:
+        wait_for(lambda: len(scheduled(engine)) >= 2, 20, what="the old relays publish")
+        with relays(new, settings, 1):
+            started = db_now(engine)
+            wait_for(lambda: sum(e["slot"] > started + timedelta(seconds=1) for e in scheduled(engine)) >= 3, 30,
+                     what="the new relay publishes three slots")
+        assert sum(r.scheduler.published for r in running) >= 2
+    later = [e for e in scheduled(engine) if e["slot"] > started + timedelta(seconds=1)]
+    assert [e["payload"]["cron"] for e in later] == ["new"] * len(later)
+    assert all(e["slot"].second % 2 == 0 for e in later), [e["slot"] for e in later]
+    assert "from another registry" in caplog.text

@@ -40,6 +40,7 @@ def test_periodic_takes_a_zoneinfo_and_a_seconds_field():
 @pytest.mark.parametrize("cron, options, problem", [
     ("61 * * * *", {}, "not a valid cron expression"),
     ("every day", {}, "not a valid cron expression"),
+    ("* * * * * * 2027", {}, "not a valid cron expression"),  # croniter would read a year
     (5, {}, "not a valid cron expression"),
     ("* * * * *", {"timezone": "Mars/Olympus"}, "unknown time zone 'Mars/Olympus'"),
     ("* * * * *", {"timezone": "../etc/passwd"}, "unknown time zone"),
