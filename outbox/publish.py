@@ -353,12 +353,16 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
                                               "datetime.now(timezone.utc) + timedelta(minutes=5)")
         if delay is not None:
             raise InvalidEventError("delay", "cannot be given with run_at; pass one of them")
-        run_at = run_at.astimezone(UTC)
+        try:
+            run_at = run_at.astimezone(UTC)
+        except OverflowError:  # within a day of datetime's year 1 or 9999, past them in UTC
+            raise InvalidEventError("run_at", f"is out of range in UTC: {run_at.isoformat()}") from None
     if delay is not None:
         if isinstance(delay, bool) or not isinstance(delay, (int, float)):
             raise InvalidEventError("delay", f"must be a number of seconds, got {type(delay).__name__}")
-        if not (math.isfinite(delay) and 0 <= delay <= MAX_DELAY_SECONDS):
-            raise InvalidEventError("delay", f"must be seconds in 0..{MAX_DELAY_SECONDS:.0f}, got {delay!r}")
+        if not (0 <= delay <= MAX_DELAY_SECONDS and math.isfinite(delay)):  # range first: 10**400 has no float
+            shown = repr(delay) if len(repr(delay)) <= 40 else repr(delay)[:37] + "..."
+            raise InvalidEventError("delay", f"must be seconds in 0..{MAX_DELAY_SECONDS:.0f}, got {shown}")
         delay = float(delay)
     if dedup_key is not None:
         check_name(dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)

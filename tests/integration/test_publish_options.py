@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -53,6 +53,9 @@ def claimable(engine: sa.Engine, consumers: list[str]) -> tuple[datetime, list[i
     ({"run_at": datetime.now(UTC), "delay": 1}, "delay", "cannot be given with run_at"),
     ({"delay": -1}, "delay", "must be seconds in"),
     ({"delay": float("nan")}, "delay", "must be seconds in"),
+    ({"delay": 10**400}, "delay", "must be seconds in"),  # no float holds it: was an OverflowError
+    ({"run_at": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))}, "run_at", "out of range in UTC"),
+    ({"run_at": datetime(1, 1, 1, 1, tzinfo=timezone(timedelta(hours=5)))}, "run_at", "out of range in UTC"),
     ({"delay": True}, "delay", "must be a number of seconds"),
     ({"delay": "5"}, "delay", "must be a number of seconds"),
     ({"dedup_key": ""}, "dedup_key", "must not be empty"),
