@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import tempfile
 import threading
@@ -108,7 +109,9 @@ def make_job(
 
     Raises :class:`~outbox.errors.ConfigurationError` naming the field for an id, event id,
     fence or attempt count that is not a positive int, an ``attempt`` above
-    ``max_attempts``, an empty topic or consumer, or a lease that is not positive."""
+    ``max_attempts``, an empty topic or consumer, a lease that is not positive and finite, a
+    ``key`` that is not a str, ``headers`` that are not a dict, or an ``event_created_at``
+    that is not an aware datetime."""
     for name, value in (("id", id), ("event_id", event_id), ("fence", fence), ("attempt", attempt),
                         ("max_attempts", max_attempts)):
         if type(value) is not int or value < 1:
@@ -120,8 +123,15 @@ def make_job(
         check_name(consumer, "consumer")
     except InvalidEventError as exc:
         raise ConfigurationError(f"make_job: {exc}") from None
-    if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) or not lease_seconds > 0:
-        raise ConfigurationError(f"make_job: lease_seconds must be positive seconds, got {lease_seconds!r}")
+    if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, (int, float)) \
+            or not 0 < lease_seconds < math.inf:
+        raise ConfigurationError(f"make_job: lease_seconds must be positive, finite seconds, got {lease_seconds!r}")
+    if key is not None and type(key) is not str:
+        raise ConfigurationError(f"make_job: key must be a str or None, got {type(key).__name__}")
+    if headers is not None and not isinstance(headers, dict):
+        raise ConfigurationError(f"make_job: headers must be a dict or None, got {type(headers).__name__}")
+    if event_created_at is not None and (not isinstance(event_created_at, datetime) or event_created_at.tzinfo is None):
+        raise ConfigurationError(f"make_job: event_created_at must be an aware datetime or None, got {event_created_at!r}")
     return Job(id, event_id, consumer, topic, key, {} if payload is None else payload,
                {} if headers is None else headers, attempt, max_attempts, fence, float(lease_seconds),
                event_created_at if event_created_at is not None else datetime.now(UTC))

@@ -57,6 +57,11 @@ def test_lease_loss_can_be_simulated():
     ({"topic": ""}, "topic"),
     ({"consumer": 3}, "consumer"),
     ({"lease_seconds": 0}, "lease_seconds"),
+    ({"lease_seconds": float("inf")}, "lease_seconds"),
+    ({"key": 5}, "key"),
+    ({"headers": "x"}, "headers"),
+    ({"event_created_at": "now"}, "event_created_at"),
+    ({"event_created_at": datetime(2024, 1, 2)}, "event_created_at"),
 ])
 def test_bad_fields_are_refused_by_name(overrides, field):
     with pytest.raises(ConfigurationError, match=field):
