@@ -24,7 +24,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
-from outbox import Job, Outbox, fenced_write, publish_many
+from outbox import Job, Outbox, fenced_write, publish_many, transaction
 from outbox.db import queries
 from outbox.maintenance import reap_expired
 from outbox.router import route_batch
@@ -50,8 +50,9 @@ def _claim(engine: sa.Engine, consumer: str = "race", lease: float = 60.0, limit
 def _transactional_complete(conn: sa.Connection, job: Job) -> bool:
     """What a transactional handler's transaction does: its fenced write, then the fenced
     completion; a completion matching no row means the caller rolls everything back."""
+    transaction.set_limits(conn, job.lease_seconds, job.fence)  # the first statement, as a handler's
     fenced_write(conn, effects, key={"job_id": job.id}, values={}, fence=job.fence)
-    return conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).rowcount == 1
+    return conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).one().completed == 1
 
 
 #: name -> (statement run by the job's worker, returns whether it changed the job)

@@ -111,7 +111,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from outbox import Job, Outbox
+from outbox import Job, Outbox, transaction
 from outbox.db import queries
 from outbox.db.tables import JOB_STATUSES
 from outbox.maintenance import reap_expired, redrive
@@ -489,7 +489,8 @@ class JobLifecycle(RuleBasedStateMachine):
         with self.engine.connect() as conn:
             tx = conn.begin()
             now = db_now(conn)
-            count = conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).rowcount
+            transaction.set_limits(conn, job.lease_seconds, job.fence)  # the handler transaction's first statement
+            count = conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).one().completed
             if count == 1:
                 tx.commit()
             else:
