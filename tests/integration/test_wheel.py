@@ -51,7 +51,8 @@ def test_wheel_ships_the_migrations(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in ("outbox/migrations/env.py", "outbox/migrations/script.py.mako",
                      f"outbox/migrations/versions/{_revision_file()}", "outbox/db/tables.py",
-                     "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md"):
+                     "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md",
+                     "outbox/docs/img/throughput.png"):  # the images performance.md shows
         assert required in names, sorted(names)
     assert not any(name.startswith("tests/") for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
