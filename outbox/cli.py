@@ -23,6 +23,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC
@@ -209,15 +210,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `outbox-relay status | head`: the reader left; say nothing more
+        # Python docs, "Note on SIGPIPE": point stdout at devnull so the flush at exit is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def _setting_error(error: Any) -> str:
     field = ".".join(map(str, error["loc"]))
+    message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wrapping of our own ValueError
     if field in ("outbox_schema", "schema_name"):  # read from OUTBOX_SCHEMA
-        return f"schema (OUTBOX_SCHEMA or --schema): {error['msg']}"
+        return f"schema (OUTBOX_SCHEMA or --schema): {message}"
     if not field:
-        return f"settings: {error['msg']}"
-    return f"{field} (OUTBOX_{field.upper()} or --{field.replace('_', '-')}): {error['msg']}"
+        return f"settings: {message}"
+    return f"{field} (OUTBOX_{field.upper()} or --{field.replace('_', '-')}): {message}"
 
 
 def _fail(message: str) -> int:

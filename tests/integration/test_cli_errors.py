@@ -364,3 +364,16 @@ def test_migrate_ok_and_again(cli, empty_db_url):
     status = cli("status", "--database-url", url)
     assert status.returncode == 0 and status.stdout.startswith("unrouted events: 0"), status
     assert secret not in first.stdout + again.stdout + status.stdout
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(db_url, tmp_path):
+    """`outbox-relay status | head -1`: the pipe closes before status has written; it exits
+    quietly (141, as a shell reports SIGPIPE) instead of printing a BrokenPipeError."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "status", "--database-url",
+                                db_url.render_as_string(hide_password=False)],
+                               cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process.stdout.close()  # the reader is gone before the first line
+    stderr = process.stderr.read()
+    assert process.wait(60) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
