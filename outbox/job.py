@@ -44,6 +44,10 @@ class Job:
     # the relay's own conservative bound, used only to not start a buffered job whose lease
     # ran out while the process was paused; never to write anything.
     _lease_bound: float = field(default=float("inf"), init=False, repr=False)
+    # (priority, run_at, id): where the claim found the job in the queue. The relay's buffer
+    # keeps this order, so a job claimed late that sorts early (released by a relay that
+    # stopped, reaped) starts before the buffered backlog, as it would have in the table.
+    _claim_order: tuple[Any, ...] = field(default=(), init=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:

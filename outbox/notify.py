@@ -32,6 +32,9 @@ log = logging.getLogger("outbox.notify")
 #: Longest wait for notifications before checking ``stop`` again, seconds: how long
 #: :meth:`Listener.join` may take after ``stop`` is set.
 STOP_CHECK = 0.25
+#: Payload of a jobs notification saying the ready jobs changed ahead of every dispatcher's
+#: hint (``queries.jobs_notify_head``): released or reaped jobs, which keep their place.
+HEAD_PAYLOAD = "head"
 
 
 class Wakeup:
@@ -46,12 +49,27 @@ class Wakeup:
         self._cond = threading.Condition(threading.Lock())
         self._jobs = False
         self._poked = False
+        self._rewind = False
 
     def set(self) -> None:
         """Due jobs may be waiting."""
         with self._cond:
             self._jobs = True
             self._cond.notify_all()
+
+    def rewind(self) -> None:
+        """Due jobs may be waiting that sort before the key the dispatcher last claimed
+        (released or reaped jobs keep their early ``run_at``): its next claim starts at the
+        head of the ready jobs. Implies :meth:`set`."""
+        with self._cond:
+            self._rewind = self._jobs = True
+            self._cond.notify_all()
+
+    def take_rewind(self) -> bool:
+        """Whether :meth:`rewind` was called since the last call; clears it."""
+        with self._cond:
+            rewind, self._rewind = self._rewind, False
+            return rewind
 
     def poke(self) -> None:
         """An outcome (or a stop) wants the dispatcher's attention."""
@@ -137,6 +155,8 @@ class Listener:
             for note in conn.notifies(timeout=STOP_CHECK, stop_after=64):
                 if note.channel == self.events_channel:
                     self.wake_router.set()
+                elif note.payload == HEAD_PAYLOAD and isinstance(self.wake_workers, Wakeup):
+                    self.wake_workers.rewind()
                 else:
                     self.wake_workers.set()
             if time.monotonic() - last_check >= self.keepalive:

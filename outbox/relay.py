@@ -46,7 +46,7 @@ from .registry import Outbox
 from .router import StatisticsKeeper, register_subscriptions, route_round
 from .schedule import Scheduler, register_schedules
 from .settings import OutboxSettings
-from .worker import JobRunner
+from .worker import JobRunner, notify_head
 
 log = logging.getLogger("outbox.relay")
 
@@ -241,11 +241,13 @@ class Relay:
             try:
                 with self.engine.begin() as conn:
                     reaped = reap_expired(conn, quarantine=self.reap_quarantine, schema=self.schema)
+                    if reaped.retried or reaped.unstarted:  # back with their early place: every relay claims from the head
+                        notify_head(conn, schema=self.schema)
                 self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
                 self.stats["reaped_unstarted"] += reaped.unstarted
                 if reaped.retried or reaped.unstarted:
-                    self.wake_workers.set()
+                    self.wake_workers.rewind()
                 if time.monotonic() >= next_prune:
                     with self.engine.begin() as conn:
                         jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import heapq
 import logging
 import queue
 import threading
@@ -73,6 +74,7 @@ from sqlalchemy.orm import Session
 from . import backoff, poison, transaction
 from .db import queries
 from .db.engine import describe, is_disconnect, make_async_engine
+from .db.tables import JOBS_CHANNEL, notify_channel
 from .errors import ConfigurationError, LeaseLostError, PermanentError
 from .job import Job
 from .notify import Wakeup
@@ -221,7 +223,12 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
     last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
-    return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last
+    jobs = []
+    for r in claimed:
+        job = job_from_row(r, leases[r[2]])
+        job._claim_order = (r[12], r[13], r[0])
+        jobs.append(job)
+    return completed, jobs, last
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,6 +271,13 @@ def relay_seen(conn: Executor, worker_id: str, buffer: list[int], *, schema: str
 
 def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
     return {"ids": [j.id for j in jobs], "fences": [j.fence for j in jobs]}
+
+
+def notify_head(conn: Executor, *, schema: str | None = None) -> None:
+    """Tell every relay on ``schema`` that jobs were handed back with their early place in
+    the queue (``queries.jobs_notify_head``), on commit of ``conn``'s transaction."""
+    channel = notify_channel(JOBS_CHANNEL, schema or "public")
+    _execute(conn, queries.in_schema(schema).jobs_notify_head, {"channel": channel})
 
 
 def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
@@ -724,6 +738,8 @@ class JobRunner:
         try:
             with self._autocommit() as conn:
                 released = release_jobs(conn, jobs, schema=self.schema)
+                if released:
+                    notify_head(conn, schema=self.schema)
         except DBAPIError as exc:
             log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
             return
@@ -956,7 +972,8 @@ class JobRunner:
             conn = self._connection()
             start_now = self._reserve(want)
             sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
-            hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until
+            rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
+            hinted = want > 0 and self._hint is not None and time.monotonic() < self._hint_until and not rewound
             mark = BufferMark(self.worker_id, start_now)
             buried: set[int] = set()
             try:
@@ -1005,6 +1022,8 @@ class JobRunner:
             released, buried = self._by_halves("releasing", release, lambda part: release_jobs(
                 self._connection(), list(part), schema=self.schema))
             self.stats["released"] += len(released)
+            if released:
+                notify_head(self._connection(), schema=self.schema)
             self._stale([j for j in release if j.id not in released and j.id not in buried])
             self._forget(release)
             pending[:] = []
@@ -1132,7 +1151,13 @@ class JobRunner:
             for job in jobs:
                 self._inflight[job.fence] = job
                 self._buffered.add(job.fence)
-            self._buffer.extend(jobs)
+            if self._buffer and jobs[0]._claim_order < self._buffer[-1]._claim_order:
+                # Claimed from the head after a hint: jobs handed back by another relay sort
+                # before the backlog already buffered, and start first, as in the table.
+                merged = heapq.merge(self._buffer, jobs, key=lambda j: j._claim_order)
+                self._buffer = collections.deque(merged)
+            else:
+                self._buffer.extend(jobs)
             self._start_wake.notify()
 
     def _issue(self, claimed: list[Job]) -> None:

@@ -388,6 +388,13 @@ since the handler did not fail. ``run_at`` is kept (it is already due: the job w
 claimed), so the job keeps its place at the head of the queue instead of waiting behind
 every job that became due while it ran. Fenced."""
 
+jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
+"""Tell every relay listening on ``:channel`` (the schema's jobs channel) that ready jobs
+now sort before the key its dispatcher claims after (released or reaped jobs keep their
+early ``run_at``), so each claims from the head of the queue next instead of after its
+hint. A hint like the routing NOTIFY: a relay that misses it claims from the head within
+``HINT_SECONDS`` anyway."""
+
 job_claim_candidates: TextClause = text(
     """
     SELECT id FROM outbox_jobs
