@@ -8,6 +8,7 @@ bad option fails at import time of the application module, not in the middle of 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable, Iterator
@@ -23,6 +24,13 @@ _Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
 #: Most attempts a subscriber may allow.
 MAX_ATTEMPTS_LIMIT = 1000
+#: Most running jobs a concurrency cap may allow.
+MAX_CONCURRENCY = 10_000
+#: Seconds per unit of a rate limit string (``"100/s"``, ``"6000/m"``, ``"1/h"``).
+RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+#: What a dead job does to its key under ``ordered=True``.
+OnDead = Literal["block", "skip"]
 
 #: A lease-mode handler: ``handler(job)``, a ``def`` or an ``async def``; what it returns is
 #: ignored. The decorator returns it unchanged, so its own type is kept.
@@ -40,7 +48,15 @@ class Subscriber:
     ``transactional`` handlers take ``(job, session)`` (an ``AsyncSession`` when
     ``is_async``) and run inside the transaction that completes the job; the others take
     ``(job)`` and run outside any transaction.
-    ``priority``: lower runs first (default 0)."""
+    ``priority``: lower runs first (default 0).
+
+    Ordering and flow control (architecture notes, "Ordering" and "Flow control"):
+    ``ordered``: the jobs of one event key run one at a time, in the commit order of their
+    events; ``on_dead``: ``"block"`` (a dead job holds its key back until redriven or
+    skipped) or ``"skip"`` (the key goes on). ``concurrency``: most running jobs of this
+    consumer across all relays (None: no cap). ``rate_limit``: most claims per second across
+    all relays (None: no limit). ``timeout``: seconds a handler may run before its attempt
+    is failed (None: no limit)."""
 
     topic: str
     consumer: str
@@ -50,6 +66,11 @@ class Subscriber:
     transactional: bool
     priority: int
     is_async: bool
+    ordered: bool = False
+    on_dead: str = "block"
+    concurrency: int | None = None
+    rate_limit: float | None = None
+    timeout: float | None = None
 
 
 class Outbox:
@@ -68,18 +89,24 @@ class Outbox:
     def subscriber(
         self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: Literal[False] = ..., priority: int = ...,
+        ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
+        rate_limit: str | float | None = ..., timeout: float | None = ...,
     ) -> Callable[[LeaseHandlerT], LeaseHandlerT]: ...
 
     @overload
     def subscriber(
         self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: Literal[True], priority: int = ...,
+        ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
+        rate_limit: str | float | None = ..., timeout: float | None = ...,
     ) -> Callable[[TransactionalHandlerT], TransactionalHandlerT]: ...
 
     @overload
     def subscriber(
         self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: bool, priority: int = ...,
+        ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
+        rate_limit: str | float | None = ..., timeout: float | None = ...,
     ) -> Callable[[HandlerT], HandlerT]: ...
 
     def subscriber(
@@ -91,6 +118,11 @@ class Outbox:
         lease: float | None = None,
         transactional: bool = False,
         priority: int = 0,
+        ordered: bool = False,
+        on_dead: OnDead = "block",
+        concurrency: int | None = None,
+        rate_limit: str | float | None = None,
+        timeout: float | None = None,
     ) -> Callable[[Any], Any]:
         """Decorator declaring ``handler`` as consumer ``consumer`` (default: the
         function's ``module.qualname``) of events on ``topic``.
@@ -102,6 +134,16 @@ class Outbox:
         ``Session`` for a plain ``def``, an ``AsyncSession`` for an ``async def`` (the same
         fenced commit either way). ``priority``: -32768..32767, lower first.
 
+        ``ordered``: for one event key, at most one job of this consumer runs at a time, and
+        only once every job of an earlier event of that key (earlier: its publishing
+        transaction committed first) is done; events without a key stay unordered.
+        ``on_dead`` (ordered only): ``"block"`` (default) keeps the key waiting behind a dead
+        job until it is redriven or skipped (``outbox-relay skip``); ``"skip"`` lets the key go
+        on. ``concurrency``: 1..10000 running jobs of this consumer at most, across all relays.
+        ``rate_limit``: claims per second across all relays, a positive number or a string
+        ``"N/s"``, ``"N/m"`` or ``"N/h"``. ``timeout``: seconds (0.01..86400) an attempt may
+        run; then it is failed and counted, as if the handler had raised.
+
         Raises :class:`ConfigurationError` naming the option for bad values, a duplicate
         consumer name, or a handler whose signature does not fit its mode. Returns the
         handler unchanged, and type checkers see it so: ``@ob.subscriber(...)`` on
@@ -112,6 +154,7 @@ class Outbox:
         def register(handler: HandlerT) -> HandlerT:
             name = consumer if consumer is not None else f"{handler.__module__}.{handler.__qualname__}"
             sub = _validated(topic, name, handler, max_attempts, lease, transactional, priority)
+            sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
             if sub.consumer in self._subscribers:
                 raise ConfigurationError(f"consumer {sub.consumer!r} is declared twice; consumer names must be unique")
             self._subscribers[sub.consumer] = sub
@@ -156,7 +199,8 @@ class Outbox:
                                  timezone=timezone, catch_up=catch_up)
         if schedule.name in self._schedules:
             raise ConfigurationError(f"schedule {schedule.name!r} is declared twice; pass name= to tell them apart")
-        unknown = set(subscriber_options) - {"consumer", "max_attempts", "lease", "transactional", "priority"}
+        unknown = set(subscriber_options) - {"consumer", "max_attempts", "lease", "transactional", "priority", "ordered",
+                                             "on_dead", "concurrency", "rate_limit", "timeout"}
         if unknown:
             raise ConfigurationError(f"schedule {schedule.name!r}: unknown options {sorted(unknown)}")
         self._schedules[schedule.name] = schedule
@@ -213,6 +257,52 @@ def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
     _check_arity(consumer, handler, 2 if transactional else 1)
     return Subscriber(topic, consumer, handler, max_attempts, lease, transactional, priority, is_async)
+
+
+def _with_flow(sub: Subscriber, ordered: Any, on_dead: Any, concurrency: Any, rate_limit: Any,
+               timeout: Any) -> Subscriber:
+    consumer = sub.consumer
+    if type(ordered) is not bool:
+        raise ConfigurationError(f"subscriber {consumer!r}: ordered must be True or False, got {ordered!r}")
+    if on_dead not in ("block", "skip"):
+        raise ConfigurationError(f"subscriber {consumer!r}: on_dead must be 'block' or 'skip', got {on_dead!r}")
+    if on_dead != "block" and not ordered:
+        raise ConfigurationError(f"subscriber {consumer!r}: on_dead={on_dead!r} needs ordered=True")
+    if concurrency is not None and (type(concurrency) is not int or not 1 <= concurrency <= MAX_CONCURRENCY):
+        raise ConfigurationError(f"subscriber {consumer!r}: concurrency must be an int in 1..{MAX_CONCURRENCY} or None, "
+                                 f"got {concurrency!r}")
+    per_second = None if rate_limit is None else parse_rate(rate_limit, consumer)
+    if timeout is not None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+                or not 0.01 <= timeout <= 86_400:
+            raise ConfigurationError(f"subscriber {consumer!r}: timeout must be seconds in 0.01..86400 or None, "
+                                     f"got {timeout!r}")
+        timeout = float(timeout)
+    return dataclasses.replace(sub, ordered=ordered, on_dead=on_dead, concurrency=concurrency,
+                               rate_limit=per_second, timeout=timeout)
+
+
+def parse_rate(value: Any, consumer: str = "?") -> float:
+    """Claims per second from a rate limit: a positive finite number (per second) or a
+    string ``"N/s"``, ``"N/m"``, ``"N/h"`` (N a positive number). Raises
+    :class:`ConfigurationError` naming the consumer and the value otherwise."""
+    problem = f"subscriber {consumer!r}: rate_limit must be a positive number per second or 'N/s', 'N/m', 'N/h', got {value!r}"
+    if isinstance(value, str):
+        count, _, unit = value.strip().partition("/")
+        if unit.strip() not in RATE_UNITS:
+            raise ConfigurationError(problem)
+        try:
+            number = float(count)
+        except ValueError:
+            raise ConfigurationError(problem) from None
+        value_per_second = number / RATE_UNITS[unit.strip()]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        value_per_second = float(value)
+    else:
+        raise ConfigurationError(problem)
+    if not math.isfinite(value_per_second) or value_per_second <= 0:
+        raise ConfigurationError(problem)
+    return value_per_second
 
 
 def _check_arity(consumer: str, handler: Callable[..., Any], positional: int) -> None:

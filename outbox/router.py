@@ -52,8 +52,9 @@ class RouteResult:
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
     """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``
-    of schema ``settings.schema_name`` (the relay does at start, :func:`outbox.testing.drain`
-    before routing): routing creates jobs for the pairs found there."""
+    and its flow-control options to ``outbox_consumers``, of schema ``settings.schema_name``
+    (the relay does at start, :func:`outbox.testing.drain` before routing): routing creates
+    jobs for the pairs found there."""
     subs = list(registry)
     if not subs:
         return
@@ -65,13 +66,24 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
             "leases": [s.lease or settings.default_lease for s in subs],
             "priorities": [s.priority for s in subs],
             "transactional": [s.transactional for s in subs],
+            "ordered": [s.ordered for s in subs],
+            "on_dead": [s.on_dead for s in subs],
+        }).all()
+        flow = conn.execute(queries.in_schema(settings.schema_name).consumer_upsert_many, {
+            "consumers": [s.consumer for s in subs],
+            "concurrency": [s.concurrency for s in subs],
+            "rate_limits": [s.rate_limit for s in subs],
         }).all()
     for row in changed:
         if row.updated:
             log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "
-                        "priority=%s, transactional=%s); another registry declaring it differently would be "
-                        "overwritten the same way", row.consumer, row.topic, row.max_attempts, row.lease_seconds,
-                        row.priority, row.transactional)
+                        "priority=%s, transactional=%s, ordered=%s, on_dead=%s); another registry declaring it "
+                        "differently would be overwritten the same way", row.consumer, row.topic, row.max_attempts,
+                        row.lease_seconds, row.priority, row.transactional, row.ordered, row.on_dead)
+    for row in flow:
+        if row.updated:
+            log.warning("consumer %s now has this registry's flow control (concurrency=%s, rate_limit=%s/s)",
+                        row.consumer, row.concurrency, row.rate_limit)
 
 
 def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),

@@ -142,27 +142,48 @@ event_unrouted_count: TextClause = text("SELECT count(*) FROM outbox_events WHER
 subscription_upsert_many: TextClause = text(
     """
     INSERT INTO outbox_subscriptions AS s
-        (topic, consumer, max_attempts, lease_seconds, priority, transactional)
+        (topic, consumer, max_attempts, lease_seconds, priority, transactional, ordered, on_dead)
     SELECT * FROM unnest(
         CAST(:topics AS text[]), CAST(:consumers AS text[]), CAST(:max_attempts AS int[]),
-        CAST(:leases AS float8[]), CAST(:priorities AS smallint[]), CAST(:transactional AS bool[]))
+        CAST(:leases AS float8[]), CAST(:priorities AS smallint[]), CAST(:transactional AS bool[]),
+        CAST(:ordered AS bool[]), CAST(:on_dead AS text[]))
     ON CONFLICT (topic, consumer) DO UPDATE
     SET max_attempts = EXCLUDED.max_attempts,
         lease_seconds = EXCLUDED.lease_seconds,
         priority = EXCLUDED.priority,
         transactional = EXCLUDED.transactional,
+        ordered = EXCLUDED.ordered,
+        on_dead = EXCLUDED.on_dead,
         updated_at = now()
-    WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional)
+    WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional, s.ordered, s.on_dead)
           IS DISTINCT FROM
-          (EXCLUDED.max_attempts, EXCLUDED.lease_seconds, EXCLUDED.priority, EXCLUDED.transactional)
+          (EXCLUDED.max_attempts, EXCLUDED.lease_seconds, EXCLUDED.priority, EXCLUDED.transactional,
+           EXCLUDED.ordered, EXCLUDED.on_dead)
     RETURNING s.topic, s.consumer, s.max_attempts, s.lease_seconds, s.priority, s.transactional,
-              (s.xmax <> 0) AS updated
+              s.ordered, s.on_dead, (s.xmax <> 0) AS updated
     """
 )
 """Write the registry's (topic, consumer) pairs and their options; unchanged rows are left
 alone. Other relays' subscriptions are never removed. Returns the rows inserted or
 changed; ``updated`` is true for an existing subscription whose options changed (a
 non-zero ``xmax`` marks the ON CONFLICT update)."""
+
+consumer_upsert_many: TextClause = text(
+    """
+    INSERT INTO outbox_consumers AS c (consumer, concurrency, rate_limit)
+    SELECT * FROM unnest(CAST(:consumers AS text[]), CAST(:concurrency AS int[]), CAST(:rate_limits AS float8[]))
+    ON CONFLICT (consumer) DO UPDATE
+    SET concurrency = EXCLUDED.concurrency,
+        rate_limit = EXCLUDED.rate_limit,
+        updated_at = now()
+    WHERE (c.concurrency, c.rate_limit) IS DISTINCT FROM (EXCLUDED.concurrency, EXCLUDED.rate_limit)
+    RETURNING c.consumer, c.concurrency, c.rate_limit, (c.xmax <> 0) AS updated
+    """
+)
+"""Write the registry's flow-control options (concurrency cap, rate limit in claims per
+second; NULL: none) to ``outbox_consumers``; the paused state and the rate limit's bucket
+are left alone, so a relay start never resumes a paused consumer. Returns the rows
+inserted or changed; ``updated`` as for ``subscription_upsert_many``."""
 
 subscription_delete: TextClause = text(
     "DELETE FROM outbox_subscriptions WHERE consumer = :consumer RETURNING topic"

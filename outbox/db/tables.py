@@ -62,7 +62,9 @@ NOTIFY_FUNCTION = "outbox_notify"
 #: claimed earlier than the last writer (seed article 000, "Fencing tokens").
 fence_seq = Sequence("outbox_fence_seq", metadata=metadata, start=1)
 
-JOB_STATUSES = ("ready", "running", "done", "dead")
+#: ``pending``: an ordered job waiting for the earlier jobs of its key (migration 0005);
+#: ``cancelled``: stopped by an operator. Only ``ready`` is claimable.
+JOB_STATUSES = ("ready", "running", "done", "dead", "pending", "cancelled")
 
 events = Table(
     "outbox_events",
@@ -85,6 +87,9 @@ events = Table(
     Index("ix_outbox_events_routed_at", "routed_at", postgresql_where=text("routed_at IS NOT NULL")),
     # Only events with a dedup key enter it; publish's INSERT ... ON CONFLICT DO NOTHING arbiter.
     Index("ix_outbox_events_dedup", "topic", "dedup_key", unique=True, postgresql_where=text("dedup_key IS NOT NULL")),
+    # Routing takes a keyed event only when no earlier event of its key is still unrouted
+    # (migration 0005): found here, among the unrouted events only.
+    Index("ix_outbox_events_unrouted_key", "key", "id", postgresql_where=text("routed_at IS NULL AND key IS NOT NULL")),
 )
 
 subscriptions = Table(
@@ -98,7 +103,12 @@ subscriptions = Table(
     Column("transactional", Boolean, nullable=False, server_default=text("false")),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # Ordered delivery per key (migration 0005): the router copies the event's key into
+    # each job's ordering_key; on_dead says whether a dead job blocks its key or is skipped.
+    Column("ordered", Boolean, nullable=False, server_default=text("false")),
+    Column("on_dead", Text, nullable=False, server_default=text("'block'")),
     PrimaryKeyConstraint("topic", "consumer"),
+    CheckConstraint("on_dead IN ('block', 'skip')", name="on_dead_known"),
     CheckConstraint("max_attempts >= 1", name="max_attempts_positive"),
     CheckConstraint("lease_seconds > 0", name="lease_positive"),
 )
@@ -121,9 +131,14 @@ jobs = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("finished_at", DateTime(timezone=True), nullable=True),
+    # Migration 0005. ordering_key: the event's key when the consumer is ordered (NULL:
+    # unordered, or a dead job that no longer holds its key back); snoozes: times the
+    # handler put the job back with Snooze, which attempts do not count.
+    Column("ordering_key", Text, nullable=True),
+    Column("snoozes", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("id"),
     UniqueConstraint("event_id", "consumer"),
-    CheckConstraint("status IN ('ready', 'running', 'done', 'dead')", name="status_known"),
+    CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled')", name="status_known"),
     CheckConstraint("attempts >= 0 AND attempts <= max_attempts", name="attempts_in_range"),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
     # Claiming reads only ready rows, in claim order; done rows never enter this index.
@@ -133,6 +148,31 @@ jobs = Table(
     # Pruning reads done rows by age; dead letters are listed by consumer.
     Index("ix_outbox_jobs_finished", "finished_at", postgresql_where=text("status = 'done'")),
     Index("ix_outbox_jobs_dead", "consumer", "id", postgresql_where=text("status = 'dead'")),
+    # The unfinished jobs of each (ordered consumer, key) in event order: the key's head,
+    # the jobs waiting behind it, and a dead job blocking it. Done rows never enter it.
+    Index("ix_outbox_jobs_ordering", "consumer", "ordering_key", "event_id",
+          postgresql_where=text("ordering_key IS NOT NULL AND status <> 'done'")),
+)
+
+#: Flow control per consumer, enforced across all relays (migration 0005). The relays write
+#: ``concurrency`` (most running jobs cluster-wide, NULL: no cap) and ``rate_limit`` (most
+#: claims per second cluster-wide, NULL: none) from their registry at start; ``tokens`` and
+#: ``refilled_at`` are the rate limit's bucket, on the database clock; ``paused_at`` is set by
+#: ``outbox-relay pause`` and cleared by ``resume`` (NULL: not paused), never by a relay start.
+consumers = Table(
+    "outbox_consumers",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("concurrency", Integer, nullable=True),
+    Column("rate_limit", Double, nullable=True),
+    Column("tokens", Double, nullable=False, server_default=text("0")),
+    Column("refilled_at", DateTime(timezone=True), nullable=True),
+    Column("paused_at", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("consumer"),
+    CheckConstraint("concurrency IS NULL OR concurrency >= 1", name="concurrency_positive"),
+    CheckConstraint("rate_limit IS NULL OR rate_limit > 0", name="rate_limit_positive"),
 )
 
 #: One row per running relay. ``buffered``: fences of the claims the relay holds whose
