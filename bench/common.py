@@ -71,6 +71,14 @@ class Size:
     snapshot_seconds: float = 30.0
     after_seconds: float = 20.0
     retention: float = 10.0              # retention_done during the soak, seconds
+    # 8 ordered delivery
+    ordered_events: int = 20_000         # events of one consumer, ordered and not
+    ordered_keys: int = 1_000
+    ordered_settings: dict[str, Any] = field(default_factory=lambda: {"concurrency": 16, "claim_batch": 100,
+                                                                      "prefetch": 100})
+    claim_ready: int = 30_000            # ready jobs the claim-cost loop may claim
+    blocked_jobs: int = 100_000          # pending jobs behind the blocked key
+    claim_seconds: float = 1.5
     notes: tuple[str, ...] = field(default=())
 
 
@@ -79,7 +87,8 @@ SIZES = {
         name="quick", pgbench_seconds=0, pgbench_pool=10_000, loop_seconds=0.5, events=1_000,
         default_events=500, sweep_events=500, sweep=((8, 50, 50), (16, 100, 100)), procrastinate_cap=2.0,
         publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
-        soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0),
+        soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
+        ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
@@ -368,7 +377,8 @@ def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, tim
         unrouted, pending = conn.execute(
             "SELECT (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
             " (SELECT count(*) FROM outbox_jobs WHERE status = 'ready')"
-            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'running')").fetchone()
+            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'running')"
+            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'pending')").fetchone()
         if unrouted == 0 and pending == 0:
             if expected_jobs is None:
                 return True

@@ -1,0 +1,144 @@
+"""Scenario 8, ordered delivery per key (issue 10): what ``ordered=True`` costs.
+
+Three measurements, each against a baseline taken in the same run, interleaved:
+
+* **ordered / unordered**: one consumer (``bench.apps:fanout`` with ``BENCH_CONSUMERS=1``),
+  ``ordered_events`` events spread over ``ordered_keys`` keys, run once with the consumer
+  unordered and once ordered (``BENCH_ORDERED=1``); jobs/s as in scenario 2 (first event
+  created to last job done, database clock). Target: ordered >= 50 % of unordered.
+* **hot key**: the same number of events, half of them on one key and the rest over the
+  other keys; the figure is the rate at which the *other* keys' jobs finish (their count
+  over the time from the first event to the last of them done), beside the ordered run's
+  rate above. Target: the hot key cuts it by at most 20 %.
+* **claim cost behind a blocked key**: no relay; a database with ``claim_ready`` ready jobs,
+  and a copy that also has one dead job blocking a key with ``blocked_jobs`` pending jobs
+  queued behind it. A loop claims ``claim_batch`` jobs and completes them
+  (``job_claim_many`` + ``job_complete_many``, the relay's statements) for
+  ``claim_seconds``; the figure is the median seconds per claim. Target: <= 1.2x the cost
+  with none blocked.
+
+Events go out with ``publish_many`` (500 per transaction), keys ``k0..k{keys-1}`` in turn.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, log, median, wait_drained
+
+HOT_KEY = "hot"
+BLOCKED_KEY = "blocked"
+CLAIM_BATCH = 50
+
+
+def publish_keyed(eng: Any, n: int, keys: int, hot_share: float = 0.0, per_txn: int = 500) -> None:
+    """Publish ``n`` events over ``keys`` keys; with ``hot_share`` > 0 that share of them
+    (every other event at 0.5) goes to :data:`HOT_KEY` instead."""
+    from outbox import publish_many
+
+    every = round(1 / hot_share) if hot_share else 0
+    done = 0
+    while done < n:
+        items = []
+        for i in range(done, min(n, done + per_txn)):
+            key = HOT_KEY if every and i % every == 0 else f"k{i % keys}"
+            items.append({"topic": TOPIC, "payload": {"n": i}, "key": key})
+        with eng.begin() as conn:
+            publish_many(conn, items)
+        done += len(items)
+
+
+def relay_run(dbs: Databases, size: Size, results: Path, tag: str, *, ordered: bool,
+              hot_share: float = 0.0) -> dict[str, Any]:
+    """One relay (defaults but ``ordered_settings``) draining ``ordered_events`` keyed events."""
+    events = size.ordered_events
+    with dbs.fresh() as url:
+        relay = RelayProcess(url, results / "logs" / f"relay-ordered-{tag}.log", size.ordered_settings,
+                             env={"BENCH_CONSUMERS": "1", "BENCH_ORDERED": "1" if ordered else "0"})
+        try:
+            relay.wait_ready(1)
+            eng = engine(url)
+            with psycopg.connect(conninfo(url), autocommit=True) as mon:
+                publish_keyed(eng, events, size.ordered_keys, hot_share)
+                drained = wait_drained(mon, expected_jobs=events, timeout=size.e2e_cap * 3, raise_on_timeout=False)
+                t0, t1, jobs, others, others_t1 = mon.execute(
+                    "SELECT (SELECT min(created_at) FROM outbox_events),"
+                    " (SELECT max(finished_at) FROM outbox_jobs WHERE status = 'done'),"
+                    " (SELECT count(*) FROM outbox_jobs WHERE status = 'done'),"
+                    " (SELECT count(*) FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id"
+                    "   WHERE j.status = 'done' AND e.key <> %(hot)s),"
+                    " (SELECT max(j.finished_at) FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id"
+                    "   WHERE j.status = 'done' AND e.key <> %(hot)s)", {"hot": HOT_KEY}).fetchone()
+            eng.dispose()
+        finally:
+            relay.stop()
+    out = {"events": events, "jobs": jobs, "jobs_per_s": jobs / (t1 - t0).total_seconds(),
+           "other_keys_per_s": others / (others_t1 - t0).total_seconds(), "drained": drained}
+    log(f"ordered {tag}: {out['jobs_per_s']:,.0f} jobs/s, other keys {out['other_keys_per_s']:,.0f} jobs/s"
+        f" ({jobs} jobs{'' if drained else ', NOT DRAINED'})")
+    return out
+
+
+def seed_claimable(conn: psycopg.Connection, ready: int, blocked: int) -> None:
+    """``ready`` ready jobs of an ordered consumer ``c1`` (one key each), and when
+    ``blocked`` > 0 one dead job holding :data:`BLOCKED_KEY` with ``blocked`` pending jobs
+    behind it; statistics analysed, as a relay's router keeps them."""
+    conn.execute("INSERT INTO outbox_subscriptions (topic, consumer, max_attempts, lease_seconds, ordered)"
+                 " VALUES (%s, 'c1', 5, 30, true)", (TOPIC,))
+    conn.execute(
+        "WITH e AS (INSERT INTO outbox_events (topic, key, payload, routed_at)"
+        " SELECT %(topic)s, CASE WHEN g <= %(ready)s THEN 'k' || g ELSE %(blocked_key)s END, '{}', now()"
+        " FROM generate_series(1, %(total)s) g RETURNING id, key)"
+        " INSERT INTO outbox_jobs (event_id, consumer, max_attempts, status, ordering_key, finished_at)"
+        " SELECT id, 'c1', 5, CASE WHEN key <> %(blocked_key)s THEN 'ready'"
+        "   WHEN id = (SELECT min(id) FROM e WHERE key = %(blocked_key)s) THEN 'dead' ELSE 'pending' END,"
+        " key, CASE WHEN key = %(blocked_key)s THEN now() END FROM e",
+        {"topic": TOPIC, "ready": ready, "blocked_key": BLOCKED_KEY, "total": ready + (blocked + 1 if blocked else 0)})
+    conn.execute("ANALYZE outbox_jobs")
+    conn.execute("ANALYZE outbox_events")
+
+
+def claim_cost(dbs: Databases, size: Size, blocked: int) -> float:
+    """Median seconds per claim of :data:`CLAIM_BATCH` (claim + complete) over ``claim_seconds``."""
+    from outbox.worker import claim_jobs, complete_jobs
+
+    with dbs.fresh() as url, psycopg.connect(conninfo(url), autocommit=True) as conn:
+        seed_claimable(conn, size.claim_ready, blocked)
+        times = []
+        deadline = time.monotonic() + size.claim_seconds
+        while time.monotonic() < deadline:
+            t = time.perf_counter()
+            jobs = claim_jobs(conn, {"c1": 30.0}, CLAIM_BATCH, "bench")
+            complete_jobs(conn, jobs)
+            times.append(time.perf_counter() - t)
+            if not jobs:
+                break
+    return median(times)
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    unordered, ordered, hot, clear, behind = [], [], [], [], []
+    for rep in range(size.runs):
+        unordered.append(relay_run(dbs, size, results, f"unordered-{rep}", ordered=False))
+        ordered.append(relay_run(dbs, size, results, f"ordered-{rep}", ordered=True))
+        hot.append(relay_run(dbs, size, results, f"hot-{rep}", ordered=True, hot_share=0.5))
+        clear.append(claim_cost(dbs, size, 0))
+        behind.append(claim_cost(dbs, size, size.blocked_jobs))
+        log(f"claim cost {rep}: {clear[-1] * 1e3:.2f} ms with no key blocked, "
+            f"{behind[-1] * 1e3:.2f} ms with {size.blocked_jobs:,} jobs behind a blocked key")
+    return {
+        "events": size.ordered_events, "keys": size.ordered_keys, "settings": size.ordered_settings,
+        "unordered_jobs_per_s": median([r["jobs_per_s"] for r in unordered]),
+        "ordered_jobs_per_s": median([r["jobs_per_s"] for r in ordered]),
+        "ordered_ratio": median([o["jobs_per_s"] / u["jobs_per_s"] for o, u in zip(ordered, unordered)]),
+        "hot_other_keys_per_s": median([r["other_keys_per_s"] for r in hot]),
+        "hot_ratio": median([h["other_keys_per_s"] / o["jobs_per_s"] for h, o in zip(hot, ordered)]),
+        "claim_ready": size.claim_ready, "blocked_jobs": size.blocked_jobs,
+        "claim_ms": median(clear) * 1e3, "claim_blocked_ms": median(behind) * 1e3,
+        "claim_ratio": median([b / c for b, c in zip(behind, clear)]),
+        "runs": {"unordered": unordered, "ordered": ordered, "hot": hot, "claim_s": clear, "claim_blocked_s": behind},
+    }
