@@ -19,7 +19,15 @@ Three consumers of topic ``wl.order``, each showing one guarantee:
   ``crash_last=True`` fail until their last attempt, then hold the job until the relay is
   killed (the "crash on the last attempt" scenario).
 
-Both fenced tables carry an ``AFTER`` row trigger (it fires only for a write that was
+* ``sequence`` (transactional, ordered per key, 8 attempts): every event carries the key
+  ``acct:<n % 50>``; the handler appends the event to its key's sequence in
+  ``wl_sequence`` (its position: one more than the key's events applied so far) with
+  ``fenced_write`` in the transaction that completes the job. Some events (``n % 11 == 5``)
+  fail their first attempt, so a retry must hold its key's later events back. The check:
+  every key's applied sequence is its events in commit order (the publisher commits one
+  transaction at a time, in ``n`` order), with no gap and nothing applied twice.
+
+The fenced tables carry an ``AFTER`` row trigger (it fires only for a write that was
 applied, not for an ``ON CONFLICT`` that did nothing) that appends the write to
 ``wl_fence_history`` in the writing transaction and raises if it lowered or kept the
 stored fence; a handler that meets that error records it in
@@ -53,7 +61,9 @@ from outbox import Job, Outbox, PermanentError, fenced_write, publish_many
 from outbox.db.engine import make_engine
 
 TOPIC = "wl.order"
-CONSUMERS = ("flaky", "invoice", "ledger")
+CONSUMERS = ("flaky", "invoice", "ledger", "sequence")
+#: Keys of the ordered consumer: event ``n`` belongs to ``acct:<n % KEYS>``.
+KEYS = 50
 LEASE_MODE = ("flaky", "ledger")
 
 # ------------------------------------------------------------------------ tables
@@ -97,6 +107,15 @@ invoices = sa.Table(
     sa.Column("job_id", sa.BigInteger, nullable=False),
     sa.Column("fence", sa.BigInteger, nullable=False),
 )
+sequence_rows = sa.Table(  # the ordered consumer's effects: position of each event in its key
+    "wl_sequence", metadata,
+    sa.Column("event_id", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("key", sa.Text, nullable=False),
+    sa.Column("n", sa.Integer, nullable=False),
+    sa.Column("position", sa.Integer, nullable=False),
+    sa.Column("job_id", sa.BigInteger, nullable=False),
+    sa.Column("fence", sa.BigInteger, nullable=False),
+)
 fence_history = sa.Table(  # every applied write to a fenced table, in its own transaction
     "wl_fence_history", metadata,
     sa.Column("id", sa.BigInteger, sa.Identity(), primary_key=True),
@@ -135,6 +154,8 @@ FENCE_GUARD_DDL = (
     "CREATE TRIGGER wl_ledger_guard AFTER INSERT OR UPDATE ON wl_ledger"
     " FOR EACH ROW EXECUTE FUNCTION wl_fence_guard()",
     "CREATE TRIGGER wl_invoices_guard AFTER INSERT OR UPDATE ON wl_invoices"
+    " FOR EACH ROW EXECUTE FUNCTION wl_fence_guard()",
+    "CREATE TRIGGER wl_sequence_guard AFTER INSERT OR UPDATE ON wl_sequence"
     " FOR EACH ROW EXECUTE FUNCTION wl_fence_guard()",
 )
 
@@ -238,6 +259,22 @@ def invoice(job: Job, session: Session) -> None:
                                        values={"n": n, "job_id": job.id}, fence=job.fence))
     if n % 13 == 4:
         raise PermanentError(f"invoice for order {n} refused after writing it; the write must roll back")
+    record(job, "end")
+
+
+@ob.subscriber(TOPIC, consumer="sequence", transactional=True, ordered=True, max_attempts=8)
+def sequence(job: Job, session: Session) -> None:
+    """Ordered per key: appends the event to its key's sequence, exactly once."""
+    n = job.payload["n"]
+    record(job, "start")
+    _work(job)
+    if n % 11 == 5 and job.attempt == 1:
+        raise Transient(f"order {n}: sequence service busy (attempt {job.attempt})")
+    applied = session.execute(sa.select(sa.func.count()).select_from(sequence_rows)
+                              .where(sequence_rows.c.key == job.key)).scalar_one()
+    _guarded(job, lambda: fenced_write(session, sequence_rows, key={"event_id": job.event_id},
+                                       values={"key": job.key, "n": n, "position": applied + 1, "job_id": job.id},
+                                       fence=job.fence))
     record(job, "end")
 
 
@@ -347,11 +384,12 @@ class Publisher(threading.Thread):
         try:
             with Session(self.engine) as s, s.begin():
                 s.execute(domain.insert(), [{"n": n, "batch": self.batches} for n in ns])
-                publish_many(s, [{"topic": TOPIC, "payload": self.payload(n), "key": f"order:{n}"} for n in ns])
+                publish_many(s, [{"topic": TOPIC, "payload": self.payload(n), "key": f"acct:{n % KEYS}"} for n in ns])
                 if lost:
                     with s.begin_nested() as nested:
                         s.execute(domain.insert(), [{"n": n, "batch": self.batches} for n in lost])
-                        publish_many(s, [{"topic": TOPIC, "payload": self.payload(n)} for n in lost])
+                        publish_many(s, [{"topic": TOPIC, "payload": self.payload(n), "key": f"acct:{n % KEYS}"}
+                                         for n in lost])
                         nested.rollback()
                     lost_done = True
                 if roll_back:
@@ -395,7 +433,7 @@ def drained(engine: Engine, published: Published) -> bool:
         row = conn.execute(sa.text(
             "SELECT (SELECT count(*) FROM outbox_events WHERE topic = :t),"
             " (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
-            " (SELECT count(*) FROM outbox_jobs WHERE status IN ('ready', 'running'))"), {"t": TOPIC}).one()
+            " (SELECT count(*) FROM outbox_jobs WHERE status IN ('ready', 'running', 'pending'))"), {"t": TOPIC}).one()
     return row[0] >= len(published.committed) and row[1] == 0 and row[2] == 0
 
 
@@ -460,6 +498,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         history = q("SELECT tbl, event_id, old_fence, new_fence FROM wl_fence_history ORDER BY id")
         violation_rows = [r[0] for r in q("SELECT detail FROM wl_violations")]
         stale = q("SELECT consumer, count(*) FROM wl_stale_writes GROUP BY 1")
+        applied = q("SELECT key, n, position FROM wl_sequence ORDER BY key, position")
         subscribed = {r[0] for r in q("SELECT consumer FROM outbox_subscriptions WHERE topic = :t", t=TOPIC)}
 
     # 1. Committed events exist exactly once; nothing of a rolled-back transaction does.
@@ -555,11 +594,33 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         last[k] = h.new_fence
     fail(not regressions, "fence history out of order", regressions[:5])
 
+    # 6. Ordered per key: each key's applied sequence is its events in commit order (one
+    #    publisher commits its transactions one after another, in n order), positions
+    #    1..k with no gap, each event applied once (its history has one write).
+    by_key: dict[str, list[Any]] = {}
+    for r in applied:
+        by_key.setdefault(r.key, []).append(r)
+    for key, seq in by_key.items():
+        fail([r.position for r in seq] == list(range(1, len(seq) + 1)),
+             f"key {key}: positions {[r.position for r in seq][:12]} have gaps or repeats")
+        fail([r.n for r in seq] == sorted(r.n for r in seq),
+             f"key {key} applied out of commit order: {[r.n for r in seq][:12]}")
+    sequence_done = {j.event_id for j in jobs if j.consumer == "sequence" and j.status == "done"}
+    for key in {f"acct:{e.payload['n'] % KEYS}" for e in events}:
+        want = sorted(e.payload["n"] for e in events if f"acct:{e.payload['n'] % KEYS}" == key)
+        got = [r.n for r in by_key.get(key, [])]
+        fail(got == want[:len(got)] and (len(got) == len(want) or not sequence_done),
+             f"key {key}: applied {got[:12]}..., its events are {want[:12]}...")
+    for j in jobs:
+        if j.consumer == "sequence":
+            writes = history_count[("wl_sequence", j.event_id)]
+            fail(writes == (1 if j.status == "done" else 0), f"sequence job {j.id} ({j.status}): {writes} committed writes")
+
     counts = {
         "events": len(events), "committed": len(published.committed), "rolled_back": len(gone),
         "unknown": len(published.unknown), "jobs": len(jobs), "outcomes": dict(sorted(outcomes.items())),
         "fault_dead": len(fault_dead), "fault_dead_unstarted": len(unstarted_dead),
         "ledger_rewrites": sum(1 for h in history if h.tbl == "wl_ledger" and h.old_fence),
-        "stale_writes": dict(stale),
+        "stale_writes": dict(stale), "ordered_keys": len(by_key),
     }
     return Report(failures, counts)
