@@ -246,7 +246,10 @@ class Relay:
                     if reaped.retried or reaped.unstarted:  # back with their early place: every relay claims from the head
                         notify_head(conn, schema=self.schema)
                 with self.engine.begin() as conn:  # after the reaping committed (outbox.ordering, "Sweep")
-                    self.stats["promoted"] += len(self.head_sweeper.sweep(conn, schema=self.schema))
+                    promoted = self.head_sweeper.sweep(conn, schema=self.schema)
+                if promoted:
+                    self.stats["promoted"] += len(promoted)
+                    self.wake_workers.set()
                 self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
                 self.stats["reaped_unstarted"] += reaped.unstarted

@@ -1031,8 +1031,8 @@ class JobRunner:
         # ---- ordering (outbox.ordering): the outcomes above have committed, so promote the
         # next job of each ordered key they finished, in a statement of its own.
         promotion = ordering.promotion_params(finishing, self.subscribers)
-        if promotion is not None:
-            _rows(self._connection(), self.statements.job_promote_many, promotion)
+        if promotion is not None and _rows(self._connection(), self.statements.job_promote_many, promotion):
+            self.wake.set()  # an UPDATE sends no NOTIFY: claim the promoted jobs in the next round
         return len(claimed), from_head
 
     def _complete_and_claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,

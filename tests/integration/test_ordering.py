@@ -408,3 +408,54 @@ def test_promotion_and_route_filter_use_their_partial_indexes_with_many_done_row
     for plan in (route_plan, promote_plan, sweep_plan):
         assert "Seq Scan on outbox_jobs" not in plan, plan
         assert "Seq Scan on outbox_events" not in plan, plan
+
+
+# ------------------------------------------------------------------- relays
+
+
+def test_two_relays_run_each_key_one_job_at_a_time_in_order(engine, settings):
+    """Two relays with eight workers each: per key, the handler never runs twice at once and
+    sees its events in publish order, through failed attempts; the dispatcher's promotion
+    (after each round of outcomes) moves every key on."""
+    from outbox.relay import Relay
+
+    lock = threading.Lock()
+    running: dict[str, int] = defaultdict(int)
+    overlaps: list[str] = []
+    seen: list[tuple[str | None, int]] = []
+    failed: set[int] = set()
+    ob = Outbox()
+
+    @ob.subscriber("t", consumer="c", ordered=True, max_attempts=10)
+    def handle(job: Job) -> None:
+        key, n = job.key or "", job.payload["n"]
+        with lock:
+            running[key] += 1
+            if running[key] > 1:
+                overlaps.append(key)
+            seen.append((job.key, n))
+        try:
+            if n % 7 == 0 and n not in failed:
+                failed.add(n)
+                raise RuntimeError("first attempt fails")
+        finally:
+            with lock:
+                running[key] -= 1
+
+    events = [(f"k{n % 10}", n) for n in range(200)]
+    relays = [Relay(ob, settings(concurrency=8, prefetch=8, backoff_base=0.01, backoff_cap=0.02,
+                                reap_interval=60.0))  # no sweep: only the dispatcher promotes
+              for _ in range(2)]
+    for relay in relays:
+        relay.start()
+    try:
+        for start in range(0, len(events), 20):
+            _publish(engine, events[start:start + 20])
+        wait_for(lambda: set(_status(engine).values()) == {"done"} and len(_status(engine)) == 200, timeout=60,
+                 what="every job done")
+    finally:
+        for relay in relays:
+            relay.stop()
+    assert overlaps == []
+    for key, ns in _per_key(seen).items():
+        assert ns == sorted(ns), key
