@@ -58,6 +58,7 @@ event_route_many: TextClause = text(
         SELECT l.id, l.topic, l.key, l.run_at, l.priority
         FROM locked l
         WHERE l.key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = l.topic AND s.ordered)
            OR NOT EXISTS (SELECT 1 FROM outbox_events p
                           WHERE p.key = l.key AND p.routed_at IS NULL AND p.id < l.id
                             AND p.id NOT IN (SELECT id FROM locked))
@@ -123,10 +124,10 @@ event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usual
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
 poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``.
 
-Ordering (architecture notes, "Ordering"; :mod:`outbox.ordering`): a keyed event is routed
-only when no earlier event of its key is unrouted outside this batch (read through
-``ix_outbox_events_unrouted_key``); it is left unrouted, and taken by a later round,
-while another router holds the earlier one. For a subscription with ``ordered`` the job
+Ordering (architecture notes, "Ordering"; :mod:`outbox.ordering`): a keyed event of a topic
+with an ordered subscription is routed only when no earlier event of its key is unrouted
+outside this batch (read through ``ix_outbox_events_unrouted_key``); it is left unrouted,
+and taken by a later round, while another router holds the earlier one. For a subscription with ``ordered`` the job
 gets ``ordering_key`` = the event's key and is ``pending`` when its (consumer, key)
 already has an unfinished job, or an earlier one in this batch, else ``ready``; the
 key's first unfinished job is locked ``FOR SHARE`` (``heads``), so a completion
