@@ -33,8 +33,9 @@ unrouted outside its own batch; a held-back event is taken by a later round.
 
 **Routing an ordered job.** The router inserts the job ``pending`` when its (consumer, key)
 has an unfinished job, or an earlier job in the same batch; else ``ready``. It locks the
-key's head ``FOR SHARE`` (the first unfinished row; if that row finished meanwhile, the
-lock re-reads its newest version, passes over it and locks the next).
+key's first two unfinished jobs ``FOR SHARE``; a head that finished meanwhile is dropped
+by the lock's re-read of its newest version, and a second unfinished job seen in the
+snapshot keeps the key busy whatever became of the head.
 
 **Promotion** (``job_promote_many``): for each key whose head is ``pending``, the head
 becomes ``ready`` (``run_at = greatest(run_at, now())``). It runs as a statement of its own
@@ -53,8 +54,12 @@ inserting job n of the same key:
 
 A promotion running in C's own transaction would take its snapshot before R's commit in
 case 3 and strand n; hence "after the commit". Two promotions of one key take turns on the
-head's row lock and the second finds it no longer pending. The locks are taken in
-(consumer, key) order by both the router and the promotion.
+head's row lock and the second finds it no longer pending. The router locks job rows in id
+order, like the completion, heartbeat, failure and promotion statements, so none of them
+can deadlock with another. One strand remains possible: when the router saw a second
+unfinished job p behind the head and p is promoted, run and finished (and its promotion
+run) between the router's snapshot and the router's lock on p; the sweep below promotes n
+then.
 
 **Sweep.** A relay killed between a completion and its promotion leaves a head pending.
 The reaper loop runs :class:`HeadSweeper` every round: a skip scan of

@@ -71,24 +71,34 @@ event_route_many: TextClause = text(
                CASE WHEN s.ordered THEN b.key END AS ordering_key
         FROM batch b
         JOIN outbox_subscriptions s ON s.topic = b.topic
-    ), heads AS MATERIALIZED (
-        SELECT k.consumer, k.ordering_key, h.id
-        FROM (SELECT DISTINCT consumer, ordering_key FROM wanted WHERE ordering_key IS NOT NULL
-              ORDER BY consumer, ordering_key) k
+    ), unfinished AS (
+        SELECT k.consumer, k.ordering_key, h.id, h.place
+        FROM (SELECT DISTINCT consumer, ordering_key FROM wanted WHERE ordering_key IS NOT NULL) k
         CROSS JOIN LATERAL (
-            SELECT j.id FROM outbox_jobs j
+            SELECT j.id, row_number() OVER (ORDER BY j.event_id) AS place
+            FROM outbox_jobs j
             WHERE j.consumer = k.consumer AND j.ordering_key = k.ordering_key
               AND j.status <> 'done' AND j.status <> 'cancelled'
             ORDER BY j.event_id
-            LIMIT 1
-            FOR SHARE
+            LIMIT 2
         ) h
+    ), heads AS MATERIALIZED (
+        SELECT j.id
+        FROM outbox_jobs j
+        WHERE j.id IN (SELECT id FROM unfinished)
+          AND j.status <> 'done' AND j.status <> 'cancelled'
+        ORDER BY j.id
+        FOR SHARE
+    ), busy AS (
+        SELECT u.consumer, u.ordering_key
+        FROM unfinished u
+        WHERE u.place = 2 OR (u.place = 1 AND u.id IN (SELECT id FROM heads))
     ), inserted AS (
         INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, status)
         SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at, w.ordering_key,
                CASE WHEN w.ordering_key IS NULL THEN 'ready'
-                    WHEN EXISTS (SELECT 1 FROM heads h
-                                 WHERE h.consumer = w.consumer AND h.ordering_key = w.ordering_key) THEN 'pending'
+                    WHEN EXISTS (SELECT 1 FROM busy b
+                                 WHERE b.consumer = w.consumer AND b.ordering_key = w.ordering_key) THEN 'pending'
                     WHEN row_number() OVER (PARTITION BY w.consumer, w.ordering_key ORDER BY w.id) > 1
                         THEN 'pending'
                     ELSE 'ready' END
@@ -110,7 +120,7 @@ event_route_many: TextClause = text(
           WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
         ) AS unsubscribed,
         (SELECT count(*) FROM locked) - (SELECT count(*) FROM batch) AS held_back,
-        (SELECT count(*) FROM heads) AS busy_keys
+        (SELECT count(*) FROM busy) AS busy_keys
     """
 )
 """Route up to ``:limit`` unrouted events: one job per matching subscription, events marked
@@ -129,12 +139,16 @@ with an ordered subscription is routed only when no earlier event of its key is 
 outside this batch (read through ``ix_outbox_events_unrouted_key``); it is left unrouted,
 and taken by a later round, while another router holds the earlier one. For a subscription with ``ordered`` the job
 gets ``ordering_key`` = the event's key and is ``pending`` when its (consumer, key)
-already has an unfinished job, or an earlier one in this batch, else ``ready``; the
-key's first unfinished job is locked ``FOR SHARE`` (``heads``), so a completion
-committing meanwhile is either seen (the lock re-reads its newest version) or waits for
-this commit, and then its promotion sees the job inserted here. ``heads`` is
-``MATERIALIZED`` and counted so its locks are always taken whole, keys in sorted order
-(the order ``job_promote_many`` locks them in)."""
+already has an unfinished job, or an earlier one in this batch, else ``ready``. The
+key's first two unfinished jobs (its head and the next) are locked ``FOR SHARE``
+(``heads``), so a completion of the head committing meanwhile is either seen (the lock
+re-reads the newest version and drops a finished head) or waits for this commit, and then
+its promotion sees the job inserted here. A second unfinished job in the snapshot
+(``place = 2``) keeps the key busy whatever became of the head, and its lock keeps it from
+being promoted before this commits. The heads are locked in id order, like every statement that
+locks job rows and waits (completion, heartbeat, failure, promotion), so none of them can
+deadlock with this one; ``heads`` is ``MATERIALIZED`` and counted in the result so its
+locks are always all taken."""
 
 event_route_candidates: TextClause = text(
     """
@@ -652,20 +666,8 @@ job_scheduled_now_many: TextClause = text(
 
 # -------------------------------------------------------------------------- ordering
 
-_ORDERING_HEAD = """
-            SELECT j.id, j.status FROM outbox_jobs j
-            WHERE j.consumer = k.consumer AND j.ordering_key = k.ordering_key
-              AND j.status <> 'done' AND j.status <> 'cancelled'
-            ORDER BY j.event_id
-            LIMIT 1
-"""
-# The first unfinished job of one (consumer, ordering key) ``k``: its head, read through
-# ``ix_outbox_jobs_ordering`` (whose predicate ``status <> 'done'`` the condition repeats).
-# With a locking clause below ``LIMIT``, a row that stopped matching in its newest version
-# (finished meanwhile) is passed over and the next one is locked instead.
-
 job_promote_many: TextClause = text(
-    f"""
+    """
     WITH keys AS (
         SELECT DISTINCT consumer, ordering_key
         FROM unnest(CAST(:consumers AS text[]), CAST(:keys AS text[])) AS k(consumer, ordering_key)
@@ -674,13 +676,24 @@ job_promote_many: TextClause = text(
     ), heads AS (
         SELECT h.id, h.status
         FROM keys k
-        CROSS JOIN LATERAL ({_ORDERING_HEAD}            FOR NO KEY UPDATE
+        CROSS JOIN LATERAL (
+            SELECT j.id, j.status FROM outbox_jobs j
+            WHERE j.consumer = k.consumer AND j.ordering_key = k.ordering_key
+              AND j.status <> 'done' AND j.status <> 'cancelled'
+            ORDER BY j.event_id
+            LIMIT 1
         ) h
+    ), locked AS (
+        SELECT j.id
+        FROM outbox_jobs j
+        WHERE j.id IN (SELECT id FROM heads WHERE status = 'pending') AND j.status = 'pending'
+        ORDER BY j.id
+        FOR NO KEY UPDATE
     )
     UPDATE outbox_jobs j
     SET status = 'ready', run_at = greatest(j.run_at, now()), updated_at = now()
-    FROM heads h
-    WHERE j.id = h.id AND h.status = 'pending' AND j.status = 'pending'
+    FROM locked l
+    WHERE j.id = l.id AND j.status = 'pending'
     RETURNING j.id, j.consumer, j.ordering_key
     """
 )
@@ -688,9 +701,11 @@ job_promote_many: TextClause = text(
 unfinished job (lowest event id, not ``done`` or ``cancelled``; a dead job holding its key
 counts) is ``pending``, it becomes ``ready``, due at ``greatest(run_at, now())``. Keys whose
 head is ready, running or dead change nothing, so running it too often is harmless. The
-heads are locked (``FOR NO KEY UPDATE``) in (consumer, key) order, the order the router
-locks them in; two promotions of one key take turns and the second finds the head no longer
-pending. Run as a statement of its own after the outcome that finished a key's job has
+heads are found in the statement's snapshot and only the pending ones locked (``FOR NO KEY
+UPDATE``), in id order like every statement that locks job rows and waits; two promotions
+of one key take turns and the second finds the head no longer pending. A pending head seen
+in the snapshot is still the head: nothing earlier of its key can become unfinished again
+(a redriven dead job was the head itself; the router only adds later events). Run as a statement of its own after the outcome that finished a key's job has
 committed (:mod:`outbox.ordering` says why). Returns (id, consumer, ordering_key) of the
 jobs promoted."""
 
