@@ -947,6 +947,7 @@ event_insert: TextClause = text(
         SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int),
                                      hashtext(CAST(:key AS text)))
         WHERE CAST(:key AS text) IS NOT NULL
+          AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = CAST(:topic AS text) AND s.ordered)
     )
     INSERT INTO outbox_events (topic, key, payload, headers)
     SELECT CAST(:topic AS text), CAST(:key AS text), CAST(:payload AS jsonb), CAST(:headers AS jsonb)
@@ -956,14 +957,17 @@ event_insert: TextClause = text(
 )
 """Write one event (payload and headers as JSON text, validated by ``publish``).
 
-A keyed event first takes the key's publish lock (``key_lock``): a transaction-scoped
+A keyed event of a topic with an ordered subscription (``outbox_subscriptions.ordered``,
+written by the relays at start) first takes the key's publish lock (``key_lock``): a
+transaction-scoped
 advisory lock on (the events table's oid, ``hashtext(key)``), so ``pg_locks`` shows it as
 ``locktype = 'advisory'``, ``classid`` = ``'outbox_events'::regclass``, ``objsubid = 2``.
 The lock is taken before the row, and so its id, is made: the ``WHERE`` reads the
 materialized CTE as a one-time filter, evaluated before the first row reaches the
 ``INSERT``, which draws the identity. A second transaction publishing the same key waits
 for this one to end and only then draws its id, so one key's ids commit in id order
-(architecture notes, "Ordering"). Unkeyed events take no lock."""
+(architecture notes, "Ordering"). Unkeyed events, and events of topics no ordered
+consumer subscribes to, take no lock (one look-up of the subscriptions' primary key)."""
 
 event_insert_many: TextClause = text(
     """
@@ -972,6 +976,7 @@ event_insert_many: TextClause = text(
         FROM (SELECT DISTINCT hashtext(e ->> 1) AS h
               FROM jsonb_array_elements(CAST(:events AS jsonb)) AS keyed(e)
               WHERE e ->> 1 IS NOT NULL
+                AND e ->> 0 IN (SELECT s.topic FROM outbox_subscriptions s WHERE s.ordered)
               ORDER BY 1) k
     )
     INSERT INTO outbox_events (topic, key, payload, headers)
@@ -995,6 +1000,7 @@ event_insert_options: TextClause = text(
         SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int),
                                      hashtext(CAST(:key AS text)))
         WHERE CAST(:key AS text) IS NOT NULL
+          AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = CAST(:topic AS text) AND s.ordered)
     )
     INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)
     SELECT CAST(:topic AS text), CAST(:key AS text), CAST(:payload AS jsonb), CAST(:headers AS jsonb),
@@ -1020,6 +1026,7 @@ event_insert_options_many: TextClause = text(
         FROM (SELECT DISTINCT hashtext(e ->> 1) AS h
               FROM jsonb_array_elements(CAST(:events AS jsonb)) AS keyed(e)
               WHERE e ->> 1 IS NOT NULL
+                AND e ->> 0 IN (SELECT s.topic FROM outbox_subscriptions s WHERE s.ordered)
               ORDER BY 1) k
     )
     INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)

@@ -245,6 +245,7 @@ def test_the_sweep_promotes_a_head_left_pending(engine):
 def test_publish_lock_makes_a_key_s_ids_follow_commit_order(engine):
     seen: list[tuple[str | None, int]] = []
     ob = _registry(seen)
+    drain(engine, ob, consumers=[], settings=_settings())  # the ordered subscription, as a relay writes it
     first = Session(engine)
     first.begin()
     publish(first, "t", {"n": 1}, key="k")  # holds the key's lock until it commits
@@ -268,6 +269,7 @@ def test_publish_lock_makes_a_key_s_ids_follow_commit_order(engine):
 
 
 def test_publish_many_locks_every_key_before_drawing_ids(engine):
+    drain(engine, _registry([]), consumers=[], settings=_settings())
     first = Session(engine)
     first.begin()
     publish(first, "t", {"n": 1}, key="b")
@@ -286,6 +288,16 @@ def test_publish_many_locks_every_key_before_drawing_ids(engine):
     first.close()
     thread.join(10)
     assert ids and min(ids[0]) > between
+
+
+def test_events_of_topics_without_an_ordered_consumer_take_no_publish_lock(engine):
+    drain(engine, _registry([], ordered=False), consumers=[], settings=_settings())
+    with Session(engine) as s, s.begin():
+        publish(s, "t", {"n": 1}, key="k")
+        publish_many(s, [("t", {"n": 2}, "k2")])
+        held = s.execute(sa.text("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                                 " AND pid = pg_backend_pid()")).scalar_one()
+    assert held == 0
 
 
 def test_router_does_not_route_a_key_ahead_of_an_event_another_router_holds(engine):
