@@ -5,6 +5,7 @@ publish lock; the blocked / skip CLI; the plans of the promotion and the route f
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import defaultdict
 from typing import Any
@@ -170,7 +171,7 @@ def test_blocked_and_skip_commands(engine, db_url, capsys, monkeypatch):
     _publish(engine, [("order:7", 1), ("order:7", 2)])
     drain(engine, ob, settings=_settings())
     dead_id = next(r.id for r in _jobs(engine) if r.n == 1)
-    for name in [n for n in __import__("os").environ if n.startswith("OUTBOX_")]:
+    for name in [n for n in os.environ if n.startswith("OUTBOX_")]:
         monkeypatch.delenv(name)
     url = ["--database-url", db_url.render_as_string(hide_password=False)]
     capsys.readouterr()
@@ -179,8 +180,9 @@ def test_blocked_and_skip_commands(engine, db_url, capsys, monkeypatch):
     assert "order:7" in out and str(dead_id) in out and "c " in out, out
     assert main(["blocked", "--consumer", "nobody", *url]) == 0
     assert "no blocked keys for consumer nobody" in capsys.readouterr().out
-    done_id = 0
-    assert main(["skip", str(done_id), *url]) == 2
+    assert main(["status", *url]) == 0
+    assert "c                                pending           1" in capsys.readouterr().out
+    assert main(["skip", "0", *url]) == 2
     assert "no such job" in capsys.readouterr().err
     assert main(["skip", str(dead_id), *url]) == 0
     assert "is ready" in capsys.readouterr().out
@@ -189,6 +191,9 @@ def test_blocked_and_skip_commands(engine, db_url, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("outbox-relay: error: ") and "holds no ordering key" in err, err
     assert main(["status", *url]) == 0
+    assert "c                                pending           1" not in capsys.readouterr().out  # promoted
+    assert main(["redrive", str(dead_id), *url]) == 0  # dead but no longer ordered: runs unordered
+    capsys.readouterr()
 
 
 def test_a_transactional_handler_completion_promotes_the_next_job(engine):
