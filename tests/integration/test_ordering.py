@@ -18,11 +18,11 @@ from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.cli import main
 from outbox.db import queries
 from outbox.maintenance import reap_expired, redrive
-from outbox.ordering import HeadSweeper, NotBlockingError, blocked_keys, skip_dead_job
+from outbox.ordering import HeadSweeper, NotBlockingError, blocked_keys, promote, skip_dead_job
 from outbox.router import route_all, route_batch
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
-from outbox.worker import claim_jobs, complete_jobs
+from outbox.worker import bury_job, claim_jobs, complete_jobs
 
 from .helpers import expire_lease
 
@@ -476,3 +476,57 @@ def test_two_relays_run_each_key_one_job_at_a_time_in_order(engine, settings):
     assert overlaps == []
     for key, ns in _per_key(seen).items():
         assert ns == sorted(ns), key
+
+
+def test_a_completion_waits_for_a_router_holding_the_head_and_its_promotion_sees_the_new_job(engine):
+    """Case 3 of the race notes: the router locked the head first; the completion waits for
+    the router's commit, so the promotion after the completion sees the pending job."""
+    seen: list[tuple[str | None, int]] = []
+    ob = _registry(seen)
+    _publish(engine, [("k", 1)])
+    drain(engine, ob, consumers=[], settings=_settings())
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        [head] = claim_jobs(c, {"c": 30.0}, 10, "w1")
+    _publish(engine, [("k", 2)])
+    router = engine.connect()
+    router.begin()
+    assert route_batch(router, 100).jobs == 1  # job 2 pending; the head locked FOR SHARE until commit
+    completed: list[set[int]] = []
+
+    def complete() -> None:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            completed.append(complete_jobs(c, [head]))
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    wait_for(lambda: _lock_waiters(engine) == 1, what="the completion waiting for the router")
+    router.commit()
+    router.close()
+    thread.join(10)
+    assert completed == [{head.id}]
+    assert _status(engine) == {1: "done", 2: "pending"}
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        assert len(promote(c, [("c", "k")])) == 1
+    assert _status(engine) == {1: "done", 2: "ready"}
+
+
+def test_skip_policy_on_the_reaper_and_poison_paths(engine):
+    seen: list[tuple[str | None, int]] = []
+    ob = _registry(seen, on_dead="skip")
+    _publish(engine, [("a", 1), ("a", 2), ("b", 3), ("b", 4)])
+    drain(engine, ob, consumers=[], settings=_settings())
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        a1, b3 = claim_jobs(c, {"c": 30.0}, 10, "w1")
+        assert bury_job(c, b3, "poison row")  # the poison handling's dead-letter
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE outbox_jobs SET attempts = max_attempts WHERE id = :id"), {"id": a1.id})
+        expire_lease(c, a1.id)
+    with engine.begin() as c:
+        assert reap_expired(c).dead == 1  # out of attempts: dead
+    rows = {r.n: r for r in _jobs(engine)}
+    assert [(rows[n].status, rows[n].ordering_key) for n in (1, 2, 3, 4)] == [
+        ("dead", None), ("pending", "a"), ("dead", None), ("pending", "b")]
+    with engine.begin() as c:
+        assert len(HeadSweeper().sweep(c)) == 2  # the relay's reaper loop runs this after reaping
+    drain(engine, ob, settings=_settings())
+    assert seen == [("a", 2), ("b", 4)]
