@@ -51,6 +51,10 @@ from .worker import JobRunner, notify_head
 
 log = logging.getLogger("outbox.relay")
 
+#: Seconds the router waits before routing again after a round that held keyed events back
+#: behind an earlier event another router held (it is routed by then, or about to be).
+HELD_BACK_RETRY = 0.05
+
 
 class Relay:
     """One relay: ``registry``'s handlers plus routing and maintenance for the whole
@@ -221,7 +225,10 @@ class Relay:
                 self.stats["events_unsubscribed"] += result.unsubscribed
                 log.info("router: %d events matched no subscription (marked routed, no jobs)", result.unsubscribed)
             if result.events < limit:
-                self.wake_router.wait(self.settings.poll_interval)
+                # Events held back behind another router's batch (architecture notes, "Ordering")
+                # go once it commits, which sends no NOTIFY: look again soon.
+                self.wake_router.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
+                                      else self.settings.poll_interval)
                 self.wake_router.clear()
 
     def _vacuum_if_autovacuum_is_off(self) -> None:
