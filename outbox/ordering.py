@@ -85,7 +85,7 @@ from datetime import datetime
 from sqlalchemy.engine import Connection, Engine
 
 from .db import queries
-from .errors import OutboxError
+from .errors import NotBlockingError
 from .job import Job
 from .registry import Subscriber
 
@@ -93,11 +93,6 @@ log = logging.getLogger("outbox.ordering")
 
 #: Keys whose heads one sweep pass reads (and, where pending, promotes).
 SWEEP_KEYS = 500
-
-
-class NotBlockingError(OutboxError):
-    """``skip`` was given a job that is not a dead job holding an ordered key; nothing was
-    written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +180,7 @@ def blocked_keys(conn: Connection, consumer: str | None = None, limit: int = 100
 def skip_dead_job(engine: Engine, job_id: int, *, schema: str | None = None) -> list[int]:
     """Let the key blocked by dead job ``job_id`` go on: the job drops its ordering key (it
     stays dead) and, once that committed, the key's next job is promoted. Returns the ids
-    promoted (empty when nothing waited). Raises :class:`NotBlockingError`, having written
+    promoted (empty when nothing waited). Raises :class:`~outbox.errors.NotBlockingError`, having written
     nothing, when ``job_id`` is not a dead job holding an ordered key (no such job, another
     status, already skipped or unordered)."""
     statements = queries.in_schema(schema)

@@ -17,8 +17,9 @@ from sqlalchemy.orm import Session
 from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.cli import main
 from outbox.db import queries
+from outbox.errors import NotBlockingError
 from outbox.maintenance import reap_expired, redrive
-from outbox.ordering import HeadSweeper, NotBlockingError, blocked_keys, promote, skip_dead_job
+from outbox.ordering import HeadSweeper, blocked_keys, promote, skip_dead_job
 from outbox.router import route_all, route_batch
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
