@@ -2,6 +2,7 @@
 
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
 reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
+``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
 ``subscriptions``, ``unsubscribe``, ``psql``. Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outbox.cli")
 
-COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "subscriptions", "unsubscribe", "psql")
+COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe", "psql")
 
 #: run flags -> settings fields
 _RUN_FLAGS = {
@@ -140,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     redrive.add_argument("ids", nargs="*", type=int, help="job ids (default: all dead jobs of --consumer, or --all)")
     redrive.add_argument("--consumer", help="every dead job of this consumer")
     redrive.add_argument("--all", action="store_true", help="redrive every dead job")
+    blocked = add("blocked", "List the ordered keys a dead job blocks (on_dead='block'): consumer, key, the dead "
+                             "job, since when, and how many jobs wait behind it.")
+    blocked.add_argument("--consumer", help="only this consumer's blocked keys")
+    blocked.add_argument("--limit", type=_positive_int, default=100, help="most keys listed, longest blocked first "
+                                                                         "(default 100)")
+    skip = add("skip", "Let a blocked key go on: the dead job JOB_ID stops holding its key (it stays dead) and "
+                       "the key's next job becomes ready. Redrive it instead to run it first.")
+    skip.add_argument("job_id", type=int, metavar="JOB_ID", help="the dead job that blocks its key (see `blocked`)")
     add("subscriptions", "List the (topic, consumer) subscriptions routing uses.")
     unsubscribe = add("unsubscribe", "Remove a consumer's subscriptions (new events stop producing its jobs).")
     unsubscribe.add_argument("consumer")
@@ -305,9 +314,29 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
     from .maintenance import dead_letters, redrive
 
     statements = queries.in_schema(schema)
+    if args.command == "skip":
+        from .ordering import skip_dead_job
+
+        with engine.begin() as conn:
+            check_schema(conn, schema)
+        promoted = skip_dead_job(engine, args.job_id, schema=schema)
+        print(f"job {args.job_id} no longer blocks its key; "
+              + (f"job {promoted[0]} is ready" if promoted else "no job was waiting behind it"))
+        return 0
     with engine.begin() as conn:
         check_schema(conn, schema)
-        if args.command == "status":
+        if args.command == "blocked":
+            from .ordering import blocked_keys
+
+            keys = blocked_keys(conn, args.consumer, args.limit, schema=schema)
+            if not keys:
+                print("no blocked keys" + (f" for consumer {args.consumer}" if args.consumer else ""))
+            else:
+                print(f"{'consumer':<32} {'key':<32} {'dead job':>10} {'pending':>8}  since")
+            for k in keys:
+                since = k.since.astimezone(UTC).isoformat() if k.since else "-"
+                print(f"{k.consumer:<32} {k.key:<32} {k.job_id:>10} {k.pending:>8}  {since}")
+        elif args.command == "status":
             rows = conn.execute(statements.job_count_by_status).all()
             unrouted = conn.execute(statements.event_unrouted_count).scalar_one()
             print(f"unrouted events: {unrouted}")

@@ -96,6 +96,12 @@ class DrainLimitError(OutboxError):
         self.results = results
 
 
+class NotBlockingError(OutboxError):
+    """``outbox-relay skip`` (:func:`outbox.ordering.skip_dead_job`) was given a job that is
+    not a dead job holding an ordered key (no such job, another status, already skipped or
+    unordered); nothing was written."""
+
+
 class TransactionEndedError(PermanentError):
     """A transactional handler ended the transaction outbox began for it (a raw ``COMMIT`` or
     ``ROLLBACK``, closing its session) instead of leaving the commit to outbox: its writes

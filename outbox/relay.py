@@ -7,7 +7,7 @@ in one line), write this registry's subscriptions, then start the threads:
   outbox_events`` or ``poll_interval``;
 * the job runner's threads (:mod:`outbox.worker`), woken by ``NOTIFY outbox_jobs`` or by
   the router of this process;
-* ``outbox-maintenance``: reaper every ``reap_interval``, pruner every ``prune_interval``;
+* ``outbox-maintenance``: reaper and the ordered keys' promotion sweep every ``reap_interval``, pruner every ``prune_interval``;
 * ``outbox-scheduler`` when the registry declares schedules (:mod:`outbox.schedule`): wakes
   at the next slot by the database clock and publishes it, once across all relays;
 * ``outbox-listener`` (:mod:`outbox.notify`) when ``listen`` is on.
@@ -40,6 +40,7 @@ from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .notify import Listener, Wakeup
+from .ordering import HeadSweeper
 from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
@@ -49,6 +50,10 @@ from .settings import OutboxSettings
 from .worker import JobRunner, notify_head
 
 log = logging.getLogger("outbox.relay")
+
+#: Seconds the router waits before routing again after a round that held keyed events back
+#: behind an earlier event another router held (it is routed by then, or about to be).
+HELD_BACK_RETRY = 0.05
 
 
 class Relay:
@@ -99,6 +104,7 @@ class Relay:
         self.route_quarantine = Quarantine("event")
         self.reap_quarantine = Quarantine("job")
         self.prune_quarantine = Quarantine("row")
+        self.head_sweeper = HeadSweeper()  # ordered keys' heads left pending (outbox.ordering, "Sweep")
         self._maintain = maintain
         self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect,
                                     schema=self.settings.schema_name)
@@ -107,7 +113,7 @@ class Relay:
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
                                       "reaped": 0, "reaped_dead": 0, "reaped_unstarted": 0,
                                       "pruned_jobs": 0, "pruned_events": 0,
-                                      "vacuums": 0}
+                                      "vacuums": 0, "promoted": 0}
         self._warned_autovacuum = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -219,7 +225,10 @@ class Relay:
                 self.stats["events_unsubscribed"] += result.unsubscribed
                 log.info("router: %d events matched no subscription (marked routed, no jobs)", result.unsubscribed)
             if result.events < limit:
-                self.wake_router.wait(self.settings.poll_interval)
+                # Events held back behind another router's batch (architecture notes, "Ordering")
+                # go once it commits, which sends no NOTIFY: look again soon.
+                self.wake_router.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
+                                      else self.settings.poll_interval)
                 self.wake_router.clear()
 
     def _vacuum_if_autovacuum_is_off(self) -> None:
@@ -243,6 +252,11 @@ class Relay:
                     reaped = reap_expired(conn, quarantine=self.reap_quarantine, schema=self.schema)
                     if reaped.retried or reaped.unstarted:  # back with their early place: every relay claims from the head
                         notify_head(conn, schema=self.schema)
+                with self.engine.begin() as conn:  # after the reaping committed (outbox.ordering, "Sweep")
+                    promoted = self.head_sweeper.sweep(conn, schema=self.schema)
+                if promoted:
+                    self.stats["promoted"] += len(promoted)
+                    self.wake_workers.set()
                 self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
                 self.stats["reaped_dead"] += reaped.dead
                 self.stats["reaped_unstarted"] += reaped.unstarted

@@ -8,6 +8,10 @@ many relays route at the same time; ``UNIQUE (event_id, consumer)`` backs this u
 Events are found by ``routed_at IS NULL``, never by "id above the last one seen": identity
 values are taken at insert time but become visible at commit, out of order.
 
+Ordered consumers (architecture notes, "Ordering"): a keyed event waits, unrouted, while an
+earlier event of its key is unrouted outside the batch, and an ordered consumer's job is
+created ``pending`` behind the unfinished jobs of its key (:mod:`outbox.ordering`).
+
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
 
@@ -43,11 +47,14 @@ log = logging.getLogger("outbox.router")
 
 @dataclass(frozen=True, slots=True)
 class RouteResult:
-    """What one routing round did: events routed, jobs created, events with no subscriber."""
+    """What one routing round did: events routed, jobs created, events with no subscriber,
+    and keyed events held back because an earlier event of their key was still unrouted
+    outside the batch (another router held it; architecture notes, "Ordering")."""
 
     events: int
     jobs: int
     unsubscribed: int
+    held_back: int = 0
 
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
@@ -94,7 +101,7 @@ def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
     those ids."""
     row = conn.execute(queries.in_schema(schema).event_route_many, {
         "limit": limit, "skip": list(skip), "only": None if only is None else list(only)}).one()
-    return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed)
+    return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back)
 
 
 def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema: str | None = None) -> RouteResult:
@@ -115,7 +122,7 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
     for event_id, exc in poisoned:
         quarantine.add(event_id, exc, "routing")
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
-                       unsubscribed=sum(p.unsubscribed for p in parts))
+                       unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts))
 
 
 def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) -> RouteResult:

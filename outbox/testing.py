@@ -47,7 +47,7 @@ from typing import Any, Literal, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from . import transaction
+from . import ordering, transaction
 from .db import queries
 from .db.engine import make_async_engine, make_engine, parse_url
 from .errors import ConfigurationError, DrainLimitError, InvalidEventError
@@ -261,6 +261,9 @@ def drain(
                         release_jobs(conn, [job], schema=schema)
                     raise
                 result = _record(engine, job, outcome, schema)
+                if ordering.promotion_params([job], subscribers) is not None:  # its key's next job may go
+                    with _autocommit(engine) as conn:
+                        ordering.promote_finished(conn, [job], subscribers, schema=schema)
                 del deadlines[job.fence]
                 results.append(result)
                 if result.outcome == "retried":

@@ -71,7 +71,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import backoff, poison, transaction
+from . import backoff, ordering, poison, transaction
 from .db import queries
 from .db.engine import describe, is_disconnect, make_async_engine
 from .db.tables import JOBS_CHANNEL, notify_channel
@@ -948,6 +948,7 @@ class JobRunner:
         done: list[Job] = []
         failed: list[tuple[Job, Failure]] = []
         release: list[Job] = []
+        finishing = [job for job, outcome in pending if outcome is not _RELEASE]  # ordering: promoted below
         for item in pending:
             job, outcome = item
             if job.lease_lost or outcome is _STALE or outcome is _COMMITTED:
@@ -1027,6 +1028,11 @@ class JobRunner:
             self._stale([j for j in release if j.id not in released and j.id not in buried])
             self._forget(release)
             pending[:] = []
+        # ---- ordering (outbox.ordering): the outcomes above have committed, so promote the
+        # next job of each ordered key they finished, in a statement of its own.
+        promotion = ordering.promotion_params(finishing, self.subscribers)
+        if promotion is not None and _rows(self._connection(), self.statements.job_promote_many, promotion):
+            self.wake.set()  # an UPDATE sends no NOTIFY: claim the promoted jobs in the next round
         return len(claimed), from_head
 
     def _complete_and_claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,

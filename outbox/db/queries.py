@@ -45,8 +45,8 @@ from . import tables
 
 event_route_many: TextClause = text(
     """
-    WITH batch AS (
-        SELECT id, topic, run_at, priority
+    WITH locked AS (
+        SELECT id, topic, key, run_at, priority
         FROM outbox_events
         WHERE routed_at IS NULL
           AND id <> ALL (CAST(:skip AS bigint[]))
@@ -54,15 +54,56 @@ event_route_many: TextClause = text(
         ORDER BY id
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
-    ), inserted AS (
-        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at)
+    ), batch AS (
+        SELECT l.id, l.topic, l.key, l.run_at, l.priority
+        FROM locked l
+        WHERE l.key IS NULL
+           OR NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = l.topic AND s.ordered)
+           OR NOT EXISTS (SELECT 1 FROM outbox_events p
+                          WHERE p.key = l.key AND p.routed_at IS NULL AND p.id < l.id
+                            AND p.id NOT IN (SELECT id FROM locked))
+    ), wanted AS (
         SELECT b.id, s.consumer,
                CASE WHEN b.priority IS NULL THEN s.priority
-                    ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + b.priority)) AS smallint) END,
-               s.max_attempts, coalesce(b.run_at, now())
+                    ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + b.priority)) AS smallint) END
+                   AS priority,
+               s.max_attempts, coalesce(b.run_at, now()) AS run_at,
+               CASE WHEN s.ordered THEN b.key END AS ordering_key
         FROM batch b
         JOIN outbox_subscriptions s ON s.topic = b.topic
-        ORDER BY b.id, s.consumer
+    ), unfinished AS (
+        SELECT k.consumer, k.ordering_key, h.id, h.place
+        FROM (SELECT DISTINCT consumer, ordering_key FROM wanted WHERE ordering_key IS NOT NULL) k
+        CROSS JOIN LATERAL (
+            SELECT j.id, row_number() OVER (ORDER BY j.event_id) AS place
+            FROM outbox_jobs j
+            WHERE j.consumer = k.consumer AND j.ordering_key = k.ordering_key
+              AND j.status <> 'done' AND j.status <> 'cancelled'
+            ORDER BY j.event_id
+            LIMIT 2
+        ) h
+    ), heads AS MATERIALIZED (
+        SELECT j.id
+        FROM outbox_jobs j
+        WHERE j.id IN (SELECT id FROM unfinished)
+          AND j.status <> 'done' AND j.status <> 'cancelled'
+        ORDER BY j.id
+        FOR SHARE
+    ), busy AS (
+        SELECT u.consumer, u.ordering_key
+        FROM unfinished u
+        WHERE u.place = 2 OR (u.place = 1 AND u.id IN (SELECT id FROM heads))
+    ), inserted AS (
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, status)
+        SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at, w.ordering_key,
+               CASE WHEN w.ordering_key IS NULL THEN 'ready'
+                    WHEN EXISTS (SELECT 1 FROM busy b
+                                 WHERE b.consumer = w.consumer AND b.ordering_key = w.ordering_key) THEN 'pending'
+                    WHEN row_number() OVER (PARTITION BY w.consumer, w.ordering_key ORDER BY w.id) > 1
+                        THEN 'pending'
+                    ELSE 'ready' END
+        FROM wanted w
+        ORDER BY w.id, w.consumer
         ON CONFLICT (event_id, consumer) DO NOTHING
         RETURNING 1
     ), routed AS (
@@ -77,18 +118,37 @@ event_route_many: TextClause = text(
         (SELECT count(*) FROM inserted) AS jobs,
         (SELECT count(*) FROM batch b
           WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
-        ) AS unsubscribed
+        ) AS unsubscribed,
+        (SELECT count(*) FROM locked) - (SELECT count(*) FROM batch) AS held_back,
+        (SELECT count(*) FROM busy) AS busy_keys
     """
 )
 """Route up to ``:limit`` unrouted events: one job per matching subscription, events marked
 routed, in one statement (one transaction). Rows locked by another router are skipped,
 so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
 above the last one seen") picks events, since ids commit out of order. Returns one row:
-events routed, jobs created, events that matched no subscription. Each job's ``run_at`` is
+events routed, jobs created, events that matched no subscription, events held back
+(``held_back``) and ordered keys found busy (``busy_keys``). Each job's ``run_at`` is
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
-poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``."""
+poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``.
+
+Ordering (architecture notes, "Ordering"; :mod:`outbox.ordering`): a keyed event of a topic
+with an ordered subscription is routed only when no earlier event of its key is unrouted
+outside this batch (read through ``ix_outbox_events_unrouted_key``); it is left unrouted,
+and taken by a later round, while another router holds the earlier one. For a subscription with ``ordered`` the job
+gets ``ordering_key`` = the event's key and is ``pending`` when its (consumer, key)
+already has an unfinished job, or an earlier one in this batch, else ``ready``. The
+key's first two unfinished jobs (its head and the next) are locked ``FOR SHARE``
+(``heads``), so a completion of the head committing meanwhile is either seen (the lock
+re-reads the newest version and drops a finished head) or waits for this commit, and then
+its promotion sees the job inserted here. A second unfinished job in the snapshot
+(``place = 2``) keeps the key busy whatever became of the head, and its lock keeps it from
+being promoted before this commits. The heads are locked in id order, like every statement that
+locks job rows and waits (completion, heartbeat, failure, promotion), so none of them can
+deadlock with this one; ``heads`` is ``MATERIALIZED`` and counted in the result so its
+locks are always all taken."""
 
 event_route_candidates: TextClause = text(
     """
@@ -381,6 +441,9 @@ job_fail_many: TextClause = text(
         run_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN j.run_at
                       ELSE now() + make_interval(secs => a.delay_seconds) END,
         finished_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN now() END,
+        ordering_key = CASE WHEN (a.permanent OR j.attempts >= j.max_attempts) AND j.ordering_key IS NOT NULL
+                                 AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
+                            THEN NULL ELSE j.ordering_key END,
         lease_until = NULL,
         last_error = a.error,
         updated_at = now()
@@ -390,7 +453,10 @@ job_fail_many: TextClause = text(
     """
 )
 """Record failed attempts: back to ``ready`` at ``now() + delay`` while attempts remain,
-else (or when ``permanent``) ``dead``. Fenced; returns (id, new status) of rows changed."""
+else (or when ``permanent``) ``dead``. Fenced; returns (id, new status) of rows changed. A
+job of an ordered consumer declared ``on_dead='skip'`` drops its ``ordering_key`` as it dies,
+so it no longer holds its key back (``job_promote_many`` then lets the next one go); under
+``'block'`` it keeps it (architecture notes, "Ordering")."""
 
 job_release_many: TextClause = text(
     f"""
@@ -432,34 +498,39 @@ what a claim would take, for finding the job that makes it fail (:mod:`outbox.po
 
 job_bury: TextClause = text(
     """
-    UPDATE outbox_jobs
-    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now()
-    WHERE id = :id AND fence = :fence AND status = 'running'
+    UPDATE outbox_jobs j
+    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+    WHERE j.id = :id AND j.fence = :fence AND j.status = 'running'
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
 poison row (:mod:`outbox.poison`); ``:error`` names the statement and the database error.
-Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh."""
+Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
+ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
 job_bury_ready: TextClause = text(
     """
-    UPDATE outbox_jobs
-    SET status = 'dead', finished_at = now(), last_error = :error, updated_at = now()
-    WHERE id = :id AND status = 'ready'
+    UPDATE outbox_jobs j
+    SET status = 'dead', finished_at = now(), last_error = :error, updated_at = now(),
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+    WHERE j.id = :id AND j.status = 'ready'
     """
 )
 """Dead-letter one ready job whose claim fails with a data error (no claim, so no fence:
-only a job still ``ready`` changes)."""
+only a job still ``ready`` changes). The ordering key as in ``job_bury``."""
 
 job_bury_expired: TextClause = text(
     """
-    UPDATE outbox_jobs
-    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now()
-    WHERE id = :id AND status = 'running' AND lease_until < now()
+    UPDATE outbox_jobs j
+    SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+    WHERE j.id = :id AND j.status = 'running' AND j.lease_until < now()
     """
 )
 """Dead-letter one job whose lease expired and whose reaping fails with a data error; the
-lease check is the reaper's own (a renewed lease means its worker still owns it)."""
+lease check is the reaper's own (a renewed lease means its worker still owns it). The
+ordering key as in ``job_bury``."""
 
 job_reap_many: TextClause = text(
     """
@@ -479,6 +550,9 @@ job_reap_many: TextClause = text(
     SET status = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
         attempts = j.attempts - x.unstarted::int,
         finished_at = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN now() END,
+        ordering_key = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts AND j.ordering_key IS NOT NULL
+                                 AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
+                            THEN NULL ELSE j.ordering_key END,
         run_at = CASE WHEN x.unstarted THEN j.run_at ELSE now() END,
         lease_until = NULL,
         last_error = CASE WHEN x.unstarted THEN j.last_error
@@ -499,7 +573,10 @@ handler (the relay died or stopped with it in its prefetch buffer): it gets its 
 back (``attempts - 1``), keeps its ``run_at`` (its place at the head of the queue) and its
 ``last_error``, and is never dead-lettered by this; ``unstarted`` says so per row. Every
 other expired claim is charged as before, so a handler that kills its process ends dead
-after ``max_attempts`` starts. ``:skip`` and ``:only`` as in ``event_route_many``."""
+after ``max_attempts`` starts. ``:skip`` and ``:only`` as in ``event_route_many``. A job
+back to ``ready`` keeps its ordering key and so its place at the head of its key; one
+dead-lettered drops it under ``on_dead='skip'``, as in ``job_fail_many`` (the reaper's
+promotion sweep then lets the next one of its key go)."""
 
 job_reap_candidates: TextClause = text(
     """
@@ -586,6 +663,123 @@ job_scheduled_now_many: TextClause = text(
 """Make the ready jobs of ``:consumers`` that were never attempted and wait for a later
 ``run_at`` (a delayed publish, ``run_at=`` or ``delay=``) due now, for
 ``outbox.testing.drain`` with ``run_scheduled``; attempts are not touched."""
+
+# -------------------------------------------------------------------------- ordering
+
+job_promote_many: TextClause = text(
+    """
+    WITH keys AS (
+        SELECT DISTINCT consumer, ordering_key
+        FROM unnest(CAST(:consumers AS text[]), CAST(:keys AS text[])) AS k(consumer, ordering_key)
+        WHERE ordering_key IS NOT NULL
+        ORDER BY consumer, ordering_key
+    ), heads AS (
+        SELECT h.id, h.status
+        FROM keys k
+        CROSS JOIN LATERAL (
+            SELECT j.id, j.status FROM outbox_jobs j
+            WHERE j.consumer = k.consumer AND j.ordering_key = k.ordering_key
+              AND j.status <> 'done' AND j.status <> 'cancelled'
+            ORDER BY j.event_id
+            LIMIT 1
+        ) h
+    ), locked AS (
+        SELECT j.id
+        FROM outbox_jobs j
+        WHERE j.id IN (SELECT id FROM heads WHERE status = 'pending') AND j.status = 'pending'
+        ORDER BY j.id
+        FOR NO KEY UPDATE
+    )
+    UPDATE outbox_jobs j
+    SET status = 'ready', run_at = greatest(j.run_at, now()), updated_at = now()
+    FROM locked l
+    WHERE j.id = l.id AND j.status = 'pending'
+    RETURNING j.id, j.consumer, j.ordering_key
+    """
+)
+"""Let the next job of each (``:consumers[i]``, ``:keys[i]``) go: where the key's first
+unfinished job (lowest event id, not ``done`` or ``cancelled``; a dead job holding its key
+counts) is ``pending``, it becomes ``ready``, due at ``greatest(run_at, now())``. Keys whose
+head is ready, running or dead change nothing, so running it too often is harmless. The
+heads are found in the statement's snapshot and only the pending ones locked (``FOR NO KEY
+UPDATE``), in id order like every statement that locks job rows and waits; two promotions
+of one key take turns and the second finds the head no longer pending. A pending head seen
+in the snapshot is still the head: nothing earlier of its key can become unfinished again
+(a redriven dead job was the head itself; the router only adds later events). Run as a statement of its own after the outcome that finished a key's job has
+committed (:mod:`outbox.ordering` says why). Returns (id, consumer, ordering_key) of the
+jobs promoted."""
+
+job_ordering_heads_list: TextClause = text(
+    """
+    WITH RECURSIVE walk AS (
+        (SELECT j.consumer, j.ordering_key, j.status
+         FROM outbox_jobs j
+         WHERE j.ordering_key IS NOT NULL AND j.status <> 'done'
+           AND (j.consumer, j.ordering_key) > (CAST(:after_consumer AS text), CAST(:after_key AS text))
+         ORDER BY j.consumer, j.ordering_key, j.event_id
+         LIMIT 1)
+        UNION ALL
+        SELECT n.consumer, n.ordering_key, n.status
+        FROM walk w
+        CROSS JOIN LATERAL (
+            SELECT j.consumer, j.ordering_key, j.status
+            FROM outbox_jobs j
+            WHERE j.ordering_key IS NOT NULL AND j.status <> 'done'
+              AND (j.consumer, j.ordering_key) > (w.consumer, w.ordering_key)
+            ORDER BY j.consumer, j.ordering_key, j.event_id
+            LIMIT 1
+        ) n
+    )
+    SELECT consumer, ordering_key, status FROM walk LIMIT :limit
+    """
+)
+"""Up to ``:limit`` ordered keys after (``:after_consumer``, ``:after_key``) in (consumer,
+key) order, each with the status of its first row in ``ix_outbox_jobs_ordering`` (its head,
+or a cancelled job before it): a skip scan of the index, one probe per key, however many
+jobs wait behind each. The promotion sweep reads it (no lock) and promotes the keys whose
+head is ``pending`` with ``job_promote_many``, which re-checks under its lock."""
+
+job_ordering_blocked_list: TextClause = text(
+    """
+    SELECT d.consumer, d.ordering_key AS key, d.id AS job_id, d.finished_at AS since,
+           (SELECT count(*) FROM outbox_jobs p
+            WHERE p.consumer = d.consumer AND p.ordering_key = d.ordering_key AND p.status = 'pending'
+              AND p.status <> 'done') AS pending
+    FROM outbox_jobs d
+    WHERE d.ordering_key IS NOT NULL AND d.status = 'dead' AND d.status <> 'done'
+      AND (CAST(:consumer AS text) IS NULL OR d.consumer = :consumer)
+    ORDER BY d.finished_at, d.id
+    LIMIT :limit
+    """
+)
+"""The blocked keys (of ``:consumer``, or of all consumers when NULL), longest blocked
+first: each dead job that still holds its ordering key (``on_dead='block'``) with its
+consumer, key, id, since when (``finished_at``) and how many pending jobs wait behind it.
+Read through ``ix_outbox_jobs_ordering``."""
+
+job_ordering_get: TextClause = text(
+    "SELECT id, consumer, status, ordering_key FROM outbox_jobs WHERE id = :id"
+)
+"""One job's consumer, status and ordering key, to explain why ``job_ordering_skip`` refused it."""
+
+job_ordering_skip: TextClause = text(
+    """
+    WITH target AS (
+        SELECT id, consumer, ordering_key FROM outbox_jobs
+        WHERE id = :id AND status = 'dead' AND ordering_key IS NOT NULL
+        FOR UPDATE
+    )
+    UPDATE outbox_jobs j
+    SET ordering_key = NULL, updated_at = now()
+    FROM target t
+    WHERE j.id = t.id
+    RETURNING j.id, t.consumer, t.ordering_key
+    """
+)
+"""Let a blocked key go on (``outbox-relay skip``): dead job ``:id`` drops its ordering key,
+so it no longer blocks; it stays dead (a later redrive runs it unordered). Returns
+(id, consumer, the key it held); no row when ``:id`` is not a dead job holding a key. The
+caller commits, then promotes the key with ``job_promote_many``."""
 
 job_count_by_status: TextClause = text(
     "SELECT consumer, status, count(*) AS n FROM outbox_jobs GROUP BY consumer, status ORDER BY consumer, status"
@@ -749,18 +943,46 @@ under it, so their unqualified DDL creates everything in outbox's schema."""
 
 event_insert: TextClause = text(
     """
+    WITH key_lock AS MATERIALIZED (
+        SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int),
+                                     hashtext(CAST(:key AS text)))
+        WHERE CAST(:key AS text) IS NOT NULL
+          AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = CAST(:topic AS text) AND s.ordered)
+    )
     INSERT INTO outbox_events (topic, key, payload, headers)
-    VALUES (:topic, :key, CAST(:payload AS jsonb), CAST(:headers AS jsonb))
+    SELECT CAST(:topic AS text), CAST(:key AS text), CAST(:payload AS jsonb), CAST(:headers AS jsonb)
+    WHERE (SELECT count(*) FROM key_lock) >= 0
     RETURNING id
     """
 )
-"""Write one event (payload and headers as JSON text, validated by ``publish``)."""
+"""Write one event (payload and headers as JSON text, validated by ``publish``).
+
+A keyed event of a topic with an ordered subscription (``outbox_subscriptions.ordered``,
+written by the relays at start) first takes the key's publish lock (``key_lock``): a
+transaction-scoped
+advisory lock on (the events table's oid, ``hashtext(key)``), so ``pg_locks`` shows it as
+``locktype = 'advisory'``, ``classid`` = ``'outbox_events'::regclass``, ``objsubid = 2``.
+The lock is taken before the row, and so its id, is made: the ``WHERE`` reads the
+materialized CTE as a one-time filter, evaluated before the first row reaches the
+``INSERT``, which draws the identity. A second transaction publishing the same key waits
+for this one to end and only then draws its id, so one key's ids commit in id order
+(architecture notes, "Ordering"). Unkeyed events, and events of topics no ordered
+consumer subscribes to, take no lock (one look-up of the subscriptions' primary key)."""
 
 event_insert_many: TextClause = text(
     """
+    WITH key_lock AS MATERIALIZED (
+        SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int), k.h)
+        FROM (SELECT DISTINCT hashtext(e ->> 1) AS h
+              FROM jsonb_array_elements(CAST(:events AS jsonb)) AS keyed(e)
+              WHERE e ->> 1 IS NOT NULL
+                AND e ->> 0 IN (SELECT s.topic FROM outbox_subscriptions s WHERE s.ordered)
+              ORDER BY 1) k
+    )
     INSERT INTO outbox_events (topic, key, payload, headers)
     SELECT e ->> 0, e ->> 1, e -> 2, e -> 3
     FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS batch(e, position)
+    WHERE (SELECT count(*) FROM key_lock) >= 0
     ORDER BY position
     RETURNING id
     """
@@ -768,14 +990,23 @@ event_insert_many: TextClause = text(
 """Write many events in one statement. ``:events`` is one JSON array of ``[topic, key,
 payload, headers]`` arrays (key ``null`` for none), validated by ``publish_many``; ids are
 drawn in array order. One JSON text rather than four array parameters: quoting every
-element into a text array and parsing it back cost more than the insert itself."""
+element into a text array and parsing it back cost more than the insert itself. The
+distinct keys' publish locks (as ``event_insert``) are taken first, in ascending order of
+their hash, so two such statements never deadlock each other."""
 
 event_insert_options: TextClause = text(
     """
+    WITH key_lock AS MATERIALIZED (
+        SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int),
+                                     hashtext(CAST(:key AS text)))
+        WHERE CAST(:key AS text) IS NOT NULL
+          AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = CAST(:topic AS text) AND s.ordered)
+    )
     INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)
-    VALUES (:topic, :key, CAST(:payload AS jsonb), CAST(:headers AS jsonb),
-            coalesce(CAST(:run_at AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
-            CAST(:priority AS smallint), CAST(:dedup_key AS text))
+    SELECT CAST(:topic AS text), CAST(:key AS text), CAST(:payload AS jsonb), CAST(:headers AS jsonb),
+           coalesce(CAST(:run_at AS timestamptz), now() + make_interval(secs => CAST(:delay AS float8))),
+           CAST(:priority AS smallint), CAST(:dedup_key AS text)
+    WHERE (SELECT count(*) FROM key_lock) >= 0
     ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING id
     """
@@ -786,15 +1017,24 @@ once; ``:priority`` added to each subscription's; ``:dedup_key``. Returns no row
 retained event of the same topic already has ``:dedup_key`` (``ix_outbox_events_dedup``);
 then ``event_dedup_lookup_many`` finds it. Under READ COMMITTED a conflicting insert that
 has not committed yet makes this wait for it: its commit means no row here, its rollback
-means this row is written."""
+means this row is written. A keyed event takes its publish lock first (as ``event_insert``)."""
 
 event_insert_options_many: TextClause = text(
     """
+    WITH key_lock AS MATERIALIZED (
+        SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_events' AS regclass) AS oid) AS int), k.h)
+        FROM (SELECT DISTINCT hashtext(e ->> 1) AS h
+              FROM jsonb_array_elements(CAST(:events AS jsonb)) AS keyed(e)
+              WHERE e ->> 1 IS NOT NULL
+                AND e ->> 0 IN (SELECT s.topic FROM outbox_subscriptions s WHERE s.ordered)
+              ORDER BY 1) k
+    )
     INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority, dedup_key)
     SELECT e ->> 0, e ->> 1, e -> 2, e -> 3,
            coalesce(CAST(e ->> 4 AS timestamptz), now() + make_interval(secs => CAST(e ->> 5 AS float8))),
            CAST(e ->> 6 AS smallint), e ->> 7
     FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS batch(e, position)
+    WHERE (SELECT count(*) FROM key_lock) >= 0
     ORDER BY position
     ON CONFLICT (topic, dedup_key) WHERE dedup_key IS NOT NULL DO NOTHING
     RETURNING id, topic, dedup_key
@@ -805,7 +1045,7 @@ payload, headers]`` or ``[topic, key, payload, headers, run_at, delay, priority,
 arrays (``run_at`` ISO 8601 text with an offset; absent or ``null`` for none), as
 ``event_insert_options`` takes them one by one. Events whose (topic, dedup_key) a retained
 event already has are skipped; returns (id, topic, dedup_key) of the rows written, ids drawn
-in array order."""
+in array order. The keys' publish locks are taken first, as in ``event_insert_many``."""
 
 event_dedup_lookup_many: TextClause = text(
     """
