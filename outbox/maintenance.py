@@ -35,7 +35,7 @@ log = logging.getLogger("outbox.maintenance")
 REAP_BATCH = 1000
 PRUNE_BATCH = 5000
 #: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
-#: one does at least every ``worker.RELAY_SEEN_INTERVAL``) and holds no running job is
+#: one does at least every ``dispatcher.RELAY_SEEN_INTERVAL``) and holds no running job is
 #: forgotten by the pruner.
 RELAY_GONE_AFTER = 600.0
 
