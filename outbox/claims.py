@@ -14,6 +14,8 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
   (a hung one included, after its timeout), plus slots reserved by a claim in flight that
   will hand jobs over, so none is over-issued;
+* ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
+  attempt already failed, their thread still running: :mod:`outbox.watchdog`);
 * ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
   does not take it for a lost lease); ``released``: fences released at shutdown while
   their handler ran (their late result is expected to be stale).
@@ -56,6 +58,7 @@ class HeldClaims:
         self.buffer: collections.deque[Job] = collections.deque()
         self.buffered: set[int] = set()
         self.issued = 0
+        self.hung = 0
         self.finishing: set[int] = set()
         self.released: set[int] = set()
 
@@ -177,6 +180,27 @@ class HeldClaims:
             self.finishing.add(job.fence)
             if self.buffer:  # the starter sleeps while the buffer is empty: no need to wake it
                 self.changed.notify()
+
+    def hang(self) -> int:
+        """A handler ran past its timeout and keeps its slot; returns how many slots hung
+        handlers hold now."""
+        with self.lock:
+            self.hung += 1
+            return self.hung
+
+    def unhang(self) -> int:
+        """A hung handler returned at last: its slot is free; returns how many are still hung."""
+        with self.changed:
+            self.hung -= 1
+            self.issued -= 1
+            if self.buffer:
+                self.changed.notify()
+            return self.hung
+
+    def all_hung(self) -> bool:
+        """Whether hung handlers hold every slot (nothing claimed could run)."""
+        with self.lock:
+            return self.hung >= self.concurrency
 
     def mark_finishing(self, job: Job) -> None:
         """``job``'s outcome is about to be written: a heartbeat that misses the row from

@@ -9,6 +9,8 @@ Workers post how each handler ended (:class:`outbox.worker.Outcome` or
   what that statement returned;
 * failed attempts go to ``job_fail_many`` (:meth:`Completer.write_failures`): back to
   ``ready`` after the attempt's backoff, or ``dead`` when out of attempts or permanent;
+* snoozes (:class:`outbox.worker.Snoozed`: the handler raised ``Snooze``) go to
+  ``job_snooze_many``: ready again after the delay, attempt given back, ``snoozes + 1``;
 * releases (``Outcome.RELEASE``: no connection for a transactional handler, buffered
   claims while draining, a lease that ran out in the buffer) go to ``job_release_many``
   (attempt not counted) and a ``head`` NOTIFY, so every relay claims them at once;
@@ -35,7 +37,7 @@ import psycopg
 from . import poison
 from .claims import HeldClaims
 from .job import Job
-from .worker import Failure, Outcome, bury_job, fail_jobs, notify_head, release_jobs
+from .worker import Failure, Outcome, Snoozed, bury_job, fail_jobs, notify_head, release_jobs, snooze_jobs
 
 log = logging.getLogger("outbox.worker")
 
@@ -43,7 +45,7 @@ log = logging.getLogger("outbox.worker")
 class Completer:
     """Writes outcomes for the runner holding ``claims`` on the tables of ``schema``;
     ``connection()`` is the dispatcher's connection; counts go to ``stats`` (``completed``,
-    ``retried``, ``dead``, ``stale``, ``released``)."""
+    ``retried``, ``dead``, ``stale``, ``released``, ``snoozed``)."""
 
     def __init__(self, claims: HeldClaims, connection: Callable[[], psycopg.Connection[Any]],
                  stats: dict[str, int], schema: str) -> None:
@@ -52,12 +54,14 @@ class Completer:
         self.stats = stats
         self.schema = schema
 
-    def sort(self, pending: list[tuple[Job, Any]]) -> tuple[list[Job], list[tuple[Job, Failure]], list[Job]]:
-        """Split posted outcomes into (completions, failures, releases) still to write;
-        the ones with nothing to write are accounted for and forgotten here."""
+    def sort(self, pending: list[tuple[Job, Any]]) -> tuple[
+            list[Job], list[tuple[Job, Failure]], list[tuple[Job, Snoozed]], list[Job]]:
+        """Split posted outcomes into (completions, failures, snoozes, releases) still to
+        write; the ones with nothing to write are accounted for and forgotten here."""
         unwritten: list[tuple[Job, Any]] = []
         done: list[Job] = []
         failed: list[tuple[Job, Failure]] = []
+        snoozed: list[tuple[Job, Snoozed]] = []
         release: list[Job] = []
         for item in pending:
             job, outcome = item
@@ -67,13 +71,15 @@ class Completer:
                 done.append(job)
             elif outcome is Outcome.RELEASE:
                 release.append(job)
+            elif isinstance(outcome, Snoozed):
+                snoozed.append(item)
             else:
                 failed.append(item)
         if unwritten:
             self.stats["completed"] += sum(1 for _, o in unwritten if o is Outcome.COMMITTED)
             self.stale([j for j, o in unwritten if o is not Outcome.COMMITTED])
             self.claims.forget(j for j, _ in unwritten)
-        return done, failed, release
+        return done, failed, snoozed, release
 
     def completed(self, done: list[Job], completed: set[int], buried: set[int]) -> None:
         """The claim statement completed the ids ``completed`` of ``done`` (and the
@@ -91,7 +97,23 @@ class Completer:
         self.log_failures(failed, statuses)
         self.stale([j for j, _ in failed if j.id not in statuses and j.id not in buried])
         self.claims.forget(j for j, _ in failed)
+        for job, failure in failed:
+            if failure.timed_out:  # tell the hung handler, should it ever look (job.check_lease())
+                job.mark_lease_lost()
         return [j for j, _ in failed if statuses.get(j.id) == "dead" or j.id in buried]
+
+    def write_snoozes(self, snoozed: list[tuple[Job, Snoozed]]) -> None:
+        """Put snoozed jobs back to ready after their delay, attempt not counted
+        (``job_snooze_many``, by halves on a data error)."""
+        changed, buried = self.by_halves("snoozing", snoozed, lambda part: snooze_jobs(
+            self.connection(), list(part), schema=self.schema), job_of=lambda item: item[0])
+        self.stats["snoozed"] += len(changed)
+        for job, snooze in snoozed:
+            if job.id in changed:
+                log.info("job %s (%s) snoozed for %gs (attempt %s not counted)", job.id, job.consumer,
+                         snooze.seconds, job.attempt)
+        self.stale([j for j, _ in snoozed if j.id not in changed and j.id not in buried])
+        self.claims.forget(j for j, _ in snoozed)
 
     def write_releases(self, release: list[Job]) -> None:
         """Hand jobs back as ready now, attempt not counted (``job_release_many``), and

@@ -164,7 +164,7 @@ class Dispatcher:
             want = 0 if signals.stop_claiming.is_set() else self.producer.room()
             has_done = any(o is Outcome.DONE for _, o in batch)
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self.producer.worth_claiming(want)))
-            to_release = signals.draining.is_set() and self.claims.has_buffer()
+            to_release = self._buffer_to_release() and self.claims.has_buffer()
             if not batch and not claim and not to_release:
                 if closing:
                     break
@@ -208,6 +208,11 @@ class Dispatcher:
             self.connection.unregister()
         self.connection.close()
 
+    def _buffer_to_release(self) -> bool:
+        """Whether the buffered claims are to be handed back: the relay is draining, or hung
+        handlers hold every worker slot, so nothing buffered could start here."""
+        return self.signals.draining.is_set() or self.claims.all_hung()
+
     def _abandon_buffer(self) -> None:
         """Closing without a database: forget the buffered claims. Their leases expire and
         the reaper gives each its attempt back, since the relay's row still lists them."""
@@ -231,10 +236,10 @@ class Dispatcher:
         were claimed and whether the claim started at the head of the ready jobs. While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
-        done, failed, release = self.completer.sort(pending)
-        release += self.claims.take_buffer() if self.signals.draining.is_set() else []
+        done, failed, snoozed, release = self.completer.sort(pending)
+        release += self.claims.take_buffer() if self._buffer_to_release() else []
         # Off the buffer now: carried like any outcome if a statement below fails.
-        pending[:] = [(j, Outcome.DONE) for j in done] + failed + [(j, Outcome.RELEASE) for j in release]
+        pending[:] = [(j, Outcome.DONE) for j in done] + failed + snoozed + [(j, Outcome.RELEASE) for j in release]
         finished: list[Job] = []
         claimed, from_head = 0, True
         if done or want:
@@ -245,6 +250,9 @@ class Dispatcher:
         if failed:
             finished += self.completer.write_failures(failed)
             del pending[:len(failed)]
+        if snoozed:
+            self.completer.write_snoozes(snoozed)
+            del pending[:len(snoozed)]
         if release:
             self.completer.write_releases(release)
             pending[:] = []

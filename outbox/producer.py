@@ -99,8 +99,10 @@ class Producer:
 
     def room(self) -> int:
         """How many jobs to claim now: room in the buffer, at most ``claim_batch``; none
-        while claims are paused (:meth:`pause`)."""
-        if time.monotonic() < self.claims_paused_until:
+        while claims are paused (:meth:`pause`), or while hung handlers hold every
+        worker slot (:mod:`outbox.watchdog`: their slots count as taken, so otherwise the
+        room is the same)."""
+        if time.monotonic() < self.claims_paused_until or self.claims.all_hung():
             return 0
         limit = self.settings.concurrency + self.settings.prefetch
         return max(0, min(self.settings.claim_batch, limit - self.claims.taken()))

@@ -15,7 +15,9 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   ``outbox.testing.drain`` uses the same one); a worker is free again the moment its
   handler returns (the claim stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** (:class:`outbox.heartbeat.Heartbeater`) renews the leases of every
-  claim held, buffered ones included, every lease/3 (of the shortest lease).
+  claim held, buffered ones included, every lease/3 (of the shortest lease);
+* the **watchdog** (:class:`outbox.watchdog.Watchdog`, only when a subscriber has a
+  ``timeout``) fails the attempts of handlers that run past their timeout.
 
 What they share is :class:`outbox.claims.HeldClaims` (under one lock) and two queues: jobs
 to run (producer and starter to workers) and outcomes (workers to the dispatcher).
@@ -37,6 +39,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from sqlalchemy.engine import Engine
@@ -48,6 +51,7 @@ from .claims import HeldClaims, Signals
 from .completer import Completer
 from .db.engine import describe, make_async_engine
 from .dispatcher import Dispatcher, RelayConnection
+from .errors import HandlerTimeoutError
 from .heartbeat import Heartbeater
 from .job import Job
 from .notify import Wakeup
@@ -55,7 +59,8 @@ from .producer import Producer, Starter
 from .reconnect import Reconnector
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
-from .worker import JobExecutor, Outcome, WorkerContext, notify_head, release_jobs
+from .watchdog import Watchdog
+from .worker import Failure, JobExecutor, Outcome, WorkerContext, notify_head, release_jobs
 
 log = logging.getLogger("outbox.worker")
 
@@ -93,7 +98,8 @@ class JobRunner:
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
         self.stats: dict[str, int] = {k: 0 for k in (
-            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released", "retried_in_place")}
+            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released", "retried_in_place",
+            "snoozed", "timed_out")}
         # Handlers run in the worker threads through one executor; an async transactional
         # handler's thread makes an async engine of one connection on first use.
         self._async_engine = async_engine or (lambda: make_async_engine(
@@ -113,10 +119,12 @@ class JobRunner:
                                self.signals, self.reconnect)
         self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
                                        self.signals, self.reconnect, self.stats, self.schema)
+        self.watchdog = (Watchdog(self._timed_out) if any(s.timeout is not None for s in registry) else None)
         self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                                     held=self._holds, stopping=self.signals.draining,
                                     completing=self.claims.mark_finishing,
-                                    abandoned=self.claims.unmark_finishing, stats=self.stats)
+                                    abandoned=self.claims.unmark_finishing, stats=self.stats,
+                                    watchdog=self.watchdog)
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------- lifecycle
@@ -131,6 +139,8 @@ class JobRunner:
         for n in range(self.settings.concurrency):
             self._spawn(f"outbox-worker-{n}", self._work_loop)
         self._spawn("outbox-heartbeat", self.heartbeater.run)
+        if self.watchdog is not None:
+            self._spawn("outbox-watchdog", self.watchdog.run)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         thread = threading.Thread(target=target, name=name, daemon=True)
@@ -170,6 +180,8 @@ class JobRunner:
             self._todo.put(None)
         self._outcomes.put(None)
         signals.stopped.set()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self.wake.poke()
         self.claims.wake_all()
         for thread in self._threads:
@@ -207,7 +219,13 @@ class JobRunner:
                 if self.signals.draining.is_set() or job.lease_lost:
                     self._post(job, Outcome.RELEASE)
                     continue
-                self._post(job, self.executor.run(job, self.subscribers[job.consumer], context))
+                outcome = self.executor.run(job, self.subscribers[job.consumer], context)
+                if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
+                    hung = self.claims.unhang()
+                    log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
+                             "slots still held by hung handlers)", job.id, job.consumer, hung, self.settings.concurrency)
+                else:
+                    self._post(job, outcome)
         finally:
             context.close()
 
@@ -220,6 +238,24 @@ class JobRunner:
     def _post_outcome(self, job: Job, outcome: Any) -> None:
         self._outcomes.put((job, outcome))
         self.wake.poke()
+
+    def _timed_out(self, job: Job, seconds: float) -> None:
+        """The watchdog fired: ``job``'s handler ran past its timeout. Its attempt fails
+        (counted, fenced; backoff, or dead when out of attempts) and the job goes back so
+        any relay can run it; the thread keeps its worker slot until it returns."""
+        self.stats["timed_out"] += 1
+        hung = self.claims.hang()
+        log.warning("job %s (%s) fence %s: handler still running after its timeout of %gs; attempt %s/%s failed and "
+                    "the job handed back. Its thread cannot be stopped and keeps its worker slot: %d of %d slots "
+                    "held by hung handlers", job.id, job.consumer, job.fence, seconds, job.attempt, job.max_attempts,
+                    hung, self.settings.concurrency)
+        if hung >= self.settings.concurrency:
+            log.error("every worker slot (%d) is held by a hung handler: this relay claims nothing, and hands its "
+                      "buffered jobs back, until one returns (restart it to free them)", hung)
+        outcome = self.executor.failure(job, HandlerTimeoutError(seconds))
+        if isinstance(outcome, Failure):
+            self.claims.mark_finishing(job)
+            self._post_outcome(job, replace(outcome, timed_out=True))
 
     def _holds(self, job: Job) -> bool:
         """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its

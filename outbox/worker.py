@@ -51,10 +51,11 @@ from . import backoff, transaction
 from .db import queries
 from .db.engine import describe
 from .db.tables import JOBS_CHANNEL, notify_channel
-from .errors import ConfigurationError, LeaseLostError, PermanentError
+from .errors import ConfigurationError, HandlerTimeoutError, LeaseLostError, PermanentError, Snooze
 from .job import Job
 from .registry import Subscriber
 from .settings import OutboxSettings
+from .watchdog import ASYNC_BACKSTOP_SECONDS, Watchdog
 
 log = logging.getLogger("outbox.worker")
 
@@ -281,11 +282,31 @@ def release_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) 
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """A failed attempt: retry after ``delay`` seconds, unless ``permanent`` or out of attempts."""
+    """A failed attempt: retry after ``delay`` seconds, unless ``permanent`` or out of
+    attempts. ``timed_out``: the handler ran past its timeout (the watchdog's report)."""
 
     delay: float
     permanent: bool
     error: str
+    timed_out: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Snoozed:
+    """The handler raised :class:`~outbox.Snooze`: ready again in ``seconds``, the attempt
+    not counted."""
+
+    seconds: float
+
+
+def snooze_jobs(conn: Executor, snoozed: list[tuple[Job, Snoozed]], *, schema: str | None = None) -> set[int]:
+    """Put snoozed jobs back to ready after their delay, attempt given back, ``snoozes + 1``
+    (fenced, ``job_snooze_many``); returns the ids that changed."""
+    if not snoozed:
+        return set()
+    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_snooze_many, {
+        "ids": [j.id for j, _ in snoozed], "fences": [j.fence for j, _ in snoozed],
+        "delays": [s.seconds for _, s in snoozed]})}
 
 
 def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]], *, schema: str | None = None) -> dict[int, str]:
@@ -314,6 +335,9 @@ class Outcome(enum.Enum):
     STALE = "stale"
     #: Hand the job back as ready now, the attempt not counted (fenced).
     RELEASE = "release"
+    #: Nothing to write: the handler ran past its timeout and the watchdog already failed
+    #: the attempt; what the handler did is dropped. Its worker slot is free again.
+    TIMED_OUT = "timed out"
 
 
 _DONE = Outcome.DONE
@@ -386,6 +410,22 @@ class WorkerContext:
             self._loop = None
 
 
+async def bounded(awaitable: Any, seconds: float | None) -> Any:
+    """Await ``awaitable`` for at most ``seconds`` (None: no bound); past it, the awaitable
+    is cancelled and :class:`~outbox.HandlerTimeoutError` raised (a ``TimeoutError`` of the
+    handler's own propagates as it is)."""
+    if seconds is None:
+        return await awaitable
+    scope = asyncio.timeout(seconds)
+    try:
+        async with scope:
+            return await awaitable
+    except TimeoutError:
+        if scope.expired():
+            raise HandlerTimeoutError(seconds) from None
+        raise
+
+
 class JobExecutor:
     """Runs one claimed job's handler and says how it ended: an :class:`Outcome` or a
     :class:`Failure` (the statement that records it is the caller's). Shared by the
@@ -407,14 +447,24 @@ class JobExecutor:
     ``reraise_interrupts=True`` (for :func:`outbox.testing.drain`, which runs handlers in the
     caller's thread) lets a ``KeyboardInterrupt`` or ``SystemExit`` out of a handler, after
     its transaction rolled back, instead of recording it as the attempt's failure; the
-    caller still holds the claim then and hands it back."""
+    caller still holds the claim then and hands it back.
+
+    Timeouts (a subscriber's ``timeout``, seconds): an ``async def`` handler is cancelled
+    (``asyncio.timeout``) and its attempt fails with :class:`~outbox.HandlerTimeoutError`.
+    A ``def`` handler is watched by ``watchdog`` (:mod:`outbox.watchdog`), armed once the
+    handler's connection (if any) is had: if it fires, the run ends as
+    :attr:`Outcome.TIMED_OUT` whenever the handler returns, and a transactional handler's
+    transaction rolls back instead of completing. Without a watchdog, a ``def`` handler is
+    not bounded. ``raise Snooze(seconds)`` ends the run as :class:`Snoozed`."""
 
     def __init__(self, settings: OutboxSettings, connections: transaction.HandlerConnections, *,
                  held: Callable[[Job], bool], stopping: threading.Event,
                  completing: Callable[[Job], None] = lambda job: None,
                  abandoned: Callable[[Job], None] = lambda job: None,
-                 stats: dict[str, int] | None = None, reraise_interrupts: bool = False) -> None:
+                 stats: dict[str, int] | None = None, reraise_interrupts: bool = False,
+                 watchdog: Watchdog | None = None) -> None:
         self.reraise_interrupts = reraise_interrupts
+        self.watchdog = watchdog
         self.settings = settings
         self.connections = connections
         self.held = held
@@ -424,22 +474,47 @@ class JobExecutor:
         self.stats = stats if stats is not None else {"retried_in_place": 0}
         self._warned_return: set[str] = set()  # consumers whose handler returned a value (warned once)
 
-    def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure:
+    def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure | Snoozed:
         """Run ``sub``'s handler for ``job`` once (a transactional one perhaps again in
         place); never raises for the handler's failures."""
-        if sub.transactional:
-            return self._run_transactional(job, sub, context)
         try:
-            if sub.is_async:
-                result = context.loop.run_until_complete(sub.handler(job))
+            if sub.transactional:
+                outcome = self._run_transactional(job, sub, context)
             else:
-                result = sub.handler(job)
-        except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
-            return self.failure(job, exc)
-        self._warn_return(sub, result)
-        return _DONE
+                self._arm(job, sub)
+                try:
+                    if sub.is_async:
+                        result = context.loop.run_until_complete(bounded(sub.handler(job), sub.timeout))
+                    else:
+                        result = sub.handler(job)
+                except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
+                    outcome = self.failure(job, exc)
+                else:
+                    self._warn_return(sub, result)
+                    outcome = _DONE
+        finally:
+            timed_out = self.watchdog is not None and self.watchdog.end(job)
+        if timed_out:
+            log.info("result of job %s (%s) dropped: its handler ran past its timeout and the job was handed back",
+                     job.id, job.consumer)
+            return Outcome.TIMED_OUT
+        return outcome
 
-    def _run_transactional(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure:
+    def _arm(self, job: Job, sub: Subscriber) -> None:
+        """Start the watchdog on ``job``'s handler, if it has a timeout (an ``async def``
+        one past its own cancellation, as a backstop)."""
+        if self.watchdog is not None and sub.timeout is not None:
+            self.watchdog.arm(job, sub.timeout + (ASYNC_BACKSTOP_SECONDS if sub.is_async else 0.0))
+
+    def _completing(self, job: Job) -> None:
+        """A transactional handler returned and its completion is about to run: refused
+        (the transaction rolls back) if the watchdog already failed the attempt."""
+        if self.watchdog is not None and self.watchdog.disarm(job):
+            raise LeaseLostError(f"job {job.id}: the handler ran past its timeout; its attempt was failed and "
+                                 "the job handed back")
+        self.completing(job)
+
+    def _run_transactional(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure | Snoozed:
         """Get a connection first (waiting while the claim is held; released, attempt not
         counted, without one), then run the handler and the fenced completion in one
         transaction, retried in place after a serialization failure or deadlock while the
@@ -452,6 +527,7 @@ class JobExecutor:
                 return _STALE
             log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer)
             return _RELEASE
+        self._arm(job, sub)
         try:
             retries = 0
             while True:
@@ -478,20 +554,22 @@ class JobExecutor:
             except Exception as exc:  # noqa: BLE001 - a broken connection; the pool replaces it
                 log.debug("closing job %s's transaction connection failed: %s", job.id, describe(exc))
 
-    def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection) -> Outcome | Failure | _RetryInPlace:
+    def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection,
+                          ) -> Outcome | Failure | Snoozed | _RetryInPlace:
         """One transaction on ``conn``: begin (limits), handler, complete (fenced), commit."""
         session = HandlerSession(bind=conn)
         try:
             with session:
                 transaction.begin(session, job.lease_seconds, job.fence)
                 result = sub.handler(job, session)
-                committed = transaction.complete(session, job.id, job.fence, lambda: self.completing(job),
+                committed = transaction.complete(session, job.id, job.fence, lambda: self._completing(job),
                                                  schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)
 
-    async def _async_transaction_once(self, job: Job, sub: Subscriber, conn: AsyncConnection) -> Outcome | Failure | _RetryInPlace:
+    async def _async_transaction_once(self, job: Job, sub: Subscriber, conn: AsyncConnection,
+                                      ) -> Outcome | Failure | Snoozed | _RetryInPlace:
         """:meth:`_transaction_once` for an ``async def`` handler: the same steps on an
         ``AsyncSession`` (its sync session runs :func:`outbox.transaction.begin` and
         :func:`outbox.transaction.complete` through ``run_sync``)."""
@@ -499,9 +577,9 @@ class JobExecutor:
         try:
             async with session:
                 await session.run_sync(transaction.begin, job.lease_seconds, job.fence)
-                result = await sub.handler(job, session)
+                result = await bounded(sub.handler(job, session), sub.timeout)
                 committed = await session.run_sync(transaction.complete, job.id, job.fence,
-                                                   lambda: self.completing(job), schema=self.settings.schema_name)
+                                                   lambda: self._completing(job), schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)
@@ -512,7 +590,7 @@ class JobExecutor:
         self._warn_return(sub, result)
         return _COMMITTED
 
-    def _transaction_failed(self, job: Job, exc: BaseException) -> Outcome | Failure | _RetryInPlace:
+    def _transaction_failed(self, job: Job, exc: BaseException) -> Outcome | Failure | Snoozed | _RetryInPlace:
         """The outcome of a handler's transaction that raised ``exc`` (rolled back)."""
         self.abandoned(job)
         if isinstance(exc, DBAPIError) and exc.connection_invalidated:
@@ -536,9 +614,10 @@ class JobExecutor:
             return _RetryInPlace(exc, sqlstate)
         return self.failure(job, exc)
 
-    def failure(self, job: Job, exc: BaseException) -> Outcome | Failure:
+    def failure(self, job: Job, exc: BaseException) -> Outcome | Failure | Snoozed:
         """The outcome of an attempt that raised ``exc``: :attr:`Outcome.STALE` when the
-        claim was lost (``LeaseLostError``, or ``job.lease_lost``), else a :class:`Failure`
+        claim was lost (``LeaseLostError``, or ``job.lease_lost``), :class:`Snoozed` for a
+        :class:`~outbox.Snooze`, else a :class:`Failure`
         whose delay is :func:`outbox.backoff.retry_delay` of the attempt (``PermanentError``:
         permanent). Re-raises ``exc`` if it is a ``KeyboardInterrupt`` or ``SystemExit`` and
         the executor was made with ``reraise_interrupts``."""
@@ -546,6 +625,8 @@ class JobExecutor:
             raise exc
         if isinstance(exc, LeaseLostError) or job.lease_lost:
             return _STALE
+        if isinstance(exc, Snooze):
+            return Snoozed(exc.seconds)
         s = self.settings
         return Failure(
             delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),
