@@ -168,7 +168,7 @@ def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
 def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
                  schema: str | None = None) -> Sequence[Any]:
     """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
-    finished_at, last_error."""
+    snoozes, finished_at, last_error."""
     return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
 
 

@@ -256,6 +256,8 @@ class JobRunner:
         if isinstance(outcome, Failure):
             self.claims.mark_finishing(job)
             self._post_outcome(job, replace(outcome, timed_out=True))
+        else:  # the claim was lost meanwhile: nothing to write, and nothing held any more
+            self.claims.forget([job])
 
     def _holds(self, job: Job) -> bool:
         """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its

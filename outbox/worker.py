@@ -3,7 +3,7 @@
 * The **job statements** (:func:`claim_jobs`, :func:`complete_and_claim_after`,
   :func:`heartbeat_jobs`, :func:`complete_jobs`, :func:`fail_jobs`, :func:`release_jobs`,
   :func:`bury_job`, the relay-row statements): each runs one named statement of
-  ``db/queries.py`` on a SQLAlchemy ``Connection`` or a bare psycopg one, and returns what
+  :mod:`outbox.db.queries` on a SQLAlchemy ``Connection`` or a bare psycopg one, and returns what
   the statement changed. Every write that changes a claimed job names its fence and
   requires ``status='running'``; a row that does not come back means the report was stale
   and changed nothing (architecture notes, "Statements").

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import ConfigurationError, Job, Outbox, Snooze
+from outbox import ConfigurationError, Job, Outbox, PermanentError, Snooze
+from outbox.cli import main
 from outbox.relay import Relay
 from outbox.testing import drain, wait_for
 
@@ -249,3 +251,24 @@ def test_drain_handles_snooze_and_async_timeouts(engine, settings):
     assert by_consumer == {"snoozes": ["snoozed", "done"], "hangs": ["retried", "dead"]}
     assert "handler timed out after 0.2 s" in [r for r in results if r.consumer == "hangs"][-1].error
     assert _jobs(engine, "snoozes")[0]["snoozes"] == 1
+
+
+def test_the_dead_letter_listing_shows_snoozes(engine, settings, db_url, capsys, monkeypatch):
+    ob = Outbox()
+
+    @ob.subscriber("t", consumer="gives_up", max_attempts=3)
+    def gives_up(job: Job) -> None:
+        with engine.connect() as c:
+            snoozed = c.execute(sa.text("SELECT snoozes FROM outbox_jobs WHERE id = :id"), {"id": job.id}).scalar_one()
+        if snoozed < 2:
+            raise Snooze(0)
+        raise PermanentError("gave up")
+
+    publish_events(engine, "t", [{"n": 1}])
+    results = drain(engine, ob, settings=settings(), run_retries=True)
+    assert [r.outcome for r in results] == ["snoozed", "snoozed", "dead"]
+    for name in [k for k in os.environ if k.startswith("OUTBOX_")]:
+        monkeypatch.delenv(name)
+    assert main(["dead", "--database-url", db_url.render_as_string(hide_password=False)]) == 0
+    out = capsys.readouterr().out
+    assert "gives_up attempts 1/3 snoozes 2: PermanentError: gave up" in out
