@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -225,7 +226,7 @@ class Starter:
     through ``release(job)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
 
     def __init__(self, engine: Engine, settings: OutboxSettings, claims: HeldClaims, worker_id: str,
-                 todo: queue.SimpleQueue[Job | None], release: Any, signals: Signals,
+                 todo: queue.SimpleQueue[Job | None], release: Callable[[Job, Outcome], None], signals: Signals,
                  reconnect: Reconnector) -> None:
         self.engine = engine
         self.settings = settings
