@@ -360,7 +360,8 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
                     print(json.dumps({**r._asdict(), "finished_at": str(r.finished_at)}))
                 else:
                     first = (r.last_error or "").splitlines()[0] if r.last_error else ""
-                    print(f"job {r.id} event {r.event_id} {r.consumer} attempts {r.attempts}/{r.max_attempts}: {first}")
+                    print(f"job {r.id} event {r.event_id} {r.consumer} attempts {r.attempts}/{r.max_attempts}"
+                          f"{f' snoozes {r.snoozes}' if r.snoozes else ''}: {first}")
         elif args.command == "redrive":
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")

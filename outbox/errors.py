@@ -108,3 +108,40 @@ class TransactionEndedError(PermanentError):
     could no longer commit together with the fenced completion. Recorded as the job's
     failure, permanent (dead at once), since the handler would do the same on every attempt;
     writes it committed itself stay committed (the database cannot take them back)."""
+
+
+#: Longest a job may be snoozed at once, seconds (30 days).
+MAX_SNOOZE_SECONDS = 30 * 24 * 3600.0
+
+
+class Snooze(OutboxError):
+    """Raise from a handler to put its job back to ``ready`` in ``seconds`` seconds (a
+    finite number, 0 to :data:`MAX_SNOOZE_SECONDS`) without counting the attempt.
+
+    The job's ``attempts`` is given back and its ``snoozes`` counter goes up by one
+    (fenced, like every outcome; a transactional handler's writes roll back first). A job
+    may be snoozed any number of times: snoozes are counted apart from attempts and shown
+    by the CLI (architecture notes, "Timeouts and snooze"). Constructing it with bad
+    ``seconds`` raises :class:`ConfigurationError` naming the value, so the attempt fails
+    with that error instead.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+                0 <= seconds <= MAX_SNOOZE_SECONDS):  # NaN fails the comparison too
+            raise ConfigurationError(
+                f"Snooze: seconds must be a finite number from 0 to {MAX_SNOOZE_SECONDS:g}, got {seconds!r}")
+        self.seconds = float(seconds)
+        super().__init__(f"snoozed for {self.seconds:g} s")
+
+
+class HandlerTimeoutError(OutboxError):
+    """Recorded as a job's failure when its handler ran past its subscriber's
+    ``timeout=``: an ``async def`` handler was cancelled; a ``def`` handler's thread cannot
+    be stopped, so its attempt was failed and the job handed back while the thread runs on
+    (its result is dropped). Counted like any failure: a handler that always hangs ends
+    dead after ``max_attempts``."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        super().__init__(f"handler timed out after {seconds:g} s")

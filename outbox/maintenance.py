@@ -35,7 +35,7 @@ log = logging.getLogger("outbox.maintenance")
 REAP_BATCH = 1000
 PRUNE_BATCH = 5000
 #: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
-#: one does at least every ``worker.RELAY_SEEN_INTERVAL``) and holds no running job is
+#: one does at least every ``dispatcher.RELAY_SEEN_INTERVAL``) and holds no running job is
 #: forgotten by the pruner.
 RELAY_GONE_AFTER = 600.0
 
@@ -168,7 +168,7 @@ def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
 def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
                  schema: str | None = None) -> Sequence[Any]:
     """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
-    finished_at, last_error."""
+    snoozes, finished_at, last_error."""
     return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
 
 

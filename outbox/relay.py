@@ -45,9 +45,10 @@ from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
 from .router import StatisticsKeeper, register_subscriptions, route_round
+from .runner import JobRunner
 from .schedule import Scheduler, register_schedules
 from .settings import OutboxSettings
-from .worker import JobRunner, notify_head
+from .worker import notify_head
 
 log = logging.getLogger("outbox.relay")
 

@@ -50,21 +50,24 @@ from sqlalchemy.engine import URL
 from . import ordering, transaction
 from .db import queries
 from .db.engine import make_async_engine, make_engine, parse_url
-from .errors import ConfigurationError, DrainLimitError, InvalidEventError
+from .errors import ConfigurationError, DrainLimitError, HandlerTimeoutError, InvalidEventError
 from .job import Job
 from .publish import check_name
 from .registry import Outbox
 from .router import register_subscriptions, route_all
 from .settings import OutboxSettings
+from .watchdog import Watchdog
 from .worker import (
     Failure,
     JobExecutor,
     Outcome,
+    Snoozed,
     WorkerContext,
     complete_and_claim_after,
     complete_jobs,
     fail_jobs,
     release_jobs,
+    snooze_jobs,
 )
 
 __all__ = [
@@ -142,7 +145,7 @@ def make_job(
 #: ``locked_by`` of the jobs :func:`drain` claims.
 DRAIN_WORKER_ID = "outbox.testing.drain"
 
-DrainOutcome = Literal["done", "retried", "dead", "released", "stale"]
+DrainOutcome = Literal["done", "retried", "dead", "released", "snoozed", "stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,9 @@ class DrainResult:
     ``"retried"`` (failed, back to ``ready`` after its backoff), ``"dead"`` (failed with
     :class:`~outbox.PermanentError` or on its last attempt), ``"released"`` (handed back
     without counting the attempt: no database connection for a transactional handler, or
-    its connection broke) or ``"stale"`` (the claim was no longer drain's: another worker
+    its connection broke), ``"snoozed"`` (the handler raised :class:`~outbox.Snooze`: back to
+    ``ready`` after the delay, the attempt not counted; like a retried job, run again only
+    with ``run_retries``, once due) or ``"stale"`` (the claim was no longer drain's: another worker
     took the job, nothing was written). ``error`` is the job's ``last_error`` text for
     ``retried`` and ``dead`` (type, message, traceback), else None. ``attempt`` counts from 1."""
 
@@ -222,9 +227,15 @@ def drain(
         return []
     leases = {c: s.lease or settings.default_lease for c, s in subscribers.items()}
     deadlines: dict[int, float] = {}  # fence -> time.monotonic() by which the claim's lease has surely run out
+    # Handler timeouts as in the relay: an async def handler is cancelled; a def handler
+    # runs in this thread and cannot be stopped, so the watchdog only marks it, and when it
+    # returns, late, its attempt is recorded as timed out (drain waits for it meanwhile).
+    watchdog = Watchdog(lambda job, seconds: None)
+    if any(s.timeout is not None for s in subscribers.values()):
+        threading.Thread(target=watchdog.run, name="outbox-drain-watchdog", daemon=True).start()
     executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                            held=lambda job: time.monotonic() < deadlines.get(job.fence, 0.0),
-                           stopping=threading.Event(), reraise_interrupts=True)
+                           stopping=threading.Event(), reraise_interrupts=True, watchdog=watchdog)
     context = WorkerContext(lambda: make_async_engine(engine.url, pool_size=1, max_overflow=0,
                                                       application_name="outbox-drain"))
     results: list[DrainResult] = []
@@ -256,6 +267,8 @@ def drain(
                 deadlines[job.fence] = sent + job.lease_seconds
                 try:
                     outcome = executor.run(job, subscribers[job.consumer], context)
+                    if outcome is Outcome.TIMED_OUT:
+                        outcome = executor.failure(job, HandlerTimeoutError(subscribers[job.consumer].timeout or 0.0))
                 except (KeyboardInterrupt, SystemExit):  # Ctrl-C in a test run: hand the job back, stop
                     with _autocommit(engine) as conn:
                         release_jobs(conn, [job], schema=schema)
@@ -266,7 +279,7 @@ def drain(
                         ordering.promote_finished(conn, [job], subscribers, schema=schema)
                 del deadlines[job.fence]
                 results.append(result)
-                if result.outcome == "retried":
+                if result.outcome in ("retried", "snoozed"):
                     retried.append(job.id)
             if not ran:
                 return results
@@ -274,6 +287,7 @@ def drain(
             if not run_retries:
                 left_waiting.update(retried)
     finally:
+        watchdog.stop()
         context.close()
 
 
@@ -298,7 +312,7 @@ def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], sche
     return claimed[0] if claimed else None
 
 
-def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure, schema: str) -> DrainResult:
+def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, schema: str) -> DrainResult:
     """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements (in ``schema``)."""
     error = None
     ended: DrainOutcome
@@ -309,6 +323,8 @@ def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure, schema: str
             ended = "done" if job.id in complete_jobs(conn, [job], schema=schema) else "stale"
         elif outcome is Outcome.RELEASE:
             ended = "released" if job.id in release_jobs(conn, [job], schema=schema) else "stale"
+        elif isinstance(outcome, Snoozed):
+            ended = "snoozed" if job.id in snooze_jobs(conn, [(job, outcome)], schema=schema) else "stale"
         elif isinstance(outcome, Failure):
             status = fail_jobs(conn, [(job, outcome)], schema=schema).get(job.id)
             ended = "retried" if status == "ready" else "dead" if status == "dead" else "stale"

@@ -475,6 +475,24 @@ since the handler did not fail. ``run_at`` is kept (it is already due: the job w
 claimed), so the job keeps its place at the head of the queue instead of waiting behind
 every job that became due while it ran. Fenced."""
 
+job_snooze_many: TextClause = text(
+    f"""
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]), CAST(:delays AS float8[]))
+            AS a(id, fence, delay_seconds)
+    ), {_LOCK_BY_ID}
+    UPDATE outbox_jobs j
+    SET status = 'ready', attempts = j.attempts - 1, snoozes = j.snoozes + 1,
+        run_at = now() + make_interval(secs => a.delay_seconds), lease_until = NULL, updated_at = now()
+    FROM locked l, args a
+    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
+    RETURNING j.id
+    """
+)
+"""Snoozed jobs (the handler raised ``Snooze(seconds)``): back to ``ready`` at ``now() +
+delay``, the attempt given back (``attempts - 1``) and ``snoozes + 1``; ``last_error``
+kept. Fenced; returns the ids of rows changed."""
+
 jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
 """Tell every relay listening on ``:channel`` (the schema's jobs channel) that ready jobs
 now sort before the key its dispatcher claims after (released or reaped jobs keep their
@@ -617,7 +635,7 @@ job_prune_candidates: TextClause = text(
 
 job_dead_list: TextClause = text(
     """
-    SELECT j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.finished_at, j.last_error
+    SELECT j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.snoozes, j.finished_at, j.last_error
     FROM outbox_jobs j
     WHERE j.status = 'dead' AND (CAST(:consumer AS text) IS NULL OR j.consumer = :consumer)
     ORDER BY j.id

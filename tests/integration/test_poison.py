@@ -210,7 +210,7 @@ def test_a_job_that_can_be_neither_claimed_nor_dead_lettered_is_quarantined(pois
     _run_until(engine, relay, lambda: all(_jobs(engine)[i].status == "done" for i in jobs["c"][1:]),
                "every other job done")
     assert _jobs(engine)[head].status == "ready" and runs[head] == 0  # untouched, nothing lost
-    assert len(relay.runner._quarantine) == 1
+    assert len(relay.runner.producer.quarantine) == 1
     assert sum("quarantined" in r.message for r in caplog.records) == 1
 
 

@@ -250,8 +250,8 @@ def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, s
         wait_for(lambda: len(seen) == 1, timeout=TIMEOUT, what="the first job blocking the only worker")
         publish_events(engine, "t", [{"n": 1}])
         wait_for(lambda: relay.runner.in_flight() == 2, timeout=TIMEOUT, what="the second job in the buffer")
-        with relay.runner._lock:  # as if the process had been paused past the buffered job's lease
-            [buffered] = [j for j in relay.runner._inflight.values() if j.payload["n"] == 1]
+        with relay.runner.claims.lock:  # as if the process had been paused past the buffered job's lease
+            [buffered] = [j for j in relay.runner.claims.inflight.values() if j.payload["n"] == 1]
         buffered._lease_bound = 0.0
         gate.set()
         wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(seen) == 2, timeout=TIMEOUT,
@@ -338,7 +338,7 @@ def test_stop_while_a_claim_is_in_flight_releases_every_job_it_returns(engine, s
             c.execute(sa.text("UPDATE outbox_jobs SET run_at = now() WHERE status = 'ready'"))
         wait_for(lambda: _claim_waiting_on_a_lock(engine), timeout=TIMEOUT, what="the claim blocked on the lock")
         stopper.start()
-        wait_for(relay.runner._stop_claiming.is_set, timeout=TIMEOUT, what="stop() under way")
+        wait_for(relay.runner.signals.stop_claiming.is_set, timeout=TIMEOUT, what="stop() under way")
         time.sleep(1.0)  # the fault's timing: the claim returns after the grace period is over
     finally:
         blocker.rollback()
@@ -401,9 +401,9 @@ def test_a_busy_relay_keeps_its_row_seen(engine, settings, monkeypatch):
     """A relay whose dispatcher is never idle still refreshes last_seen_at every
     RELAY_SEEN_INTERVAL, so pruning never takes it for a dead relay (its buffer list would
     go with the row)."""
-    import outbox.worker
+    import outbox.dispatcher
 
-    monkeypatch.setattr(outbox.worker, "RELAY_SEEN_INTERVAL", 0.3)
+    monkeypatch.setattr(outbox.dispatcher, "RELAY_SEEN_INTERVAL", 0.3)
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     subscribe(engine, "t", ["a"])

@@ -1,0 +1,252 @@
+"""The claims one job runner holds, and the signals its parts stop by.
+
+:class:`HeldClaims` is the one piece of state the runner's parts share (architecture notes,
+"The job runner"): the producer adds the claims it takes, the starter moves buffered ones
+to workers, the workers post outcomes, the completer forgets what it has written, the
+heartbeat renews what is held, and ``stop()`` releases what is left. Everything in it is
+read and changed under one lock, so each part sees one consistent picture:
+
+* ``inflight``: every claim held, by fence (a fence names one claim, while a job id may be
+  held twice: an attempt that outlived its lease, and the re-claim that took it over);
+* ``buffer``: claimed jobs whose handler has not started, in claim order; ``buffered``
+  holds their fences until the starter's statement has unlisted them from the relay's row
+  of ``outbox_relays`` (``stop()`` leaves those to the dispatcher);
+* ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
+  (a hung one included, after its timeout), plus slots reserved by a claim in flight that
+  will hand jobs over, so none is over-issued;
+* ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
+  attempt already failed, their thread still running: :mod:`outbox.watchdog`);
+* ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
+  does not take it for a lost lease); ``released``: fences released at shutdown while
+  their handler ran (their late result is expected to be stale).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .job import Job
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """How the runner's threads are told to stop, in order: ``stop_claiming`` (claim no
+    more), ``draining`` (release buffered claims, start no handler), ``stopped`` (every
+    loop ends). ``claims_closed`` is set by the dispatcher between two rounds once it has
+    seen ``stop_claiming``: no claim is in flight after that."""
+
+    stop_claiming: threading.Event = field(default_factory=threading.Event)
+    draining: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
+    claims_closed: threading.Event = field(default_factory=threading.Event)
+
+
+class HeldClaims:
+    """The claims a runner with ``concurrency`` worker slots holds (see the module notes).
+    Thread-safe: every method takes :attr:`lock`; :attr:`changed` (on the same lock) is
+    notified when the buffer grows or a slot comes free."""
+
+    def __init__(self, concurrency: int) -> None:
+        self.concurrency = concurrency
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.inflight: dict[int, Job] = {}
+        self.buffer: collections.deque[Job] = collections.deque()
+        self.buffered: set[int] = set()
+        self.issued = 0
+        self.hung = 0
+        self.finishing: set[int] = set()
+        self.released: set[int] = set()
+
+    def count(self) -> int:
+        """Claims held: buffered, running, or waiting for their outcome to be written."""
+        with self.lock:
+            return len(self.inflight)
+
+    def taken(self) -> int:
+        """Slots taken plus jobs buffered: what counts against ``concurrency + prefetch``."""
+        with self.lock:
+            return self.issued + len(self.buffer)
+
+    def has_idle_worker(self) -> bool:
+        """Whether more workers are idle than buffered jobs wait for them."""
+        with self.lock:
+            return self.concurrency - self.issued > len(self.buffer)
+
+    def has_buffer(self) -> bool:
+        with self.lock:
+            return bool(self.buffer)
+
+    def buffer_fences(self) -> list[int]:
+        """Fences of the buffered claims still listed in the relay's row."""
+        with self.lock:
+            return list(self.buffered)
+
+    def take_buffer(self) -> list[Job]:
+        """Everything still buffered, off the buffer (to be released)."""
+        with self.lock:
+            jobs = list(self.buffer)
+            self.buffer.clear()
+            for job in jobs:
+                self.buffered.discard(job.fence)
+        return jobs
+
+    def abandon_buffer(self) -> int:
+        """Forget the buffered claims (closing without a database); returns how many."""
+        with self.lock:
+            n = len(self.buffer)
+            for job in self.buffer:
+                self.inflight.pop(job.fence, None)
+            self.buffered.clear()
+            self.buffer.clear()
+        return n
+
+    def reserve(self, want: int) -> int:
+        """Reserve idle worker slots (at most ``want``) for jobs about to be claimed, so the
+        starter does not hand buffered jobs to them meanwhile; returns how many."""
+        with self.lock:
+            n = max(0, min(want, self.concurrency - self.issued))
+            self.issued += n
+        return n
+
+    def unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved slots the claim did not fill."""
+        if n:
+            with self.changed:
+                self.issued -= n
+                if self.buffer:
+                    self.changed.notify()
+
+    def issue(self, jobs: list[Job]) -> None:
+        """Hold jobs just claimed for the slots reserved for them (never listed as buffered)."""
+        with self.lock:
+            for job in jobs:
+                self.inflight[job.fence] = job
+
+    def hold(self, jobs: list[Job]) -> None:
+        """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
+        claim order: jobs claimed from the head after a hint (handed back by another relay)
+        sort before the backlog already buffered, and start first."""
+        if not jobs:
+            return
+        with self.changed:
+            for job in jobs:
+                self.inflight[job.fence] = job
+                self.buffered.add(job.fence)
+            if self.buffer and jobs[0]._claim_order < self.buffer[-1]._claim_order:
+                merged = heapq.merge(self.buffer, jobs, key=lambda j: j._claim_order)
+                self.buffer = collections.deque(merged)
+            else:
+                self.buffer.extend(jobs)
+            self.changed.notify()
+
+    def take_startable(self, now: float) -> tuple[list[Job], list[Job]]:
+        """(Caller holds the lock.) Off the head of the buffer, as many jobs as slots are
+        idle, their slots taken; and the ones whose lease ran out (by monotonic ``now``)
+        while they waited."""
+        jobs: list[Job] = []
+        expired: list[Job] = []
+        free = self.concurrency - self.issued
+        while self.buffer and len(jobs) < free:
+            job = self.buffer.popleft()
+            if job.lease_lost or now >= job._lease_bound:
+                self.buffered.discard(job.fence)
+                expired.append(job)
+            else:
+                jobs.append(job)
+        self.issued += len(jobs)
+        return jobs, expired
+
+    def put_back(self, jobs: list[Job]) -> None:
+        """Jobs the starter took could not be unlisted: back at the head, still listed."""
+        with self.changed:
+            self.buffer.extendleft(reversed(jobs))
+            self.issued -= len(jobs)
+
+    def unlisted(self, jobs: list[Job]) -> None:
+        """The starter's statement unlisted ``jobs`` from the relay's row."""
+        with self.lock:
+            for job in jobs:
+                self.buffered.discard(job.fence)
+
+    def slot_freed(self, job: Job) -> None:
+        """``job``'s handler returned: its slot is free, its outcome about to be written."""
+        with self.changed:
+            self.issued -= 1
+            self.finishing.add(job.fence)
+            if self.buffer:  # the starter sleeps while the buffer is empty: no need to wake it
+                self.changed.notify()
+
+    def hang(self) -> int:
+        """A handler ran past its timeout and keeps its slot; returns how many slots hung
+        handlers hold now."""
+        with self.lock:
+            self.hung += 1
+            return self.hung
+
+    def unhang(self) -> int:
+        """A hung handler returned at last: its slot is free; returns how many are still hung."""
+        with self.changed:
+            self.hung -= 1
+            self.issued -= 1
+            if self.buffer:
+                self.changed.notify()
+            return self.hung
+
+    def all_hung(self) -> bool:
+        """Whether hung handlers hold every slot (nothing claimed could run)."""
+        with self.lock:
+            return self.hung >= self.concurrency
+
+    def mark_finishing(self, job: Job) -> None:
+        """``job``'s outcome is about to be written: a heartbeat that misses the row from
+        now on must not take it for a lost lease."""
+        with self.lock:
+            self.finishing.add(job.fence)
+
+    def unmark_finishing(self, job: Job) -> None:
+        with self.lock:
+            self.finishing.discard(job.fence)
+
+    def forget(self, jobs: Iterable[Job]) -> None:
+        """``jobs``' outcomes are written (or given up): no longer held."""
+        with self.lock:
+            for job in jobs:
+                self.inflight.pop(job.fence, None)
+                self.finishing.discard(job.fence)
+
+    def renewable(self) -> list[Job]:
+        """The claims a heartbeat should renew: every one held whose lease is not lost."""
+        with self.lock:
+            return [j for j in self.inflight.values() if not j.lease_lost]
+
+    def lost(self, jobs: list[Job], owned: set[int]) -> list[Job]:
+        """Of ``jobs`` just heartbeated, those still held and not finishing whose fence is
+        not in ``owned``: their lease is lost."""
+        with self.lock:
+            return [j for j in jobs
+                    if j.fence not in owned and j.fence in self.inflight and j.fence not in self.finishing]
+
+    def unfinished(self) -> list[Job]:
+        """Claims neither buffered nor finishing: handlers still running (shutdown)."""
+        with self.lock:
+            return [j for j in self.inflight.values() if j.fence not in self.finishing and j.fence not in self.buffered]
+
+    def released_at_shutdown(self, jobs: list[Job]) -> None:
+        """``jobs`` were released while their handlers ran: no longer held."""
+        with self.lock:
+            for job in jobs:
+                if self.inflight.pop(job.fence, None) is not None:
+                    self.released.add(job.fence)
+
+    def was_released(self, job: Job) -> bool:
+        with self.lock:
+            return job.fence in self.released
+
+    def wake_all(self) -> None:
+        with self.changed:
+            self.changed.notify_all()

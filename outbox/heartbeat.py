@@ -1,0 +1,85 @@
+"""The heartbeat: renews the leases of every claim a runner holds.
+
+Every lease/3 (of the shortest lease of its consumers) one statement,
+``job_heartbeat_many``, renews every claim held, buffered ones included, each with its
+own lease (``WHERE id AND fence AND status = 'running'``). A claim whose row does not come
+back (reaped after a pause, released, re-claimed) has lost its lease: the job is told
+(``job.lease_lost``; ``job.check_lease()`` raises) and its result will be dropped, unless
+its outcome is being written at that moment (the completion itself took the row). A claim
+that is renewed gets a new local bound (``sent + lease``), which the starter and the
+transactional executor check before they rely on the claim.
+
+A data error confines itself to the jobs that cause it (:mod:`outbox.poison`): each is
+dead-lettered naming the error (fenced) or, where even that fails, reported not owned so
+its lease runs out. Database errors are retried, never more than half a second apart:
+leases are at stake.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from . import poison
+from .claims import HeldClaims, Signals
+from .job import Job
+from .reconnect import Reconnector
+from .worker import bury_job, heartbeat_jobs
+
+log = logging.getLogger("outbox.worker")
+
+
+class Heartbeater:
+    """Renews the leases of ``claims`` every ``interval`` seconds on pooled autocommit
+    connections of ``engine`` (tables of ``schema``) until ``signals.stopped``; counts lost
+    leases in ``stats["lease_lost"]``. Runs in its own thread (:meth:`run`)."""
+
+    def __init__(self, engine: Engine, claims: HeldClaims, interval: float, signals: Signals,
+                 reconnect: Reconnector, stats: dict[str, int], schema: str) -> None:
+        self.engine = engine
+        self.claims = claims
+        self.interval = interval
+        self.signals = signals
+        self.reconnect = reconnect
+        self.stats = stats
+        self.schema = schema
+
+    def run(self) -> None:
+        failures = 0
+        while not self.signals.stopped.wait(self.interval if not failures else 0):
+            jobs = self.claims.renewable()
+            if not jobs:
+                continue
+            sent = time.monotonic()
+            try:
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                    owned = self.beat(conn, jobs)
+                failures = self.reconnect.recovered(failures, "heartbeat")
+            except (DBAPIError, poison.SystemicError) as exc:
+                failures = self.reconnect.backoff(failures, "heartbeat", exc, self.signals.stopped, cap=0.5)
+                continue
+            for job in jobs:
+                if job.fence in owned:
+                    job._lease_bound = sent + job.lease_seconds
+            for job in self.claims.lost(jobs, owned):
+                job.mark_lease_lost()
+                self.stats["lease_lost"] += 1
+                log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
+                            job.id, job.consumer, job.fence)
+
+    def beat(self, conn: Connection, jobs: list[Job]) -> set[int]:
+        """Renew the leases of ``jobs``; returns the fences still owned. A data error is
+        confined to the jobs that cause it: each is dead-lettered naming the error
+        (fenced), or, where even that fails, reported not owned, so its worker is told and
+        its lease runs out."""
+        parts, poisoned = poison.isolate(jobs, lambda part: heartbeat_jobs(conn, list(part), schema=self.schema))
+        owned: set[int] = set().union(*parts)
+        for job, exc in poisoned:
+            error = f"Renewing the lease failed for this job: {poison.describe_error(exc)}"
+            buried = poison.try_record(lambda: bury_job(conn, job, error, schema=self.schema))
+            log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
+                      "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
+        return owned

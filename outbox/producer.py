@@ -1,0 +1,291 @@
+"""The producer: claims jobs for a runner's workers and feeds them in claim order.
+
+**Room.** A runner holds at most ``concurrency + prefetch`` claims whose handlers have
+not returned: ``concurrency`` running and up to ``prefetch`` in the buffer.
+:meth:`Producer.room` says how many to claim now (at most ``claim_batch``, none while
+claims are paused after a claim that fails for every job).
+
+**Claim rounds.** :meth:`Producer.claim` runs ``job_complete_claim_many``: the round's
+completions (the completer's) and the claim in one statement, one round trip and one
+commit. Before it, idle worker slots are reserved for the first ``start_now`` jobs it
+claims; those go to the workers at once, and the rest join the buffer, listed in the
+relay's row of ``outbox_relays`` by the same statement (architecture notes, "Attempts and
+crashes"). A data error runs the completions and then the claim by halves
+(:mod:`outbox.poison`): a ready job whose claim fails alone is dead-lettered naming the
+error, or quarantined.
+
+**The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
+of the last job claimed, so a backlog is not rescanned from the head every round; for at
+most ``HINT_SECONDS`` after the last claim from the head, or until a ``head`` NOTIFY says
+jobs were handed back ahead of it (``Wakeup.take_rewind``), or until a hinted claim comes
+back short (there may be ready jobs before the hint).
+
+**The consumers** a claim takes are :meth:`Producer.claim_leases`: every consumer of the
+registry, with its lease. A consumer claimed by a path of its own (in a transaction of its
+own) is left out of that list and claimed next to the combined statement in
+:meth:`Producer.claim`.
+
+**The starter** (:class:`Starter`) hands buffered jobs to workers as they come free, on a
+connection of its own: one small statement unlists all it hands over at once
+(``relay_buffer_remove``), and only then do their handlers start.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+
+from . import backoff, poison
+from .claims import HeldClaims, Signals
+from .completer import Completer
+from .db.engine import is_disconnect
+from .job import Job
+from .notify import Wakeup
+from .reconnect import Reconnector
+from .settings import OutboxSettings
+from .worker import (
+    BufferMark,
+    Outcome,
+    bury_ready_job,
+    claim_candidates,
+    complete_and_claim_after,
+    complete_jobs,
+    relay_buffer_remove,
+)
+
+log = logging.getLogger("outbox.worker")
+
+#: Longest a dispatcher claims after its hint (the key of the last job it claimed) before it
+#: claims from the head of the ready jobs again, seconds: how long a job that sorts before
+#: the hint (released, retried early, more urgent) may wait behind a backlog.
+HINT_SECONDS = 1.0
+
+
+class Producer:
+    """Claims jobs of ``leases``' consumers (consumer -> lease seconds) for the runner
+    holding ``claims``; jobs for idle slots go to ``todo`` (the workers' queue), the rest
+    to the buffer. ``wake`` carries the ``head`` rewind; claims are counted in ``stats``."""
+
+    def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
+                 wake: Wakeup, todo: queue.SimpleQueue[Job | None], completer: Completer,
+                 stats: dict[str, int]) -> None:
+        self.settings = settings
+        self.claims = claims
+        self.leases = leases
+        self.worker_id = worker_id
+        self.wake = wake
+        self.todo = todo
+        self.completer = completer
+        self.stats = stats
+        self.schema = settings.schema_name
+        # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
+        # it, until HINT_SECONDS after the last claim from the head.
+        self.hint: tuple[int, Any, int] | None = None
+        self.hint_until = 0.0
+        # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
+        self.quarantine = poison.Quarantine("job")
+        self.claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
+        self.claims_paused_until = 0.0
+
+    def claim_leases(self) -> dict[str, float]:
+        """The consumers the combined claim statement takes, with their lease seconds."""
+        return self.leases
+
+    def room(self) -> int:
+        """How many jobs to claim now: room in the buffer, at most ``claim_batch``; none
+        while claims are paused (:meth:`pause`), or while hung handlers hold every
+        worker slot (:mod:`outbox.watchdog`: their slots count as taken, so otherwise the
+        room is the same)."""
+        if time.monotonic() < self.claims_paused_until or self.claims.all_hung():
+            return 0
+        limit = self.settings.concurrency + self.settings.prefetch
+        return max(0, min(self.settings.claim_batch, limit - self.claims.taken()))
+
+    def worth_claiming(self, want: int) -> bool:
+        """A claim of its own (no completions to carry it) is worth its round trip when it
+        can take half a batch, or when a worker would otherwise sit idle."""
+        return self.claims.has_idle_worker() or want >= max(
+            1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
+
+    def claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], int, bool]:
+        """Complete ``done`` (fenced) and claim up to ``want`` jobs on ``conn``; returns (ids
+        completed, ids of ``done`` dead-lettered, how many were claimed, whether the claim
+        started at the head of the ready jobs: a short claim after the hint does not mean
+        the table is drained). Claimed jobs go to idle workers at once (their slots were
+        reserved before the statement, so they were never listed as buffered) and the rest
+        into the buffer, listed by the same statement."""
+        start_now = self.claims.reserve(want)
+        sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
+        rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
+        hinted = want > 0 and self.hint is not None and time.monotonic() < self.hint_until and not rewound
+        mark = BufferMark(self.worker_id, start_now)
+        buried: set[int] = set()
+        try:
+            try:
+                completed, claimed, last = complete_and_claim_after(
+                    conn, done, self.claim_leases(), want, self.worker_id, self.hint if hinted else None,
+                    buffer=mark, skip=self.quarantine.ids(), schema=self.schema)
+            except psycopg.Error as exc:
+                if not poison.is_data_error(exc):
+                    raise
+                log.warning("claim and completion failed (%s); running them by halves to find the rows that "
+                            "cause it", poison.describe_error(exc))
+                completed, buried, claimed = self._claim_by_halves(conn, done, want, mark)
+                last, hinted = None, True  # claim from the head next time
+            else:
+                if want:
+                    self.claim_failures = 0
+        except BaseException:
+            self.claims.unreserve(start_now)
+            raise
+        from_head = True
+        if want:
+            if not hinted:
+                self.hint_until = time.monotonic() + HINT_SECONDS
+            # Found fewer than asked after the hint: there may be ready jobs before it
+            # (released, retried early, more urgent); the next claim starts at the head.
+            self.hint = None if hinted and len(claimed) < want else last
+            from_head = not hinted
+        for job in claimed:
+            job._lease_bound = sent + job.lease_seconds
+        self.claims.unreserve(start_now - min(start_now, len(claimed)))
+        self.stats["claimed"] += len(claimed)
+        self.claims.issue(claimed[:start_now])
+        for job in claimed[:start_now]:
+            self.todo.put(job)
+        self.claims.hold(claimed[start_now:])
+        return completed, buried, len(claimed), from_head
+
+    def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
+                         mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
+        """After a data error of the combined statement: the completions by halves, then
+        the claim (with the buffer list) alone and, if that fails too, by halves of its
+        candidates, each half writing the buffer list as it then stands. A job that fails
+        alone is dead-lettered naming the error (or quarantined); the others go on.
+        Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
+        completed, buried = self.completer.by_halves(
+            "completing", done, lambda part: complete_jobs(conn, list(part), schema=self.schema))
+        start_left = mark.start_now
+        claimed: list[Job] = []
+        leases = self.claim_leases()
+
+        def claim(only: list[int] | None) -> list[Job]:
+            nonlocal start_left
+            _, got, _ = complete_and_claim_after(
+                conn, [], leases, want if only is None else len(only), self.worker_id, None,
+                buffer=BufferMark(mark.relay, start_left), skip=self.quarantine.ids(), only=only,
+                schema=self.schema)
+            start_left = max(0, start_left - len(got))
+            return got
+
+        if not want:  # only the buffer list to write: no row of a job to blame
+            return completed, buried, claim(None)
+        try:
+            parts, poisoned = poison.whole_or_halves(
+                "claiming", lambda: claim(None),
+                lambda: claim_candidates(conn, list(leases), want, self.quarantine.ids(), schema=self.schema),
+                lambda part: claim(list(part)))
+        except poison.SystemicError as exc:
+            self.pause(exc)
+            return completed, buried, claimed
+        self.claim_failures = 0
+        for part in parts:
+            claimed += part
+        for job_id, failure in poisoned:
+            error = f"Claiming failed for this job: {poison.describe_error(failure)}"
+            dead = poison.try_record(lambda: bury_ready_job(conn, job_id, error, schema=self.schema))
+            if dead is None:
+                self.quarantine.add(job_id, failure, "claiming")
+            elif dead:
+                self.stats["dead"] += 1
+                log.error("dead-lettered job %s: %s", job_id, error)
+        return completed, buried, claimed
+
+    def pause(self, exc: poison.SystemicError) -> None:
+        """Every job a claim takes fails: claim nothing for a capped, growing while (the
+        rounds go on writing outcomes and starting buffered jobs); logged once per episode."""
+        self.claim_failures += 1
+        delay = backoff.retry_delay(self.claim_failures, base=1.0, cap=max(1.0, self.settings.reconnect_max),
+                                    jitter=0.25)
+        self.claims_paused_until = time.monotonic() + delay
+        if self.claim_failures == 1:
+            log.error("claiming paused: the claim fails for every job it takes, so none is dead-lettered (%s); "
+                      "trying again with backoff", exc)
+
+
+class Starter:
+    """Hands buffered jobs of ``claims`` to idle workers (``todo``), on a connection of
+    its own from ``engine``; a buffered job whose lease ran out is posted for release
+    through ``release(job)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
+
+    def __init__(self, engine: Engine, settings: OutboxSettings, claims: HeldClaims, worker_id: str,
+                 todo: queue.SimpleQueue[Job | None], release: Callable[[Job, Outcome], None], signals: Signals,
+                 reconnect: Reconnector) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.claims = claims
+        self.worker_id = worker_id
+        self.todo = todo
+        self.release = release
+        self.signals = signals
+        self.reconnect = reconnect
+
+    def run(self) -> None:
+        """Take as many jobs from the head of the buffer as workers are idle, unlist them in
+        the relay's row (``relay_buffer_remove``, one small statement for all of them), and
+        only once that has committed give them to the workers. So a job whose handler may
+        have started is never listed, and a worker that finishes waits one short round trip,
+        shared by every worker that came free meanwhile, not for the dispatcher's claim. A
+        buffered job whose lease ran out while it waited (the process was paused, or
+        starved) is released instead (fenced: a no-op if it was reaped or re-claimed)."""
+        claims, signals = self.claims, self.signals
+        failures = 0
+        conn: Any = None
+        while True:
+            with claims.changed:
+                while not signals.stopped.is_set() and (
+                        signals.draining.is_set() or not claims.buffer or claims.issued >= claims.concurrency):
+                    claims.changed.wait(0.5)
+                if signals.stopped.is_set():
+                    break
+                jobs, expired = claims.take_startable(time.monotonic())
+            for job in expired:
+                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
+                            job.id, job.consumer, job.fence)
+                claims.mark_finishing(job)
+                self.release(job, Outcome.RELEASE)
+            if not jobs:
+                continue
+            try:
+                if conn is None:
+                    conn = self.engine.raw_connection()
+                    conn.driver_connection.autocommit = True
+                relay_buffer_remove(conn.driver_connection, self.worker_id, [j.fence for j in jobs],
+                                    schema=self.settings.schema_name)
+                failures = self.reconnect.recovered(failures, "starting buffered jobs")
+            except (DBAPIError, psycopg.Error) as exc:
+                claims.put_back(jobs)
+                if conn is not None and (is_disconnect(exc) or conn.driver_connection is None
+                                         or conn.driver_connection.closed or conn.driver_connection.broken):
+                    try:
+                        conn.invalidate()
+                    except Exception:  # noqa: BLE001 - it is being thrown away
+                        pass
+                    conn = None
+                failures = self.reconnect.backoff(failures, "starting buffered jobs", exc, signals.stopped)
+                continue
+            claims.unlisted(jobs)
+            for job in jobs:
+                self.todo.put(job)
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
