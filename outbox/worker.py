@@ -71,7 +71,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import backoff, poison, transaction
+from . import backoff, flow, poison, transaction
 from .db import queries
 from .db.engine import describe, is_disconnect, make_async_engine
 from .db.tables import JOBS_CHANNEL, notify_channel
@@ -659,6 +659,10 @@ class JobRunner:
         self._quarantine = poison.Quarantine("job")
         self._claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
         self._claims_paused_until = 0.0
+        # Flow control (architecture notes, "Flow control"): capped and rate-limited consumers
+        # are claimed on a path of their own, which says when it is next worth a round trip.
+        self.flow = flow.FlowControl(self.subscribers, self.leases, worker_id, settings.poll_interval,
+                                     schema=self.schema)
         self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                                     held=self._holds, stopping=self._draining, completing=self._mark_finishing,
                                     abandoned=self._unmark_finishing, stats=self.stats)
@@ -783,19 +787,25 @@ class JobRunner:
                 batch = [item for item in batch if item is not None]
             want = 0 if self._stop_claiming.is_set() else self._room()
             has_done = any(o is _DONE for _, o in batch)
+            self.flow.finished({j.consumer for j, _ in batch})  # flow control: a capped slot may be free
+            limited = self.flow.room(want)  # flow control: the limited claim's share, 0 unless due
+            want -= limited
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
             with self._lock:
                 to_release = bool(self._buffer) and self._draining.is_set()
-            if not batch and not claim and not to_release:
+            if not batch and not claim and not to_release and not limited:
                 if closing:
                     break
                 timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
+                timeout = min(timeout or self.settings.poll_interval, self.flow.wait_seconds())  # flow control
                 jobs_hint, _ = self.wake.wait(min(timeout or self.settings.poll_interval, RELAY_SEEN_INTERVAL))
+                if jobs_hint:
+                    self.flow.poke()  # flow control: new jobs may be ready for a limited consumer
                 if jobs_hint or time.monotonic() >= drained_until:
                     drained_until = 0.0
                 continue
             try:
-                claimed, from_head = self._round(batch, want if claim else 0)
+                claimed, from_head = self._round(batch, want if claim else 0, limited)
                 failures = self.reconnect.recovered(failures, "claim and completion")
                 carry = []
             except (DBAPIError, psycopg.Error, poison.SystemicError) as exc:
@@ -931,8 +941,9 @@ class JobRunner:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _round(self, pending: list[tuple[Job, Any]], want: int) -> tuple[int, bool]:
-        """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
+    def _round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> tuple[int, bool]:
+        """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and up to ``limited``
+        of the capped or rate-limited consumers, :meth:`_claim_limited`); returns how many
         were claimed and whether the claim started at the head of the ready jobs (a short
         claim after the hint does not mean the table is drained). Claimed jobs go to idle
         workers at once (their slots reserved before the statement, so they were never
@@ -1011,6 +1022,8 @@ class JobRunner:
                 self._stale([j for j in done if j.id not in completed and j.id not in buried])
             self._forget(done)
             del pending[:len(done)]
+        if limited:  # flow control: capped and rate-limited consumers, a claim of their own
+            self._claim_limited(limited)
         if failed:
             statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
                 self._connection(), list(part), schema=self.schema), job_of=lambda item: item[0], merged={})
@@ -1028,6 +1041,27 @@ class JobRunner:
             self._forget(release)
             pending[:] = []
         return len(claimed), from_head
+
+    def _claim_limited(self, room: int) -> None:
+        """Flow control: claim up to ``room`` jobs of the capped or rate-limited consumers
+        (:class:`outbox.flow.FlowControl`), handed over like any claim: idle workers first,
+        the rest buffered (listed by the same transaction)."""
+        start_now = self._reserve(room)
+        sent = time.monotonic()
+        try:
+            rows = self.flow.claim(self._connection(), room, self.worker_id, start_now)
+        except BaseException:
+            self._unreserve(start_now)
+            raise
+        claimed = []
+        for r in rows:
+            job = job_from_row(r, self.leases[r[2]])
+            job._claim_order = (r[12], r[13], r[0])
+            job._lease_bound = sent + job.lease_seconds
+            claimed.append(job)
+        self._unreserve(start_now - min(start_now, len(claimed)))
+        self._issue(claimed[:start_now])
+        self._hold(claimed[start_now:])
 
     def _complete_and_claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
                                       mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
