@@ -55,7 +55,7 @@ completion of one of its consumers' jobs written by this relay, or a jobs wake-u
 router), makes it due at once. Other relays' completions are seen within ``poll_interval``.
 
 Costs. A relay with no limited consumer never runs this path; the main claim pays one
-InitPlan over ``outbox_consumers`` (a handful of rows). A limited claim costs one
+hashed SubPlan over ``outbox_consumers`` (a handful of rows). A limited claim costs one
 transaction (BEGIN, two statements, COMMIT) and serialises the relays on the consumers'
 rows for its duration (about a millisecond); running jobs are counted through
 ``ix_outbox_jobs_lease`` and ready ones found through ``ix_outbox_jobs_ready``.
@@ -64,7 +64,7 @@ rows for its duration (about a millisecond); running jobs are counted through
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psycopg
@@ -132,9 +132,10 @@ class FlowControl:
         """Make the limited claim due at once (new jobs may be ready, or a slot came free)."""
         self._due_at = 0.0
 
-    def finished(self, consumers: set[str]) -> None:
-        """This relay wrote outcomes for jobs of ``consumers``: a slot of a capped one is free."""
-        if not consumers.isdisjoint(self.consumers):
+    def finished(self, consumers: Iterable[str]) -> None:
+        """The dispatcher is writing outcomes for jobs of ``consumers``: if one is limited,
+        a slot may come free, so the limited claim is due at once."""
+        if self.consumers and not set(self.consumers).isdisjoint(consumers):
             self._due_at = 0.0
 
     def claim(self, conn: psycopg.Connection[Any], room: int, relay: str | None, start_now: int) -> list[Any]:

@@ -787,7 +787,7 @@ class JobRunner:
                 batch = [item for item in batch if item is not None]
             want = 0 if self._stop_claiming.is_set() else self._room()
             has_done = any(o is _DONE for _, o in batch)
-            self.flow.finished({j.consumer for j, _ in batch})  # flow control: a capped slot may be free
+            self.flow.finished(j.consumer for j, _ in batch)  # flow control: a capped slot may be free
             limited = self.flow.room(want)  # flow control: the limited claim's share, 0 unless due
             want -= limited
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self._worth_claiming(want)))
@@ -1022,8 +1022,6 @@ class JobRunner:
                 self._stale([j for j in done if j.id not in completed and j.id not in buried])
             self._forget(done)
             del pending[:len(done)]
-        if limited:  # flow control: capped and rate-limited consumers, a claim of their own
-            self._claim_limited(limited)
         if failed:
             statuses, buried = self._by_halves("recording a failed attempt", failed, lambda part: fail_jobs(
                 self._connection(), list(part), schema=self.schema), job_of=lambda item: item[0], merged={})
@@ -1040,6 +1038,8 @@ class JobRunner:
             self._stale([j for j in release if j.id not in released and j.id not in buried])
             self._forget(release)
             pending[:] = []
+        if limited:  # flow control: capped and rate-limited consumers, a claim of their own, after the outcomes
+            self._claim_limited(limited)
         return len(claimed), from_head
 
     def _claim_limited(self, room: int) -> None:

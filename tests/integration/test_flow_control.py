@@ -182,3 +182,44 @@ def test_status_shows_paused_consumers_caps_and_rate_limits(engine, settings, db
     assert lines["capped"][1:] == ["-", "4", "-", "0"], out
     assert lines["limited"][1:] == ["-", "-", "2.5/s", "0"], out
     assert lines["plain"][1] != "-" and lines["plain"][2:] == ["-", "-", "0"], out
+
+
+def test_the_main_claim_leaves_paused_and_limited_consumers_out_and_keeps_reading_the_ready_index(engine, db_url):
+    from outbox.db import queries
+    from outbox.worker import claim_candidates, claim_jobs, complete_and_claim_after
+
+    ob = Outbox()
+    for consumer in ("a", "paused", "capped"):
+        ob.subscriber("t", consumer=consumer, concurrency=2 if consumer == "capped" else None)(lambda job: None)
+    from outbox.relay import register_subscriptions
+    from outbox.settings import OutboxSettings
+
+    register_subscriptions(engine, ob, OutboxSettings(_env_file=None))
+    assert _cli(db_url, "pause", "paused") == 0
+    # 20,000 ready jobs of two consumers (the paused one a tenth), analysed; then a few capped ones.
+    # With two distinct consumers the planner rates ``consumer <> ALL (ARRAY(SELECT ...))`` at
+    # 0.5 ** 10 of the rows and sorts a sequential scan: ``NOT IN (SELECT ...)`` keeps the index.
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO outbox_events (topic, payload, routed_at) "
+                          "SELECT 't', '{}', now() FROM generate_series(1, 20000)"))
+        c.execute(sa.text("INSERT INTO outbox_jobs (event_id, consumer, max_attempts) "
+                          "SELECT id, CASE WHEN id % 10 = 0 THEN 'paused' ELSE 'a' END, 5 FROM outbox_events"))
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.execute(sa.text("ANALYZE outbox_jobs, outbox_consumers"))
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO outbox_jobs (event_id, consumer, max_attempts, priority) "
+                          "SELECT id, 'capped', 5, -1 FROM outbox_events WHERE id <= 20"))
+    leases = {"a": 30.0, "paused": 30.0, "capped": 30.0}
+    with engine.begin() as c:
+        plan = "\n".join(c.execute(sa.text("EXPLAIN " + queries.in_schema().job_claim_many.text), {
+            "consumers": list(leases), "leases": list(leases.values()), "limit": 50, "worker": "w"}).scalars())
+        assert "Index Scan using ix_outbox_jobs_ready" in plan and "Sort" not in plan, plan
+        claimed = claim_jobs(c, leases, 50, "w")
+        _, after, _ = complete_and_claim_after(c, [], leases, 50, "w", None)
+        candidates = claim_candidates(c, list(leases), 50, [])
+        c.rollback()
+    assert {j.consumer for j in claimed + after} == {"a"} and len(claimed) == len(after) == 50
+    with engine.connect() as c:
+        consumers = set(c.execute(sa.text("SELECT consumer FROM outbox_jobs WHERE id = ANY(:ids)"),
+                                  {"ids": candidates}).scalars())
+    assert consumers == {"a"}
