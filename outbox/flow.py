@@ -108,6 +108,7 @@ class FlowControl:
         self.poll_interval = poll_interval
         self.statements = queries.in_schema(schema)
         self._due_at = 0.0  # time.monotonic() from which a limited claim is worth trying
+        self.claims = 0  # limited claim transactions run (each costs its round trips)
 
     @property
     def active(self) -> bool:
@@ -147,6 +148,7 @@ class FlowControl:
         the transaction rolled back)."""
         if room <= 0 or not self.consumers:
             return []
+        self.claims += 1
         with conn.transaction():
             locked = conn.execute(_sql(self.statements.consumer_lock_limited_many),
                                   {"consumers": self.consumers}).fetchall()

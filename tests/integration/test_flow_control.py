@@ -223,3 +223,43 @@ def test_the_main_claim_leaves_paused_and_limited_consumers_out_and_keeps_readin
         consumers = set(c.execute(sa.text("SELECT consumer FROM outbox_jobs WHERE id = ANY(:ids)"),
                                   {"ids": candidates}).scalars())
     assert consumers == {"a"}
+
+
+def test_an_empty_bucket_makes_the_dispatcher_wait_for_the_next_token_not_spin(engine, settings):
+    ob = Outbox()
+    ob.subscriber("t", consumer="slow", rate_limit="4/s")(lambda job: None)
+    publish_events(engine, "t", [{"n": i} for i in range(12)])
+    relay = Relay(ob, settings(concurrency=4, poll_interval=1.0))
+    relay.start()
+    try:
+        wait_for(lambda: _counts(engine, "slow").get("done") == 12, timeout=TIMEOUT, what="all 12 jobs done")
+    finally:
+        relay.stop()
+    # 4 at once from the full bucket, then one per token (every 0.25 s): about 9 limited
+    # claims, each after the next token is due; a dispatcher retrying an empty bucket at
+    # once would run thousands in the ~2 s this takes.
+    assert 3 <= relay.runner.flow.claims <= 40, relay.runner.flow.claims
+
+
+def test_a_full_cap_makes_the_dispatcher_wait_for_a_slot_not_spin(engine, settings):
+    gate = threading.Event()
+    ob = Outbox()
+    ob.subscriber("t", consumer="one", concurrency=1)(lambda job: gate.wait(TIMEOUT))
+    publish_events(engine, "t", [{"n": i} for i in range(3)])
+    relay = Relay(ob, settings(concurrency=4, poll_interval=0.3))
+    relay.start()
+    try:
+        wait_for(lambda: _counts(engine, "one").get("running") == 1, timeout=TIMEOUT, what="the cap full")
+        flow = relay.runner.flow
+        seen = [flow.claims]
+        # While the cap is full the dispatcher tries again once per poll_interval: sampled every
+        # 50 ms, the count of limited claims rises by one at a time (a spinning one jumps by dozens).
+        wait_for(lambda: seen.append(flow.claims) or len(set(seen)) >= 3, timeout=TIMEOUT,
+                 what="two more limited claims")
+        assert max(b - a for a, b in zip(seen, seen[1:], strict=False)) <= 2, seen
+        assert _counts(engine, "one") == {"running": 1, "ready": 2}
+        gate.set()
+        wait_for(lambda: _counts(engine, "one").get("done") == 3, timeout=TIMEOUT, what="all 3 jobs done")
+    finally:
+        gate.set()
+        relay.stop()
