@@ -3,7 +3,8 @@
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
 reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
 ``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
-``subscriptions``, ``unsubscribe``, ``psql``. Settings come from ``OUTBOX_*`` environment variables
+``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
+``psql``. Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
@@ -40,7 +41,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("outbox.cli")
 
-COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe", "psql")
+COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
+            "pause", "resume", "psql")
 
 #: run flags -> settings fields
 _RUN_FLAGS = {
@@ -132,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
-    add("status", "Jobs per consumer and status, unrouted events, and schedules.")
+    add("status", "Jobs per consumer and status, unrouted events, flow control (paused consumers, concurrency "
+                  "caps, rate limits) and schedules.")
     dead = add("dead", "List dead-lettered jobs with their last error.")
     dead.add_argument("--consumer", help="only this consumer's dead jobs")
     dead.add_argument("--limit", type=_positive_int, default=50, help="most jobs listed, oldest first (default 50)")
@@ -152,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("subscriptions", "List the (topic, consumer) subscriptions routing uses.")
     unsubscribe = add("unsubscribe", "Remove a consumer's subscriptions (new events stop producing its jobs).")
     unsubscribe.add_argument("consumer")
+    pause = add("pause", "Pause a consumer on every relay: no new claim takes its jobs (routing goes on, they wait as "
+                         "ready); jobs already claimed finish. Lasts across relay restarts, until `resume`.")
+    pause.add_argument("consumer")
+    resume = add("resume", "Resume a paused consumer: every relay claims its jobs again at once.")
+    resume.add_argument("consumer")
     psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured.")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
     psql.add_argument("--pgdata", help="data folder of the embedded server (default ./.outbox/pgdata)")
@@ -343,6 +351,7 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
             print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
             for r in rows:
                 print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
+            _print_flow(conn.execute(statements.consumer_list).all())
             schedules = conn.execute(statements.schedule_list).all()
             if schedules:
                 print(f"{'schedule':<32} {'cron':<18} {'timezone':<16} {'last slot published':<26} next slot")
@@ -382,7 +391,49 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
             if not topics:
                 raise UsageError(f"no subscription for consumer {args.consumer!r}")
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")
+        elif args.command in ("pause", "resume"):
+            _pause_or_resume(conn, statements, args.command, args.consumer)
     return 0
+
+
+def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) -> None:
+    """Pause or resume ``consumer`` (architecture notes, "Flow control") and say what changed."""
+    if not consumer.strip():
+        raise UsageError(f"{command} needs a consumer name, got {consumer!r}")
+    if command == "pause":
+        row = conn.execute(statements.consumer_pause, {"consumer": consumer}).one()
+        since = row.paused_at.astimezone(UTC).isoformat()
+        if row.was_paused_at is not None:
+            print(f"consumer {consumer} was already paused (since {since}); nothing changed")
+        else:
+            new = " (no relay has declared it yet)" if row.created else ""
+            print(f"paused consumer {consumer}{new} at {since}: no relay claims its jobs until `outbox-relay resume "
+                  f"{consumer}`; routing goes on, jobs already claimed finish")
+        return
+    from .db.tables import JOBS_CHANNEL, notify_channel
+
+    row = conn.execute(statements.consumer_resume, {"consumer": consumer}).one_or_none()
+    if row is None:
+        print(f"consumer {consumer} is unknown (never declared nor paused); nothing changed")
+    elif row.was_paused_at is None:
+        print(f"consumer {consumer} was not paused; nothing changed")
+    else:
+        conn.execute(statements.jobs_notify_head, {"channel": notify_channel(JOBS_CHANNEL, statements.schema)})
+        print(f"resumed consumer {consumer} (paused since {row.was_paused_at.astimezone(UTC).isoformat()}): "
+              "relays claim its jobs again")
+
+
+def _print_flow(rows: Sequence[Any]) -> None:
+    """The flow-control table of ``status``: consumers with a cap, a rate limit or a pause."""
+    rows = [r for r in rows if r.paused_at is not None or r.concurrency is not None or r.rate_limit is not None]
+    if not rows:
+        return
+    print(f"{'flow control':<32} {'paused since':<34} {'concurrency':>11} {'rate limit':>12} {'running':>8}")
+    for r in rows:
+        paused = r.paused_at.astimezone(UTC).isoformat() if r.paused_at else "-"
+        cap = "-" if r.concurrency is None else str(r.concurrency)
+        rate = "-" if r.rate_limit is None else f"{r.rate_limit:g}/s"
+        print(f"{r.consumer:<32} {paused:<34} {cap:>11} {rate:>12} {r.running:>8}")
 
 
 if __name__ == "__main__":

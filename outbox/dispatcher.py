@@ -163,18 +163,25 @@ class Dispatcher:
                 batch = [item for item in batch if item is not None]
             want = 0 if signals.stop_claiming.is_set() else self.producer.room()
             has_done = any(o is Outcome.DONE for _, o in batch)
+            flow = self.producer.flow
+            flow.finished(j.consumer for j, _ in batch)  # flow control: a capped slot may be free
+            limited = flow.room(want)  # flow control: the limited claim's share, 0 unless due
+            want -= limited
             claim = want > 0 and (has_done or (time.monotonic() >= drained_until and self.producer.worth_claiming(want)))
             to_release = self._buffer_to_release() and self.claims.has_buffer()
-            if not batch and not claim and not to_release:
+            if not batch and not claim and not to_release and not limited:
                 if closing:
                     break
                 timeout = max(0.0, drained_until - time.monotonic()) if drained_until else self.settings.poll_interval
+                timeout = min(timeout or self.settings.poll_interval, flow.wait_seconds())  # flow control
                 jobs_hint, _ = self.wake.wait(min(timeout or self.settings.poll_interval, RELAY_SEEN_INTERVAL))
+                if jobs_hint:
+                    flow.poke()  # flow control: new jobs may be ready for a limited consumer
                 if jobs_hint or time.monotonic() >= drained_until:
                     drained_until = 0.0
                 continue
             try:
-                claimed, from_head = self.round(batch, want if claim else 0)
+                claimed, from_head = self.round(batch, want if claim else 0, limited)
                 failures = self.reconnect.recovered(failures, "claim and completion")
                 carry = []
             except (DBAPIError, psycopg.Error, poison.SystemicError) as exc:
@@ -231,9 +238,11 @@ class Dispatcher:
                 break
         return batch
 
-    def round(self, pending: list[tuple[Job, Any]], want: int) -> tuple[int, bool]:
-        """Write the outcomes in ``pending`` and claim up to ``want`` jobs; returns how many
-        were claimed and whether the claim started at the head of the ready jobs. While
+    def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> tuple[int, bool]:
+        """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and, after the
+        outcomes, up to ``limited`` of the capped or rate-limited consumers on their own path,
+        :meth:`Producer.claim_limited`); returns how many were claimed by the main claim and
+        whether it started at the head of the ready jobs. While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
         finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
@@ -257,4 +266,6 @@ class Dispatcher:
         if release:
             self.completer.write_releases(release)
             pending[:] = []
+        if limited:  # flow control: capped and rate-limited consumers, a claim of their own, after the outcomes
+            self.producer.claim_limited(self.connection.get(), limited)
         return claimed, from_head

@@ -35,20 +35,21 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
-from . import backoff, poison
+from . import backoff, flow, poison
 from .claims import HeldClaims, Signals
 from .completer import Completer
 from .db.engine import is_disconnect
 from .job import Job
 from .notify import Wakeup
 from .reconnect import Reconnector
+from .registry import Subscriber
 from .settings import OutboxSettings
 from .worker import (
     BufferMark,
@@ -57,6 +58,7 @@ from .worker import (
     claim_candidates,
     complete_and_claim_after,
     complete_jobs,
+    job_from_row,
     relay_buffer_remove,
 )
 
@@ -75,7 +77,7 @@ class Producer:
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, todo: queue.SimpleQueue[Job | None], completer: Completer,
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None) -> None:
         self.settings = settings
         self.claims = claims
         self.leases = leases
@@ -93,6 +95,10 @@ class Producer:
         self.quarantine = poison.Quarantine("job")
         self.claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
         self.claims_paused_until = 0.0
+        # Flow control (architecture notes, "Flow control"): capped and rate-limited consumers
+        # are claimed on a path of their own, which says when it is next worth a round trip.
+        self.flow = flow.FlowControl(subscribers or {}, leases, worker_id, settings.poll_interval,
+                                     schema=self.schema)
 
     def claim_leases(self) -> dict[str, float]:
         """The consumers the combined claim statement takes, with their lease seconds."""
@@ -162,6 +168,32 @@ class Producer:
             self.todo.put(job)
         self.claims.hold(claimed[start_now:])
         return completed, buried, len(claimed), from_head
+
+    def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
+        """Claim up to ``room`` jobs of the capped or rate-limited consumers on their own path
+        (:class:`outbox.flow.FlowControl`: a transaction that locks their rows first), handed
+        over like any claim: idle workers first, the rest buffered (listed by the same
+        transaction). Returns how many were claimed."""
+        start_now = self.claims.reserve(room)
+        sent = time.monotonic()
+        try:
+            rows = self.flow.claim(conn, room, self.worker_id, start_now)
+        except BaseException:
+            self.claims.unreserve(start_now)
+            raise
+        claimed = []
+        for r in rows:
+            job = job_from_row(r, self.leases[r[2]])
+            job._claim_order = (r[12], r[13], r[0])
+            job._lease_bound = sent + job.lease_seconds
+            claimed.append(job)
+        self.claims.unreserve(start_now - min(start_now, len(claimed)))
+        self.stats["claimed"] += len(claimed)
+        self.claims.issue(claimed[:start_now])
+        for job in claimed[:start_now]:
+            self.todo.put(job)
+        self.claims.hold(claimed[start_now:])
+        return len(claimed)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
                          mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:

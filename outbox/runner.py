@@ -113,7 +113,7 @@ class JobRunner:
         self.completer = Completer(self.claims, connection.get, self.stats, self.schema,
                                    subscribers=self.subscribers, wake=wake)
         self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._todo, self.completer,
-                                 self.stats)
+                                 self.stats, subscribers=self.subscribers)
         self.dispatcher = Dispatcher(settings, self.claims, self.producer, self.completer, connection,
                                      self._outcomes, wake, self.signals, self.reconnect)
         self.starter = Starter(engine, settings, self.claims, worker_id, self._todo, self._post_outcome,

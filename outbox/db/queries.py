@@ -245,6 +245,69 @@ second; NULL: none) to ``outbox_consumers``; the paused state and the rate limit
 are left alone, so a relay start never resumes a paused consumer. Returns the rows
 inserted or changed; ``updated`` as for ``subscription_upsert_many``."""
 
+consumer_pause: TextClause = text(
+    """
+    WITH before AS (SELECT paused_at FROM outbox_consumers WHERE consumer = :consumer)
+    INSERT INTO outbox_consumers AS c (consumer, paused_at)
+    VALUES (:consumer, now())
+    ON CONFLICT (consumer) DO UPDATE
+    SET paused_at = coalesce(c.paused_at, now()), updated_at = now()
+    RETURNING c.paused_at, (SELECT paused_at FROM before) AS was_paused_at, (c.xmax = 0) AS created
+    """
+)
+"""Pause ``:consumer`` (``outbox-relay pause``): no claim by any relay takes its jobs once
+this commits; routing goes on. Creates the consumer's row when no relay declared it yet
+(no cap, no limit), so a consumer can be paused before it is deployed. Returns when it was
+paused, when it had been paused before (NULL: it was not) and whether the row is new. A
+claim in flight holding the row (``consumer_lock_limited_many``) makes this wait for it."""
+
+consumer_resume: TextClause = text(
+    """
+    WITH before AS (SELECT consumer, paused_at FROM outbox_consumers WHERE consumer = :consumer FOR UPDATE)
+    UPDATE outbox_consumers c
+    SET paused_at = NULL, updated_at = now()
+    FROM before b
+    WHERE c.consumer = b.consumer
+    RETURNING b.paused_at AS was_paused_at
+    """
+)
+"""Resume ``:consumer`` (``outbox-relay resume``): claims take its jobs again. Returns when
+it had been paused (NULL: it was not); no row when the consumer has no row at all."""
+
+consumer_list: TextClause = text(
+    """
+    SELECT c.consumer, c.concurrency, c.rate_limit, c.paused_at,
+           (SELECT count(*) FROM outbox_jobs j WHERE j.status = 'running' AND j.consumer = c.consumer) AS running
+    FROM outbox_consumers c
+    ORDER BY c.consumer
+    """
+)
+"""Every consumer's flow control (cap, rate limit in claims per second, paused since) with its
+running jobs, for ``outbox-relay status``."""
+
+consumer_lock_limited_many: TextClause = text(
+    """
+    SELECT c.consumer, c.rate_limit,
+           CASE WHEN c.rate_limit IS NULL THEN NULL
+                WHEN c.refilled_at IS NULL THEN greatest(1, c.rate_limit)
+                ELSE least(greatest(1, c.rate_limit), c.tokens + c.rate_limit
+                           * greatest(0, extract(epoch FROM statement_timestamp() - c.refilled_at)))
+           END AS tokens
+    FROM outbox_consumers c
+    WHERE c.consumer = ANY (CAST(:consumers AS text[]))
+      AND c.paused_at IS NULL
+      AND (c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
+    ORDER BY c.consumer
+    FOR UPDATE
+    """
+)
+"""The first statement of a limited claim's transaction: lock the rows of those of
+``:consumers`` that have a cap or a rate limit and are not paused, in consumer order (two
+relays never deadlock), waiting for a relay that holds them. Returns (consumer, rate
+limit, tokens the bucket would hold now, NULL without a rate limit); the rows as locked are
+their newest versions, so the pause check holds. ``job_claim_limited_many`` follows in the
+same transaction (architecture notes, "Flow control", for why it is a second statement)."""
+
 subscription_delete: TextClause = text(
     "DELETE FROM outbox_subscriptions WHERE consumer = :consumer RETURNING topic"
 )
@@ -256,6 +319,17 @@ subscription_list: TextClause = text(
 )
 
 # ------------------------------------------------------------------------------ jobs
+
+_CONSUMERS_HELD_BACK = """consumer NOT IN (
+              SELECT c.consumer FROM outbox_consumers c
+              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)"""
+# The consumers no main claim takes (flow control, architecture notes "Flow control"):
+# paused ones, and those with a concurrency cap or a rate limit, which the limited claim
+# (``job_claim_limited_many``) takes instead. ``NOT IN`` a subquery becomes a hashed SubPlan
+# over a table of a few rows, built once per statement and probed as a filter, which the
+# planner rates at half the rows: the claim keeps reading ``ix_outbox_jobs_ready`` in order.
+# ``consumer <> ALL (ARRAY(SELECT ...))`` was rated at a thousandth of the rows, and with
+# 13,000 ready jobs the planner then sorted a sequential scan of the table instead.
 
 _JOB_COLUMNS = """
     j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
@@ -271,14 +345,15 @@ _CLAIM_PICK_TEMPLATE = """
         FROM outbox_jobs
         WHERE status = 'ready'
           AND run_at <= now()
-          AND consumer = ANY (CAST(:consumers AS text[])){after}
+          AND consumer = ANY (CAST(:consumers AS text[]))
+          AND {held_back}{after}
         ORDER BY priority, run_at, id
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
     )
 """
 
-_CLAIM_PICK = _CLAIM_PICK_TEMPLATE.format(after="")
+_CLAIM_PICK = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="")
 
 _CLAIM_SET_TEMPLATE = f"""
     UPDATE outbox_jobs j
@@ -307,7 +382,10 @@ _CLAIM_SET = _CLAIM_SET_TEMPLATE.format(more="")
 job_claim_many: TextClause = text(f"WITH {_CLAIM_PICK} {_CLAIM_SET}")
 """Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
 ``:consumers[i]``): ``running``, ``attempts + 1``, a new fence from ``outbox_fence_seq``,
-``lease_until = now() + lease``. Returns the job and its event."""
+``lease_until = now() + lease``. Returns the job and its event. Consumers that are paused,
+capped or rate-limited in ``outbox_consumers`` are left out (``job_claim_limited_many``
+claims the last two; architecture notes, "Flow control"): a pause holds for every claim
+whose snapshot is taken after it committed."""
 
 _LOCK_BY_ID = """
     locked AS (
@@ -355,7 +433,7 @@ job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_
 """Mark many jobs done, each only if it still holds the given fence and is running. Jobs
 missing from the result were stale reports and changed nothing."""
 
-_CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(after="""
+_CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="""
           AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
                                         CAST(:after_id AS bigint))
           AND id <> ALL (CAST(:skip AS bigint[]))
@@ -403,6 +481,74 @@ completion is fenced and locks its rows in id order; the claim only takes rows t
 ``ready`` in the statement's snapshot (never one being completed, which was ``running``)
 and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
 WITH": sub-statements run on one snapshot and must not update the same row twice)."""
+
+job_claim_limited_many: TextClause = text(
+    f"""
+    WITH wanted AS (
+        SELECT *
+        FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
+    ), refill AS (
+        SELECT c.consumer, c.concurrency, c.rate_limit,
+               CASE WHEN c.rate_limit IS NULL THEN NULL
+                    WHEN c.refilled_at IS NULL THEN greatest(1, c.rate_limit)
+                    ELSE least(greatest(1, c.rate_limit), c.tokens + c.rate_limit
+                               * greatest(0, extract(epoch FROM statement_timestamp() - c.refilled_at)))
+               END AS tokens
+        FROM outbox_consumers c
+        JOIN wanted w ON w.consumer = c.consumer
+        WHERE c.paused_at IS NULL
+    ), allowed AS (
+        SELECT r.consumer, r.rate_limit, r.tokens,
+               greatest(0, least(
+                   coalesce(r.concurrency - (SELECT count(*) FROM outbox_jobs j
+                                             WHERE j.status = 'running' AND j.consumer = r.consumer), :limit),
+                   coalesce(floor(r.tokens), :limit),
+                   :limit)) AS allowance
+        FROM refill r
+    ), picked AS (
+        SELECT p.id
+        FROM allowed a
+        CROSS JOIN LATERAL (
+            SELECT j.id, j.priority, j.run_at
+            FROM outbox_jobs j
+            WHERE j.status = 'ready' AND j.run_at <= now() AND j.consumer = a.consumer
+            ORDER BY j.priority, j.run_at, j.id
+            LIMIT a.allowance
+            FOR UPDATE SKIP LOCKED
+        ) p
+        ORDER BY p.priority, p.run_at, p.id
+        LIMIT :limit
+    ), claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
+    taken AS (
+        UPDATE outbox_consumers c
+        SET tokens = a.tokens - (SELECT count(*) FROM claimed x WHERE x.consumer = c.consumer),
+            refilled_at = statement_timestamp()
+        FROM allowed a
+        WHERE c.consumer = a.consumer AND a.rate_limit IS NOT NULL
+        RETURNING 1
+    ), marked AS (
+        UPDATE outbox_relays r
+        SET buffered = r.buffered || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
+            last_seen_at = now()
+        WHERE r.id = :relay
+          AND EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now)
+        RETURNING 1
+    )
+    SELECT * FROM claimed
+    """
+)
+"""The second statement of a limited claim's transaction, after ``consumer_lock_limited_many``
+locked ``:consumers`` (lease ``:leases[i]`` seconds for ``:consumers[i]``): its snapshot is
+taken after the lock, so it sees every claim committed by a relay that held the lock
+before. Per consumer it refills the token bucket (rate r per second, capacity max(1, r),
+by ``statement_timestamp()``; a new bucket starts full), computes the allowance =
+min(concurrency - running jobs, floor(tokens), ``:limit``) (a missing cap or limit bounds
+nothing), claims up to it in claim order (priority, run_at, id; ``FOR UPDATE SKIP LOCKED``),
+``:limit`` in all, exactly as ``job_claim_many`` sets a claim (running, attempts + 1, new
+fence, lease), takes one token per claimed job and, like ``job_complete_claim_many``, lists
+the claims after the first ``:start_now`` (claim order) as buffered in relay ``:relay``'s row
+of ``outbox_relays``. Returns the claimed rows as ``job_complete_claim_many`` does (columns
+of ``job_claim_many`` plus ``priority``, ``run_at``)."""
 
 job_complete: TextClause = text(
     """
@@ -501,18 +647,20 @@ hint. A hint like the routing NOTIFY: a relay that misses it claims from the hea
 ``HINT_SECONDS`` anyway."""
 
 job_claim_candidates: TextClause = text(
-    """
+    f"""
     SELECT id FROM outbox_jobs
     WHERE status = 'ready'
       AND run_at <= now()
       AND consumer = ANY (CAST(:consumers AS text[]))
+      AND {_CONSUMERS_HELD_BACK}
       AND id <> ALL (CAST(:skip AS bigint[]))
     ORDER BY priority, run_at, id
     LIMIT :limit
     """
 )
 """Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
-what a claim would take, for finding the job that makes it fail (:mod:`outbox.poison`)."""
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.poison`).
+Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
     """
