@@ -42,8 +42,9 @@ import uuid
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
@@ -51,6 +52,7 @@ from . import ordering, transaction
 from .db import queries
 from .db.engine import make_async_engine, make_engine, parse_url
 from .errors import ConfigurationError, DrainLimitError, HandlerTimeoutError, InvalidEventError
+from .flow import FlowControl
 from .job import Job
 from .publish import check_name
 from .registry import Outbox
@@ -66,6 +68,7 @@ from .worker import (
     complete_and_claim_after,
     complete_jobs,
     fail_jobs,
+    job_from_row,
     release_jobs,
     snooze_jobs,
 )
@@ -226,6 +229,8 @@ def drain(
         route_all(engine, settings.route_batch, schema=schema)
         return []
     leases = {c: s.lease or settings.default_lease for c, s in subscribers.items()}
+    # Consumers with a cap or rate limit are claimed on their own path, as by the relay.
+    limited = FlowControl(subscribers, leases, DRAIN_WORKER_ID, settings.poll_interval, schema=schema)
     deadlines: dict[int, float] = {}  # fence -> time.monotonic() by which the claim's lease has surely run out
     # Handler timeouts as in the relay: an async def handler is cancelled; a def handler
     # runs in this thread and cannot be stopped, so the watchdog only marks it, and when it
@@ -255,7 +260,7 @@ def drain(
             retried: list[int] = []
             while True:
                 sent = time.monotonic()
-                job = _claim_one(engine, leases, ran | left_waiting, schema)
+                job = _claim_one(engine, leases, ran | left_waiting, schema, limited)
                 if job is None:
                     break
                 if not ran and rounds == max_rounds:
@@ -303,13 +308,29 @@ def _autocommit(engine: sa.Engine) -> sa.Connection:
     return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
 
 
-def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], schema: str) -> Job | None:
+def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], schema: str,
+               limited: FlowControl) -> Job | None:
     """Claim the next due job of the consumers in ``leases`` (claim order), leaving out
-    ``skip``; None when there is none."""
+    ``skip``; None when there is none. The main claim leaves out paused, capped and
+    rate-limited consumers; the capped and rate-limited ones are claimed after it through
+    ``limited`` (their caps and buckets apply: one job at a time never exceeds a cap, and a
+    bucket that is empty ends the round). A job of ``skip`` the limited claim took is handed
+    back (release: not counted) and ends the round."""
     with _autocommit(engine) as conn:
         _, claimed, _ = complete_and_claim_after(conn, [], leases, 1, DRAIN_WORKER_ID, None, skip=sorted(skip),
                                                  schema=schema)
-    return claimed[0] if claimed else None
+        if claimed:
+            return claimed[0]
+        if not limited.consumers:
+            return None
+        rows = limited.claim(cast(psycopg.Connection, conn.connection.driver_connection), 1, None, 0)
+        if not rows:
+            return None
+        job: Job = job_from_row(rows[0], leases[rows[0][2]])
+        if job.id in skip:
+            release_jobs(conn, [job], schema=schema)
+            return None
+        return job
 
 
 def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, schema: str) -> DrainResult:

@@ -273,3 +273,32 @@ def test_an_interrupt_in_a_handler_stops_drain_and_hands_the_job_back(engine, in
         drain(engine, ob, settings=_settings())
     assert len(ran) == 1  # the second job did not run after the interrupt
     assert [(j.status, j.attempts, j.waiting) for j in _jobs(engine)] == [("ready", 0, False), ("ready", 0, False)]
+
+
+def test_drain_runs_capped_and_rate_limited_consumers_and_leaves_paused_ones(engine):
+    """The relay's main claim leaves out capped, rate-limited and paused consumers; drain
+    claims the first two on their own path (one job at a time never exceeds a cap, the
+    bucket holds one second of claims) and runs nothing of a paused consumer."""
+    ob = Outbox()
+    seen: list[tuple[str, int]] = []
+
+    @ob.subscriber("t", consumer="capped", concurrency=1)
+    def capped(job: Job) -> None:
+        seen.append(("capped", job.payload["n"]))
+
+    @ob.subscriber("t", consumer="limited", rate_limit="100/s")
+    def limited(job: Job) -> None:
+        seen.append(("limited", job.payload["n"]))
+
+    @ob.subscriber("t", consumer="held")
+    def held(job: Job) -> None:
+        seen.append(("held", job.payload["n"]))
+
+    with engine.begin() as c:
+        c.execute(sa.text("INSERT INTO outbox_consumers (consumer, paused_at) VALUES ('held', now())"))
+    publish_events(engine, "t", [{"n": 1}, {"n": 2}])
+    results = drain(engine, ob, settings=_settings())
+    assert sorted(seen) == [("capped", 1), ("capped", 2), ("limited", 1), ("limited", 2)]
+    assert {(r.consumer, r.outcome) for r in results} == {("capped", "done"), ("limited", "done")}
+    statuses = {(j.consumer, j.status) for j in _jobs(engine)}
+    assert statuses == {("capped", "done"), ("limited", "done"), ("held", "ready")}
