@@ -238,7 +238,7 @@ def test_an_empty_bucket_makes_the_dispatcher_wait_for_the_next_token_not_spin(e
     # 4 at once from the full bucket, then one per token (every 0.25 s): about 9 limited
     # claims, each after the next token is due; a dispatcher retrying an empty bucket at
     # once would run thousands in the ~2 s this takes.
-    assert 3 <= relay.runner.flow.claims <= 40, relay.runner.flow.claims
+    assert 3 <= relay.runner.producer.flow.claims <= 40, relay.runner.producer.flow.claims
 
 
 def test_a_full_cap_makes_the_dispatcher_wait_for_a_slot_not_spin(engine, settings):
@@ -250,7 +250,7 @@ def test_a_full_cap_makes_the_dispatcher_wait_for_a_slot_not_spin(engine, settin
     relay.start()
     try:
         wait_for(lambda: _counts(engine, "one").get("running") == 1, timeout=TIMEOUT, what="the cap full")
-        flow = relay.runner.flow
+        flow = relay.runner.producer.flow
         seen = [flow.claims]
         # While the cap is full the dispatcher tries again once per poll_interval: sampled every
         # 50 ms, the count of limited claims rises by one at a time (a spinning one jumps by dozens).
