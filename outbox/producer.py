@@ -159,6 +159,12 @@ class Producer:
             # (released, retried early, more urgent); the next claim starts at the head.
             self.hint = None if hinted and len(claimed) < want else last
             from_head = not hinted
+        self._hand_over(claimed, start_now, sent)
+        return completed, buried, len(claimed), from_head
+
+    def _hand_over(self, claimed: list[Job], start_now: int, sent: float) -> None:
+        """Jobs just claimed (a statement sent at ``sent``, monotonic): the first
+        ``start_now`` to the workers reserved for them, the rest into the buffer."""
         for job in claimed:
             job._lease_bound = sent + job.lease_seconds
         self.claims.unreserve(start_now - min(start_now, len(claimed)))
@@ -167,7 +173,6 @@ class Producer:
         for job in claimed[:start_now]:
             self.todo.put(job)
         self.claims.hold(claimed[start_now:])
-        return completed, buried, len(claimed), from_head
 
     def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
         """Claim up to ``room`` jobs of the capped or rate-limited consumers on their own path
@@ -185,14 +190,8 @@ class Producer:
         for r in rows:
             job = job_from_row(r, self.leases[r[2]])
             job._claim_order = (r[12], r[13], r[0])
-            job._lease_bound = sent + job.lease_seconds
             claimed.append(job)
-        self.claims.unreserve(start_now - min(start_now, len(claimed)))
-        self.stats["claimed"] += len(claimed)
-        self.claims.issue(claimed[:start_now])
-        for job in claimed[:start_now]:
-            self.todo.put(job)
-        self.claims.hold(claimed[start_now:])
+        self._hand_over(claimed, start_now, sent)
         return len(claimed)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
