@@ -8,10 +8,13 @@ Rules every job-changing statement here keeps (architecture notes, "Statements")
   ``status = 'running'``; the caller reads which rows came back (``RETURNING``) and treats a
   missing row as a lost lease or a stale report. The reaper's check is the lease itself
   (``lease_until < now()``).
-* Claiming, routing and reaping lock with ``FOR UPDATE SKIP LOCKED``, so any number of
-  relays may run them at once without waiting on one another (seed article 000).
+* Claiming, routing and reaping lock with ``SKIP LOCKED`` (claims ``FOR NO KEY UPDATE``,
+  the others ``FOR UPDATE``), so any number of relays may run them at once without waiting
+  on one another (seed article 000).
 * Statements that lock several job rows by id (heartbeat, complete, fail, release) lock
-  them in id order first, so two of them can never deadlock each other.
+  them in id order first, so two of them can never deadlock each other. Every statement
+  that finishes a job locks it ``FOR UPDATE`` first, the one mode a router's ``FOR KEY
+  SHARE`` on an ordered key's head waits for (``event_route_many``).
 
 Arrays are bound as PostgreSQL arrays (``CAST(:ids AS bigint[])``), so a batch costs one
 round trip whatever its size.
@@ -88,7 +91,7 @@ event_route_many: TextClause = text(
         WHERE j.id IN (SELECT id FROM unfinished)
           AND j.status <> 'done' AND j.status <> 'cancelled'
         ORDER BY j.id
-        FOR SHARE
+        FOR KEY SHARE
     ), busy AS (
         SELECT u.consumer, u.ordering_key
         FROM unfinished u
@@ -140,10 +143,15 @@ outside this batch (read through ``ix_outbox_events_unrouted_key``); it is left 
 and taken by a later round, while another router holds the earlier one. For a subscription with ``ordered`` the job
 gets ``ordering_key`` = the event's key and is ``pending`` when its (consumer, key)
 already has an unfinished job, or an earlier one in this batch, else ``ready``. The
-key's first two unfinished jobs (its head and the next) are locked ``FOR SHARE``
+key's first two unfinished jobs (its head and the next) are locked ``FOR KEY SHARE``
 (``heads``), so a completion of the head committing meanwhile is either seen (the lock
 re-reads the newest version and drops a finished head) or waits for this commit, and then
-its promotion sees the job inserted here. A second unfinished job in the snapshot
+its promotion sees the job inserted here. ``FOR KEY SHARE`` conflicts only with ``FOR
+UPDATE``, which every statement that finishes a job takes first (completion, failure,
+reaping, release, burying, the transactional completion, skip); claims lock with ``FOR NO
+KEY UPDATE SKIP LOCKED`` and promotion with ``FOR NO KEY UPDATE``, which it does not block
+and which never block it. With ``FOR SHARE`` here, a claim that had locked a ready head
+while its completion part waited for a head this statement held deadlocked with it. A second unfinished job in the snapshot
 (``place = 2``) keeps the key busy whatever became of the head, and its lock keeps it from
 being promoted before this commits. The heads are locked in id order, like every statement that
 locks job rows and waits (completion, heartbeat, failure, promotion), so none of them can
@@ -349,9 +357,12 @@ _CLAIM_PICK_TEMPLATE = """
           AND {held_back}{after}
         ORDER BY priority, run_at, id
         LIMIT :limit
-        FOR UPDATE SKIP LOCKED
+        FOR NO KEY UPDATE SKIP LOCKED
     )
 """
+# FOR NO KEY UPDATE (not FOR UPDATE): the lock an UPDATE of non-key columns takes anyway;
+# two claims still skip each other's rows, but a router's FOR KEY SHARE on an ordered key's
+# head neither blocks a claim nor waits for one (``event_route_many`` says why).
 
 _CLAIM_PICK = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="")
 
@@ -514,7 +525,7 @@ job_claim_limited_many: TextClause = text(
             WHERE j.status = 'ready' AND j.run_at <= now() AND j.consumer = a.consumer
             ORDER BY j.priority, j.run_at, j.id
             LIMIT a.allowance
-            FOR UPDATE SKIP LOCKED
+            FOR NO KEY UPDATE SKIP LOCKED
         ) p
         ORDER BY p.priority, p.run_at, p.id
         LIMIT :limit
@@ -543,7 +554,7 @@ taken after the lock, so it sees every claim committed by a relay that held the 
 before. Per consumer it refills the token bucket (rate r per second, capacity max(1, r),
 by ``statement_timestamp()``; a new bucket starts full), computes the allowance =
 min(concurrency - running jobs, floor(tokens), ``:limit``) (a missing cap or limit bounds
-nothing), claims up to it in claim order (priority, run_at, id; ``FOR UPDATE SKIP LOCKED``),
+nothing), claims up to it in claim order (priority, run_at, id; ``FOR NO KEY UPDATE SKIP LOCKED``),
 ``:limit`` in all, exactly as ``job_claim_many`` sets a claim (running, attempts + 1, new
 fence, lease), takes one token per claimed job and, like ``job_complete_claim_many``, lists
 the claims after the first ``:start_now`` (claim order) as buffered in relay ``:relay``'s row
@@ -555,11 +566,14 @@ job_complete: TextClause = text(
     WITH handler AS (
         SELECT current_setting('outbox.handler_fence', true) IS NOT DISTINCT FROM CAST(:fence AS text)
             AS same_transaction
+    ), locked AS (
+        SELECT id FROM outbox_jobs
+        WHERE id = :id AND fence = :fence AND status = 'running' AND (SELECT same_transaction FROM handler)
+        FOR UPDATE
     ), completed AS (
         UPDATE outbox_jobs
         SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
-        WHERE id = :id AND fence = :fence AND status = 'running'
-          AND (SELECT same_transaction FROM handler)
+        WHERE id IN (SELECT id FROM locked) AND fence = :fence AND status = 'running'
         RETURNING id
     )
     SELECT (SELECT same_transaction FROM handler) AS same_transaction,
@@ -664,10 +678,11 @@ Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
     """
+    WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.fence = :fence AND j.status = 'running' FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
         ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
-    WHERE j.id = :id AND j.fence = :fence AND j.status = 'running'
+    WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.fence = :fence AND j.status = 'running'
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
@@ -677,10 +692,11 @@ ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
 job_bury_ready: TextClause = text(
     """
+    WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.status = 'ready' FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', finished_at = now(), last_error = :error, updated_at = now(),
         ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
-    WHERE j.id = :id AND j.status = 'ready'
+    WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.status = 'ready'
     """
 )
 """Dead-letter one ready job whose claim fails with a data error (no claim, so no fence:
@@ -688,10 +704,11 @@ only a job still ``ready`` changes). The ordering key as in ``job_bury``."""
 
 job_bury_expired: TextClause = text(
     """
+    WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.status = 'running' AND j.lease_until < now() FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
         ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
-    WHERE j.id = :id AND j.status = 'running' AND j.lease_until < now()
+    WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.status = 'running' AND j.lease_until < now()
     """
 )
 """Dead-letter one job whose lease expired and whose reaping fails with a data error; the

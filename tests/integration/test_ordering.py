@@ -531,3 +531,35 @@ def test_skip_policy_on_the_reaper_and_poison_paths(engine):
         assert len(HeadSweeper().sweep(c)) == 2  # the relay's reaper loop runs this after reaping
     drain(engine, ob, settings=_settings())
     assert seen == [("a", 2), ("b", 4)]
+
+
+def test_router_and_claims_on_one_key_do_not_wait_for_each_other(engine):
+    """The lock modes that keep the router and the claims of an ordered key's head from
+    deadlocking: a claim's lock on a ready head (``FOR NO KEY UPDATE``) does not make the
+    router wait, and the router's lock on the head (``FOR KEY SHARE``) does not make a claim
+    skip it. With the router on ``FOR SHARE`` and claims on ``FOR UPDATE`` each waited for
+    the other's lock, and a claim whose completion part waited for a running head the router
+    held deadlocked with it."""
+    from outbox.router import register_subscriptions
+
+    register_subscriptions(engine, _registry([]), _settings())
+    _publish(engine, [("K", 1)])
+    with engine.begin() as c:
+        route_batch(c, 10)
+    head = _jobs(engine)[0]
+    assert head.status == "ready"
+    _publish(engine, [("K", 2)])
+    with engine.connect() as claimer:
+        claimer.execute(sa.text("SELECT id FROM outbox_jobs WHERE id = :id FOR NO KEY UPDATE"), {"id": head.id})
+        with engine.begin() as router:  # the claim's lock is held: the router must not wait for it
+            router.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
+            assert route_batch(router, 10).jobs == 1
+        claimer.rollback()
+    assert [(r.n, r.status) for r in _jobs(engine)] == [(1, "ready"), (2, "pending")]
+    _publish(engine, [("K", 3)])
+    with engine.connect() as router:
+        router.execute(sa.text("SELECT id FROM outbox_jobs WHERE id = :id FOR KEY SHARE"), {"id": head.id})
+        with engine.begin() as c:  # the router's lock is held: the claim takes the head all the same
+            c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
+            assert [j.id for j in claim_jobs(c, {"c": 30.0}, 10, "w")] == [head.id]
+        router.rollback()
