@@ -267,6 +267,8 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return demo_main(args, settings)
     if args.command == "psql":
         return _psql(args, settings)
+    if args.command in ("pause", "resume"):
+        _check_consumer_name(args.command, args.consumer)  # before anything connects
     engine = _engine(settings)
     schema = settings.schema_name
     with translate_errors(engine.url, schema):
@@ -396,10 +398,22 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
     return 0
 
 
-def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) -> None:
-    """Pause or resume ``consumer`` (architecture notes, "Flow control") and say what changed."""
+def _check_consumer_name(command: str, consumer: str) -> None:
+    """Refuse a consumer name no registry could declare (empty, over 255 characters, a NUL),
+    naming the problem, before anything is written."""
+    from .errors import InvalidEventError
+    from .publish import check_name
+
     if not consumer.strip():
         raise UsageError(f"{command} needs a consumer name, got {consumer!r}")
+    try:
+        check_name(consumer, "consumer")  # the registry's rule
+    except InvalidEventError as exc:
+        raise UsageError(f"{command}: {exc}") from None
+
+
+def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) -> None:
+    """Pause or resume ``consumer`` (architecture notes, "Flow control") and say what changed."""
     if command == "pause":
         row = conn.execute(statements.consumer_pause, {"consumer": consumer}).one()
         since = row.paused_at.astimezone(UTC).isoformat()

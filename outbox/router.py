@@ -61,7 +61,9 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
     """Write ``registry``'s (topic, consumer) pairs and options to ``outbox_subscriptions``
     and its flow-control options to ``outbox_consumers``, of schema ``settings.schema_name``
     (the relay does at start, :func:`outbox.testing.drain` before routing): routing creates
-    jobs for the pairs found there."""
+    jobs for the pairs found there. Jobs of a consumer declared unordered that still hold an
+    ordering key (it was ordered before) leave it: waiting ones become ready, a dead one no
+    longer blocks (``job_ordering_release_many``)."""
     subs = list(registry)
     if not subs:
         return
@@ -81,6 +83,12 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
             "concurrency": [s.concurrency for s in subs],
             "rate_limits": [s.rate_limit for s in subs],
         }).all()
+        unordered = [s.consumer for s in subs if not s.ordered]
+        released = conn.execute(queries.in_schema(settings.schema_name).job_ordering_release_many,
+                                {"consumers": unordered}).all() if unordered else []
+    if released:
+        log.warning("%d jobs of consumers now declared unordered left their ordering keys (%d were waiting, now "
+                    "ready)", len(released), sum(1 for r in released if r.status == "ready"))
     for row in changed:
         if row.updated:
             log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "

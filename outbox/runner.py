@@ -245,6 +245,9 @@ class JobRunner:
         (counted, fenced; backoff, or dead when out of attempts) and the job goes back so
         any relay can run it; the thread keeps its worker slot until it returns."""
         self.stats["timed_out"] += 1
+        # The subscriber's timeout, not the watchdog's: an async handler is watched one second
+        # past it, as a backstop for one that blocks its event loop.
+        seconds = self.subscribers[job.consumer].timeout or seconds
         hung = self.claims.hang()
         log.warning("job %s (%s) fence %s: handler still running after its timeout of %gs; attempt %s/%s failed and "
                     "the job handed back. Its thread cannot be stopped and keeps its worker slot: %d of %d slots "

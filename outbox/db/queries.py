@@ -940,6 +940,23 @@ first: each dead job that still holds its ordering key (``on_dead='block'``) wit
 consumer, key, id, since when (``finished_at``) and how many pending jobs wait behind it.
 Read through ``ix_outbox_jobs_ordering``."""
 
+job_ordering_release_many: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET ordering_key = NULL,
+        status = CASE WHEN status = 'pending' THEN 'ready' ELSE status END,
+        run_at = CASE WHEN status = 'pending' THEN greatest(run_at, now()) ELSE run_at END,
+        updated_at = now()
+    WHERE consumer = ANY (CAST(:consumers AS text[]))
+      AND ordering_key IS NOT NULL AND status IN ('pending', 'ready', 'dead')
+    RETURNING id, status
+    """
+)
+"""A consumer declared unordered again: its jobs leave their keys (``ix_outbox_jobs_ordering``,
+by consumer): ``pending`` ones become ``ready`` at once, a dead job no longer blocks its key.
+Running jobs are left alone (no fence here); they finish as any unordered job. Returns
+(id, new status) of the jobs changed."""
+
 job_ordering_get: TextClause = text(
     "SELECT id, consumer, status, ordering_key FROM outbox_jobs WHERE id = :id"
 )

@@ -377,3 +377,14 @@ def test_a_reader_that_leaves_early_gets_no_traceback(db_url, tmp_path):
     stderr = process.stderr.read()
     assert process.wait(60) == 141, stderr
     assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+@pytest.mark.parametrize("name, fragment", [("x" * 20_000, "20000 characters long, the limit is 255"),
+                                            ("a\x00b", "NUL"), ("  ", "needs a consumer name")])
+def test_pause_and_resume_refuse_a_name_no_registry_could_declare_before_connecting(cli, name, fragment):
+    """Checked before anything connects (the database here is unreachable): the error names
+    the name's problem, not the database (a 20,000-character name used to reach the server
+    and come back as 'cannot reach the database ... index row requires 20016 bytes')."""
+    unreachable = {"OUTBOX_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/nowhere"}
+    for command in ("pause", "resume"):
+        assert_one_error_line(cli(command, name, env=unreachable), command, fragment)

@@ -563,3 +563,18 @@ def test_router_and_claims_on_one_key_do_not_wait_for_each_other(engine):
             c.execute(sa.text("SET LOCAL lock_timeout = '2s'"))
             assert [j.id for j in claim_jobs(c, {"c": 30.0}, 10, "w")] == [head.id]
         router.rollback()
+
+
+def test_declaring_a_consumer_unordered_again_releases_its_waiting_jobs(engine):
+    """A consumer redeployed with ``ordered=False``: the jobs still waiting behind their key
+    run (unordered) instead of staying pending, and a dead job no longer blocks (found by
+    the adversarial test: drain left them pending for good, a relay's sweep let one a pass)."""
+    seen: list[tuple[str | None, int]] = []
+    drain(engine, _registry(seen, permanent={1}), settings=_settings())  # declares the consumer ordered
+    _publish(engine, [("K", 1), ("K", 2), ("K", 3), ("J", 4), ("J", 5)])
+    drain(engine, _registry(seen, permanent={1}), settings=_settings())
+    assert [(r.n, r.status) for r in _jobs(engine)] == [(1, "dead"), (2, "pending"), (3, "pending"),
+                                                       (4, "done"), (5, "done")]
+    drain(engine, _registry(seen, ordered=False), settings=_settings())
+    assert [(r.n, r.status, r.ordering_key) for r in _jobs(engine)] == [
+        (1, "dead", None), (2, "done", None), (3, "done", None), (4, "done", "J"), (5, "done", "J")]
