@@ -137,6 +137,33 @@ def test_an_async_handler_that_hangs_forever_is_cancelled_and_ends_dead(engine, 
         relay.stop()
 
 
+def test_an_async_handler_that_blocks_its_event_loop_is_failed_naming_its_own_timeout(engine, settings):
+    """An async handler that swallows its cancellation and blocks its event loop is caught
+    by the watchdog's backstop, one second past the timeout; the error still gives the
+    subscriber's timeout (it said 2 s for a timeout of 1 s: found by the adversarial test)."""
+    ob = Outbox()
+    release = threading.Event()
+
+    @ob.subscriber("t", consumer="blocks", timeout=0.3, max_attempts=1)
+    async def blocks(job: Job) -> None:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            release.wait(TIMEOUT)  # blocks the loop: cancellation cannot end it
+
+    publish_events(engine, "t", [{"n": 1}])
+    relay = Relay(ob, settings(concurrency=2), maintain=False)
+    relay.start()
+    try:
+        wait_for(lambda: _jobs(engine, "blocks") and _jobs(engine, "blocks")[0]["status"] == "dead",
+                 timeout=TIMEOUT, what="the blocking job dead")
+        [row] = _jobs(engine, "blocks")
+        assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"], row["last_error"]
+    finally:
+        release.set()
+        relay.stop()
+
+
 @pytest.fixture
 def effects(engine):
     with engine.begin() as c:
