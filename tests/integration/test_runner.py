@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import psycopg
 import sqlalchemy as sa
@@ -411,13 +412,21 @@ def test_a_busy_relay_keeps_its_row_seen(engine, settings, monkeypatch):
     relay.start()
     try:
         wait_for(lambda: _relay_age(engine, relay.worker_id) is not None, timeout=TIMEOUT, what="the relay's row")
+        seen = set()
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:  # a steady trickle: a round every few milliseconds
             publish_events(engine, "t", [{"n": 0}])
-        age = _relay_age(engine, relay.worker_id)
+            seen.add(_relay_seen_at(engine, relay.worker_id))
     finally:
         relay.stop()
-    assert age is not None and age < 1.0, age
+    # Refreshed while busy (about every 0.3 s; a loaded machine may stretch that, so no bound
+    # on the age): a relay that refreshed its row only when idle shows one value here.
+    assert len(seen) >= 3, sorted(seen)
+
+
+def _relay_seen_at(engine: sa.Engine, worker_id: str) -> Any:
+    with engine.connect() as c:
+        return c.execute(sa.text("SELECT last_seen_at FROM outbox_relays WHERE id = :id"), {"id": worker_id}).scalar()
 
 
 def _relay_age(engine: sa.Engine, worker_id: str) -> float | None:
