@@ -129,8 +129,11 @@ def test_stop_releases_the_buffer_at_once_while_handlers_still_run(engine, setti
     relay.start()
     stopper = threading.Thread(target=relay.stop)
     try:
-        wait_for(lambda: list(_statuses(engine).values()).count("running") == 6, timeout=TIMEOUT,
-                 what="2 running + 4 buffered claims")
+        # Both handlers started, not only claimed: a claim handed to a worker that has not
+        # picked it up yet is released at once too (under load the stop came first and all
+        # six were released, so "both handlers still run" did not hold).
+        wait_for(lambda: list(_statuses(engine).values()).count("running") == 6 and len(running) == 2,
+                 timeout=TIMEOUT, what="2 handlers running + 4 buffered claims")
         stopper.start()  # the grace period outlasts this test's waits: the handlers stay blocked
         wait_for(lambda: list(_statuses(engine).values()).count("running") == 2, timeout=TIMEOUT / 2,
                  what="the 4 buffered claims released while both handlers still run")
