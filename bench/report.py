@@ -189,8 +189,9 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("8 ordered", f"{o['events']:,} events over {o['keys']:,} keys, one consumer, ordered / unordered",
                     f"{_n(o['ordered_jobs_per_s'])} / {_n(o['unordered_jobs_per_s'])} jobs/s "
                     f"({o['ordered_ratio']:.0%})", ">= 50 %", _ok(o["ordered_ratio"] >= 0.5)))
-        out.append(("8 ordered", "one hot key carrying half the events: the other keys' rate / the ordered rate",
-                    f"{_n(o['hot_other_keys_per_s'])} jobs/s ({o['hot_ratio']:.0%})", ">= 80 %",
+        out.append(("8 ordered", "one hot key carrying half the events: the other keys' rate / their rate alone",
+                    f"{_n(o['hot_other_keys_per_s'])} / {_n(o.get('others_alone_per_s'))} jobs/s ({o['hot_ratio']:.0%})",
+                    ">= 80 %",
                     _ok(o["hot_ratio"] >= 0.8)))
         out.append(("8 ordered", f"claim + complete of 50 with {o['blocked_jobs']:,} jobs behind a blocked key / none",
                     f"{o['claim_blocked_ms']:.2f} / {o['claim_ms']:.2f} ms ({o['claim_ratio']:.2f}x)", "<= 1.2x",
