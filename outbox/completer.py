@@ -47,7 +47,6 @@ from .worker import (
     bury_job,
     fail_jobs,
     notify_head,
-    promote_keys,
     release_jobs,
     snooze_jobs,
 )
@@ -150,10 +149,7 @@ class Completer:
         those outcomes were written. A key whose head is still unfinished (a retry, a snooze,
         a dead job that blocks) is left as it is. No statement runs when no job is ordered. A
         relay that stops before this runs leaves the keys to the reaper's sweep."""
-        params = ordering.promotion_params(jobs, self.subscribers)
-        if params is None:
-            return
-        promoted = promote_keys(self.connection(), params, schema=self.schema)
+        promoted = ordering.promote_finished(self.connection(), jobs, self.subscribers, schema=self.schema)
         if promoted and self.wake is not None:
             self.stats["promoted"] = self.stats.get("promoted", 0) + len(promoted)
             self.wake.set()  # an UPDATE sends no NOTIFY: claim the promoted jobs in the next round

@@ -95,6 +95,7 @@ from .db import queries
 from .errors import NotBlockingError
 from .job import Job
 from .registry import Subscriber
+from .worker import Executor, promote_keys
 
 log = logging.getLogger("outbox.ordering")
 
@@ -131,25 +132,21 @@ def promotion_params(jobs: Iterable[Job], subscribers: Mapping[str, Subscriber])
                           if j.key is not None and (sub := subscribers.get(j.consumer)) is not None and sub.ordered)
 
 
-def promote(conn: Connection, keys: Iterable[tuple[str, str]], *, schema: str | None = None) -> list[int]:
+def promote(conn: Executor, keys: Iterable[tuple[str, str]], *, schema: str | None = None) -> list[int]:
     """Promote the pending head of each (consumer, key) in ``keys`` whose head is pending
     (``job_promote_many``); returns the ids promoted. ``conn`` should be autocommit, or the
     caller commits: run it after the outcomes that finished the keys' jobs committed (see
     the module notes)."""
     params = promote_params(keys)
-    if params is None:
-        return []
-    return [r.id for r in conn.execute(queries.in_schema(schema).job_promote_many, params).all()]
+    return [] if params is None else promote_keys(conn, params, schema=schema)
 
 
-def promote_finished(conn: Connection, jobs: Iterable[Job], subscribers: Mapping[str, Subscriber], *,
+def promote_finished(conn: Executor, jobs: Iterable[Job], subscribers: Mapping[str, Subscriber], *,
                      schema: str | None = None) -> list[int]:
     """After the outcomes of ``jobs`` committed: promote the next job of each ordered key
     they belong to (``promotion_params``); no statement runs when none is ordered."""
     params = promotion_params(jobs, subscribers)
-    if params is None:
-        return []
-    return [r.id for r in conn.execute(queries.in_schema(schema).job_promote_many, params).all()]
+    return [] if params is None else promote_keys(conn, params, schema=schema)
 
 
 class HeadSweeper:

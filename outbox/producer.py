@@ -58,7 +58,7 @@ from .worker import (
     claim_candidates,
     complete_and_claim_after,
     complete_jobs,
-    job_from_row,
+    job_from_claim_row,
     relay_buffer_remove,
 )
 
@@ -186,11 +186,7 @@ class Producer:
         except BaseException:
             self.claims.unreserve(start_now)
             raise
-        claimed = []
-        for r in rows:
-            job = job_from_row(r, self.leases[r[2]])
-            job._claim_order = (r[12], r[13], r[0])
-            claimed.append(job)
+        claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
         self._hand_over(claimed, start_now, sent)
         return len(claimed)
 

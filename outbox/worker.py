@@ -138,6 +138,14 @@ def job_from_row(row: Any, lease_seconds: float) -> Job:
                lease_seconds, row[11])
 
 
+def job_from_claim_row(row: Any, lease_seconds: float) -> Job:
+    """:func:`job_from_row` for a claim that also returned ``priority`` and ``run_at`` (columns
+    12 and 13): the job remembers its place in the queue, which the relay's buffer keeps."""
+    job = job_from_row(row, lease_seconds)
+    job._claim_order = (row[12], row[13], row[0])
+    return job
+
+
 def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
     consumers = list(leases)
     return {"consumers": consumers, "leases": [leases[c] for c in consumers], "limit": limit, "worker": worker_id}
@@ -188,12 +196,7 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
     last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
-    jobs = []
-    for r in claimed:
-        job = job_from_row(r, leases[r[2]])
-        job._claim_order = (r[12], r[13], r[0])
-        jobs.append(job)
-    return completed, jobs, last
+    return completed, [job_from_claim_row(r, leases[r[2]]) for r in claimed], last
 
 
 @dataclass(frozen=True, slots=True)
