@@ -1,0 +1,163 @@
+"""Sinks: the brokers a forwarder relays events to (architecture notes, "Forwarding").
+
+A forwarder (``Outbox.forward``) is a consumer whose jobs are not run by a Python handler
+but sent to a broker by a :class:`Sink`. Each job becomes one :class:`Message` (the event's
+payload bytes as stored, its headers and outbox's own, see the mapping table in the
+architecture notes); the relay hands a sink whole batches, and the sink sends each batch
+without waiting for one broker acknowledgement before the next send, then reports one
+:data:`SendResult` per message, in order:
+
+* :class:`Delivered`: the broker stored it (JetStream's PubAck, RabbitMQ's confirm); the
+  job completes. ``duplicate``: the broker already held a message with this id (JetStream's
+  duplicate window), which completes the job too.
+* :class:`Failed`: the broker refused it or did not answer in time. The attempt fails and
+  counts (backoff, dead letter once out of attempts); ``permanent`` (a message no retry can
+  deliver: over the server's size limit, a subject no stream binds, an address the key
+  cannot be rendered into) dead-letters it at once. ``error`` names the broker's answer.
+* :class:`Unavailable`: the connection to the broker is down. The job is handed back, the
+  attempt not counted, and the relay claims no more of the forwarder's jobs until the sink
+  has reconnected: an outage makes jobs wait, it never dead-letters them.
+
+A sink object is created when the forwarder is declared (in the application module, so a
+bad option is a :class:`~outbox.errors.ConfigurationError` at import time) and connected by
+the relay that runs it; one relay uses it from one thread and one event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import string
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from ..errors import ConfigurationError
+
+#: Fields a subject or routing-key template may name.
+TEMPLATE_FIELDS = frozenset({"topic", "key", "consumer"})
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One job as a broker message. ``body``: the event's payload, the JSON text PostgreSQL
+    stores (``payload::text``), UTF-8. ``headers``: the event's own headers (strings; other
+    JSON values as their JSON text), passed through unchanged. ``idempotency_key`` is the
+    job's (``"<consumer>:<event_id>"``), the same on every attempt: the broker-side message
+    id. ``created_at``: the event's, aware (UTC)."""
+
+    job_id: int
+    event_id: int
+    consumer: str
+    topic: str
+    key: str | None
+    idempotency_key: str
+    created_at: datetime
+    body: bytes
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """The broker stored the message (``duplicate``: it held one with this id already)."""
+
+    duplicate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The broker refused the message or did not acknowledge it in time; ``error`` says
+    what the broker answered. ``permanent``: no retry can deliver it (dead at once)."""
+
+    error: str
+    permanent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """The broker could not be reached: the job goes back, its attempt not counted."""
+
+    error: str
+
+
+#: What a sink reports for one message.
+SendResult = Delivered | Failed | Unavailable
+
+
+class SinkUnavailableError(Exception):
+    """Raised by :meth:`Sink.connect` when the broker cannot be reached (the relay retries
+    with backoff); the message says why."""
+
+
+class Template:
+    """A subject or routing-key template: ``str.format`` syntax naming only
+    :data:`TEMPLATE_FIELDS` (``"orders.{topic}"``, ``"{topic}.{key}"``). ``what`` names it
+    in errors (``"subject"``). Raises :class:`ConfigurationError` for a template that is not
+    a string, does not parse, names another field, or uses attribute, index, conversion or
+    format-spec syntax."""
+
+    def __init__(self, text: object, what: str) -> None:
+        if not isinstance(text, str) or not text:
+            raise ConfigurationError(f"{what} template must be a non-empty string, got {text!r}")
+        try:
+            parts = list(string.Formatter().parse(text))
+        except ValueError as exc:
+            raise ConfigurationError(f"{what} template {text!r} does not parse: {exc}") from None
+        fields: set[str] = set()
+        for _, name, spec, conversion in parts:
+            if name is None:
+                continue
+            if name not in TEMPLATE_FIELDS:
+                raise ConfigurationError(f"{what} template {text!r} names unknown field {{{name}}}; "
+                                         f"known: {', '.join('{' + f + '}' for f in sorted(TEMPLATE_FIELDS))}")
+            if spec or conversion:
+                raise ConfigurationError(f"{what} template {text!r}: {{{name}}} takes no conversion or format spec")
+            fields.add(name)
+        self.text = text
+        self.what = what
+        self.fields = frozenset(fields)
+
+    def render(self, message: Message) -> str:
+        """The address of ``message``. Raises :class:`ValueError` naming the message when the
+        template names ``{key}`` and the event has none (a permanent failure)."""
+        if "key" in self.fields and message.key is None:
+            raise ValueError(f"event {message.event_id} has no key, and the {self.what} template {self.text!r} "
+                             "needs one")
+        return self.text.format(topic=message.topic, key=message.key or "", consumer=message.consumer)
+
+    def __repr__(self) -> str:
+        return f"Template({self.text!r})"
+
+
+class Sink(abc.ABC):
+    """A broker a forwarder sends to. Subclasses validate every option in ``__init__``
+    (raising :class:`ConfigurationError`), import their client library only in
+    :meth:`connect`, and implement the three coroutines below. A sink is used by one relay,
+    from one event loop; :meth:`send_many` is never called twice at once."""
+
+    #: The pip extra that installs the client library (``"nats"``, ``"rabbitmq"``).
+    extra: str = ""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """Where it sends, for logs and ``status``, without credentials
+        (``"nats://127.0.0.1:4222 subject orders.{topic}"``)."""
+
+    @abc.abstractmethod
+    async def connect(self) -> None:
+        """Open the connection (and what it needs: a channel with publisher confirms).
+        Raises :class:`SinkUnavailableError` when the broker cannot be reached."""
+
+    @property
+    @abc.abstractmethod
+    def connected(self) -> bool:
+        """Whether the connection is up now (a dropped one reports False until reconnected)."""
+
+    @abc.abstractmethod
+    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+        """Send ``messages`` without waiting for each acknowledgement in turn, then wait up
+        to ``timeout`` seconds in all for the acknowledgements; one result per message, in
+        order. Never raises for one message's failure: that message's result says it."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Close the connection; safe to call when it is not open."""
