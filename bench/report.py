@@ -189,10 +189,16 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("8 ordered", f"{o['events']:,} events over {o['keys']:,} keys, one consumer, ordered / unordered",
                     f"{_n(o['ordered_jobs_per_s'])} / {_n(o['unordered_jobs_per_s'])} jobs/s "
                     f"({o['ordered_ratio']:.0%})", ">= 50 %", _ok(o["ordered_ratio"] >= 0.5)))
-        out.append(("8 ordered", "one hot key carrying half the events: the other keys' rate / their rate alone",
+        out.append(("8 ordered", "one hot key carrying half the events: the other keys' rate / their rate alone, "
+                                 "from a routed backlog",
                     f"{_n(o['hot_other_keys_per_s'])} / {_n(o.get('others_alone_per_s'))} jobs/s ({o['hot_ratio']:.0%})",
                     ">= 80 %",
                     _ok(o["hot_ratio"] >= 0.8)))
+        if "hot_live_ratio" in o:
+            out.append(("8 ordered", "the same, published while the relay runs (the hot run publishes and routes "
+                                     "twice the events in its window)",
+                        f"{_n(o['hot_live_other_keys_per_s'])} / {_n(o['others_live_alone_per_s'])} jobs/s "
+                        f"({o['hot_live_ratio']:.0%})", "", ""))
         out.append(("8 ordered", f"claim + complete of 50 with {o['blocked_jobs']:,} jobs behind a blocked key / none",
                     f"{o['claim_blocked_ms']:.2f} / {o['claim_ms']:.2f} ms ({o['claim_ratio']:.2f}x)", "<= 1.2x",
                     _ok(o["claim_ratio"] <= 1.2)))
