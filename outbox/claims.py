@@ -14,6 +14,10 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
   (a hung one included, after its timeout), plus slots reserved by a claim in flight that
   will hand jobs over, so none is over-issued;
+* ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
+  forwarder and not yet acknowledged by their broker. They take no worker slot but a place
+  in the forwarding window (``window``: messages in flight at once, the relay's
+  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them;
 * ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
   attempt already failed, their thread still running: :mod:`outbox.watchdog`);
 * ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
@@ -46,12 +50,16 @@ class Signals:
 
 
 class HeldClaims:
-    """The claims a runner with ``concurrency`` worker slots holds (see the module notes).
-    Thread-safe: every method takes :attr:`lock`; :attr:`changed` (on the same lock) is
-    notified when the buffer grows or a slot comes free."""
+    """The claims a runner with ``concurrency`` worker slots holds (see the module notes);
+    the jobs of the consumers in ``forwarding`` go to the forwarder instead, up to
+    ``window`` at once. Thread-safe: every method takes :attr:`lock`; :attr:`changed` (on
+    the same lock) is notified when the buffer grows or a slot comes free."""
 
-    def __init__(self, concurrency: int) -> None:
+    def __init__(self, concurrency: int, window: int = 0, forwarding: Iterable[str] = ()) -> None:
         self.concurrency = concurrency
+        self.window = window
+        self.forwarding = frozenset(forwarding)
+        self.forward_issued = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.inflight: dict[int, Job] = {}
@@ -68,14 +76,32 @@ class HeldClaims:
             return len(self.inflight)
 
     def taken(self) -> int:
-        """Slots taken plus jobs buffered: what counts against ``concurrency + prefetch``."""
+        """Slots taken, forwarded jobs in flight and jobs buffered: what counts against
+        ``concurrency + window + prefetch``."""
         with self.lock:
-            return self.issued + len(self.buffer)
+            return self.issued + self.forward_issued + len(self.buffer)
 
     def has_idle_worker(self) -> bool:
-        """Whether more workers are idle than buffered jobs wait for them."""
+        """Whether more workers (and places in the forwarding window) are idle than buffered
+        jobs wait for them."""
         with self.lock:
-            return self.concurrency - self.issued > len(self.buffer)
+            return self.concurrency - self.issued + self.window - self.forward_issued > len(self.buffer)
+
+    def is_forwarded(self, job: Job) -> bool:
+        """Whether ``job`` belongs to a forwarder (its sink sends it; no worker runs it)."""
+        return job.consumer in self.forwarding
+
+    def can_start(self) -> bool:
+        """(Caller holds the lock.) Whether a buffered job could start now: one for a
+        worker while a worker slot is free, or one for the forwarder while its window has
+        room."""
+        if not self.buffer:
+            return False
+        workers = self.issued < self.concurrency
+        if not self.forwarding:
+            return workers
+        window = self.forward_issued < self.window
+        return any(window if job.consumer in self.forwarding else workers for job in self.buffer)
 
     def has_buffer(self) -> bool:
         with self.lock:
@@ -122,10 +148,13 @@ class HeldClaims:
                     self.changed.notify()
 
     def issue(self, jobs: list[Job]) -> None:
-        """Hold jobs just claimed for the slots reserved for them (never listed as buffered)."""
+        """Hold jobs just claimed for the slots reserved for them (never listed as buffered);
+        forwarded ones among them take a place in the forwarding window instead."""
         with self.lock:
             for job in jobs:
                 self.inflight[job.fence] = job
+                if job.consumer in self.forwarding:
+                    self.forward_issued += 1
 
     def hold(self, jobs: list[Job]) -> None:
         """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
@@ -144,28 +173,45 @@ class HeldClaims:
                 self.buffer.extend(jobs)
             self.changed.notify()
 
-    def take_startable(self, now: float) -> tuple[list[Job], list[Job]]:
-        """(Caller holds the lock.) Off the head of the buffer, as many jobs as slots are
-        idle, their slots taken; and the ones whose lease ran out (by monotonic ``now``)
-        while they waited."""
+    def take_startable(self, now: float) -> tuple[list[Job], list[Job], list[Job]]:
+        """(Caller holds the lock.) Off the buffer, in claim order: as many jobs for the
+        workers as slots are idle, and as many forwarded jobs as the window has room for,
+        their places taken; and the ones whose lease ran out (by monotonic ``now``) while
+        they waited. Returns (jobs for the workers, jobs for the forwarder, expired)."""
         jobs: list[Job] = []
+        forwards: list[Job] = []
         expired: list[Job] = []
         free = self.concurrency - self.issued
-        while self.buffer and len(jobs) < free:
+        room = self.window - self.forward_issued if self.forwarding else 0
+        kept: collections.deque[Job] = collections.deque()
+        while self.buffer and (free > 0 or room > 0):
             job = self.buffer.popleft()
-            if job.lease_lost or now >= job._lease_bound:
+            forwarded = job.consumer in self.forwarding
+            if (room if forwarded else free) <= 0:
+                kept.append(job)
+            elif job.lease_lost or now >= job._lease_bound:
                 self.buffered.discard(job.fence)
                 expired.append(job)
+            elif forwarded:
+                forwards.append(job)
+                room -= 1
             else:
                 jobs.append(job)
+                free -= 1
+        if kept:
+            self.buffer.extendleft(reversed(kept))
         self.issued += len(jobs)
-        return jobs, expired
+        self.forward_issued += len(forwards)
+        return jobs, forwards, expired
 
     def put_back(self, jobs: list[Job]) -> None:
-        """Jobs the starter took could not be unlisted: back at the head, still listed."""
+        """Jobs the starter took could not be unlisted: back at the head, still listed, their
+        places given back."""
         with self.changed:
+            forwarded = sum(1 for job in jobs if job.consumer in self.forwarding)
+            self.issued -= len(jobs) - forwarded
+            self.forward_issued -= forwarded
             self.buffer.extendleft(reversed(jobs))
-            self.issued -= len(jobs)
 
     def unlisted(self, jobs: list[Job]) -> None:
         """The starter's statement unlisted ``jobs`` from the relay's row."""
@@ -174,9 +220,13 @@ class HeldClaims:
                 self.buffered.discard(job.fence)
 
     def slot_freed(self, job: Job) -> None:
-        """``job``'s handler returned: its slot is free, its outcome about to be written."""
+        """``job``'s handler returned (a forwarded job: its broker answered): its slot is
+        free, its outcome about to be written."""
         with self.changed:
-            self.issued -= 1
+            if job.consumer in self.forwarding:
+                self.forward_issued -= 1
+            else:
+                self.issued -= 1
             self.finishing.add(job.fence)
             if self.buffer:  # the starter sleeps while the buffer is empty: no need to wake it
                 self.changed.notify()

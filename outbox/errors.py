@@ -43,6 +43,17 @@ class PermanentError(OutboxError):
     """
 
 
+class ForwardingError(OutboxError):
+    """A broker refused a forwarded message or did not acknowledge it in time; the message
+    is the broker's answer, kept as the job's ``last_error``. The attempt counts: the job
+    is retried with backoff, dead once out of attempts."""
+
+
+class UndeliverableError(ForwardingError, PermanentError):
+    """A forwarded message no retry can deliver (larger than the broker accepts, a subject
+    no stream binds, an address its event cannot fill): the job is dead-lettered at once."""
+
+
 class LeaseLostError(OutboxError):
     """The worker no longer owns the job: its lease expired and the reaper (or another
     worker) took it back, or the relay released it while shutting down.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,11 +49,22 @@ class Job:
     # keeps this order, so a job claimed late that sorts early (released by a relay that
     # stopped, reaped) starts before the buffered backlog, as it would have in the table.
     _claim_order: tuple[Any, ...] = field(default=(), init=False, repr=False)
+    # The payload's JSON text as PostgreSQL stores it, when the job was claimed from it.
+    _payload_json: str | None = field(default=None, init=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
         """Stable across retries of this job: ``"<consumer>:<event_id>"``."""
         return f"{self.consumer}:{self.event_id}"
+
+    @property
+    def payload_json(self) -> str:
+        """The payload as JSON text: for a claimed job, exactly the text PostgreSQL stores
+        (``payload::text``, what a forwarder sends); for one built in a test
+        (:func:`outbox.testing.make_job`), ``json.dumps`` of ``payload``."""
+        if self._payload_json is None:
+            return json.dumps(self.payload, ensure_ascii=False, separators=(", ", ": "))
+        return self._payload_json
 
     @property
     def lease_lost(self) -> bool:

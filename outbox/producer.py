@@ -33,7 +33,6 @@ connection of its own: one small statement unlists all it hands over at once
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -72,18 +71,19 @@ HINT_SECONDS = 1.0
 
 class Producer:
     """Claims jobs of ``leases``' consumers (consumer -> lease seconds) for the runner
-    holding ``claims``; jobs for idle slots go to ``todo`` (the workers' queue), the rest
+    holding ``claims``; jobs for idle slots go to ``start`` (the workers' queue, or the
+    forwarder for a forwarder's jobs), the rest
     to the buffer. ``wake`` carries the ``head`` rewind; claims are counted in ``stats``."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
-                 wake: Wakeup, todo: queue.SimpleQueue[Job | None], completer: Completer,
+                 wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
                  stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None) -> None:
         self.settings = settings
         self.claims = claims
         self.leases = leases
         self.worker_id = worker_id
         self.wake = wake
-        self.todo = todo
+        self.start = start
         self.completer = completer
         self.stats = stats
         self.schema = settings.schema_name
@@ -99,10 +99,21 @@ class Producer:
         # are claimed on a path of their own, which says when it is next worth a round trip.
         self.flow = flow.FlowControl(subscribers or {}, leases, worker_id, settings.poll_interval,
                                      schema=self.schema)
+        self._excluded: Callable[[], frozenset[str]] = frozenset
+        self._leases_without: tuple[frozenset[str], dict[str, float]] = (frozenset(), leases)
+
+    def exclude(self, consumers: Callable[[], frozenset[str]]) -> None:
+        """Leave out of every claim the consumers ``consumers()`` names at the time (the
+        forwarders whose broker is unreachable: their jobs wait in the table)."""
+        self._excluded = consumers
 
     def claim_leases(self) -> dict[str, float]:
-        """The consumers the combined claim statement takes, with their lease seconds."""
-        return self.leases
+        """The consumers the combined claim statement takes, with their lease seconds: all
+        of them but those excluded now (:meth:`exclude`)."""
+        excluded = self._excluded()
+        if excluded != self._leases_without[0]:
+            self._leases_without = (excluded, {c: lease for c, lease in self.leases.items() if c not in excluded})
+        return self._leases_without[1]
 
     def room(self) -> int:
         """How many jobs to claim now: room in the buffer, at most ``claim_batch``; none
@@ -111,7 +122,7 @@ class Producer:
         room is the same)."""
         if time.monotonic() < self.claims_paused_until or self.claims.all_hung():
             return 0
-        limit = self.settings.concurrency + self.settings.prefetch
+        limit = self.settings.concurrency + self.claims.window + self.settings.prefetch
         return max(0, min(self.settings.claim_batch, limit - self.claims.taken()))
 
     def worth_claiming(self, want: int) -> bool:
@@ -169,9 +180,12 @@ class Producer:
             job._lease_bound = sent + job.lease_seconds
         self.claims.unreserve(start_now - min(start_now, len(claimed)))
         self.stats["claimed"] += len(claimed)
-        self.claims.issue(claimed[:start_now])
-        for job in claimed[:start_now]:
-            self.todo.put(job)
+        first = claimed[:start_now]
+        # Forwarded jobs among the first take a place in the forwarding window, not the
+        # worker slot reserved for them, which goes back.
+        self.claims.unreserve(sum(1 for job in first if self.claims.is_forwarded(job)))
+        self.claims.issue(first)
+        self.start(first)
         self.claims.hold(claimed[start_now:])
 
     def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
@@ -248,18 +262,19 @@ class Producer:
 
 
 class Starter:
-    """Hands buffered jobs of ``claims`` to idle workers (``todo``), on a connection of
+    """Hands buffered jobs of ``claims`` to idle workers (``start``: the workers' queue, or
+    the forwarder for a forwarder's jobs), on a connection of
     its own from ``engine``; a buffered job whose lease ran out is posted for release
     through ``release(job)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
 
     def __init__(self, engine: Engine, settings: OutboxSettings, claims: HeldClaims, worker_id: str,
-                 todo: queue.SimpleQueue[Job | None], release: Callable[[Job, Outcome], None], signals: Signals,
+                 start: Callable[[list[Job]], None], release: Callable[[Job, Outcome], None], signals: Signals,
                  reconnect: Reconnector) -> None:
         self.engine = engine
         self.settings = settings
         self.claims = claims
         self.worker_id = worker_id
-        self.todo = todo
+        self.start = start
         self.release = release
         self.signals = signals
         self.reconnect = reconnect
@@ -277,12 +292,12 @@ class Starter:
         conn: Any = None
         while True:
             with claims.changed:
-                while not signals.stopped.is_set() and (
-                        signals.draining.is_set() or not claims.buffer or claims.issued >= claims.concurrency):
+                while not signals.stopped.is_set() and (signals.draining.is_set() or not claims.can_start()):
                     claims.changed.wait(0.5)
                 if signals.stopped.is_set():
                     break
-                jobs, expired = claims.take_startable(time.monotonic())
+                jobs, forwards, expired = claims.take_startable(time.monotonic())
+                jobs += forwards
             for job in expired:
                 log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
                             job.id, job.consumer, job.fence)
@@ -309,8 +324,7 @@ class Starter:
                 failures = self.reconnect.backoff(failures, "starting buffered jobs", exc, signals.stopped)
                 continue
             claims.unlisted(jobs)
-            for job in jobs:
-                self.todo.put(job)
+            self.start(jobs)
         if conn is not None:
             try:
                 conn.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
@@ -19,6 +19,7 @@ from .errors import ConfigurationError, InvalidEventError
 from .job import Job
 from .publish import check_name
 from .schedule import Schedule, make_schedule
+from .sinks import Sink
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
 
@@ -28,6 +29,9 @@ MAX_ATTEMPTS_LIMIT = 1000
 MAX_CONCURRENCY = 10_000
 #: Seconds per unit of a rate limit string (``"100/s"``, ``"6000/m"``, ``"1/h"``).
 RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+#: Seconds a forwarder waits, by default, for the broker to acknowledge a batch.
+FORWARD_TIMEOUT = 10.0
 
 #: What a dead job does to its key under ``ordered=True``.
 OnDead = Literal["block", "skip"]
@@ -43,8 +47,10 @@ HandlerT = TypeVar("HandlerT", bound=Callable[..., object])
 
 @dataclass(frozen=True, slots=True)
 class Subscriber:
-    """One declared subscriber: ``handler`` runs for every event on ``topic``, once per
-    event for ``consumer``. ``lease`` is seconds, or None for the relay's default lease.
+    """One declared subscriber: ``handler`` runs for every event on one of ``topics``, once
+    per event for ``consumer``. A forwarder (:meth:`Outbox.forward`) has a ``sink`` instead:
+    its jobs are sent to that broker (``handler`` is :func:`forwarded_by_sink`, never
+    called). ``lease`` is seconds, or None for the relay's default lease.
     ``transactional`` handlers take ``(job, session)`` (an ``AsyncSession`` when
     ``is_async``) and run inside the transaction that completes the job; the others take
     ``(job)`` and run outside any transaction.
@@ -56,9 +62,10 @@ class Subscriber:
     skipped) or ``"skip"`` (the key goes on). ``concurrency``: most running jobs of this
     consumer across all relays (None: no cap). ``rate_limit``: most claims per second across
     all relays (None: no limit). ``timeout``: seconds a handler may run before its attempt
-    is failed (None: no limit)."""
+    is failed (None: no limit); a forwarder's is how long it waits for the broker's
+    acknowledgements of a batch."""
 
-    topic: str
+    topics: tuple[str, ...]
     consumer: str
     handler: Callable[..., Any]
     max_attempts: int
@@ -71,6 +78,14 @@ class Subscriber:
     concurrency: int | None = None
     rate_limit: float | None = None
     timeout: float | None = None
+    sink: Sink | None = None
+
+
+def forwarded_by_sink(job: Job) -> None:
+    """The ``handler`` of a forwarder's :class:`Subscriber`: its jobs go to its sink, so
+    reaching this is a bug; raises :class:`ConfigurationError`."""
+    raise ConfigurationError(f"job {job.id} of {job.consumer!r} belongs to a forwarder: its sink sends it, "
+                             "no handler runs it")
 
 
 class Outbox:
@@ -87,7 +102,7 @@ class Outbox:
 
     @overload
     def subscriber(
-        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        self, topic: str | Sequence[str], *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: Literal[False] = ..., priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
@@ -95,7 +110,7 @@ class Outbox:
 
     @overload
     def subscriber(
-        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        self, topic: str | Sequence[str], *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: Literal[True], priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
@@ -103,7 +118,7 @@ class Outbox:
 
     @overload
     def subscriber(
-        self, topic: str, *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
+        self, topic: str | Sequence[str], *, consumer: str | None = ..., max_attempts: int = ..., lease: float | None = ...,
         transactional: bool, priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
@@ -111,7 +126,7 @@ class Outbox:
 
     def subscriber(
         self,
-        topic: str,
+        topic: str | Sequence[str],
         *,
         consumer: str | None = None,
         max_attempts: int = 5,
@@ -125,7 +140,8 @@ class Outbox:
         timeout: float | None = None,
     ) -> Callable[[Any], Any]:
         """Decorator declaring ``handler`` as consumer ``consumer`` (default: the
-        function's ``module.qualname``) of events on ``topic``.
+        function's ``module.qualname``) of events on ``topic`` (a topic, or a sequence of
+        them: one consumer of several topics, ordered across them by key when ``ordered``).
 
         ``max_attempts``: 1..1000 attempts before the job is dead-lettered (default 5).
         ``lease``: seconds a claim lasts without a heartbeat (heartbeats run every
@@ -154,13 +170,53 @@ class Outbox:
         def register(handler: HandlerT) -> HandlerT:
             name = consumer if consumer is not None else f"{handler.__module__}.{handler.__qualname__}"
             sub = _validated(topic, name, handler, max_attempts, lease, transactional, priority)
-            sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
-            if sub.consumer in self._subscribers:
-                raise ConfigurationError(f"consumer {sub.consumer!r} is declared twice; consumer names must be unique")
-            self._subscribers[sub.consumer] = sub
+            self._add(_with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout))
             return handler
 
         return register
+
+    def forward(
+        self,
+        topic: str | Sequence[str],
+        *,
+        to: Sink,
+        consumer: str,
+        max_attempts: int = 5,
+        lease: float | None = None,
+        priority: int = 0,
+        ordered: bool = False,
+        on_dead: OnDead = "block",
+        concurrency: int | None = None,
+        rate_limit: str | float | None = None,
+        timeout: float = FORWARD_TIMEOUT,
+    ) -> None:
+        """Declare a forwarder: consumer ``consumer`` of ``topic`` (one or a sequence) whose
+        jobs are sent to the broker ``to`` (a :class:`~outbox.sinks.Sink`:
+        :class:`~outbox.JetStream`, :class:`~outbox.RabbitMQ`), one message per event, with
+        the full job lifecycle: claimed, fenced, retried with backoff, dead-lettered
+        (architecture notes, "Forwarding"). A job completes only once the broker has
+        acknowledged its message.
+
+        ``timeout``: seconds (0.01..86400, default 10) the relay waits for the broker's
+        acknowledgements of a batch; a message unacknowledged by then is a failed attempt.
+        The other options are :meth:`subscriber`'s.
+
+        Raises :class:`ConfigurationError` naming the option for bad values, a sink that is
+        not a :class:`~outbox.sinks.Sink`, or a consumer name already declared.
+        """
+        if not isinstance(to, Sink):
+            raise ConfigurationError(f"forwarder {consumer!r}: to= must be a Sink (JetStream(...), RabbitMQ(...)), "
+                                     f"got {to!r}")
+        if timeout is None:
+            raise ConfigurationError(f"forwarder {consumer!r}: timeout must be seconds in 0.01..86400, got None")
+        sub = _validated(topic, consumer, forwarded_by_sink, max_attempts, lease, False, priority)
+        sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
+        self._add(dataclasses.replace(sub, sink=to))
+
+    def _add(self, sub: Subscriber) -> None:
+        if sub.consumer in self._subscribers:
+            raise ConfigurationError(f"consumer {sub.consumer!r} is declared twice; consumer names must be unique")
+        self._subscribers[sub.consumer] = sub
 
     def periodic(
         self,
@@ -233,13 +289,28 @@ class Outbox:
         return list(self._subscribers)
 
 
+def _topics(topic: Any, consumer: Any) -> tuple[str, ...]:
+    """The topics of one declaration: a name, or a non-empty sequence of distinct names."""
+    topics = (topic,) if isinstance(topic, str) or not isinstance(topic, Sequence) else tuple(topic)
+    if not topics:
+        raise ConfigurationError(f"subscriber {consumer!r}: topic must be a topic name or a non-empty list of them")
+    try:
+        for name in topics:
+            check_name(name, "topic")
+    except InvalidEventError as exc:
+        raise ConfigurationError(f"subscriber {exc}") from None
+    if len(set(topics)) != len(topics):
+        raise ConfigurationError(f"subscriber {consumer!r}: topic names a topic twice: {list(topics)!r}")
+    return topics
+
+
 def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease: Any,
                transactional: Any, priority: Any) -> Subscriber:
     try:
-        check_name(topic, "topic")
         check_name(consumer, "consumer")
     except InvalidEventError as exc:
         raise ConfigurationError(f"subscriber {exc}") from None
+    topics = _topics(topic, consumer)
     if not callable(handler):
         raise ConfigurationError(f"subscriber {consumer!r}: handler must be callable")
     if type(max_attempts) is not int or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT:
@@ -256,7 +327,7 @@ def _validated(topic: Any, consumer: Any, handler: Any, max_attempts: Any, lease
     # would let the relay drop the never-awaited coroutine and mark the job done.
     is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(getattr(handler, "__call__", None))  # noqa: B004
     _check_arity(consumer, handler, 2 if transactional else 1)
-    return Subscriber(topic, consumer, handler, max_attempts, lease, transactional, priority, is_async)
+    return Subscriber(topics, consumer, handler, max_attempts, lease, transactional, priority, is_async)
 
 
 def _with_flow(sub: Subscriber, ordered: Any, on_dead: Any, concurrency: Any, rate_limit: Any,

@@ -67,16 +67,17 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
     subs = list(registry)
     if not subs:
         return
+    pairs = [(topic, s) for s in subs for topic in s.topics]
     with engine.begin() as conn:
         changed = conn.execute(queries.in_schema(settings.schema_name).subscription_upsert_many, {
-            "topics": [s.topic for s in subs],
-            "consumers": [s.consumer for s in subs],
-            "max_attempts": [s.max_attempts for s in subs],
-            "leases": [s.lease or settings.default_lease for s in subs],
-            "priorities": [s.priority for s in subs],
-            "transactional": [s.transactional for s in subs],
-            "ordered": [s.ordered for s in subs],
-            "on_dead": [s.on_dead for s in subs],
+            "topics": [topic for topic, _ in pairs],
+            "consumers": [s.consumer for _, s in pairs],
+            "max_attempts": [s.max_attempts for _, s in pairs],
+            "leases": [s.lease or settings.default_lease for _, s in pairs],
+            "priorities": [s.priority for _, s in pairs],
+            "transactional": [s.transactional for _, s in pairs],
+            "ordered": [s.ordered for _, s in pairs],
+            "on_dead": [s.on_dead for _, s in pairs],
         }).all()
         flow = conn.execute(queries.in_schema(settings.schema_name).consumer_upsert_many, {
             "consumers": [s.consumer for s in subs],

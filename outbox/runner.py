@@ -17,7 +17,10 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 * the **heartbeat** (:class:`outbox.heartbeat.Heartbeater`) renews the leases of every
   claim held, buffered ones included, every lease/3 (of the shortest lease);
 * the **watchdog** (:class:`outbox.watchdog.Watchdog`, only when a subscriber has a
-  ``timeout``) fails the attempts of handlers that run past their timeout.
+  ``timeout``) fails the attempts of handlers that run past their timeout;
+* the **forwarder** (:class:`outbox.forwarder.Forwarder`, only when the registry declares
+  forwarders) sends forwarders' jobs to their brokers in batches, from one event loop, in
+  place of worker threads; its outcomes go to the dispatcher like the workers'.
 
 What they share is :class:`outbox.claims.HeldClaims` (under one lock) and two queues: jobs
 to run (producer and starter to workers) and outcomes (workers to the dispatcher).
@@ -52,6 +55,7 @@ from .completer import Completer
 from .db.engine import describe, make_async_engine
 from .dispatcher import Dispatcher, RelayConnection
 from .errors import HandlerTimeoutError
+from .forwarder import Forwarder
 from .heartbeat import Heartbeater
 from .job import Job
 from .notify import Wakeup
@@ -105,18 +109,19 @@ class JobRunner:
         self._async_engine = async_engine or (lambda: make_async_engine(
             engine.url, pool_size=1, max_overflow=0, application_name="outbox-relay",
             prepared_statements=settings.pooler == "none"))
-        self.claims = HeldClaims(settings.concurrency)
+        forwarders = {c: s for c, s in self.subscribers.items() if s.sink is not None}
+        self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
         connection = RelayConnection(engine, self.claims, worker_id, self.schema)
         self.completer = Completer(self.claims, connection.get, self.stats, self.schema,
                                    subscribers=self.subscribers, wake=wake)
-        self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._todo, self.completer,
+        self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._start, self.completer,
                                  self.stats, subscribers=self.subscribers)
         self.dispatcher = Dispatcher(settings, self.claims, self.producer, self.completer, connection,
                                      self._outcomes, wake, self.signals, self.reconnect)
-        self.starter = Starter(engine, settings, self.claims, worker_id, self._todo, self._post_outcome,
+        self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,
                                self.signals, self.reconnect)
         self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
                                        self.signals, self.reconnect, self.stats, self.schema)
@@ -126,6 +131,10 @@ class JobRunner:
                                     completing=self.claims.mark_finishing,
                                     abandoned=self.claims.unmark_finishing, stats=self.stats,
                                     watchdog=self.watchdog)
+        self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
+                                   wake.poke, self.stats) if forwarders else None
+        if self.forwarder is not None:
+            self.producer.exclude(self.forwarder.unavailable)
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------- lifecycle
@@ -137,8 +146,11 @@ class JobRunner:
             return
         self._spawn("outbox-dispatcher", self.dispatcher.run)
         self._spawn("outbox-starter", self.starter.run)
-        for n in range(self.settings.concurrency):
-            self._spawn(f"outbox-worker-{n}", self._work_loop)
+        if self.forwarder is not None:
+            self._spawn("outbox-forwarder", self.forwarder.run)
+        if any(s.sink is None for s in self.subscribers.values()):
+            for n in range(self.settings.concurrency):
+                self._spawn(f"outbox-worker-{n}", self._work_loop)
         self._spawn("outbox-heartbeat", self.heartbeater.run)
         if self.watchdog is not None:
             self._spawn("outbox-watchdog", self.watchdog.run)
@@ -186,7 +198,7 @@ class JobRunner:
         self.wake.poke()
         self.claims.wake_all()
         for thread in self._threads:
-            if thread.name in ("outbox-dispatcher", "outbox-starter"):
+            if thread.name in ("outbox-dispatcher", "outbox-starter", "outbox-forwarder"):
                 # Past the grace period only while a round is still out (a claim that returns
                 # late must still have its jobs released before the process exits).
                 thread.join(timeout=max(0.5, deadline - time.monotonic()) + STOP_ROUND_WAIT)
@@ -209,6 +221,18 @@ class JobRunner:
         self.claims.released_at_shutdown(jobs)
 
     # ------------------------------------------------------------- workers
+
+    def _start(self, jobs: list[Job]) -> None:
+        """Start claimed jobs whose places are taken: forwarders' to the forwarder, the
+        others to the worker threads."""
+        forwarded = []
+        for job in jobs:
+            if self.claims.is_forwarded(job):
+                forwarded.append(job)
+            else:
+                self._todo.put(job)
+        if forwarded and self.forwarder is not None:
+            self.forwarder.submit(forwarded)
 
     def _work_loop(self) -> None:
         context = WorkerContext(self._async_engine)

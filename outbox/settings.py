@@ -92,6 +92,7 @@ class OutboxSettings(BaseSettings):
     concurrency: int = Field(default=8, ge=1, le=512, description="Worker threads per relay. Default 8.")
     claim_batch: int = Field(default=50, ge=1, le=10_000, description="Most jobs claimed per round trip. Default 50.")
     prefetch: int = Field(default=50, ge=0, le=10_000, description="Jobs claimed ahead of free workers and held in a local buffer, so claims come in batches; their leases run from the claim and are heartbeated, and SIGTERM releases them at once (a killed relay's buffer waits out the lease). 0 claims only for idle workers. Default 50.")
+    forward_window: int = Field(default=500, ge=1, le=100_000, description="Messages a relay's forwarders have sent to their brokers and not yet seen acknowledged, at most, all forwarders together; a forwarder's batch is at most this. Counted apart from concurrency (forwarded jobs take no worker thread). Default 500.")
     route_batch: int = Field(default=500, ge=1, le=100_000, description="Most events routed per transaction. Default 500.")
     poll_interval: float = Field(default=1.0, gt=0, le=3600, description="Seconds between polls when no NOTIFY arrives. Default 1.0.")
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY wake-ups (polling stays on). Default true.")

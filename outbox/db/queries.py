@@ -339,9 +339,11 @@ _CONSUMERS_HELD_BACK = """consumer NOT IN (
 # ``consumer <> ALL (ARRAY(SELECT ...))`` was rated at a thousandth of the rows, and with
 # 13,000 ready jobs the planner then sorted a sequential scan of the table instead.
 
+# The payload as the text PostgreSQL stores (the job decodes it: the same json.loads the
+# driver's jsonb loader runs), so a forwarder can send those exact bytes.
 _JOB_COLUMNS = """
     j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
-    e.topic, e.key, e.payload, e.headers, e.created_at AS event_created_at
+    e.topic, e.key, CAST(e.payload AS text) AS payload, e.headers, e.created_at AS event_created_at
 """
 
 _CLAIM_PICK_TEMPLATE = """

@@ -33,7 +33,7 @@ def test_good_declarations_are_listed_in_order():
     assert ob.consumers == ["send_receipt", "create_invoice", "notify"]
     assert len(ob) == 3
     subs = list(ob)
-    assert [(s.topic, s.consumer) for s in subs] == [
+    assert [(s.topics[0], s.consumer) for s in subs] == [
         ("order.placed", "send_receipt"), ("order.placed", "create_invoice"), ("order.cancelled", "notify")]
     receipt, invoice, notify_ = subs
     assert (receipt.max_attempts, receipt.lease, receipt.transactional, receipt.priority, receipt.is_async) == (

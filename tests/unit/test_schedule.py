@@ -28,7 +28,7 @@ def test_periodic_declares_and_may_subscribe_a_handler():
         ("reports", "*/5 * * * *", "report.due", {"kind": "hourly"}, "UTC", False),
         ("nightly", "0 2 * * *", "nightly", {}, "Europe/Paris", True)]
     assert ob.consumers == ["nightly"]  # only the decorated one subscribes, named after the schedule
-    assert ob["nightly"].topic == "nightly" and ob["nightly"].max_attempts == 3
+    assert ob["nightly"].topics == ("nightly",) and ob["nightly"].max_attempts == 3
 
 
 def test_periodic_takes_a_zoneinfo_and_a_seconds_field():
