@@ -139,19 +139,22 @@ class FlowControl:
         if self.consumers and not set(self.consumers).isdisjoint(consumers):
             self._due_at = 0.0
 
-    def claim(self, conn: psycopg.Connection[Any], room: int, relay: str | None, start_now: int) -> list[Any]:
+    def claim(self, conn: psycopg.Connection[Any], room: int, relay: str | None, start_now: int,
+              excluded: frozenset[str] = frozenset()) -> list[Any]:
         """Claim up to ``room`` jobs of the limited consumers on ``conn`` (autocommit; one
-        transaction here); returns the claimed rows in claim order, columns as
+        transaction here), but those in ``excluded`` (forwarders whose broker is down);
+        returns the claimed rows in claim order, columns as
         ``job_complete_claim_many``'s claimed rows (``priority`` and ``run_at`` last). The
         claims after the first ``start_now`` are listed as buffered in ``relay``'s row of
         ``outbox_relays`` (None: not listed). Database errors propagate (nothing claimed:
         the transaction rolled back)."""
-        if room <= 0 or not self.consumers:
+        consumers = [c for c in self.consumers if c not in excluded] if excluded else self.consumers
+        if room <= 0 or not consumers:
             return []
         self.claims += 1
         with conn.transaction():
             locked = conn.execute(_sql(self.statements.consumer_lock_limited_many),
-                                  {"consumers": self.consumers}).fetchall()
+                                  {"consumers": consumers}).fetchall()
             if not locked:  # paused, or no cap or limit in the database
                 self._due_at = time.monotonic() + self.poll_interval
                 return []

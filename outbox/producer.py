@@ -196,7 +196,7 @@ class Producer:
         start_now = self.claims.reserve(room)
         sent = time.monotonic()
         try:
-            rows = self.flow.claim(conn, room, self.worker_id, start_now)
+            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
         except BaseException:
             self.claims.unreserve(start_now)
             raise

@@ -203,7 +203,11 @@ def drain(
     ``settings`` gives the backoff, the default lease and the schema of outbox's tables
     (``schema_name``; default: ``OutboxSettings()``, the ``OUTBOX_*`` environment).
 
-    Raises :class:`~outbox.errors.ConfigurationError` for a consumer not in ``ob``, a
+    Forwarders (:meth:`outbox.Outbox.forward`) are left out: their jobs are routed and
+    stay ready, for a relay to send.
+
+    Raises :class:`~outbox.errors.ConfigurationError` for a consumer not in ``ob`` or a
+    forwarder named in ``consumers``, a
     ``max_rounds`` that is not a positive int, or ``async def`` handlers to run while an
     event loop is running in this thread (call ``await asyncio.to_thread(drain, ...)``);
     :class:`~outbox.errors.DrainLimitError` (with the results so far) when jobs are still
@@ -213,11 +217,15 @@ def drain(
     counted, and propagates."""
     if type(max_rounds) is not int or max_rounds < 1:
         raise ConfigurationError(f"drain: max_rounds must be a positive int, got {max_rounds!r}")
-    chosen = list(ob.consumers if consumers is None else consumers)
+    chosen = [c for c in ob.consumers if ob[c].sink is None] if consumers is None else list(consumers)
     unknown = [c for c in chosen if c not in ob.consumers]
     if unknown or isinstance(consumers, str):
         raise ConfigurationError(f"drain: consumers {unknown or [consumers]!r} are not declared in the registry "
                                  f"(it declares {ob.consumers!r})")
+    forwarders = [c for c in chosen if ob[c].sink is not None]
+    if forwarders:
+        raise ConfigurationError(f"drain: {forwarders!r} are forwarders: drain runs handlers, and a forwarder's jobs "
+                                 "go to its broker, which a relay does (drain leaves them ready)")
     subscribers = {c: ob[c] for c in chosen}
     if any(s.is_async for s in subscribers.values()) and _loop_running():
         raise ConfigurationError("drain runs async def handlers on an event loop of its own, and this thread's loop "
