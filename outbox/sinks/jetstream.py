@@ -1,0 +1,379 @@
+"""The NATS JetStream sink: a forwarder's jobs published to a JetStream stream.
+
+Each message is published to the subject its template renders (``"{topic}"`` by default)
+with ``Nats-Msg-Id`` set to the job's idempotency key, so the stream stores one copy per
+event and consumer within its duplicate window (``duplicate_window``, two minutes unless
+the stream sets another): a re-sent message (a retry after a lost PubAck, a job the reaper
+handed back, a relay that crashed after sending) is acknowledged as a duplicate and not
+stored again. Outbox's headers (``Outbox-Event-Id``, ``Outbox-Topic``, ``Outbox-Key``,
+``Outbox-Idempotency-Key``, ``Outbox-Created-At``) travel with the event's own, which pass
+through unchanged (outbox's names win on a clash, compared case-insensitively).
+
+A batch is published pipelined: one request per message, all written before any PubAck is
+awaited, at most ``max_pending`` outstanding at once (a send past that waits for an earlier
+PubAck, within the batch's time), then every PubAck is awaited, the batch's ``timeout`` in
+all. The client's own ``publish_async`` is not used: in nats-py 2.16 an error answer (any
+JetStream API error) raises inside its reply handler and never reaches the future, which
+then waits forever and keeps its place in the pending window; ``JetStreamContext.publish``
+parses the same answers correctly and gives each request its own timeout.
+
+What each message gets:
+
+* a PubAck: :class:`~outbox.sinks.Delivered` (``duplicate`` as the server says);
+* refused before sending, permanently (no retry can change it): a subject the event cannot
+  be rendered into (no key for ``{key}``; empty tokens, whitespace or wildcards in it; too
+  long for the protocol), a header NATS cannot carry unchanged, headers plus body over the
+  server's ``max_payload``. Sending such a message would not only fail: the server closes
+  the connection on an oversized or malformed publish, failing the whole batch;
+* "no responders" (no stream binds the subject): permanent :class:`~outbox.sinks.Failed`;
+* a JetStream API error: :class:`~outbox.sinks.Failed` with its code and description,
+  permanent for the errors retrying cannot help (:data:`PERMANENT_ERROR_CODES`);
+* no PubAck in time: :class:`~outbox.sinks.Failed`, retried (a re-send is deduplicated);
+* the connection lost during the batch or down before it: :class:`~outbox.sinks.Unavailable`
+  for every message without a PubAck yet. The client reconnects by itself (forever, every
+  ``reconnect_time_wait``); ``connected`` follows its callbacks.
+
+Requests still unanswered when the batch ends are cancelled (the stream may yet store
+them: a re-send is deduplicated), so nothing of one batch lingers into the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+import re
+from collections.abc import Sequence
+from datetime import UTC
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import ConfigurationError
+from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
+
+#: JetStream error codes (``err_code``) no retry can turn into a PubAck: the message is over
+#: the stream's ``max_msg_size`` (10054) or its headers over 64 KiB (10097); the subject
+#: belongs to another stream than the ``stream=`` expected (10060); the stream is sealed
+#: (10109). Every other API error (storage full with ``discard=new``, a cluster without a
+#: leader, too many requests) is retried with backoff. Source: nats-server's errors.json.
+PERMANENT_ERROR_CODES = frozenset({10054, 10060, 10097, 10109})
+
+#: Longest rendered subject, bytes. The server's control line (``HPUB <subject> <reply>
+#: <sizes>``) is limited to 4,096 bytes by default and a longer one closes the connection;
+#: this leaves room for the reply inbox and the sizes.
+MAX_SUBJECT_BYTES = 3_840
+
+#: The NATS header block's fixed parts as the client writes them (``NATS/1.0`` line and the
+#: closing blank line), counted into a message's size against ``max_payload``.
+HEADER_BLOCK_OVERHEAD = len(b"NATS/1.0\r\n\r\n")
+
+#: Header names NATS accepts: an RFC 7230 token.
+HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+#: A stream name: no whitespace, ``.``, ``*``, ``>``, path separators or control characters
+#: (NATS documentation, "Naming Things"), at most 255 bytes.
+STREAM_NAME = re.compile(r"[^\s.*>/\\\x00-\x1f\x7f]{1,255}")
+
+OUTBOX_HEADERS = ("Nats-Msg-Id", "Nats-Expected-Stream", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key",
+                  "Outbox-Idempotency-Key", "Outbox-Created-At")
+
+
+def subject_problem(subject: str) -> str | None:
+    """Why ``subject`` cannot be published to (empty token, whitespace or control character,
+    wildcard, too long), or None when it can."""
+    if len(subject.encode()) > MAX_SUBJECT_BYTES:
+        return f"subject is {len(subject.encode())} bytes, over the {MAX_SUBJECT_BYTES}-byte limit"
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in subject):
+        return f"subject {subject!r} holds whitespace or a control character"
+    tokens = subject.split(".")
+    if any(token == "" for token in tokens):
+        return f"subject {subject!r} has an empty token"
+    if any(token in ("*", ">") or "*" in token or ">" in token for token in tokens):
+        return f"subject {subject!r} holds a wildcard (* or >), which cannot be published to"
+    return None
+
+
+def header_problem(name: str, value: str) -> str | None:
+    """Why a header cannot travel over NATS unchanged (the client trims values and turns line
+    breaks into spaces; names must be RFC 7230 tokens), or None."""
+    if not HEADER_NAME.fullmatch(name):
+        return f"header name {name!r} is not a token NATS accepts"
+    if "\r" in value or "\n" in value or value != value.strip():
+        return f"header {name!r} value holds a line break or surrounding whitespace, which NATS does not keep"
+    return None
+
+
+def parse_servers(url: object) -> list[str]:
+    """The server URLs of ``url`` (one ``nats://`` or ``tls://`` URL, or several separated by
+    commas). Raises :class:`ConfigurationError` naming ``url`` for anything else."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigurationError(f"JetStream: url must be a nats:// or tls:// URL, got {url!r}")
+    servers = []
+    for part in url.split(","):
+        part = part.strip()
+        try:
+            parts = urlsplit(part)
+            port = parts.port
+        except ValueError as exc:
+            raise ConfigurationError(f"JetStream: url {_safe(part)!r} does not parse: {exc}") from None
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ConfigurationError(f"JetStream: url {_safe(part)!r} must be nats://host[:port] or tls://host[:port]")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ConfigurationError(f"JetStream: url {_safe(part)!r} takes no path, query or fragment")
+        if port == 0:
+            raise ConfigurationError(f"JetStream: url {_safe(part)!r} has port 0")
+        servers.append(part)
+    return servers
+
+
+def _safe(url: str) -> str:
+    """``url`` without its user and password (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return "<unparseable url>" if "@" in url else url
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
+
+
+class JetStream(Sink):
+    """Publishes a forwarder's jobs to NATS JetStream (the module notes say what each
+    outcome becomes).
+
+    ``url``: ``nats://host:port`` or ``tls://host:port``, or several separated by commas (a
+    cluster; credentials in the URL are used but never shown). ``subject``: a template of
+    ``{topic}``, ``{key}``, ``{consumer}`` (default ``"{topic}"``) whose literal parts hold no
+    whitespace, wildcards or empty tokens. ``stream``: the stream the subject must belong to
+    (sent as ``Nats-Expected-Stream``; a message that lands elsewhere fails permanently), or
+    None for whichever stream binds it. ``connect_timeout``: seconds :meth:`connect` waits
+    for the first connection (default 5). ``max_pending``: most PubAcks outstanding at once
+    (default 4,000, as nats-py's ``publish_async``); a larger batch still goes out, each send
+    past the limit waiting for an earlier PubAck. Needs ``pip install 'outbox-relay[nats]'``.
+    Raises :class:`ConfigurationError` naming the option for a bad one, or when nats-py is
+    not installed."""
+
+    extra = "nats"
+
+    def __init__(self, url: str = "nats://127.0.0.1:4222", *, subject: str = "{topic}", stream: str | None = None,
+                 connect_timeout: float = 5.0, max_pending: int = 4000) -> None:
+        self.servers = parse_servers(url)
+        try:
+            self.subject = Template(subject, "subject")
+        except ConfigurationError as exc:
+            raise ConfigurationError(f"JetStream: {exc}") from None
+        literal = self.subject.text.format(topic="t", key="k", consumer="c")
+        problem = subject_problem(literal)
+        if problem is not None:
+            raise ConfigurationError(f"JetStream: subject template {self.subject.text!r} is invalid "
+                                     f"(rendered as {literal!r}: {problem})")
+        if stream is not None and (not isinstance(stream, str) or not STREAM_NAME.fullmatch(stream)
+                                   or len(stream.encode()) > 255):
+            raise ConfigurationError(f"JetStream: stream must be None or a stream name (no whitespace, '.', '*', "
+                                     f"'>', slashes; at most 255 bytes), got {stream!r}")
+        if isinstance(connect_timeout, bool) or not isinstance(connect_timeout, (int, float)) or not (
+                0 < connect_timeout <= 3600):
+            raise ConfigurationError(f"JetStream: connect_timeout must be seconds, more than 0 and at most 3600, "
+                                     f"got {connect_timeout!r}")
+        if isinstance(max_pending, bool) or not isinstance(max_pending, int) or not 1 <= max_pending <= 1_000_000:
+            raise ConfigurationError(f"JetStream: max_pending must be an integer from 1 to 1000000, "
+                                     f"got {max_pending!r}")
+        if importlib.util.find_spec("nats") is None:
+            raise ConfigurationError("JetStream needs the NATS client: pip install 'outbox-relay[nats]'")
+        self.stream = stream
+        self.connect_timeout = float(connect_timeout)
+        self.max_pending = max_pending
+        self._nc: Any = None
+        self._js: Any = None
+        self._up = False
+        self._down = asyncio.Event()  # set while the connection is down; bound to a loop on first wait
+
+    def describe(self) -> str:
+        """The servers (without credentials) and the subject template."""
+        where = ",".join(_safe(s) for s in self.servers)
+        return f"{where} subject {self.subject.text}" + (f" stream {self.stream}" if self.stream else "")
+
+    @property
+    def connected(self) -> bool:
+        """Whether the client is connected now (False from a disconnection until it has
+        reconnected, and after :meth:`close`)."""
+        return self._up and self._nc is not None and bool(self._nc.is_connected)
+
+    async def connect(self) -> None:
+        """Connect to the first server that answers within ``connect_timeout`` seconds and
+        open the JetStream context; afterwards the client reconnects by itself after any
+        outage. Raises :class:`SinkUnavailableError` naming the servers when none answers.
+        Connecting again closes the previous connection first."""
+        import nats.errors  # noqa: PLC0415 (an optional dependency, imported when used)
+        from nats.aio.client import Client  # noqa: PLC0415
+
+        await self.close()
+        self._down = asyncio.Event()
+        self._down.set()
+        nc = Client()
+
+        async def disconnected() -> None:
+            self._up = False
+            self._down.set()
+
+        async def reconnected() -> None:
+            self._up = True
+            self._down.clear()
+
+        async def error(exc: Exception) -> None:
+            return None  # reported through connected and each batch's results
+
+        try:
+            await asyncio.wait_for(
+                nc.connect(servers=self.servers, allow_reconnect=True, max_reconnect_attempts=-1,
+                           connect_timeout=math.ceil(self.connect_timeout), disconnected_cb=disconnected,
+                           reconnected_cb=reconnected, closed_cb=disconnected, error_cb=error),
+                self.connect_timeout)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await _quietly_close(nc)
+            reason = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+            raise SinkUnavailableError(f"cannot reach NATS at {','.join(_safe(s) for s in self.servers)} "
+                                       f"within {self.connect_timeout:g} s ({reason})") from None
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._up = True
+        self._down.clear()
+
+    async def close(self) -> None:
+        """Flush what is buffered and close the connection; does nothing when not connected."""
+        nc, self._nc, self._js, self._up = self._nc, None, None, False
+        self._down.set()
+        if nc is not None:
+            await _quietly_close(nc)
+
+    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+        """Publish ``messages`` pipelined and wait up to ``timeout`` seconds in all for their
+        PubAcks; one result per message (the module notes map each outcome). The stream may
+        store one batch's messages in another order than given."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        results: list[SendResult | None] = [None] * len(messages)
+        sends: dict[int, asyncio.Task[Any]] = {}
+        subjects: dict[int, str] = {}
+        window = asyncio.Semaphore(self.max_pending)
+        js = self._js
+        lost: str | None = None
+        for index, message in enumerate(messages):
+            refused = self._refusal(message)
+            if refused is not None:
+                results[index] = refused
+                continue
+            if lost is None and not self.connected:
+                lost = "not connected to NATS" if js is None else "the connection to NATS is down"
+            if lost is not None:
+                results[index] = Unavailable(lost)
+                continue
+            try:
+                await asyncio.wait_for(window.acquire(), max(deadline - loop.time(), 0.0))
+            except TimeoutError:
+                results[index] = Failed(f"no PubAck within {timeout:g} s (the batch's {self.max_pending} "
+                                        "outstanding publishes took all of it)")
+                continue
+            subject, headers = self._address(message)
+            subjects[index] = subject
+            send = asyncio.ensure_future(js.publish(subject, message.body, timeout=max(deadline - loop.time(), 0.001),
+                                                    stream=self.stream, headers=headers))
+            send.add_done_callback(lambda _: window.release())
+            sends[index] = send
+        if sends:
+            await self._await_acks(list(sends.values()), deadline - loop.time())
+        down = lost is not None or not self.connected
+        unfinished = [send for send in sends.values() if not send.done()]
+        for send in unfinished:
+            send.cancel()
+        await asyncio.gather(*unfinished, return_exceptions=True)  # they end at once, cancelled
+        for index, send in sends.items():
+            results[index] = _outcome(send, subjects[index], timeout, down, self.stream)
+        return [r if r is not None else Unavailable("not sent") for r in results]
+
+    def _refusal(self, message: Message) -> Failed | None:
+        """A permanent failure when ``message`` cannot be published at all, else None."""
+        try:
+            subject = self.subject.render(message)
+        except ValueError as exc:
+            return Failed(str(exc), permanent=True)
+        problem = subject_problem(subject)
+        if problem is not None:
+            return Failed(f"event {message.event_id}: {problem}", permanent=True)
+        _, headers = self._address(message, subject)
+        for name, value in headers.items():
+            problem = header_problem(name, value)
+            if problem is not None:
+                return Failed(f"event {message.event_id}: {problem}", permanent=True)
+        if self._nc is not None:
+            limit = int(self._nc.max_payload)
+            size = len(message.body) + HEADER_BLOCK_OVERHEAD + sum(
+                len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())  # "k: v\r\n"
+            if self.stream is not None:
+                size += len("Nats-Expected-Stream: \r\n") + len(self.stream.encode())
+            if size > limit:
+                return Failed(f"event {message.event_id}: message is {size} bytes (body {len(message.body)} and "
+                              f"headers), over the server's max_payload of {limit} bytes", permanent=True)
+        return None
+
+    def _address(self, message: Message, subject: str | None = None) -> tuple[str, dict[str, str]]:
+        """The subject and the headers ``message`` is published with."""
+        ours = {"Nats-Msg-Id": message.idempotency_key, "Outbox-Event-Id": str(message.event_id),
+                "Outbox-Topic": message.topic, "Outbox-Idempotency-Key": message.idempotency_key,
+                "Outbox-Created-At": message.created_at.astimezone(UTC).isoformat()}
+        if message.key is not None:
+            ours["Outbox-Key"] = message.key
+        taken = {name.lower() for name in OUTBOX_HEADERS}
+        headers = {k: v for k, v in message.headers.items() if k.lower() not in taken}
+        headers.update(ours)
+        return (subject if subject is not None else self.subject.render(message)), headers
+
+    async def _await_acks(self, futures: list[asyncio.Future[Any]], seconds: float) -> None:
+        """Wait until every future is done, ``seconds`` pass, or the connection goes down."""
+        if seconds <= 0:
+            return
+        everything: asyncio.Future[Any] = asyncio.ensure_future(asyncio.wait(futures))  # cancelling it leaves them be
+        down: asyncio.Future[Any] = asyncio.ensure_future(self._down.wait())
+        try:
+            await asyncio.wait({everything, down}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+            everything.cancel()
+
+def _outcome(send: asyncio.Task[Any], subject: str, timeout: float, down: bool, stream: str | None) -> SendResult:
+    """The result of one publish to ``subject``, from its task (done or just cancelled)."""
+    import nats.errors  # noqa: PLC0415
+    import nats.js.errors  # noqa: PLC0415
+
+    exc = None if send.cancelled() else send.exception()
+    if send.cancelled() or isinstance(exc, nats.errors.TimeoutError | asyncio.TimeoutError):
+        if down:
+            return Unavailable("the connection to NATS was lost before the PubAck")
+        return Failed(f"no PubAck within {timeout:g} s")
+    if exc is None:
+        return Delivered(duplicate=bool(send.result().duplicate))
+    if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError):
+        return Failed(f"no JetStream stream binds subject {subject}", permanent=True)
+    if isinstance(exc, nats.js.errors.APIError):
+        permanent = exc.err_code in PERMANENT_ERROR_CODES
+        where = f" (expected stream {stream})" if exc.err_code == 10060 and stream else ""
+        return Failed(f"JetStream refused it: code {exc.code}, err_code {exc.err_code}: {exc.description}{where}",
+                      permanent=permanent)
+    if isinstance(exc, nats.errors.ConnectionClosedError | nats.errors.ConnectionDrainingError
+                  | nats.errors.OutboundBufferLimitError | nats.errors.ConnectionReconnectingError | OSError):
+        return Unavailable(f"the connection to NATS is down ({type(exc).__name__})")
+    return Failed(f"{type(exc).__name__}: {exc}")
+
+
+async def _quietly_close(nc: Any) -> None:
+    """Close a client, whatever state it is in."""
+    try:
+        await nc.close()
+    except Exception:  # noqa: BLE001 (closing after a failure: nothing more to report)
+        pass
+
+
+__all__ = ["JetStream", "PERMANENT_ERROR_CODES", "MAX_SUBJECT_BYTES", "header_problem", "parse_servers",
+           "subject_problem"]
