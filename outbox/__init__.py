@@ -50,6 +50,7 @@ from .errors import (
     ConfigurationError,
     DatabaseStatementError,
     DatabaseUnavailableError,
+    ForwardingError,
     HandlerTimeoutError,
     InvalidEventError,
     LeaseLostError,
@@ -59,6 +60,7 @@ from .errors import (
     Snooze,
     StaleFenceError,
     TransactionEndedError,
+    UndeliverableError,
 )
 from .fencing import fenced_write
 from .job import Job
@@ -66,13 +68,17 @@ from .publish import publish, publish_many
 from .registry import Outbox, Subscriber
 from .resources import docs_dir
 from .settings import OutboxSettings
+from .sinks import Sink
+from .sinks.jetstream import JetStream
 
 __all__ = [
     "ConfigurationError",
     "DatabaseStatementError",
     "DatabaseUnavailableError",
+    "ForwardingError",
     "HandlerTimeoutError",
     "InvalidEventError",
+    "JetStream",
     "Job",
     "LeaseLostError",
     "Outbox",
@@ -80,10 +86,12 @@ __all__ = [
     "OutboxSettings",
     "PermanentError",
     "SchemaNotReadyError",
+    "Sink",
     "Snooze",
     "StaleFenceError",
     "TransactionEndedError",
     "Subscriber",
+    "UndeliverableError",
     "docs_dir",
     "fenced_write",
     "publish",

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, OutboxError
 
 #: Fields a subject or routing-key template may name.
 TEMPLATE_FIELDS = frozenset({"topic", "key", "consumer"})
@@ -83,7 +83,7 @@ class Unavailable:
 SendResult = Delivered | Failed | Unavailable
 
 
-class SinkUnavailableError(Exception):
+class SinkUnavailableError(OutboxError):
     """Raised by :meth:`Sink.connect` when the broker cannot be reached (the relay retries
     with backoff); the message says why."""
 

@@ -1,0 +1,213 @@
+"""Forwarders end to end (architecture notes, "Forwarding"): a relay on a real PostgreSQL
+forwarding events to a real NATS JetStream (OUTBOX_TEST_NATS_URL, default
+nats://127.0.0.1:4222): every event once in the stream, byte for byte, the job done only
+after the PubAck; poison messages dead at once; a broker outage waited out. Skipped with the
+reason when nats-py is missing or no NATS server answers. Each test makes its own stream and
+deletes it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Outbox, publish_many
+from outbox.relay import Relay
+from outbox.testing import wait_for
+from tests.acceptance.proxy import TcpProxy
+
+nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
+
+from outbox import JetStream  # noqa: E402 (after the skip)
+
+NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
+TIMEOUT = 90.0
+
+
+def _reachable() -> str | None:
+    parts = urlsplit(NATS_URL)
+    try:
+        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout=2).close()
+    except OSError as exc:
+        return f"NATS is not reachable at {NATS_URL}: {exc}"
+    return None
+
+
+_why = _reachable()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+
+class Stream:
+    """A JetStream stream of the test's own (subjects ``<name>.>``), read back with
+    ``get_msg``; :meth:`messages` returns every stored message."""
+
+    def __init__(self, **options: Any) -> None:
+        self.name = "t" + uuid.uuid4().hex[:12]
+        self.options = {"duplicate_window": 120.0, **options}
+        self._run(self._add())
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run(coroutine)
+
+    async def _connect(self) -> tuple[Any, Any]:
+        nc = await nats.connect(NATS_URL)
+        return nc, nc.jetstream()
+
+    async def _add(self) -> None:
+        nc, js = await self._connect()
+        try:
+            await js.add_stream(name=self.name, subjects=[f"{self.name}.>"], **self.options)
+        finally:
+            await nc.close()
+
+    def count(self) -> int:
+        async def count() -> int:
+            nc, js = await self._connect()
+            try:
+                return int((await js.stream_info(self.name)).state.messages)
+            finally:
+                await nc.close()
+
+        return int(self._run(count()))
+
+    def messages(self) -> list[Any]:
+        async def read() -> list[Any]:
+            nc, js = await self._connect()
+            try:
+                info = await js.stream_info(self.name)
+                return [await js.get_msg(self.name, seq) for seq in range(info.state.first_seq, info.state.last_seq + 1)]
+            finally:
+                await nc.close()
+
+        return list(self._run(read()))
+
+    def delete(self) -> None:
+        async def delete() -> None:
+            nc, js = await self._connect()
+            try:
+                await js.delete_stream(self.name)
+            finally:
+                await nc.close()
+
+        self._run(delete())
+
+
+@pytest.fixture
+def stream() -> Iterator[Stream]:
+    s = Stream()
+    yield s
+    s.delete()
+
+
+def _publish(engine: sa.Engine, topic: str, n: int, start: int = 0, **extra: Any) -> list[int]:
+    items = [{"topic": topic, "payload": {"n": i, "name": "caf\u00e9", "amount": 12.5, "tags": ["a", "b"]},
+              "key": f"order:{i}", "headers": {"traceparent": f"00-{i:032x}-{i:016x}-01"}, **extra}
+             for i in range(start, start + n)]
+    with Session(engine) as s, s.begin():
+        return publish_many(s, items)
+
+
+def _statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
+    with engine.connect() as c:
+        return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
+                              {"c": consumer}).all())
+
+
+def _stored_payloads(engine: sa.Engine) -> dict[int, str]:
+    with engine.connect() as c:
+        return dict(c.execute(sa.text("SELECT id, payload::text FROM outbox_events")).all())
+
+
+def test_a_thousand_events_land_once_each_byte_for_byte_and_every_job_completes(engine, settings, stream):
+    ob = Outbox()
+    ob.forward(["order.placed", "order.paid"], to=JetStream(NATS_URL, subject=stream.name + ".{topic}.{key}",
+                                                             stream=stream.name), consumer="to_nats")
+    ids = _publish(engine, "order.placed", 600) + _publish(engine, "order.paid", 400, start=600)
+    relay = Relay(ob, settings(claim_batch=100, prefetch=100))
+    relay.start()
+    try:
+        wait_for(lambda: _statuses(engine, "to_nats").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
+    finally:
+        relay.stop()
+    stored = _stored_payloads(engine)
+    messages = stream.messages()
+    assert len(messages) == 1000
+    by_event = {int(m.headers["Outbox-Event-Id"]): m for m in messages}
+    assert sorted(by_event) == sorted(ids)  # one message per event, none twice
+    with engine.connect() as c:
+        events = {r.id: r for r in c.execute(sa.text("SELECT id, topic, key, created_at FROM outbox_events"))}
+    for event_id, m in by_event.items():
+        e = events[event_id]
+        assert m.data == stored[event_id].encode()  # the payload's bytes exactly as PostgreSQL stores them
+        assert m.subject == f"{stream.name}.{e.topic}.{e.key}"
+        assert m.headers["Nats-Msg-Id"] == f"to_nats:{event_id}"
+        assert m.headers["Outbox-Topic"] == e.topic and m.headers["Outbox-Key"] == e.key
+        assert m.headers["Outbox-Idempotency-Key"] == f"to_nats:{event_id}"
+        assert m.headers["Outbox-Created-At"] == e.created_at.isoformat()
+        n = int(e.key.split(":")[1])
+        assert m.headers["traceparent"] == f"00-{n:032x}-{n:016x}-01"  # the event's own headers pass through
+    assert relay.runner.stats["forwarded"] == 1000
+
+
+def test_a_message_the_stream_refuses_is_dead_at_once_and_the_rest_of_its_batch_delivered(engine, settings):
+    small = Stream(max_msg_size=512)
+    try:
+        ob = Outbox()
+        ob.forward("t", to=JetStream(NATS_URL, subject=small.name + ".{topic}"), consumer="fwd", max_attempts=5)
+        _publish(engine, "t", 20)
+        with Session(engine) as s, s.begin():
+            [poison] = publish_many(s, [{"topic": "t", "payload": {"blob": "x" * 2000}}])
+        relay = Relay(ob, settings(claim_batch=100))
+        relay.start()
+        try:
+            wait_for(lambda: _statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
+                     what="20 delivered and the oversized one dead")
+        finally:
+            relay.stop()
+        with engine.connect() as c:
+            dead = c.execute(sa.text("SELECT attempts, last_error FROM outbox_jobs WHERE event_id = :e"),
+                             {"e": poison}).one()
+        assert dead.attempts == 1  # dead at once, not after max_attempts
+        assert "UndeliverableError" in dead.last_error and "10054" in dead.last_error, dead.last_error
+        assert small.count() == 20
+    finally:
+        small.delete()
+
+
+def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settings, stream):
+    target = urlsplit(NATS_URL)
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
+    proxy.start()
+    ob = Outbox()
+    ob.forward("t", to=JetStream(f"nats://127.0.0.1:{proxy.port}", subject=stream.name + ".{topic}",
+                                 connect_timeout=1.0), consumer="fwd", max_attempts=2)
+    relay = Relay(ob, settings(claim_batch=20, prefetch=20))
+    relay.start()
+    try:
+        _publish(engine, "t", 100)
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
+        proxy.stop()  # the broker is unreachable from here on
+        _publish(engine, "t", 200, start=100)
+        outage_until = time.monotonic() + 10.0
+        while time.monotonic() < outage_until:  # ~10 s of outage while events keep coming
+            assert relay.runner.forwarder is not None
+            time.sleep(0.5)
+        assert "fwd" in relay.runner.forwarder.unavailable()
+        assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
+        proxy.start()
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
+    finally:
+        relay.stop()
+        proxy.stop()
+    assert _statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
+    assert stream.count() == 300
+    assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 300
