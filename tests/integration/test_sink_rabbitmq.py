@@ -64,8 +64,8 @@ def message(n: int, *, topic: str = "order.placed", key: str | None = "order:1",
 
 
 @asynccontextmanager
-async def bound_queue(exchange_type: str = "direct", binding: str = "order.placed",
-                      declare_exchange: bool = True) -> AsyncIterator[tuple[Any, str, str]]:
+async def bound_queue(exchange_type: str = "direct", binding: str = "order.placed", declare_exchange: bool = True,
+                      arguments: dict[str, Any] | None = None) -> AsyncIterator[tuple[Any, str, str]]:
     """A channel, a fresh exchange name and a queue bound to it with ``binding``; deleted after."""
     import aio_pika
 
@@ -73,7 +73,7 @@ async def bound_queue(exchange_type: str = "direct", binding: str = "order.place
     connection = await aio_pika.connect(URL, timeout=5)
     try:
         channel = await connection.channel()
-        queue = await channel.declare_queue(name, durable=False, auto_delete=False)
+        queue = await channel.declare_queue(name, durable=False, auto_delete=False, arguments=arguments)
         if declare_exchange:
             exchange = await channel.declare_exchange(name, exchange_type, auto_delete=False)
             await queue.bind(exchange, binding)
@@ -173,6 +173,23 @@ def test_an_unroutable_message_fails_and_is_retried_while_the_rest_are_delivered
             await s.close()
             got = await drain(channel, queue, 3)
             assert sorted(m.message_id for m in got) == ["fwd:0", "fwd:2", "fwd:3"]
+
+    run(main())
+
+
+def test_a_message_the_broker_nacks_fails_and_is_retried():
+    async def main() -> None:
+        # A full queue that rejects publishes: RabbitMQ answers basic.nack.
+        async with bound_queue(arguments={"x-max-length": 1, "x-overflow": "reject-publish"}) as (channel, exchange,
+                                                                                                 queue):
+            s = sink(exchange=exchange)
+            await s.connect()
+            results = await s.send_many([message(0), message(1), message(2)], timeout=10)
+            await s.close()
+            assert results[0] == Delivered()
+            assert results[1:] == [Failed("broker nacked (Nack)")] * 2
+            got = await drain(channel, queue, 1)
+            assert got[0].message_id == "fwd:0"
 
     run(main())
 
