@@ -70,6 +70,7 @@ from .resources import docs_dir
 from .settings import OutboxSettings
 from .sinks import Sink
 from .sinks.jetstream import JetStream
+from .sinks.rabbitmq import RabbitMQ
 
 __all__ = [
     "ConfigurationError",
@@ -85,6 +86,7 @@ __all__ = [
     "OutboxError",
     "OutboxSettings",
     "PermanentError",
+    "RabbitMQ",
     "SchemaNotReadyError",
     "Sink",
     "Snooze",
