@@ -211,3 +211,32 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
     assert _statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
     assert stream.count() == 300
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 300
+
+
+def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
+    """One worker slot, held by a handler that blocks: the forwarder still sends its jobs,
+    through the forwarding window."""
+    import threading
+
+    release = threading.Event()
+    ob = Outbox()
+
+    @ob.subscriber("slow", consumer="blocker")
+    def blocker(job: Any) -> None:
+        release.wait(TIMEOUT)
+
+    ob.forward("t", to=JetStream(NATS_URL, subject=stream.name + ".{topic}"), consumer="fwd")
+    with Session(engine) as s, s.begin():
+        publish_many(s, [{"topic": "slow", "payload": {}}])
+    relay = Relay(ob, settings(concurrency=1, prefetch=0))
+    relay.start()
+    try:
+        wait_for(lambda: _statuses(engine, "blocker").get("running") == 1, timeout=TIMEOUT, what="the slot taken")
+        _publish(engine, "t", 50)
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 50, timeout=TIMEOUT,
+                 what="50 forwarded while the only worker is busy")
+        assert _statuses(engine, "blocker") == {"running": 1}
+    finally:
+        release.set()
+        relay.stop()
+    assert stream.count() == 50

@@ -224,3 +224,54 @@ def test_object_with_async_call_is_async():
 
 
 async def _async_call(self, job, session): ...
+
+
+# ---------------------------------------------------------------- several topics, forwarders
+
+def test_one_consumer_may_take_several_topics():
+    ob = Outbox()
+    ob.subscriber(["order.placed", "order.paid"], consumer="c", ordered=True)(lambda job: None)
+    assert ob["c"].topics == ("order.placed", "order.paid") and ob["c"].ordered
+
+
+@pytest.mark.parametrize("topics, message", [
+    ([], "non-empty list"),
+    (["a", "a"], "names a topic twice"),
+    (["a", ""], "topic"),
+    (["a", 3], "topic"),
+])
+def test_bad_topic_lists_are_refused(topics, message):
+    with pytest.raises(ConfigurationError, match=message):
+        Outbox().subscriber(topics, consumer="c")(lambda job: None)
+
+
+def test_a_forwarder_is_a_consumer_with_a_sink_and_no_handler():
+    from outbox import JetStream, RabbitMQ
+
+    ob = Outbox()
+    ob.forward(["order.placed", "order.paid"], to=JetStream(subject="orders.{topic}.{key}"), consumer="to_nats",
+               ordered=True, max_attempts=7)
+    ob.forward("order.placed", to=RabbitMQ(exchange="orders"), consumer="to_rabbit")
+    sub = ob["to_nats"]
+    assert sub.topics == ("order.placed", "order.paid") and sub.sink is not None and sub.ordered
+    assert sub.max_attempts == 7 and sub.timeout == 10.0 and not sub.transactional
+    assert ob.consumers == ["to_nats", "to_rabbit"]
+    job = Job(1, 1, "to_nats", "order.placed", None, {}, {}, 1, 7, 1, 30.0)
+    with pytest.raises(ConfigurationError, match="forwarder"):
+        sub.handler(job)  # never called by a relay: its sink sends the job
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda ob, JetStream: ob.forward("t", to="nats://x", consumer="f"), "must be a Sink"),
+    (lambda ob, JetStream: ob.forward("t", to=JetStream(), consumer="f", timeout=None), "timeout"),
+    (lambda ob, JetStream: ob.forward("t", to=JetStream(), consumer="f", timeout=0), "timeout"),
+    (lambda ob, JetStream: ob.forward("t", to=JetStream(), consumer="f", on_dead="skip"), "needs ordered"),
+    (lambda ob, JetStream: ob.forward("t", to=JetStream(subject="x.{nope}"), consumer="f"), "unknown field"),
+    (lambda ob, JetStream: (ob.forward("t", to=JetStream(), consumer="f"),
+                            ob.forward("u", to=JetStream(), consumer="f")), "declared twice"),
+])
+def test_bad_forwarder_declarations_fail_at_declaration(build, message):
+    from outbox import JetStream
+
+    with pytest.raises(ConfigurationError, match=message):
+        build(Outbox(), JetStream)
