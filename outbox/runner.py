@@ -125,7 +125,8 @@ class JobRunner:
                                self.signals, self.reconnect)
         self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
                                        self.signals, self.reconnect, self.stats, self.schema)
-        self.watchdog = (Watchdog(self._timed_out) if any(s.timeout is not None for s in registry) else None)
+        self.watchdog = (Watchdog(self._timed_out)
+                         if any(s.timeout is not None and s.sink is None for s in registry) else None)
         self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                                     held=self._holds, stopping=self.signals.draining,
                                     completing=self.claims.mark_finishing,

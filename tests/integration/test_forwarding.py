@@ -184,9 +184,12 @@ def test_a_message_the_stream_refuses_is_dead_at_once_and_the_rest_of_its_batch_
 
 
 def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settings, stream):
+    """Unreachable at start, then reachable, then unreachable for ~10 s mid-run: the jobs wait
+    (nothing claimed, no attempt spent), the relay stays up, everything arrives once."""
     target = urlsplit(NATS_URL)
     proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
     proxy.start()
+    proxy.stop()  # a port of our own, nothing listening on it yet
     ob = Outbox()
     ob.forward("t", to=JetStream(f"nats://127.0.0.1:{proxy.port}", subject=stream.name + ".{topic}",
                                  connect_timeout=1.0), consumer="fwd", max_attempts=2)
@@ -194,6 +197,12 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
     relay.start()
     try:
         _publish(engine, "t", 100)
+        wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
+        time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
+        assert _statuses(engine, "fwd") == {"ready": 100}
+        with engine.connect() as c:
+            assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
+        proxy.start()
         wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
         proxy.stop()  # the broker is unreachable from here on
         _publish(engine, "t", 200, start=100)
