@@ -139,6 +139,10 @@ class Relay:
                  self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, self.schema,
                  pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
                  f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
+        for sub in self.registry:
+            if sub.sink is not None:
+                log.info("forwarder %s: %s -> %s (window %d messages in flight per relay)", sub.consumer,
+                         ", ".join(sub.topics), sub.sink.describe(), self.settings.forward_window)
         if self.listener:
             self.listener.start()
         if self._route:
