@@ -113,6 +113,13 @@ class NotBlockingError(OutboxError):
     unordered); nothing was written."""
 
 
+class HandlerMisuseError(ConfigurationError, PermanentError):
+    """A handler used outbox in a way no retry can fix: it committed the transaction the
+    relay owns (``session.commit()`` in a transactional handler), or returned an awaitable
+    instead of running it (a ``def`` handler that returns a coroutine: the work never ran).
+    Permanent: the job is dead at once with this message, not retried."""
+
+
 class TransactionEndedError(PermanentError):
     """A transactional handler ended the transaction outbox began for it (a raw ``COMMIT`` or
     ``ROLLBACK``, closing its session) instead of leaving the commit to outbox: its writes

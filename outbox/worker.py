@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import json
 import logging
 import threading
@@ -52,7 +53,7 @@ from . import backoff, transaction
 from .db import queries
 from .db.engine import describe
 from .db.tables import JOBS_CHANNEL, notify_channel
-from .errors import ConfigurationError, HandlerTimeoutError, LeaseLostError, PermanentError, Snooze
+from .errors import HandlerMisuseError, HandlerTimeoutError, LeaseLostError, PermanentError, Snooze
 from .job import Job
 from .registry import Subscriber
 from .settings import OutboxSettings
@@ -375,9 +376,24 @@ class HandlerSession(Session):
     ``async def`` handler gets an ``AsyncSession`` around one of these, so the same holds."""
 
     def commit(self) -> None:
-        """Refused inside a handler (ConfigurationError); outbox commits."""
-        raise ConfigurationError(
+        """Refused inside a handler (:class:`~outbox.errors.HandlerMisuseError`: the job is
+        dead at once); outbox commits."""
+        raise HandlerMisuseError(
             "a transactional handler must not commit: outbox commits its writes together with the job's completion")
+
+
+def check_returned(sub: Subscriber, result: Any) -> None:
+    """Raise :class:`~outbox.errors.HandlerMisuseError` when a handler returned an awaitable
+    (a ``def`` handler that returns a coroutine, or an ``async def`` one that returns
+    another): the work it stands for never ran, and retrying cannot change that. A
+    coroutine is closed first, so Python does not warn it was never awaited."""
+    if inspect.isawaitable(result):
+        close = getattr(result, "close", None)
+        if callable(close):
+            close()
+        raise HandlerMisuseError(
+            f"the handler of {sub.consumer!r} returned {type(result).__name__} {getattr(result, '__qualname__', '')!s} "
+            "instead of running it: declare it `async def` (outbox awaits it) or await the call inside it")
 
 
 class WorkerContext:
@@ -500,6 +516,7 @@ class JobExecutor:
                         result = context.loop.run_until_complete(bounded(sub.handler(job), sub.timeout))
                     else:
                         result = sub.handler(job)
+                    check_returned(sub, result)
                 except BaseException as exc:  # noqa: BLE001 - any failure of a handler is the job's
                     outcome = self.failure(job, exc)
                 else:
@@ -575,6 +592,7 @@ class JobExecutor:
             with session:
                 transaction.begin(session, job.lease_seconds, job.fence)
                 result = sub.handler(job, session)
+                check_returned(sub, result)  # before the completion: a misuse rolls the writes back
                 committed = transaction.complete(session, job.id, job.fence, lambda: self._completing(job),
                                                  schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
@@ -591,6 +609,7 @@ class JobExecutor:
             async with session:
                 await session.run_sync(transaction.begin, job.lease_seconds, job.fence)
                 result = await bounded(sub.handler(job, session), sub.timeout)
+                check_returned(sub, result)
                 committed = await session.run_sync(transaction.complete, job.id, job.fence,
                                                    lambda: self._completing(job), schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001

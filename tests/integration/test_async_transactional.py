@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from outbox import ConfigurationError, Job, Outbox
+from outbox import ConfigurationError, HandlerMisuseError, Job, Outbox
 from outbox.maintenance import reap_expired
 from outbox.relay import Relay
 from outbox.testing import wait_for
@@ -137,7 +137,7 @@ def test_async_transactional_handler_may_not_commit(engine, settings, effects):
     ob = Outbox()
     raised: list[BaseException] = []
 
-    @ob.subscriber("t", consumer="tx", transactional=True, max_attempts=1)
+    @ob.subscriber("t", consumer="tx", transactional=True, max_attempts=5)
     async def handler(job: Job, session: AsyncSession) -> None:
         await _write_effect(session, job)
         try:
@@ -153,8 +153,10 @@ def test_async_transactional_handler_may_not_commit(engine, settings, effects):
         wait_for(lambda: _statuses(engine) == ["dead"], timeout=TIMEOUT, what="dead")
     finally:
         relay.stop()
-    assert len(raised) == 1 and isinstance(raised[0], ConfigurationError)
+    assert len(raised) == 1 and isinstance(raised[0], HandlerMisuseError)  # a ConfigurationError too
+    assert isinstance(raised[0], ConfigurationError)
     assert "must not commit" in _only_job(engine)["last_error"]
+    assert _only_job(engine)["attempts"] == 1  # dead at once: a misuse is not retried
     assert effects() == []
 
 

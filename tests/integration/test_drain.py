@@ -120,6 +120,35 @@ def test_drain_reports_dead_letters(engine):
         ("always_fails", "dead", 3), ("refuses", "dead", 1)]
 
 
+def test_a_handler_that_returns_a_coroutine_is_dead_at_once_naming_the_mistake(engine):
+    """A ``def`` handler returning a coroutine (an async call forgotten un-awaited) did no
+    work: dead at once with a message saying so, not done, not retried; also in a
+    transactional handler, whose writes roll back."""
+    ob = Outbox()
+
+    async def send_mail(job: Job) -> None: ...
+
+    @ob.subscriber("t", consumer="forgot_await", max_attempts=5)
+    def forgot_await(job: Job):  # type: ignore[no-untyped-def]
+        return send_mail(job)
+
+    @ob.subscriber("t", consumer="tx_forgot_await", max_attempts=5, transactional=True)
+    def tx_forgot_await(job: Job, session: Session):  # type: ignore[no-untyped-def]
+        session.execute(sa.text("CREATE TABLE IF NOT EXISTS misuse_effects (n int)"))
+        session.execute(sa.text("INSERT INTO misuse_effects VALUES (1)"))
+        return send_mail(job)
+
+    publish_events(engine, "t", [{"n": 1}])
+    results = drain(engine, ob, run_retries=True, settings=_settings())
+    assert sorted((r.consumer, r.attempt, r.outcome) for r in results) == [
+        ("forgot_await", 1, "dead"), ("tx_forgot_await", 1, "dead")]
+    for r in results:
+        assert r.error.startswith("HandlerMisuseError:") and "returned coroutine" in r.error, r.error
+        assert "async def" in r.error
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT to_regclass('misuse_effects')")).scalar() is None  # rolled back
+
+
 @pytest.fixture
 def invoices(engine) -> sa.Table:
     table = sa.Table("invoices", sa.MetaData(), sa.Column("order_id", sa.Integer, primary_key=True),

@@ -11,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
-from outbox import ConfigurationError, Job, LeaseLostError, Outbox
+from outbox import ConfigurationError, HandlerMisuseError, Job, LeaseLostError, Outbox
 from outbox.maintenance import reap_expired
 from outbox.relay import Relay
 from outbox.testing import wait_for
@@ -225,7 +225,7 @@ def test_transactional_handler_may_not_commit(engine, settings, effects):
     ob = Outbox()
     raised: list[BaseException] = []
 
-    @ob.subscriber("t", consumer="tx", transactional=True, max_attempts=1)
+    @ob.subscriber("t", consumer="tx", transactional=True, max_attempts=5)
     def handler(job: Job, session: Session) -> None:
         _write_effect(session, job)
         try:
@@ -241,8 +241,10 @@ def test_transactional_handler_may_not_commit(engine, settings, effects):
         wait_for(lambda: _statuses(engine) == ["dead"], timeout=TIMEOUT, what="dead")
     finally:
         relay.stop()
-    assert len(raised) == 1 and isinstance(raised[0], ConfigurationError)
+    assert len(raised) == 1 and isinstance(raised[0], HandlerMisuseError)  # a ConfigurationError too
+    assert isinstance(raised[0], ConfigurationError)
     assert "must not commit" in _only_job(engine)["last_error"]
+    assert _only_job(engine)["attempts"] == 1  # dead at once: a misuse is not retried
     assert effects() == []
 
 
