@@ -41,8 +41,9 @@ Guarantees:
 * Time (leases, run_at, retention) comes from the database clock only.
 
 Documentation: the design notes cited by name in docstrings ("architecture notes",
-"performance notes", "reliability notes", with a section name) are the documents
-``architecture.md``, ``performance.md`` and ``reliability.md`` that ship with the package,
+"forwarding notes", "performance notes", "reliability notes", with a section name) are the
+documents ``architecture.md``, ``forwarding.md``, ``performance.md`` and ``reliability.md``
+that ship with the package,
 in the folder :func:`docs_dir` returns (``outbox/docs`` of an installed package).
 """
 

@@ -3,8 +3,8 @@
 A forwarder (:meth:`outbox.Outbox.forward`) is a consumer like any other up to the moment
 its job would start: it is routed, claimed (fence, lease, attempt), buffered, heartbeated,
 and its outcome is written by the dispatcher in the same fenced statements as a handler's.
-Where a handler's job goes to a worker thread, a forwarder's goes here (architecture
-notes, "Forwarding"):
+Where a handler's job goes to a worker thread, a forwarder's goes here (forwarding
+notes):
 
 * **One thread, one event loop** for every sink of the relay (the brokers' clients are
   asyncio libraries). Jobs arrive through :meth:`Forwarder.submit` from the producer and the

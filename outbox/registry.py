@@ -194,7 +194,7 @@ class Outbox:
         jobs are sent to the broker ``to`` (a :class:`~outbox.sinks.Sink`:
         :class:`~outbox.JetStream`, :class:`~outbox.RabbitMQ`), one message per event, with
         the full job lifecycle: claimed, fenced, retried with backoff, dead-lettered
-        (architecture notes, "Forwarding"). A job completes only once the broker has
+        (forwarding notes). A job completes only once the broker has
         acknowledged its message.
 
         ``timeout``: seconds (0.01..86400, default 10) the relay waits for the broker's

@@ -30,6 +30,7 @@ def shipped_dir(in_package: str, in_repository: str, marker: str) -> Path:
 
 def docs_dir() -> Path:
     """The folder of outbox's documents (``architecture.md``: design, tables, statements,
-    failure handling; ``reliability.md``: the faults tested and the defects they found;
-    ``performance.md``: benchmarks and their findings), shipped with the package."""
+    failure handling; ``forwarding.md``: forwarders to JetStream and RabbitMQ, the message
+    mapping, guarantees and failures; ``reliability.md``: the faults tested and the defects
+    they found; ``performance.md``: benchmarks and their findings), shipped with the package."""
     return shipped_dir("docs", "docs", "architecture.md")

@@ -1,6 +1,8 @@
 """The demo application: orders, invoices, a sent-email ledger, CRM contacts, and three
 consumers of ``order.placed`` (seed article 002, "The migration" and "One event, many
-consumers"). Relays run it as ``outbox-relay run --app outbox.demo.app:ob``.
+consumers"), and a fourth that forwards it to NATS JetStream when the demo runs with one.
+Relays run it as ``outbox-relay run --app outbox.demo.app:ob`` (three consumers) or
+``--app outbox.demo.app:with_forwarder`` (four).
 
 Consumers and the guarantee each one shows:
 
@@ -22,6 +24,13 @@ Consumers and the guarantee each one shows:
   (``last_order_id = GREATEST(...)``). Customer ``mallory`` (``OUTBOX_DEMO_FAILING_CUSTOMER``)
   is always refused, so those jobs end dead after 3 attempts with the CRM's message as
   ``last_error``.
+
+* ``forward_to_nats`` (a forwarder, only when ``outbox-relay demo`` found a NATS server):
+  sends each ``order.placed`` to the run's JetStream stream (``OUTBOX_DEMO_NATS_STREAM``,
+  subject ``<stream>.order.placed``, ``Nats-Msg-Id`` = the job's idempotency key). A job is
+  done once JetStream acknowledged it; a re-send after a kill or a pause is dropped by the
+  stream's duplicate window, so it holds one message per committed order. It is declared
+  only by :func:`with_forwarder`, so ``ob`` and this module import without nats-py.
 
 Every handler start is written to ``demo_handler_runs`` (autocommit, database clock), so
 the demo can measure commit-to-handler latency and count attempts. Handlers take
@@ -59,12 +68,14 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from outbox import Job, Outbox, fenced_write
+from outbox import JetStream, Job, Outbox, fenced_write
 from outbox.db.engine import make_engine
 from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings
 
 TOPIC = "order.placed"
+#: The consumer name of the demo's forwarder to NATS JetStream.
+FORWARDER = "forward_to_nats"
 
 # ------------------------------------------------------------------------ tables
 
@@ -160,6 +171,11 @@ class DemoSettings(BaseSettings):
     slow_ms: float = Field(default=250.0, ge=0, le=600_000,
                            description="How long a slow create_invoice run waits, milliseconds. Default 250.")
     failing_customer: str = Field(default="mallory", description="Customer the CRM always refuses. Default mallory.")
+    nats_url: str = Field(default="nats://127.0.0.1:4222",
+                          description="NATS server the demo forwards order.placed to. Default nats://127.0.0.1:4222.")
+    nats_stream: str | None = Field(default=None,
+                                    description="The run's JetStream stream, set by outbox-relay demo for its relays; "
+                                                "None (default): no forwarder.")
 
 
 class MailerUnavailable(Exception):
@@ -220,10 +236,6 @@ def _share(job: Job, salt: str, share: float) -> bool:
 
 # --------------------------------------------------------------------- consumers
 
-ob = Outbox()
-
-
-@ob.subscriber(TOPIC, consumer="send_receipt", max_attempts=5)
 def send_receipt(job: Job) -> None:
     """Send the receipt once per idempotency key; transient mailer errors are retried."""
     _record_start(job)
@@ -241,7 +253,6 @@ def send_receipt(job: Job) -> None:
         conn.execute(statement)
 
 
-@ob.subscriber(TOPIC, consumer="create_invoice", transactional=True)
 def create_invoice(job: Job, session: Session) -> None:
     """Write the order's invoice exactly once, guarded by the job's fence."""
     settings = demo_settings()
@@ -261,7 +272,6 @@ def create_invoice(job: Job, session: Session) -> None:
         # claim owns the job), so this transaction rolls back and the report is dropped.
 
 
-@ob.subscriber(TOPIC, consumer="sync_crm", max_attempts=3)
 def sync_crm(job: Job) -> None:
     """Upsert the customer's CRM contact; the failing customer is always refused."""
     _record_start(job)
@@ -280,3 +290,35 @@ def sync_crm(job: Job) -> None:
     )
     with side_engine().connect() as conn:
         conn.execute(statement)
+
+
+# ---------------------------------------------------------------------- registries
+
+
+def build_registry(forward_to: JetStream | None = None) -> Outbox:
+    """A registry of the three handlers above, plus the forwarder ``forward_to_nats`` of
+    ``order.placed`` to ``forward_to`` when given."""
+    registry = Outbox()
+    registry.subscriber(TOPIC, consumer="send_receipt", max_attempts=5)(send_receipt)
+    registry.subscriber(TOPIC, consumer="create_invoice", transactional=True)(create_invoice)
+    registry.subscriber(TOPIC, consumer="sync_crm", max_attempts=3)(sync_crm)
+    if forward_to is not None:
+        registry.forward(TOPIC, to=forward_to, consumer=FORWARDER)
+    return registry
+
+
+#: The demo's three consumers; imports and runs without NATS.
+ob = build_registry()
+
+
+def with_forwarder() -> Outbox:
+    """The registry relays run when the demo forwards to NATS (``--app
+    outbox.demo.app:with_forwarder``): :data:`ob`'s consumers plus ``forward_to_nats``, to
+    ``OUTBOX_DEMO_NATS_URL``, subject ``<stream>.{topic}`` of stream
+    ``OUTBOX_DEMO_NATS_STREAM``. Raises :class:`~outbox.errors.ConfigurationError` when no
+    stream is set, or when nats-py is not installed."""
+    settings = demo_settings()
+    if not settings.nats_stream:
+        raise ConfigurationError("with_forwarder needs OUTBOX_DEMO_NATS_STREAM (outbox-relay demo sets it)")
+    return build_registry(JetStream(settings.nats_url, subject=f"{settings.nats_stream}.{{topic}}",
+                                    stream=settings.nats_stream))

@@ -7,9 +7,13 @@ What a run does:
    embedded PostgreSQL with its data under ``./.outbox/pgdata``. On it, drops and recreates
    the database ``outbox_demo`` (``--db-name``; it must start with ``outbox_demo``, and no
    other database is touched), migrates it and creates the demo tables
-   (:mod:`outbox.demo.app`).
+   (:mod:`outbox.demo.app`). When a NATS server with JetStream answers at ``--nats-url``
+   (``OUTBOX_DEMO_NATS_URL``, default ``nats://127.0.0.1:4222``) and nats-py is installed,
+   creates the run's own stream (:mod:`outbox.demo.stream`) and adds a fourth consumer, the
+   forwarder ``forward_to_nats``; otherwise one line says why forwarding is skipped.
 2. Starts ``--relays`` relay processes (``python -m outbox.cli run --app
-   outbox.demo.app:ob``) with a short lease; their logs go to ``--log-dir``.
+   outbox.demo.app:ob``, or ``:with_forwarder``) with a short lease; their logs go to
+   ``--log-dir``.
 3. A producer thread places ``--orders`` orders over ``--duration`` seconds, each in its own
    domain transaction that inserts the order and publishes ``order.placed`` with
    :func:`outbox.publish`; ``--rollback-share`` of them are rolled back on purpose.
@@ -20,7 +24,9 @@ What a run does:
 5. Once drained (every committed order's event routed, every job done or dead), the relays
    get SIGTERM and must exit 0 within their grace period. Then the report: orders, jobs
    per consumer and status, effects, stale writes, dead letters, throughput, latency, and
-   the invariants, each a query. Exit status 0 only when every invariant holds, else 1.
+   the invariants, each a query (with forwarding: the stream holds exactly one message per
+   committed order, read back by ``Nats-Msg-Id`` and ``Outbox-Event-Id``; then the stream is
+   deleted). Exit status 0 only when every invariant holds, else 1.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from outbox.errors import ConfigurationError, OutboxError
 from outbox.settings import OutboxSettings
 
 from . import app
+from .stream import DemoStream, ForwardingSkipped, StoredMessage
 
 CUSTOMERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy",
              "mallory", "niaj", "olivia", "peggy", "rupert", "sybil", "trent", "victor", "walter")
@@ -68,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Run the order-processing demo on real data. Orders are placed in domain transactions (some "
         "rolled back on purpose) and publish order.placed; relay processes route each event to three "
         "consumers: send_receipt (lease mode, idempotency key, transient failures), create_invoice "
-        "(transactional, fenced_write) and sync_crm (customer mallory always fails -> dead letter). "
+        "(transactional, fenced_write) and sync_crm (customer mallory always fails -> dead letter); "
+        "with a NATS server, a fourth, forward_to_nats, forwards each event to a JetStream stream of the run's own. "
         "One relay is SIGKILLed and another SIGSTOPped past its lease, then resumed. When drained it "
         "prints what happened and checks the invariants against the database.")
     parser.epilog = (
@@ -112,6 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="folder for the relays' logs (default ./.outbox/demo-logs)")
     where.add_argument("--pgdata", default=None,
                        help="data folder of the embedded server (default ./.outbox/pgdata)")
+    where.add_argument("--nats-url", default=None,
+                       help="NATS server to forward order.placed to (default OUTBOX_DEMO_NATS_URL, else "
+                            "nats://127.0.0.1:4222); skipped with the reason when none answers")
+    where.add_argument("--no-nats", action="store_true", help="do not forward to NATS")
     where.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines (default 2)")
     where.add_argument("--drain-timeout", type=float, default=90.0,
                        help="longest wait for the jobs to drain after the last order and fault, seconds (default 90)")
@@ -142,6 +154,7 @@ class DemoConfig:
     pgdata: Path | None
     progress_every: float
     drain_timeout: float
+    nats_url: str | None = None  # None: no forwarding
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoConfig:
@@ -178,7 +191,14 @@ class DemoConfig:
             work_ms=args.work_ms, fail_share=args.fail_share, slow_share=args.slow_share, slow_ms=args.slow_ms,
             db_name=args.db_name, log_dir=Path(args.log_dir), pgdata=Path(args.pgdata) if args.pgdata else None,
             progress_every=args.progress_every, drain_timeout=args.drain_timeout,
+            nats_url=None if args.no_nats else (args.nats_url or app.DemoSettings().nats_url),
         )
+
+    @property
+    def duplicate_window(self) -> float:
+        """Seconds of the stream's duplicate window: longer than the whole run can take (orders,
+        the longest waits for the faults, the pause, the drain), at least two minutes."""
+        return max(120.0, self.duration + 7 + self.stop_for + self.drain_timeout + 60)
 
 
 # ------------------------------------------------------------------------ database
@@ -370,6 +390,8 @@ class Demo:
         self.producer: Producer | None = None
         self.relay_env: dict[str, str] = {}
         self.relay_count = 0
+        self.stream: DemoStream | None = None
+        self.consumers: tuple[str, ...] = CONSUMERS
 
     # ------------------------------------------------------------------ main flow
 
@@ -389,6 +411,7 @@ class Demo:
               f"{cfg.relays} relays x {cfg.concurrency} workers, lease {cfg.lease:g}s; "
               + (f"faults: SIGKILL one relay at {cfg.kill_at:g}s, {stop_for}" if cfg.faults else "no faults"))
         try:
+            self._open_stream()
             self._start_relays()
             self.t0 = time.monotonic()
             self.producer = Producer(self.engine, cfg, self.settings.schema_name)
@@ -405,6 +428,21 @@ class Demo:
             return 1
         print(f"all {len(self.state.checks)} invariants hold ({time.monotonic() - started:.1f}s)")
         return 0
+
+    def _open_stream(self) -> None:
+        """Create the run's JetStream stream and add the forwarder, or print why not."""
+        cfg = self.config
+        if cfg.nats_url is None:
+            print("nats: forwarding skipped (--no-nats)")
+            return
+        try:
+            self.stream = DemoStream.create(cfg.nats_url, cfg.duplicate_window)
+        except ForwardingSkipped as exc:
+            print(f"nats: forwarding skipped: {exc}")
+            return
+        self.consumers = (*CONSUMERS, app.FORWARDER)
+        print(f"nats: {app.FORWARDER} forwards {app.TOPIC} to stream {self.stream.name} (subject "
+              f"{self.stream.subject}, duplicate window {cfg.duplicate_window:g}s; deleted at the end)")
 
     def _server(self) -> URL:
         url = self.settings.url()
@@ -437,6 +475,8 @@ class Demo:
             "OUTBOX_DEMO_SLOW_MS": str(cfg.slow_ms),
             "PYTHONUNBUFFERED": "1",
         }
+        if self.stream is not None:
+            self.relay_env.update({"OUTBOX_DEMO_NATS_URL": self.stream.url, "OUTBOX_DEMO_NATS_STREAM": self.stream.name})
         relays = [self._spawn_relay() for _ in range(cfg.relays)]
         self._wait_started(relays)
 
@@ -447,7 +487,8 @@ class Demo:
         log_path = cfg.log_dir / f"{name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in _cleanup
         command = [
-            sys.executable, "-m", "outbox.cli", "run", "--app", "outbox.demo.app:ob",
+            sys.executable, "-m", "outbox.cli", "run",
+            "--app", "outbox.demo.app:" + ("ob" if self.stream is None else "with_forwarder"),
             "--concurrency", str(cfg.concurrency), "--default-lease", str(cfg.lease),
             "--reap-interval", str(max(0.2, cfg.lease / 6)), "--poll-interval", "0.5",
             "--shutdown-grace", str(cfg.grace), "--backoff-base", "0.2", "--backoff-cap", "2",
@@ -611,7 +652,7 @@ class Demo:
         committed, _ = self.producer.counts()
         with self._conn() as conn:
             p = conn.execute(_PROGRESS).one()
-        return bool(p.unrouted == 0 and p.events == committed and p.jobs == committed * len(CONSUMERS)
+        return bool(p.unrouted == 0 and p.events == committed and p.jobs == committed * len(self.consumers)
                     and p.ready == 0 and p.running == 0)
 
     def _stop_relays(self) -> None:
@@ -652,6 +693,12 @@ class Demo:
             relay.log_file.close()
         if self.engine is not None:
             self.engine.dispose()
+        if self.stream is not None:
+            try:
+                self.stream.delete()
+                print(f"nats: stream {self.stream.name} deleted")
+            except ForwardingSkipped as exc:
+                print(f"nats: stream {self.stream.name} NOT deleted: {exc}")
 
     # ------------------------------------------------------------------ report
 
@@ -668,7 +715,7 @@ class Demo:
 
         with self.engine.connect() as conn:
             q = _Queries(conn)
-            r = q.all(rolled, cfg)
+            r = q.all(rolled, self.consumers)
         logs = _scan_logs([rel.log_path for rel in self.state.relays])
 
         print()
@@ -681,7 +728,7 @@ class Demo:
         row("events", f"{r['events']} published on {app.TOPIC}, {r['events'] - r['unrouted']} routed,"
                       f" {r['unrouted']} unrouted")
         row("jobs", f"{'consumer':<16}{'done':>7}{'dead':>7}{'ready':>7}{'running':>9}{'attempts':>10}{'handler runs':>14}")
-        for consumer in CONSUMERS:
+        for consumer in self.consumers:
             s = r["jobs"].get(consumer, {})
             row("", f"{consumer:<16}{s.get('done', 0):>7}{s.get('dead', 0):>7}{s.get('ready', 0):>7}"
                     f"{s.get('running', 0):>9}{r['attempts'].get(consumer, 0):>10}{r['runs'].get(consumer, 0):>14}")
@@ -725,6 +772,7 @@ class Demo:
         where = f" --pgdata {cfg.pgdata}" if cfg.pgdata else ""
         row("runtime", f"{runtime:.1f}s; inspect with: outbox-relay psql --db-name {cfg.db_name}{where} "
                        f"(tables demo_*, outbox_*); logs in {cfg.log_dir.resolve()}")
+        forwarding = self._forwarding(rolled, logs) if self.stream is not None else None
 
         check("drained: every committed order's event routed, every job done or dead", drained)
         check("orders in the database = orders committed", r["orders"] == n, f"{r['orders']} = {n}")
@@ -733,7 +781,7 @@ class Demo:
               f"{r['events']} events, {r['unrouted']} unrouted, {r['orphan_events']} without an order")
         check("one job per (event, consumer), each done or dead",
               r["dup_jobs"] == 0 and r["missing_jobs"] == 0 and sum(
-                  r["jobs"].get(c, {}).get(s, 0) for c in CONSUMERS for s in ("ready", "running")) == 0,
+                  r["jobs"].get(c, {}).get(s, 0) for c in self.consumers for s in ("ready", "running")) == 0,
               f"{r['missing_jobs']} missing")
         check("invoices = committed orders, right totals, no duplicates",
               r["invoices"] == n and r["invoice_total_mismatch"] == 0 and r["dup_invoices"] == 0,
@@ -753,6 +801,8 @@ class Demo:
               f"{r['dead']} = {r['expected_dead']}")
         check("every rejected stale write was older than the stored row", r["stale_wrong"] == 0,
               f"{r['stale_writes']} rejected")
+        if forwarding is not None:
+            check(forwarding.name, forwarding.ok, forwarding.detail)
         check("no unexpected error in the relay logs", not logs["unexpected"],
               "; ".join(logs["unexpected"][:3]))
         check("no relay exited on its own", not self.state.unexpected_exits, "; ".join(self.state.unexpected_exits))
@@ -772,6 +822,38 @@ class Demo:
             print(f"  {'ok  ' if c.ok else 'FAIL'}  {c.name}" + (f"  [{c.detail}]" if c.detail else ""))
 
 
+    def _forwarding(self, rolled: list[int], logs: dict[str, Any]) -> Check:
+        """Print the forwarding lines of the report; the stream's invariant: exactly one
+        message per committed order's event (``Nats-Msg-Id`` = the forwarder job's
+        idempotency key, ``Outbox-Event-Id`` = its event), none for a rolled-back order."""
+        assert self.stream is not None and self.engine is not None
+        name = ("JetStream stream holds exactly one message per committed order (by Nats-Msg-Id / "
+                "Outbox-Event-Id), none for a rolled-back order")
+        with self._conn() as conn:
+            events = dict(conn.execute(sa.text(
+                "SELECT id, (payload->>'order_id')::bigint FROM outbox_events WHERE topic = :t"), {"t": app.TOPIC}).all())
+        try:
+            stored: list[StoredMessage] = self.stream.messages()
+        except ForwardingSkipped as exc:
+            _row("nats", f"stream {self.stream.name} could not be read: {exc}")
+            return Check(name, False, str(exc))
+        per_event = Counter(m.event_id for m in stored)
+        wrong_id = sum(1 for m in stored if m.msg_id != f"{app.FORWARDER}:{m.event_id}")
+        wrong_order = sum(1 for m in stored if m.event_id not in events or events[m.event_id] != m.order_id)
+        missing = len(set(events) - set(per_event))
+        doubled = sum(1 for n in per_event.values() if n > 1)
+        rolled_ids = set(rolled)
+        rolled_back = sum(1 for m in stored if m.order_id in rolled_ids)
+        _row("nats", f"stream {self.stream.name}: {len(stored)} messages stored for {len(events)} committed orders; "
+                     f"{missing} orders missing, {doubled} stored twice, {rolled_back} for rolled-back orders, "
+                     f"{wrong_id} with a wrong Nats-Msg-Id or Outbox-Event-Id, {wrong_order} with a wrong body")
+        _row("", f"{app.FORWARDER}: {logs['forwarded']} PubAcks, {logs['forward_duplicates']} of them duplicates "
+                 f"dropped by the stream (counted by the relays that exited cleanly; a SIGKILLed relay's are lost)")
+        ok = (len(stored) == len(events) and not missing and not doubled and not rolled_back and not wrong_id
+              and not wrong_order)
+        return Check(name, ok, f"{len(stored)} = {len(events)}, {doubled} twice, {missing} missing")
+
+
 def _row(label: str, text: str) -> None:
     print(f"{label:<14}{text}")
 
@@ -785,6 +867,7 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 _REAPED = re.compile(r"reaper: (\d+) jobs with expired leases")
+_STOP_COUNT = re.compile(r"\b(forwarded|forward_duplicates)=(\d+)")
 _LOG_LEVEL = re.compile(r" (ERROR|CRITICAL) ")
 
 
@@ -804,13 +887,17 @@ def _scan_logs(paths: list[Path]) -> dict[str, Any]:
             match = _REAPED.search(line)
             if match:
                 counts["reaped"] += int(match.group(1))
+            if "relay stopped:" in line:  # its counters, written on a clean exit only
+                for name, value in _STOP_COUNT.findall(line):
+                    counts[name] += int(value)
             if "dead-lettered" in line:
                 counts["reaped"] += "lease expired" in line
                 continue
             if _LOG_LEVEL.search(line) or line.startswith("Traceback"):
                 unexpected.append(f"{path.name}: {line.strip()[:200]}")
     return {**{k: counts[k] for k in ("stale write rejected", "stale report dropped", "lease lost",
-                                      "dead-lettered", "reaped")}, "unexpected": unexpected}
+                                      "dead-lettered", "reaped", "forwarded", "forward_duplicates")},
+            "unexpected": unexpected}
 
 
 class _Queries:
@@ -822,7 +909,7 @@ class _Queries:
     def one(self, sql: str, **params: Any) -> Any:
         return self.conn.execute(sa.text(sql), params).scalar_one()
 
-    def all(self, rolled: list[int], cfg: DemoConfig) -> dict[str, Any]:
+    def all(self, rolled: list[int], consumers: tuple[str, ...]) -> dict[str, Any]:
         c = self.conn
         one = self.one
         failing = app.DemoSettings().failing_customer
@@ -845,7 +932,7 @@ class _Queries:
         r["missing_jobs"] = one(
             "SELECT count(*) FROM outbox_events e CROSS JOIN unnest(CAST(:consumers AS text[])) AS s(consumer)"
             " WHERE NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id AND j.consumer = s.consumer)",
-            consumers=list(CONSUMERS))
+            consumers=list(consumers))
         # invoices
         r["invoices"] = one("SELECT count(*) FROM demo_invoices")
         r["dup_invoices"] = one("SELECT count(*) FROM (SELECT order_id FROM demo_invoices GROUP BY 1"

@@ -1,9 +1,9 @@
-"""Sinks: the brokers a forwarder relays events to (architecture notes, "Forwarding").
+"""Sinks: the brokers a forwarder relays events to (forwarding notes).
 
 A forwarder (``Outbox.forward``) is a consumer whose jobs are not run by a Python handler
 but sent to a broker by a :class:`Sink`. Each job becomes one :class:`Message` (the event's
 payload bytes as stored, its headers and outbox's own, see the mapping table in the
-architecture notes); the relay hands a sink whole batches, and the sink sends each batch
+forwarding notes, "What a message carries"); the relay hands a sink whole batches, and the sink sends each batch
 without waiting for one broker acknowledgement before the next send, then reports one
 :data:`SendResult` per message, in order:
 

@@ -1,5 +1,5 @@
-"""The RabbitMQ sink: a forwarder's jobs published to an AMQP 0-9-1 exchange (architecture
-notes, "Forwarding").
+"""The RabbitMQ sink: a forwarder's jobs published to an AMQP 0-9-1 exchange (forwarding
+notes).
 
 One robust connection (aio-pika's ``connect_robust``: it reconnects by itself, every few
 seconds, and reopens its channels) and one channel in publisher-confirm mode. The exchange

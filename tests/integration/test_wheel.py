@@ -52,6 +52,7 @@ def test_wheel_ships_the_migrations(wheel):
     for required in ("outbox/migrations/env.py", "outbox/migrations/script.py.mako",
                      f"outbox/migrations/versions/{_revision_file()}", "outbox/db/tables.py",
                      "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md",
+                     "outbox/docs/forwarding.md",
                      "outbox/docs/img/throughput.png"):  # the images performance.md shows
         assert required in names, sorted(names)
     assert not any(name.startswith("tests/") for name in names)

@@ -18,7 +18,7 @@ REPO = PACKAGE.parent
 #: A path into the repository's own folders, a Markdown file other than the documents the
 #: package ships (outbox.docs_dir()), or the README.
 REPOSITORY_PATH = re.compile(r"(?<![\w.:/-])(?:docs|tests|bench|\.ci)/"
-                             r"|\b(?!(?:architecture|performance|reliability)\.md\b)[\w./-]+\.md\b|\bREADME\b")
+                             r"|\b(?!(?:architecture|forwarding|performance|reliability)\.md\b)[\w./-]+\.md\b|\bREADME\b")
 
 
 def _sources() -> list[Path]:
@@ -64,5 +64,5 @@ def test_help_outbox_states_the_guarantees_and_where_the_notes_are():
     for words in ("Transactional publish", "At-least-once delivery", "Fencing", "Exactly-once effects",
                   "database clock", "docs_dir", "architecture.md"):
         assert words in text, words
-    for name in ("architecture.md", "performance.md", "reliability.md"):
+    for name in ("architecture.md", "forwarding.md", "performance.md", "reliability.md"):
         assert (outbox.docs_dir() / name).is_file(), name
