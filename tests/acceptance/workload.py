@@ -673,7 +673,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         gone_sent = {n for m in messages if (n := json.loads(m.body).get("n")) in gone}
         fail(not gone_sent, "stream messages of rolled-back events", gone_sent)
         stream_counts = {"messages": len(messages), "events": len(ids),
-                         "jobs_sent_again": sum(1 for j in jobs if j.consumer == FORWARDER and j.attempts > 1)}
+                         "jobs_handed_out_again": sum(1 for j in jobs if j.consumer == FORWARDER and j.attempts > 1)}
 
     counts = {
         "events": len(events), "committed": len(published.committed), "rolled_back": len(gone),
