@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,7 +91,10 @@ def _crash_then_recover(engine: sa.Engine, fleet: Fleet, env: dict[str, str]) ->
     record = fleet.directory / "killed_batch.txt"
     crashing = fleet.start(env={**env, "FA_KILL_AT": str(KILL_AT), "FA_KILL_RECORD": str(record)}, wait=False)
     crashing.killed = True  # on purpose, by itself
-    code = crashing.proc.wait(TIMEOUT)
+    try:
+        code = crashing.proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the relay did not kill itself at batch {KILL_AT}:\n{crashing.log[-3000:]}") from None
     assert code == -signal.SIGKILL, f"the crashing relay exited {code}:\n{crashing.log[-3000:]}"
     killed_batch = record.read_text().split()
     assert killed_batch, "the crashing relay recorded no acknowledged message"
