@@ -18,7 +18,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,9 +30,9 @@ from sqlalchemy.engine import URL
 from outbox.db.engine import make_engine
 from outbox.testing import wait_for
 
-from . import proxy, workload
+from . import brokers, proxy, workload
+from .relays import Fleet, RelayProcess
 
-ROOT = Path(__file__).resolve().parents[2]
 EVENTS = int(os.environ.get("OUTBOX_FAULT_EVENTS", "300"))
 #: Seconds over which a scenario's events are published: faults land while they flow.
 DURATION = max(5.0, EVENTS / 60)
@@ -46,110 +45,15 @@ BASE_FLAGS = ("--default-lease", str(LEASE), "--reap-interval", "0.3", "--concur
               "--reconnect-max", "1", "--shutdown-grace", "3")
 
 
-class RelayProcess:
-    """One ``python -m outbox.cli run --app tests.acceptance.workload:ob`` subprocess."""
-
-    def __init__(self, name: str, log_path: Path, url: str, flags: tuple[str, ...], env: dict[str, str]) -> None:
-        self.name = name
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        environ = {**os.environ, "OUTBOX_DATABASE_URL": url, "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env}
-        environ.pop("OUTBOX_TEST_DATABASE_URL", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox.cli", "run", "--app", "tests.acceptance.workload:ob",
-             "--database-url", url, *BASE_FLAGS, *flags],
-            cwd=log_path.parent, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
-        self.pid = self.proc.pid
-        self.killed = False
-        self.stopped = False
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def started(self) -> bool:
-        return "relay started" in self.log
-
-    def signal(self, signum: int) -> None:
-        os.kill(self.pid, signum)
-        self.stopped = signum == signal.SIGSTOP
-
-
-class Fleet:
-    """The relays of one scenario: started, killed on purpose, and counted."""
-
-    def __init__(self, directory: Path, url: str) -> None:
-        self.directory = directory
-        self.url = url
-        self.relays: list[RelayProcess] = []
-
-    def start(self, *flags: str, env: dict[str, str] | None = None, wait: bool = True,
-              url: str | None = None) -> RelayProcess:
-        """Start a relay (on ``url``, default the scenario's database) with ``flags`` after
-        the base flags; ``wait``: until it logged its start."""
-        relay = RelayProcess(f"relay{len(self.relays)}", self.directory / f"relay{len(self.relays)}.log",
-                             url or self.url, flags, env or {})
-        self.relays.append(relay)
-        if wait:
-            wait_for(lambda: relay.started() or relay.proc.poll() is not None, timeout=30,
-                     what=f"{relay.name} to start")
-            assert relay.proc.poll() is None, relay.log
-        return relay
-
-    def kill(self, relay: RelayProcess) -> None:
-        relay.killed = True
-        relay.proc.kill()
-        relay.proc.wait(10)
-
-    def terminate(self, relay: RelayProcess, timeout: float) -> int:
-        """SIGTERM ``relay`` on purpose and wait for it; returns its exit status."""
-        relay.killed = True
-        relay.proc.send_signal(signal.SIGTERM)
-        return relay.proc.wait(timeout)
-
-    def alive(self) -> list[RelayProcess]:
-        return [r for r in self.relays if r.proc.poll() is None]
-
-    def check_count(self) -> None:
-        """The relays alive are exactly those started minus those killed or stopped on purpose."""
-        crashed = [r for r in self.relays if not r.killed and r.proc.poll() is not None]
-        assert not crashed, "relays exited on their own:\n" + "\n".join(
-            f"--- {r.name} (exit {r.proc.returncode})\n{r.log[-3000:]}" for r in crashed)
-        killed = sum(r.killed for r in self.relays)
-        assert len(self.alive()) == len(self.relays) - killed
-
-    def terminate_all(self, timeout: float = 20.0) -> None:
-        """SIGTERM every live relay; each must exit 0 within ``timeout`` seconds."""
-        live = self.alive()
-        for relay in live:
-            if relay.stopped:
-                relay.signal(signal.SIGCONT)
-            relay.proc.send_signal(signal.SIGTERM)
-        for relay in live:
-            code = relay.proc.wait(timeout)
-            assert code == 0, f"{relay.name} exited {code}:\n{relay.log[-3000:]}"
-
-    def logs(self) -> str:
-        return "\n".join(f"=== {r.name} (pid {r.pid})\n{r.log}" for r in self.relays)
-
-    def cleanup(self) -> None:
-        for relay in self.relays:
-            if relay.proc.poll() is None:
-                if relay.stopped:
-                    os.kill(relay.pid, signal.SIGCONT)
-                relay.proc.kill()
-                relay.proc.wait(10)
-            relay._log.close()
-
-
 class Scenario:
-    """A test's database, its engine, its relays and the checks every scenario ends with."""
+    """A test's database, its engine, its relays and the checks every scenario ends with.
+    ``stream``: the JetStream stream the workload's forwarder sends to, or why there is none."""
 
-    def __init__(self, engine: sa.Engine, url: URL, fleet: Fleet) -> None:
+    def __init__(self, engine: sa.Engine, url: URL, fleet: Fleet, stream: brokers.Stream | str) -> None:
         self.engine = engine
         self.url = url
         self.fleet = fleet
+        self.stream = stream
 
     def publisher(self, events: int = EVENTS, duration: float = DURATION, **kwargs: Any) -> workload.Publisher:
         return workload.Publisher(self.engine, events, duration, **kwargs)
@@ -183,7 +87,7 @@ class Scenario:
         for bad in ("Traceback", "deadlock detected", "CheckViolation"):
             assert bad not in logs, f"{bad!r} in a relay log:\n" + _around(logs, bad)
         report = workload.check(self.engine, published, fault_dead_allowed=fault_dead_allowed,
-                                unstarted_dead_allowed=unstarted_dead_allowed, expect=expect)
+                                unstarted_dead_allowed=unstarted_dead_allowed, expect=expect, stream=self.stream)
         print(report)
         assert report, str(report)
         return report
@@ -197,11 +101,17 @@ def _around(text: str, needle: str, width: int = 3000) -> str:
 @pytest.fixture
 def scenario(tmp_path: Path, db_url: URL, engine: sa.Engine) -> Iterator[Scenario]:
     workload.create_tables(engine)
-    fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False))
+    # The workload's forwarder runs when NATS does: the relays send to a stream of this test's own.
+    missing = brokers.nats_missing()
+    stream: brokers.Stream | str = f"forwarder left out: {missing}" if missing else brokers.Stream("wl")
+    env = {"WL_STREAM": stream.name, "WL_NATS_URL": brokers.NATS_URL} if isinstance(stream, brokers.Stream) else {}
+    fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False), base_flags=BASE_FLAGS, env=env)
     try:
-        yield Scenario(engine, db_url, fleet)
+        yield Scenario(engine, db_url, fleet, stream)
     finally:
         fleet.cleanup()
+        if isinstance(stream, brokers.Stream):
+            stream.delete()
 
 
 def _at(t0: float, seconds: float) -> None:

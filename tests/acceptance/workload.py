@@ -1,5 +1,5 @@
 """The fault suite's workload: an application module the relays run
-(``--app tests.acceptance.workload:ob``), the publisher that feeds it and the invariant
+(``--app tests.acceptance.workload:app``, a factory), the publisher that feeds it and the invariant
 checker every scenario ends with (issue 3, section 1).
 
 Three consumers of topic ``wl.order``, each showing one guarantee:
@@ -27,6 +27,14 @@ Three consumers of topic ``wl.order``, each showing one guarantee:
   every key's applied sequence is its events in commit order (the publisher commits one
   transaction at a time, in ``n`` order), with no gap and nothing applied twice.
 
+* ``to_stream`` (a forwarder, 8 attempts), only when the scenario made a JetStream stream
+  and named it in ``WL_STREAM``: each event goes to ``<stream>.wl.order``. The check: the
+  stream holds exactly one message per event (``Outbox-Event-Id``, ``Nats-Msg-Id``
+  ``to_stream:<event id>``), whatever the faults made the relays re-send, none for an event
+  of a rolled-back transaction, each body the event's ``payload::text`` byte for byte. Where
+  NATS is unreachable or nats-py is missing the forwarder is left out and the report says
+  the section was skipped.
+
 The fenced tables carry an ``AFTER`` row trigger (it fires only for a write that was
 applied, not for an ``ON CONFLICT`` that did nothing) that appends the write to
 ``wl_fence_history`` in the writing transaction and raises if it lowered or kept the
@@ -42,6 +50,7 @@ Nothing is read at import time.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -62,6 +71,8 @@ from outbox.db.engine import make_engine
 
 TOPIC = "wl.order"
 CONSUMERS = ("flaky", "invoice", "ledger", "sequence")
+#: The forwarding consumer (JetStream), declared only when the scenario gave it a stream.
+FORWARDER = "to_stream"
 #: Keys of the ordered consumer: event ``n`` belongs to ``acct:<n % KEYS>``.
 KEYS = 50
 LEASE_MODE = ("flaky", "ledger")
@@ -222,10 +233,6 @@ class Transient(Exception):
     """A failure worth retrying (the remote side asked to try again later)."""
 
 
-ob = Outbox()
-
-
-@ob.subscriber(TOPIC, consumer="ledger", max_attempts=8)
 def ledger(job: Job) -> None:
     """At-least-once: every run that gets this far writes the ledger row, fenced."""
     record(job, "start")
@@ -244,7 +251,6 @@ def ledger(job: Job) -> None:
     record(job, "end")
 
 
-@ob.subscriber(TOPIC, consumer="invoice", transactional=True, max_attempts=5)
 def invoice(job: Job, session: Session) -> None:
     """Exactly-once effect: the invoice commits with the job's fenced completion."""
     n = job.payload["n"]
@@ -262,7 +268,6 @@ def invoice(job: Job, session: Session) -> None:
     record(job, "end")
 
 
-@ob.subscriber(TOPIC, consumer="sequence", transactional=True, ordered=True, max_attempts=8)
 def sequence(job: Job, session: Session) -> None:
     """Ordered per key: appends the event to its key's sequence, exactly once."""
     n = job.payload["n"]
@@ -278,7 +283,6 @@ def sequence(job: Job, session: Session) -> None:
     record(job, "end")
 
 
-@ob.subscriber(TOPIC, consumer="flaky", max_attempts=3)
 def flaky(job: Job) -> None:
     """Fails often: permanently, always, once, or (crash_last) on all but the last attempt."""
     n = job.payload["n"]
@@ -295,6 +299,25 @@ def flaky(job: Job) -> None:
     if n % 10 == 1 or (n % 3 == 0 and job.attempt == 1):
         raise Transient(f"order {n}: service busy (attempt {job.attempt})")
     record(job, "end")
+
+
+def app() -> Outbox:
+    """The registry the relays run (``--app tests.acceptance.workload:app``): the four
+    handlers, and the forwarder ``to_stream`` when ``WL_STREAM`` names a JetStream stream
+    (subjects ``<WL_STREAM>.>``, on ``WL_NATS_URL``, default ``nats://127.0.0.1:4222``)."""
+    ob = Outbox()
+    ob.subscriber(TOPIC, consumer="ledger", max_attempts=8)(ledger)
+    ob.subscriber(TOPIC, consumer="invoice", transactional=True, max_attempts=5)(invoice)
+    ob.subscriber(TOPIC, consumer="sequence", transactional=True, ordered=True, max_attempts=8)(sequence)
+    ob.subscriber(TOPIC, consumer="flaky", max_attempts=3)(flaky)
+    stream = os.environ.get("WL_STREAM")
+    if stream:
+        from outbox import JetStream
+
+        ob.forward(TOPIC, to=JetStream(os.environ.get("WL_NATS_URL", "nats://127.0.0.1:4222"),
+                                       subject=stream + ".{topic}", stream=stream),
+                   consumer=FORWARDER, max_attempts=8)
+    return ob
 
 
 # ------------------------------------------------------------------ expectations
@@ -463,7 +486,8 @@ class Report:
 
 def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
           unstarted_dead_allowed: int | None = None,
-          expect: Callable[[str, dict[str, Any]], str | None] | None = None) -> Report:
+          expect: Callable[[str, dict[str, Any]], str | None] | None = None,
+          stream: Any = None) -> Report:
     """Check issue 3's invariants against the database once the work has drained.
 
     ``fault_dead_allowed``: how many jobs whose handler would have succeeded may end dead
@@ -473,10 +497,17 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
     handler never ran: 0 where the only faults are kills, since a crash never charges a job
     whose handler had not started.
     ``expect(consumer, payload)`` overrides :func:`expected` where it returns a policy.
+    ``stream``: the scenario's JetStream stream (``messages()`` returns what it stores) when
+    the relays ran the forwarder ``to_stream``, else a string saying why they did not (the
+    forwarder's section is then skipped) or None (no forwarder, nothing said).
+    The forwarder's jobs leave no record per attempt, so the ``unstarted_dead_allowed``
+    count leaves them out.
     """
     if unstarted_dead_allowed is None:
         unstarted_dead_allowed = fault_dead_allowed
     failures: list[str] = []
+    forwarding = stream is not None and not isinstance(stream, str)
+    consumers = {*CONSUMERS, FORWARDER} if forwarding else set(CONSUMERS)
 
     def fail(ok: bool, text: str, sample: Any = None) -> None:
         if not ok:
@@ -500,6 +531,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         stale = q("SELECT consumer, count(*) FROM wl_stale_writes GROUP BY 1")
         applied = q("SELECT key, n, position FROM wl_sequence ORDER BY key, position")
         subscribed = {r[0] for r in q("SELECT consumer FROM outbox_subscriptions WHERE topic = :t", t=TOPIC)}
+        payload_text = {r[0]: r[1] for r in q("SELECT id, payload::text FROM outbox_events WHERE topic = :t", t=TOPIC)}
 
     # 1. Committed events exist exactly once; nothing of a rolled-back transaction does.
     event_ns = Counter(e.payload["n"] for e in events)
@@ -517,14 +549,14 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
          "effects of rolled-back events exist")
 
     # 2. Every event routed exactly once: one job per subscribed consumer.
-    fail(subscribed == set(CONSUMERS), f"subscriptions are {sorted(subscribed)}")
+    fail(subscribed == consumers, f"subscriptions are {sorted(subscribed)}")
     fail(all(e.routed_at is not None for e in events), "unrouted events", {e.id for e in events if e.routed_at is None})
     per_event = Counter((j.event_id, j.consumer) for j in jobs)
     fail(all(c == 1 for c in per_event.values()), "duplicate (event, consumer) jobs", {k for k, c in per_event.items() if c > 1})
     consumers_of: dict[int, set[str]] = {}
     for j in jobs:
         consumers_of.setdefault(j.event_id, set()).add(j.consumer)
-    missing = {e.id for e in events if consumers_of.get(e.id) != set(CONSUMERS)}
+    missing = {e.id for e in events if consumers_of.get(e.id) != consumers}
     fail(not missing, "events without exactly one job per consumer", missing)
 
     # 3. Every job ended as its policy says; attempts within bounds.
@@ -561,7 +593,8 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
          f"{len(fault_dead)} jobs that should succeed were dead-lettered by faults (allowed {fault_dead_allowed})",
          set(fault_dead))
     max_of = {j.id: j.max_attempts for j in jobs}
-    unstarted_dead = {i for i in fault_dead if started[i] < max_of[i]}
+    forwarder_jobs = {j.id for j in jobs if j.consumer == FORWARDER}
+    unstarted_dead = {i for i in fault_dead if started[i] < max_of[i] and i not in forwarder_jobs}
     fail(len(unstarted_dead) <= unstarted_dead_allowed,
          f"{len(unstarted_dead)} jobs were dead-lettered by faults with attempts whose handler never started "
          f"(allowed {unstarted_dead_allowed})", unstarted_dead)
@@ -577,7 +610,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
                      f"invoice job {j.id} done at fence {j.fence}: {writes} committed writes, row {invoice.get(j.event_id)}")
             else:
                 fail(writes == 0 and j.event_id not in invoice, f"dead invoice job {j.id} left {writes} writes")
-        elif j.status == "done":
+        elif j.status == "done" and j.consumer != FORWARDER:
             fail((j.id, j.fence) in ended, f"{j.consumer} job {j.id} done at fence {j.fence} with no run that ended at it")
             if j.consumer == "ledger":
                 fail(ledger.get(j.event_id, (None,))[0] == j.fence,
@@ -616,11 +649,37 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
             writes = history_count[("wl_sequence", j.event_id)]
             fail(writes == (1 if j.status == "done" else 0), f"sequence job {j.id} ({j.status}): {writes} committed writes")
 
+    # 7. The forwarder: exactly one message per event in the stream, whatever was re-sent;
+    #    none of a rolled-back event; the body is the stored payload, byte for byte.
+    stream_counts: Any = f"skipped: {stream}" if isinstance(stream, str) else "no forwarder"
+    if forwarding:
+        messages = stream.messages()
+        stored = Counter(m.headers.get("Outbox-Event-Id") for m in messages)
+        fail(all(c == 1 for c in stored.values()), "events stored more than once in the stream",
+             {k for k, c in stored.items() if c > 1})
+        ids = {int(k) for k in stored if k is not None}
+        fail(None not in stored, "stream messages without Outbox-Event-Id")
+        fail(ids <= set(payload_text), "stream messages of events that do not exist", ids - set(payload_text))
+        done = {j.event_id for j in jobs if j.consumer == FORWARDER and j.status == "done"}
+        fail(done <= ids, "forwarder jobs done without their message in the stream", done - ids)
+        fail(len(ids) == len(events) or len(done) < len(events),
+             f"{len(ids)} events in the stream, {len(events)} published")
+        wrong_id = {m.headers.get("Outbox-Event-Id") for m in messages
+                    if m.message_id != f"{FORWARDER}:{m.headers.get('Outbox-Event-Id')}"}
+        fail(not wrong_id, "stream messages whose Nats-Msg-Id is not the job's idempotency key", wrong_id)
+        wrong_body = {int(k) for m in messages if (k := m.headers.get("Outbox-Event-Id")) is not None
+                      and int(k) in payload_text and m.body != payload_text[int(k)].encode()}
+        fail(not wrong_body, "stream messages whose body differs from the event's payload::text", wrong_body)
+        gone_sent = {n for m in messages if (n := json.loads(m.body).get("n")) in gone}
+        fail(not gone_sent, "stream messages of rolled-back events", gone_sent)
+        stream_counts = {"messages": len(messages), "events": len(ids),
+                         "jobs_handed_out_again": sum(1 for j in jobs if j.consumer == FORWARDER and j.attempts > 1)}
+
     counts = {
         "events": len(events), "committed": len(published.committed), "rolled_back": len(gone),
         "unknown": len(published.unknown), "jobs": len(jobs), "outcomes": dict(sorted(outcomes.items())),
         "fault_dead": len(fault_dead), "fault_dead_unstarted": len(unstarted_dead),
         "ledger_rewrites": sum(1 for h in history if h.tbl == "wl_ledger" and h.old_fence),
-        "stale_writes": dict(stale), "ordered_keys": len(by_key),
+        "stale_writes": dict(stale), "ordered_keys": len(by_key), "stream": stream_counts,
     }
     return Report(failures, counts)

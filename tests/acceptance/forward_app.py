@@ -1,0 +1,83 @@
+"""The application of the forwarding crash tests (``--app tests.acceptance.forward_app:app``):
+one forwarder, consumer ``fwd`` of topic ``fa.order``, whose sink is a subclass of the real
+one that can kill its own process right after the broker acknowledged a batch and before the
+relay wrote any of that batch's completions: the crash window forwarding must survive.
+
+Configured by the relay's environment, read when the relay calls :func:`app` (nothing is
+read at import time):
+
+* ``FA_SINK``: ``jetstream`` (with ``FA_STREAM``, the stream whose subjects are
+  ``<FA_STREAM>.>``) or ``rabbitmq`` (with ``FA_EXCHANGE``, a topic exchange);
+* ``FA_KILL_AT``: the number of the batch (1, 2, ...) after whose acknowledgement the process
+  SIGKILLs itself; unset, it never does. Only a batch the broker acknowledged at least one
+  message of counts;
+* ``FA_KILL_RECORD``: a file the idempotency keys of that last batch are written to (one a
+  line, flushed to disk) just before the kill, so the test knows which messages the broker
+  stored without their jobs completing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Sequence
+
+from outbox import JetStream, Outbox, RabbitMQ
+from outbox.sinks import Delivered, Message, SendResult
+
+TOPIC = "fa.order"
+CONSUMER = "fwd"
+
+_acknowledged_batches = 0
+
+
+def _after_acks(messages: Sequence[Message], results: Sequence[SendResult]) -> None:
+    """Count a batch the broker acknowledged; at batch ``FA_KILL_AT``, record it and die."""
+    global _acknowledged_batches
+    if not any(isinstance(r, Delivered) for r in results):
+        return
+    _acknowledged_batches += 1
+    kill_at = os.environ.get("FA_KILL_AT")
+    if not kill_at or _acknowledged_batches < int(kill_at):
+        return
+    record = os.environ.get("FA_KILL_RECORD")
+    if record:
+        with open(record, "w") as f:
+            f.writelines(m.idempotency_key + "\n" for m, r in zip(messages, results) if isinstance(r, Delivered))
+            f.flush()
+            os.fsync(f.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CrashingJetStream(JetStream):
+    """JetStream, but the process may die between the PubAcks and the completions."""
+
+    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+        results = await super().send_many(messages, timeout)
+        _after_acks(messages, results)
+        return results
+
+
+class CrashingRabbitMQ(RabbitMQ):
+    """RabbitMQ, but the process may die between the publisher confirms and the completions."""
+
+    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+        results = await super().send_many(messages, timeout)
+        _after_acks(messages, results)
+        return results
+
+
+def app() -> Outbox:
+    """The registry: the forwarder ``fwd`` on the sink ``FA_SINK`` names."""
+    ob = Outbox()
+    kind = os.environ["FA_SINK"]
+    if kind == "jetstream":
+        stream = os.environ["FA_STREAM"]
+        sink: JetStream | RabbitMQ = CrashingJetStream(os.environ["FA_NATS_URL"], subject=stream + ".{topic}",
+                                                       stream=stream)
+    elif kind == "rabbitmq":
+        sink = CrashingRabbitMQ(os.environ["FA_AMQP_URL"], exchange=os.environ["FA_EXCHANGE"])
+    else:
+        raise ValueError(f"FA_SINK must be jetstream or rabbitmq, got {kind!r}")
+    ob.forward(TOPIC, to=sink, consumer=CONSUMER, max_attempts=5)
+    return ob

@@ -1,0 +1,164 @@
+"""Forwarders under a crash (issue 11): a relay process dies after the broker acknowledged a
+batch and before any of that batch's completions was written, the window a forwarder's
+crash safety is about (architecture notes, "Forwarding").
+
+The relay runs :mod:`tests.acceptance.forward_app`, whose sink is the real one (JetStream,
+RabbitMQ) with ``send_many`` extended: after its third acknowledged batch it records the
+batch's message ids and SIGKILLs its own process. No hook in the product: the kill lands
+between ``send_many`` returning and the forwarder posting the outcomes. The lease is short
+(2 s), so a second relay of the same application (no kill) has the reaper hand the killed
+relay's jobs out again and sends them again, with the same message ids, until every job is
+done. Then:
+
+* JetStream deduplicates by ``Nats-Msg-Id``: the stream holds exactly one message per event,
+  and the second relay's stats count the re-sent ones the stream answered as duplicates;
+* RabbitMQ does not: the queue holds every event, the re-sent ones twice, each copy with
+  its event's ``message_id``, so a consumer can drop them.
+
+Each test makes its own stream or exchange and queue and deletes them; skipped with the
+reason when the broker or its client library is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import Session
+
+from outbox import publish_many
+from outbox.testing import wait_for
+
+from . import brokers, forward_app
+from .relays import Fleet
+
+EVENTS = 200
+#: A forwarder's batch is at most the forwarding window: 200 events make ten batches or more.
+WINDOW = 20
+KILL_AT = 3
+FLAGS = ("--default-lease", "2", "--reap-interval", "0.3", "--concurrency", "2", "--poll-interval", "1",
+         "--backoff-base", "0.05", "--backoff-cap", "0.3", "--shutdown-grace", "3")
+TIMEOUT = 60.0
+
+
+@dataclass
+class Crash:
+    """What a crash-and-recover run left: the events, the message ids the killed relay's last
+    batch had acknowledged, the recovering relay's ``forward_duplicates`` stat, and every
+    forwarder job's attempts by event id."""
+
+    event_ids: list[int]
+    killed_batch: list[str]
+    duplicates: int
+    attempts: dict[int, int]
+
+    def sent_again(self) -> set[str]:
+        """Message ids of the jobs the reaper handed out again (attempts 2 or more)."""
+        return {f"{forward_app.CONSUMER}:{e}" for e, a in self.attempts.items() if a >= 2}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, db_url: URL) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False), app="tests.acceptance.forward_app:app",
+                  base_flags=FLAGS, env={"OUTBOX_FORWARD_WINDOW": str(WINDOW), "FA_NATS_URL": brokers.NATS_URL,
+                                         "FA_AMQP_URL": brokers.AMQP_URL})
+    try:
+        yield fleet
+    finally:
+        fleet.cleanup()
+
+
+def _jobs(engine: sa.Engine) -> dict[int, tuple[str, int]]:
+    with engine.connect() as c:
+        return {r.event_id: (r.status, r.attempts) for r in c.execute(sa.text(
+            "SELECT event_id, status, attempts FROM outbox_jobs WHERE consumer = :c"), {"c": forward_app.CONSUMER})}
+
+
+def _crash_then_recover(engine: sa.Engine, fleet: Fleet, env: dict[str, str]) -> Crash:
+    ids: list[int] = []
+    for start in range(0, EVENTS, 50):
+        with Session(engine) as s, s.begin():
+            ids += publish_many(s, [{"topic": forward_app.TOPIC, "payload": {"n": n, "name": "caf\u00e9"},
+                                     "key": f"order:{n}"} for n in range(start, start + 50)])
+    record = fleet.directory / "killed_batch.txt"
+    crashing = fleet.start(env={**env, "FA_KILL_AT": str(KILL_AT), "FA_KILL_RECORD": str(record)}, wait=False)
+    crashing.killed = True  # on purpose, by itself
+    try:
+        code = crashing.proc.wait(TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"the relay did not kill itself at batch {KILL_AT}:\n{crashing.log[-3000:]}") from None
+    assert code == -signal.SIGKILL, f"the crashing relay exited {code}:\n{crashing.log[-3000:]}"
+    killed_batch = record.read_text().split()
+    assert killed_batch, "the crashing relay recorded no acknowledged message"
+    jobs = _jobs(engine)
+    in_window = [jobs[int(k.split(":")[1])] for k in killed_batch]
+    # The broker had acknowledged them; no completion was written: the crash window.
+    assert all(status == "running" for status, _ in in_window), in_window
+    assert sum(status == "done" for status, _ in jobs.values()) < EVENTS
+
+    recovering = fleet.start(env=env)
+    wait_for(lambda: all(s == "done" for s, _ in _jobs(engine).values()) and len(_jobs(engine)) == EVENTS,
+             timeout=TIMEOUT, what=f"all {EVENTS} forwarder jobs done")
+    assert fleet.terminate(recovering, 20) == 0, recovering.log[-3000:]
+    stopped = re.search(r"relay stopped: .*", recovering.log)
+    assert stopped, recovering.log[-3000:]
+    duplicates = re.search(r"forward_duplicates=(\d+)", stopped.group(0))
+    for bad in ("Traceback", "forwarder fwd: sending a batch"):
+        assert bad not in recovering.log, recovering.log[-3000:]
+    return Crash(ids, killed_batch, int(duplicates.group(1)) if duplicates else 0,
+                 {e: a for e, (_, a) in _jobs(engine).items()})
+
+
+def test_jetstream_keeps_one_copy_per_event_when_a_relay_dies_between_pubacks_and_completions(engine, fleet):
+    missing = brokers.nats_missing()
+    if missing:
+        pytest.skip(missing)
+    stream = brokers.Stream("fa")
+    try:
+        crash = _crash_then_recover(engine, fleet, {"FA_SINK": "jetstream", "FA_STREAM": stream.name})
+        messages = stream.messages()
+    finally:
+        stream.delete()
+    print(f"killed batch {len(crash.killed_batch)}, handed out again {len(crash.sent_again())}, "
+          f"duplicates {crash.duplicates}, stored {len(messages)}")
+    assert len(messages) == EVENTS
+    assert len({m.message_id for m in messages}) == EVENTS
+    assert sorted(int(m.headers["Outbox-Event-Id"]) for m in messages) == sorted(crash.event_ids)
+    assert all(m.message_id == f"fwd:{m.headers['Outbox-Event-Id']}" for m in messages)
+    # The killed batch was handed out again (attempt 2) and sent again; the stream said
+    # "duplicate" to each of those re-sends, and stored nothing twice.
+    assert set(crash.killed_batch) <= crash.sent_again()
+    assert len(crash.killed_batch) <= crash.duplicates <= len(crash.sent_again()), (crash.duplicates, crash)
+
+
+def test_rabbitmq_holds_every_event_and_resends_carry_the_same_message_id_when_a_relay_dies(engine, fleet):
+    missing = brokers.rabbitmq_missing()
+    if missing:
+        pytest.skip(missing)
+    queue = brokers.BoundQueue()
+    try:
+        crash = _crash_then_recover(engine, fleet, {"FA_SINK": "rabbitmq", "FA_EXCHANGE": queue.exchange})
+        wait_for(lambda: queue.count() >= EVENTS, timeout=TIMEOUT, what="the queue to hold every event")
+        messages = queue.messages()
+    finally:
+        queue.delete()
+    copies = Counter(m.message_id for m in messages)
+    print(f"killed batch {len(crash.killed_batch)}, handed out again {len(crash.sent_again())}, "
+          f"stored {len(messages)} for {EVENTS} events")
+    assert set(copies) == {f"fwd:{e}" for e in crash.event_ids}  # every event, by its job's idempotency key
+    assert all(m.message_id == f"fwd:{m.headers['Outbox-Event-Id']}" for m in messages)
+    # RabbitMQ keeps the re-sends: the killed batch's messages are there twice, and only
+    # messages of jobs handed out again are.
+    twice = {k for k, n in copies.items() if n > 1}
+    assert set(crash.killed_batch) <= twice <= crash.sent_again(), (twice, crash.killed_batch)
+    assert all(n <= 2 for n in copies.values()), copies.most_common(3)
+    assert len(messages) > EVENTS
+    assert crash.duplicates == 0  # no broker-side deduplication to report
