@@ -163,30 +163,34 @@ class RelayMetrics:
 
     def handlers_finished(self, jobs: Iterable[Job]) -> None:
         """Observe the handler duration and the start latency of ``jobs`` whose handlers ran
-        (``job._started`` set; reset here, so a job carried to a later round counts once)."""
-        timings: list[tuple[str, float, float | None]] = []
-        for job in jobs:
-            if not job._started:
-                continue
-            latency = None
-            if job._lease_until is not None and job.event_created_at is not None:
-                latency = ((job._lease_until - job.event_created_at).total_seconds() - job.lease_seconds
-                           + (job._started - job._claim_sent))
-            timings.append((job.consumer, job._ran, latency))
-            job._started = 0.0
-        if not timings:
-            return
+        (``job._started`` set; reset here, so a job carried to a later round counts once).
+        Inlined: it runs for every job, in the dispatcher's thread."""
+        handlers, latencies = self._handler, self._latency
+        bisect_left = bisect.bisect_left
         with self._lock:
-            for consumer, ran, latency in timings:
-                handler = self._handler.get(consumer)
-                if handler is None:
-                    handler = self._handler[consumer] = Histogram(HANDLER_BUCKETS)
-                handler.observe(ran)
-                if latency is not None:
-                    hist = self._latency.get(consumer)
-                    if hist is None:
-                        hist = self._latency[consumer] = Histogram(LATENCY_BUCKETS)
-                    hist.observe(max(0.0, latency))
+            for job in jobs:
+                started = job._started
+                if not started:
+                    continue
+                job._started = 0.0
+                consumer = job.consumer
+                hist = handlers.get(consumer)
+                if hist is None:
+                    hist = handlers[consumer] = Histogram(HANDLER_BUCKETS)
+                ran = job._ran
+                hist.counts[bisect_left(HANDLER_BUCKETS, ran)] += 1
+                hist.total += ran
+                lease_until, created = job._lease_until, job.event_created_at
+                if lease_until is None or created is None:
+                    continue
+                latency = (lease_until - created).total_seconds() - job.lease_seconds + (started - job._claim_sent)
+                if latency < 0.0:
+                    latency = 0.0
+                hist = latencies.get(consumer)
+                if hist is None:
+                    hist = latencies[consumer] = Histogram(LATENCY_BUCKETS)
+                hist.counts[bisect_left(LATENCY_BUCKETS, latency)] += 1
+                hist.total += latency
 
     def claim_round_trip(self, seconds: float) -> None:
         with self._lock:
@@ -323,6 +327,7 @@ class GaugeGatherer:
         self.schema = schema
         self.readings = 0
         self._conn: Connection | None = None
+        self._leader = False  # this relay's connection holds the gatherer's lock
         self._failing = False
 
     def run(self) -> None:
@@ -341,14 +346,15 @@ class GaugeGatherer:
             if self._conn is None:
                 self._conn = self.engine.connect()
             conn = self._conn
-            if not self.metrics.gatherer:
+            if not self._leader:
                 held = bool(conn.execute(queries.in_schema(self.schema).metrics_gatherer_lock_try).scalar_one())
                 conn.commit()
                 if not held:
                     return False
-                self.metrics.gatherer = True
+                self._leader = True
                 log.info("this relay reads the database gauges for /metrics (every %gs)", self.interval)
             self.metrics.reading = read_gauges(conn, schema=self.schema)
+            self.metrics.gatherer = True  # served from its first reading on
         except SQLAlchemyError as exc:
             self.metrics.reading = None
             if not self._failing:
@@ -366,7 +372,7 @@ class GaugeGatherer:
     def _drop(self) -> None:
         """Close the connection; the lock goes with its session, and the gatherer's role."""
         conn, self._conn = self._conn, None
-        self.metrics.gatherer = False
+        self._leader = self.metrics.gatherer = False
         if conn is not None:
             try:
                 conn.invalidate()
