@@ -51,6 +51,7 @@ _RUN_FLAGS = {
     "retention_done": float, "retention_events": float, "prune_interval": float,
     "backoff_base": float, "backoff_cap": float, "backoff_jitter": float, "reconnect_max": float,
     "pool_size": int, "pool_overflow": int, "pooler": str, "listen_url": str,
+    "metrics_port": int, "metrics_host": str, "metrics_interval": float,
 }
 
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--database-url", help="database URL (default: $OUTBOX_DATABASE_URL)")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR (default: $OUTBOX_LOG_LEVEL or INFO)")
+        p.add_argument("--log-format", choices=("text", "json"),
+                       help="text lines, or one JSON object per line with structured fields "
+                            "(default: $OUTBOX_LOG_FORMAT or text)")
         p.add_argument("--schema", help="schema of outbox's tables (default: $OUTBOX_SCHEMA or public)")
         return p
 
@@ -185,6 +189,8 @@ def _settings(args: argparse.Namespace) -> OutboxSettings:
         overrides["database_url"] = args.database_url
     if getattr(args, "log_level", None):
         overrides["log_level"] = args.log_level
+    if getattr(args, "log_format", None):
+        overrides["log_format"] = args.log_format
     if getattr(args, "schema", None) is not None:
         overrides["schema_name"] = args.schema
     for flag in _RUN_FLAGS:
@@ -217,8 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail("; ".join(_setting_error(e) for e in exc.errors()))
     except UsageError as exc:
         return _fail(str(exc))
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s")
+    from .logs import configure
+
+    configure(settings.log_level, settings.log_format)
     # alembic announces every plugin it loads at INFO: noise before a one-line error.
     logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
     try:

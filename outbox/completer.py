@@ -38,6 +38,8 @@ import psycopg
 from . import ordering, poison
 from .claims import HeldClaims
 from .job import Job
+from .logs import job_fields
+from .metrics import RelayMetrics
 from .notify import Wakeup
 from .registry import Subscriber
 from .worker import (
@@ -57,12 +59,15 @@ log = logging.getLogger("outbox.worker")
 class Completer:
     """Writes outcomes for the runner holding ``claims`` on the tables of ``schema``;
     ``connection()`` is the dispatcher's connection; counts go to ``stats`` (``completed``,
-    ``retried``, ``dead``, ``stale``, ``released``, ``snoozed``)."""
+    ``retried``, ``dead``, ``stale``, ``released``, ``snoozed``) and, per consumer, to
+    ``metrics`` when given (:mod:`outbox.metrics`: each outcome counted here, where it is
+    written, with the handlers' timings). At DEBUG it logs one line per finished job."""
 
     def __init__(self, claims: HeldClaims, connection: Callable[[], psycopg.Connection[Any]],
                  stats: dict[str, int], schema: str, *, subscribers: Mapping[str, Subscriber] | None = None,
-                 wake: Wakeup | None = None) -> None:
+                 wake: Wakeup | None = None, metrics: RelayMetrics | None = None) -> None:
         self.claims = claims
+        self.metrics = metrics
         self.connection = connection
         self.stats = stats
         self.schema = schema
@@ -78,6 +83,8 @@ class Completer:
         failed: list[tuple[Job, Failure]] = []
         snoozed: list[tuple[Job, Snoozed]] = []
         release: list[Job] = []
+        if self.metrics is not None:
+            self.metrics.handlers_finished(job for job, _ in pending)
         for item in pending:
             job, outcome = item
             if job.lease_lost or outcome is Outcome.STALE or outcome is Outcome.COMMITTED:
@@ -91,7 +98,9 @@ class Completer:
             else:
                 failed.append(item)
         if unwritten:
-            self.stats["completed"] += sum(1 for _, o in unwritten if o is Outcome.COMMITTED)
+            committed = [j for j, o in unwritten if o is Outcome.COMMITTED]
+            self.stats["completed"] += len(committed)
+            self._finished("done", committed)
             self.stale([j for j, o in unwritten if o is not Outcome.COMMITTED])
             self.claims.forget(j for j, _ in unwritten)
         return done, failed, snoozed, release
@@ -100,6 +109,8 @@ class Completer:
         """The claim statement completed the ids ``completed`` of ``done`` (and the
         by-halves fallback dead-lettered ``buried``); the rest were stale."""
         self.stats["completed"] += len(completed)
+        if self.metrics is not None or log.isEnabledFor(logging.DEBUG):
+            self._finished("done", [j for j in done if j.id in completed])
         if len(completed) + len(buried) < len(done):
             self.stale([j for j in done if j.id not in completed and j.id not in buried])
         self.claims.forget(done)
@@ -126,7 +137,10 @@ class Completer:
         for job, snooze in snoozed:
             if job.id in changed:
                 log.info("job %s (%s) snoozed for %gs (attempt %s not counted)", job.id, job.consumer,
-                         snooze.seconds, job.attempt)
+                         snooze.seconds, job.attempt, extra=job_fields(job, outcome="snoozed",
+                                                                       delay_seconds=snooze.seconds))
+        if self.metrics is not None:
+            self.metrics.jobs("snoozed", (j.consumer for j, _ in snoozed if j.id in changed))
         self.stale([j for j, _ in snoozed if j.id not in changed and j.id not in buried])
         self.claims.forget(j for j, _ in snoozed)
 
@@ -136,6 +150,7 @@ class Completer:
         released, buried = self.by_halves("releasing", release, lambda part: release_jobs(
             self.connection(), list(part), schema=self.schema))
         self.stats["released"] += len(released)
+        self._finished("released", [j for j in release if j.id in released])
         if released:
             notify_head(self.connection(), schema=self.schema)
         self.stale([j for j in release if j.id not in released and j.id not in buried])
@@ -177,31 +192,62 @@ class Completer:
             buried = poison.try_record(lambda: bury_job(conn, job, error, schema=self.schema))
             if buried is None:
                 log.error("job %s (%s) fence %s: %s, and so did dead-lettering it; left to its lease",
-                          job.id, job.consumer, job.fence, error)
+                          job.id, job.consumer, job.fence, error, extra=job_fields(job, error=error))
             elif buried:
                 self.stats["dead"] += 1
                 buried_ids.add(job.id)
-                log.error("dead-lettered job %s (%s) fence %s: %s", job.id, job.consumer, job.fence, error)
+                if self.metrics is not None:
+                    self.metrics.jobs("dead", [job.consumer])
+                log.error("dead-lettered job %s (%s) fence %s: %s", job.id, job.consumer, job.fence, error,
+                          extra=job_fields(job, outcome="dead", error=error))
         return merged, buried_ids
 
     def stale(self, jobs: list[Job]) -> None:
         """Log and count reports that changed nothing because the claim was no longer owned."""
+        stale: list[str] = []
         for job in jobs:
             if self.claims.was_released(job):
-                log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer)
+                log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer,
+                         extra=job_fields(job, outcome="released"))
             else:
                 self.stats["stale"] += 1
+                stale.append(job.consumer)
                 log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job",
-                            job.id, job.consumer, job.fence)
+                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="stale"))
+        if self.metrics is not None and stale:
+            self.metrics.jobs("stale", stale)
 
     def log_failures(self, failed: list[tuple[Job, Failure]], statuses: dict[int, str]) -> None:
+        dead: list[str] = []
+        retried: list[str] = []
         for job, failure in failed:
             status = statuses.get(job.id)
             if status == "dead":
                 self.stats["dead"] += 1
+                dead.append(job.consumer)
+                error = failure.error.splitlines()[0][:300]
                 log.error("dead-lettered job %s (%s, event %s) after attempt %s/%s: %s", job.id, job.consumer,
-                          job.event_id, job.attempt, job.max_attempts, failure.error.splitlines()[0][:300])
+                          job.event_id, job.attempt, job.max_attempts, error,
+                          extra=job_fields(job, outcome="dead", error=error))
             elif status == "ready":
                 self.stats["retried"] += 1
+                retried.append(job.consumer)
+                error = failure.error.splitlines()[0][:200]
                 log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", job.id, job.consumer, job.attempt,
-                         job.max_attempts, failure.delay, failure.error.splitlines()[0][:200])
+                         job.max_attempts, failure.delay, error,
+                         extra=job_fields(job, outcome="retried", delay_seconds=round(failure.delay, 3), error=error))
+        if self.metrics is not None:
+            if dead:
+                self.metrics.jobs("dead", dead)
+            if retried:
+                self.metrics.jobs("retried", retried)
+
+    def _finished(self, outcome: str, jobs: list[Job]) -> None:
+        """Count ``jobs`` (written as ``outcome``) per consumer and, at DEBUG, log one line each."""
+        if not jobs:
+            return
+        if self.metrics is not None:
+            self.metrics.jobs(outcome, (j.consumer for j in jobs))
+        if log.isEnabledFor(logging.DEBUG):
+            for job in jobs:
+                log.debug("job %s (%s) %s", job.id, job.consumer, outcome, extra=job_fields(job, outcome=outcome))

@@ -19,6 +19,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapper, Session
 
 from .errors import ConfigurationError, StaleFenceError
+from .metrics import record_stale_write
 
 log = logging.getLogger("outbox.fencing")
 
@@ -43,7 +44,8 @@ def fenced_write(
     two differ). ``values`` are the other columns to write. ``fence`` is :attr:`outbox.Job.fence` (a positive int).
 
     Returns True when the row was written, False when it was left alone because its stored
-    fence is equal or higher (logged as "stale write rejected"); with ``raise_on_stale``
+    fence is equal or higher (logged as "stale write rejected", and counted in
+    ``outbox_stale_writes_rejected_total`` when the relay serves metrics); with ``raise_on_stale``
     raises :class:`~outbox.errors.StaleFenceError` instead. Raises
     :class:`~outbox.errors.ConfigurationError` for a table or key that does not fit, and for
     a ``table`` that is neither a ``Table`` nor a mapped class (naming what it got).
@@ -70,7 +72,9 @@ def fenced_write(
     # RETURNING, not rowcount: SQLAlchemy 2 does not keep an INSERT's rowcount (it reads -1).
     applied = session.execute(statement).first() is not None
     if not applied:
-        log.info("stale write rejected: %s %s at fence %s (a newer fence wrote it)", table.name, dict(key), fence)
+        record_stale_write()  # outbox_stale_writes_rejected_total of the relays in this process
+        log.info("stale write rejected: %s %s at fence %s (a newer fence wrote it)", table.name, dict(key), fence,
+                 extra={"table": table.name, "fence": fence, "outcome": "stale_write_rejected"})
         if raise_on_stale:
             raise StaleFenceError(f"{table.name} {dict(key)}: fence {fence} is not newer than the stored one")
     return applied

@@ -37,6 +37,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -45,6 +46,7 @@ from . import backoff
 from .claims import HeldClaims, Signals
 from .errors import ForwardingError, UndeliverableError
 from .job import Job
+from .metrics import FORWARD_RESULTS, RelayMetrics
 from .registry import Subscriber
 from .sinks import Delivered, Failed, Message, Sink, SinkUnavailableError, Unavailable
 from .worker import Outcome
@@ -78,8 +80,10 @@ class Forwarder:
 
     def __init__(self, forwarders: Mapping[str, Subscriber], claims: HeldClaims,
                  post: Callable[[Job, Any], None], failure: Callable[[Job, BaseException], Any],
-                 signals: Signals, wake: Callable[[], None], stats: dict[str, int]) -> None:
+                 signals: Signals, wake: Callable[[], None], stats: dict[str, int], *,
+                 metrics: RelayMetrics | None = None) -> None:
         self.forwarders = dict(forwarders)
+        self.metrics = metrics
         self.claims = claims
         self.post = post
         self.failure = failure
@@ -173,6 +177,9 @@ class Forwarder:
             for job in sendable:
                 self.post(job, Outcome.RELEASE)
             return
+        started = time.monotonic()
+        for job in sendable:
+            job._started = started  # the broker round trip is a forwarded job's "handler" (metrics)
         try:
             messages = [message_for(job) for job in sendable]
             results = await sink.send_many(messages, sub.timeout or 10.0)
@@ -182,19 +189,27 @@ class Forwarder:
             log.exception("forwarder %s: sending a batch of %d failed", sub.consumer, len(sendable))
             results = [Failed(f"the sink raised {type(exc).__name__}: {exc}")] * len(sendable)
         lost = False
+        ran = time.monotonic() - started
+        tally = dict.fromkeys(FORWARD_RESULTS, 0)
         for job, result in zip(sendable, results):
+            job._ran = ran
             if isinstance(result, Delivered):
+                tally["duplicate" if result.duplicate else "delivered"] += 1
                 self.stats["forwarded"] = self.stats.get("forwarded", 0) + 1
                 if result.duplicate:
                     self.stats["forward_duplicates"] = self.stats.get("forward_duplicates", 0) + 1
                 self.post(job, Outcome.DONE)
             elif isinstance(result, Unavailable):
                 lost = True
+                tally["unavailable"] += 1
                 self.post(job, Outcome.RELEASE)
             else:
+                tally["failed"] += 1
                 error: ForwardingError = (UndeliverableError(result.error) if result.permanent
                                           else ForwardingError(result.error))
                 self.post(job, self.failure(job, error))
+        if self.metrics is not None:
+            self.metrics.forwarded(sub.consumer, tally)
         if lost:
             self._mark_down(sub, next(r.error for r in results if isinstance(r, Unavailable)))
 

@@ -26,6 +26,8 @@ from sqlalchemy.exc import DBAPIError
 from . import poison
 from .claims import HeldClaims, Signals
 from .job import Job
+from .logs import job_fields
+from .metrics import RelayMetrics
 from .reconnect import Reconnector
 from .worker import bury_job, heartbeat_jobs
 
@@ -38,8 +40,10 @@ class Heartbeater:
     leases in ``stats["lease_lost"]``. Runs in its own thread (:meth:`run`)."""
 
     def __init__(self, engine: Engine, claims: HeldClaims, interval: float, signals: Signals,
-                 reconnect: Reconnector, stats: dict[str, int], schema: str) -> None:
+                 reconnect: Reconnector, stats: dict[str, int], schema: str, *,
+                 metrics: RelayMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.claims = claims
         self.interval = interval
         self.signals = signals
@@ -64,11 +68,14 @@ class Heartbeater:
             for job in jobs:
                 if job.fence in owned:
                     job._lease_bound = sent + job.lease_seconds
-            for job in self.claims.lost(jobs, owned):
+            lost = self.claims.lost(jobs, owned)
+            for job in lost:
                 job.mark_lease_lost()
                 self.stats["lease_lost"] += 1
                 log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
-                            job.id, job.consumer, job.fence)
+                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="lease_lost"))
+            if self.metrics is not None and lost:
+                self.metrics.jobs("lease_lost", (job.consumer for job in lost))
 
     def beat(self, conn: Connection, jobs: list[Job]) -> set[int]:
         """Renew the leases of ``jobs``; returns the fences still owned. A data error is
@@ -81,5 +88,8 @@ class Heartbeater:
             error = f"Renewing the lease failed for this job: {poison.describe_error(exc)}"
             buried = poison.try_record(lambda: bury_job(conn, job, error, schema=self.schema))
             log.error("job %s (%s) fence %s: %s%s", job.id, job.consumer, job.fence, error,
-                      "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out")
+                      "; dead-lettered" if buried else "; dead-lettering it failed too, its lease will run out",
+                      extra=job_fields(job, outcome="dead" if buried else None, error=error))
+            if buried and self.metrics is not None:
+                self.metrics.jobs("dead", [job.consumer])
         return owned

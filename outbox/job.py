@@ -51,6 +51,13 @@ class Job:
     _claim_order: tuple[Any, ...] = field(default=(), init=False, repr=False)
     # The payload's JSON text as PostgreSQL stores it, when the job was claimed from it.
     _payload_json: str | None = field(default=None, init=False, repr=False)
+    # Timings for the relay's metrics (outbox.metrics): the claim's lease_until (database
+    # clock) and time.monotonic() when the claim was sent; when the handler started (0: not
+    # started, or already accounted for) and how long it ran, seconds.
+    _lease_until: datetime | None = field(default=None, init=False, repr=False)
+    _claim_sent: float = field(default=0.0, init=False, repr=False)
+    _started: float = field(default=0.0, init=False, repr=False)
+    _ran: float = field(default=0.0, init=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:

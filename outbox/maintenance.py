@@ -80,7 +80,8 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     dead = [r for r in rows if r.status == "dead"]
     unstarted = sum(1 for r in rows if r.unstarted)
     for r in dead:
-        log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts)
+        log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts,
+                  extra={"job_id": r.id, "consumer": r.consumer, "attempt": r.attempts, "outcome": "dead"})
     if len(rows) > len(dead) + unstarted:
         log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead) - unstarted)
     if unstarted:

@@ -46,6 +46,8 @@ from .claims import HeldClaims, Signals
 from .completer import Completer
 from .db.engine import is_disconnect
 from .job import Job
+from .logs import job_fields
+from .metrics import RelayMetrics
 from .notify import Wakeup
 from .reconnect import Reconnector
 from .registry import Subscriber
@@ -77,8 +79,10 @@ class Producer:
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
-                 stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None) -> None:
+                 stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None,
+                 metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
+        self.metrics = metrics
         self.claims = claims
         self.leases = leases
         self.worker_id = worker_id
@@ -162,6 +166,8 @@ class Producer:
         except BaseException:
             self.claims.unreserve(start_now)
             raise
+        if self.metrics is not None:
+            self.metrics.claim_round_trip(time.monotonic() - sent)
         from_head = True
         if want:
             if not hinted:
@@ -178,8 +184,11 @@ class Producer:
         ``start_now`` to the workers reserved for them, the rest into the buffer."""
         for job in claimed:
             job._lease_bound = sent + job.lease_seconds
+            job._claim_sent = sent
         self.claims.unreserve(start_now - min(start_now, len(claimed)))
         self.stats["claimed"] += len(claimed)
+        if self.metrics is not None and claimed:
+            self.metrics.jobs("claimed", [job.consumer for job in claimed])
         first = claimed[:start_now]
         # Forwarded jobs among the first take a place in the forwarding window, not the
         # worker slot reserved for them, which goes back.
@@ -200,6 +209,8 @@ class Producer:
         except BaseException:
             self.claims.unreserve(start_now)
             raise
+        if self.metrics is not None:
+            self.metrics.claim_round_trip(time.monotonic() - sent)
         claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
         self._hand_over(claimed, start_now, sent)
         return len(claimed)
@@ -246,7 +257,8 @@ class Producer:
                 self.quarantine.add(job_id, failure, "claiming")
             elif dead:
                 self.stats["dead"] += 1
-                log.error("dead-lettered job %s: %s", job_id, error)
+                log.error("dead-lettered job %s: %s", job_id, error,
+                          extra={"job_id": job_id, "outcome": "dead", "error": error})
         return completed, buried, claimed
 
     def pause(self, exc: poison.SystemicError) -> None:
@@ -300,7 +312,7 @@ class Starter:
                 jobs += forwards
             for job in expired:
                 log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                            job.id, job.consumer, job.fence)
+                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="released"))
                 claims.mark_finishing(job)
                 self.release(job, Outcome.RELEASE)
             if not jobs:

@@ -39,12 +39,13 @@ from sqlalchemy.exc import DBAPIError
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
+from .metrics import GaugeGatherer, MetricsServer, RelayMetrics, check_metrics_available
 from .notify import Listener, Wakeup
 from .ordering import HeadSweeper
 from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
 from .registry import Outbox
-from .router import StatisticsKeeper, register_subscriptions, route_round
+from .router import StatisticsKeeper, UnsubscribedTopics, register_subscriptions, route_round
 from .runner import JobRunner
 from .schedule import Scheduler, register_schedules
 from .settings import OutboxSettings
@@ -68,6 +69,11 @@ class Relay:
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
     from :meth:`start` when it cannot begin.
+
+    With ``settings.metrics_port`` set it serves Prometheus metrics (:mod:`outbox.metrics`)
+    from :meth:`start` to :meth:`stop`, and reads the database gauges on one more connection
+    of its own (outside the pool) while it is the schema's gatherer; without prometheus_client
+    installed it raises :class:`~outbox.errors.ConfigurationError` when built.
 
     Everything it reads and writes is in schema ``settings.schema_name`` (``OUTBOX_SCHEMA``):
     its events, jobs, subscriptions and relay rows, and the NOTIFY channels it listens on.
@@ -94,13 +100,26 @@ class Relay:
         pool_size, overflow = settings.pool_limits()
         self.engine = make_engine(self.url, pool_size=pool_size, max_overflow=overflow, application_name="outbox-relay",
                                   prepared_statements=settings.pooler == "none")
+        # Prometheus metrics (outbox.metrics), when a port is set: the counters, the server,
+        # and the database gauges' reader on a connection of its own (outside the pool).
+        self.metrics: RelayMetrics | None = None
+        self.metrics_server: MetricsServer | None = None
+        self.gauges: GaugeGatherer | None = None
+        if settings.metrics_port is not None:
+            check_metrics_available()
+            self.metrics = RelayMetrics()
+            self.gauges = GaugeGatherer(
+                make_engine(self.url, pool_size=1, max_overflow=0, application_name="outbox-relay-metrics",
+                            prepared_statements=settings.pooler == "none"),
+                self.metrics, settings.metrics_interval, self.stop_event, schema=self.schema)
         self.runner = (JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers,
-                                 reconnect=self.reconnect) if work else None)
+                                 reconnect=self.reconnect, metrics=self.metrics) if work else None)
         listen_url = settings.listen_target()
         self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
                                   reconnect=self.reconnect, schema=self.schema) if listen_url else None)
         self._route = route
         self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema)  # the router loop's ANALYZE after bursts
+        self.unsubscribed_topics = UnsubscribedTopics()  # the router loop's warnings about topics with no subscriber
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
         self.route_quarantine = Quarantine("event")
         self.reap_quarantine = Quarantine("job")
@@ -143,6 +162,12 @@ class Relay:
             if sub.sink is not None:
                 log.info("forwarder %s: %s -> %s (window %d messages in flight per relay)", sub.consumer,
                          ", ".join(sub.topics), sub.sink.describe(), self.settings.forward_window)
+        if self.metrics is not None and self.gauges is not None:
+            self.metrics_server = MetricsServer(self.metrics, self.settings.metrics_host,
+                                                self.settings.metrics_port or 0)
+            log.info("serving Prometheus metrics on http://%s:%d/metrics", self.settings.metrics_host,
+                     self.metrics_server.port, extra={"metrics_port": self.metrics_server.port})
+            self._spawn("outbox-metrics", self.gauges.run)
         if self.listener:
             self.listener.start()
         if self._route:
@@ -167,6 +192,10 @@ class Relay:
             thread.join(timeout=5)
         if self.listener:
             self.listener.join(timeout=5)
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.gauges is not None:
+            self.gauges.engine.dispose()
         self.engine.dispose()
         stats = {**self.stats, **(self.runner.stats if self.runner else {})}
         if self.scheduler:
@@ -226,9 +255,11 @@ class Relay:
             self.job_statistics.routed(result.jobs)  # never raises; 0 jobs lets a skipped ANALYZE retry
             self.stats["events_routed"] += result.events
             self.stats["jobs_created"] += result.jobs
+            if self.metrics is not None and result.events:
+                self.metrics.routed(result.events, result.unsubscribed)
             if result.unsubscribed:
                 self.stats["events_unsubscribed"] += result.unsubscribed
-                log.info("router: %d events matched no subscription (marked routed, no jobs)", result.unsubscribed)
+                self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
             if result.events < limit:
                 # Events held back behind another router's batch (architecture notes, "Ordering")
                 # go once it commits, which sends no NOTIFY: look again soon.

@@ -26,11 +26,12 @@ fails, is skipped and tried again later; it never stops routing.
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
@@ -48,13 +49,16 @@ log = logging.getLogger("outbox.router")
 @dataclass(frozen=True, slots=True)
 class RouteResult:
     """What one routing round did: events routed, jobs created, events with no subscriber,
-    and keyed events held back because an earlier event of their key was still unrouted
-    outside the batch (another router held it; architecture notes, "Ordering")."""
+    keyed events held back because an earlier event of their key was still unrouted
+    outside the batch (another router held it; architecture notes, "Ordering"), and the
+    topics of the events with no subscriber, with how many of each."""
 
     events: int
     jobs: int
     unsubscribed: int
     held_back: int = 0
+    #: topic -> events of it that matched no subscription
+    unsubscribed_topics: Mapping[str, int] = field(default_factory=dict)
 
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
@@ -110,7 +114,9 @@ def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
     those ids."""
     row = conn.execute(queries.in_schema(schema).event_route_many, {
         "limit": limit, "skip": list(skip), "only": None if only is None else list(only)}).one()
-    return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back)
+    topics = dict(zip(row.unsubscribed_topics, row.unsubscribed_counts)) if row.unsubscribed_topics else {}
+    return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back,
+                       unsubscribed_topics=topics)
 
 
 def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema: str | None = None) -> RouteResult:
@@ -130,8 +136,58 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
         lambda part: route_batch(conn, len(part), skip, part, schema=schema))
     for event_id, exc in poisoned:
         quarantine.add(event_id, exc, "routing")
+    topics: collections.Counter[str] = collections.Counter()
+    for p in parts:
+        topics.update(p.unsubscribed_topics)
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
-                       unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts))
+                       unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts),
+                       unsubscribed_topics=dict(topics))
+
+
+#: Shortest time between two warnings about one topic with no subscriber, seconds.
+UNSUBSCRIBED_WARN_INTERVAL = 60.0
+
+
+class UnsubscribedTopics:
+    """Warns about events on topics with no subscriber, naming the topic, at most once per
+    ``interval`` seconds per topic (``clock``: monotonic seconds): the first round that
+    meets a topic warns at once; the events of it met until the next warning are counted
+    and that warning reports them. Such an event is marked routed with no jobs, so a
+    misspelled topic loses every event published on it: the warning is the one trace. At
+    most ``max_topics`` topics are remembered (past that, the ones warned about longest ago
+    are forgotten, and may be warned about again early). Not thread-safe: one per router loop."""
+
+    def __init__(self, interval: float = UNSUBSCRIBED_WARN_INTERVAL, *, clock: Callable[[], float] = time.monotonic,
+                 max_topics: int = 10_000) -> None:
+        self.interval = interval
+        self.clock = clock
+        self.max_topics = max_topics
+        self._warned_at: dict[str, float] = {}  # topic -> clock() of its last warning, oldest first
+        self._unreported: collections.Counter[str] = collections.Counter()
+        self.warnings = 0
+
+    def routed(self, topics: Mapping[str, int]) -> None:
+        """Account for one routing round's events without a subscriber (topic -> how many)."""
+        if not topics:
+            return
+        now = self.clock()
+        for topic, n in topics.items():
+            self._unreported[topic] += n
+            last = self._warned_at.get(topic)
+            if last is not None and now - last < self.interval:
+                continue
+            events = self._unreported.pop(topic)
+            self._warned_at.pop(topic, None)
+            self._warned_at[topic] = now
+            self.warnings += 1
+            since = "" if last is None else f" in the last {now - last:.0f}s"
+            log.warning("router: %d events on topic %r matched no subscription%s (marked routed, no jobs: they are "
+                        "not delivered to a consumer that subscribes later)", events, topic, since,
+                        extra={"topic": topic, "events": events})
+        while len(self._warned_at) > self.max_topics:
+            oldest = next(iter(self._warned_at))
+            del self._warned_at[oldest]
+            self._unreported.pop(oldest, None)
 
 
 def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) -> RouteResult:

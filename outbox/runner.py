@@ -58,6 +58,8 @@ from .errors import HandlerTimeoutError
 from .forwarder import Forwarder
 from .heartbeat import Heartbeater
 from .job import Job
+from .logs import job_fields
+from .metrics import RelayMetrics
 from .notify import Wakeup
 from .producer import Producer, Starter
 from .reconnect import Reconnector
@@ -92,8 +94,9 @@ class JobRunner:
 
     def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
                  worker_id: str, wake: Wakeup, *, reconnect: Reconnector | None = None,
-                 async_engine: Callable[[], AsyncEngine] | None = None) -> None:
+                 async_engine: Callable[[], AsyncEngine] | None = None, metrics: RelayMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics  # outbox.metrics: per-consumer counts and timings, when the relay serves them
         self.settings = settings
         self.schema = settings.schema_name  # every statement runs on this schema's tables
         self.worker_id = worker_id
@@ -116,15 +119,15 @@ class JobRunner:
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
         connection = RelayConnection(engine, self.claims, worker_id, self.schema)
         self.completer = Completer(self.claims, connection.get, self.stats, self.schema,
-                                   subscribers=self.subscribers, wake=wake)
+                                   subscribers=self.subscribers, wake=wake, metrics=metrics)
         self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._start, self.completer,
-                                 self.stats, subscribers=self.subscribers)
+                                 self.stats, subscribers=self.subscribers, metrics=metrics)
         self.dispatcher = Dispatcher(settings, self.claims, self.producer, self.completer, connection,
                                      self._outcomes, wake, self.signals, self.reconnect)
         self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,
                                self.signals, self.reconnect)
         self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
-                                       self.signals, self.reconnect, self.stats, self.schema)
+                                       self.signals, self.reconnect, self.stats, self.schema, metrics=metrics)
         self.watchdog = (Watchdog(self._timed_out)
                          if any(s.timeout is not None and s.sink is None for s in registry) else None)
         self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
@@ -133,7 +136,7 @@ class JobRunner:
                                     abandoned=self.claims.unmark_finishing, stats=self.stats,
                                     watchdog=self.watchdog)
         self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
-                                   wake.poke, self.stats) if forwarders else None
+                                   wake.poke, self.stats, metrics=metrics) if forwarders else None
         if self.forwarder is not None:
             self.producer.exclude(self.forwarder.unavailable)
         self._threads: list[threading.Thread] = []
@@ -218,7 +221,10 @@ class JobRunner:
             log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
             return
         self.stats["released"] += len(released)
-        log.info("released %d jobs still running after the grace period", len(released))
+        if self.metrics is not None:
+            self.metrics.jobs("released", (j.consumer for j in jobs if j.id in released))
+        log.info("released %d jobs still running after the grace period", len(released),
+                 extra={"job_ids": sorted(released)})
         self.claims.released_at_shutdown(jobs)
 
     # ------------------------------------------------------------- workers
@@ -245,11 +251,14 @@ class JobRunner:
                 if self.signals.draining.is_set() or job.lease_lost:
                     self._post(job, Outcome.RELEASE)
                     continue
+                started = job._started = time.monotonic()  # for metrics and the job's log lines
                 outcome = self.executor.run(job, self.subscribers[job.consumer], context)
+                job._ran = time.monotonic() - started
                 if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
                     hung = self.claims.unhang()
                     log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
-                             "slots still held by hung handlers)", job.id, job.consumer, hung, self.settings.concurrency)
+                             "slots still held by hung handlers)", job.id, job.consumer, hung, self.settings.concurrency,
+                             extra=job_fields(job))
                 else:
                     self._post(job, outcome)
         finally:
@@ -270,6 +279,8 @@ class JobRunner:
         (counted, fenced; backoff, or dead when out of attempts) and the job goes back so
         any relay can run it; the thread keeps its worker slot until it returns."""
         self.stats["timed_out"] += 1
+        if self.metrics is not None:
+            self.metrics.jobs("timed_out", [job.consumer])
         # The subscriber's timeout, not the watchdog's: an async handler is watched one second
         # past it, as a backstop for one that blocks its event loop.
         seconds = self.subscribers[job.consumer].timeout or seconds
@@ -277,7 +288,7 @@ class JobRunner:
         log.warning("job %s (%s) fence %s: handler still running after its timeout of %gs; attempt %s/%s failed and "
                     "the job handed back. Its thread cannot be stopped and keeps its worker slot: %d of %d slots "
                     "held by hung handlers", job.id, job.consumer, job.fence, seconds, job.attempt, job.max_attempts,
-                    hung, self.settings.concurrency)
+                    hung, self.settings.concurrency, extra=job_fields(job, outcome="timed_out", timeout_seconds=seconds))
         if hung >= self.settings.concurrency:
             log.error("every worker slot (%d) is held by a hung handler: this relay claims nothing, and hands its "
                       "buffered jobs back, until one returns (restart it to free them)", hung)

@@ -112,6 +112,10 @@ class OutboxSettings(BaseSettings):
     pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
+    log_format: Literal["text", "json"] = Field(default="text", description="'text': one readable line per record; 'json': one JSON object per line (ts, level, logger, message and the record's structured fields: job_id, event_id, consumer, fence, attempt, duration_seconds, topic, ...). Default text.")
+    metrics_port: int | None = Field(default=None, ge=0, le=65_535, description="TCP port the relay serves Prometheus metrics on (GET /metrics; needs the extra 'metrics', prometheus_client); 0 picks a free port (logged). Default: none, no metrics.")
+    metrics_host: str = Field(default="127.0.0.1", min_length=1, description="Address the metrics port listens on. Default 127.0.0.1 (this host only); 0.0.0.0 or :: to let a Prometheus elsewhere scrape it.")
+    metrics_interval: float = Field(default=5.0, ge=1.0, le=3600, description="Seconds between two readings of the database gauges (ready, running, dead jobs by consumer, lag, unrouted events), taken by one relay at a time. Default 5.")
 
     @field_validator("schema_name")
     @classmethod

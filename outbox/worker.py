@@ -55,6 +55,7 @@ from .db.engine import describe
 from .db.tables import JOBS_CHANNEL, notify_channel
 from .errors import HandlerMisuseError, HandlerTimeoutError, LeaseLostError, PermanentError, Snooze
 from .job import Job
+from .logs import job_fields
 from .registry import Subscriber
 from .settings import OutboxSettings
 from .watchdog import ASYNC_BACKSTOP_SECONDS, Watchdog
@@ -140,6 +141,7 @@ def job_from_row(row: Any, lease_seconds: float) -> Job:
     job = Job(row[0], row[1], row[2], row[7], row[8], json.loads(row[9]), row[10] or {}, row[3], row[4], row[5],
               lease_seconds, row[11])
     job._payload_json = row[9]
+    job._lease_until = row[6]
     return job
 
 
@@ -526,7 +528,7 @@ class JobExecutor:
             timed_out = self.watchdog is not None and self.watchdog.end(job)
         if timed_out:
             log.info("result of job %s (%s) dropped: its handler ran past its timeout and the job was handed back",
-                     job.id, job.consumer)
+                     job.id, job.consumer, extra=job_fields(job, outcome="timed_out"))
             return Outcome.TIMED_OUT
         return outcome
 
@@ -555,7 +557,8 @@ class JobExecutor:
         if conn is None:
             if job.lease_lost:
                 return _STALE
-            log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer)
+            log.info("job %s (%s) released: no database connection for its transaction", job.id, job.consumer,
+                     extra=job_fields(job, outcome="released"))
             return _RELEASE
         self._arm(job, sub)
         try:
@@ -573,7 +576,8 @@ class JobExecutor:
                 self.stats["retried_in_place"] += 1
                 log.info("job %s (%s): %s in its transaction (%s); running it again in place (%d/%d, attempt %s "
                          "not counted again)", job.id, job.consumer, transaction.RETRY_SQLSTATES[outcome.sqlstate],
-                         describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt)
+                         describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt,
+                         extra=job_fields(job, outcome="retried_in_place", sqlstate=outcome.sqlstate))
                 self.stopping.wait(transaction.retry_pause(retries))
         finally:
             try:
@@ -633,13 +637,14 @@ class JobExecutor:
                 # retried forever). Fenced: if a pause cost this worker the job, the
                 # failure report changes nothing.
                 log.warning("job %s (%s): its transaction sat idle longer than the lease and the server ended "
-                            "it; counted as a failed attempt", job.id, job.consumer)
+                            "it; counted as a failed attempt", job.id, job.consumer,
+                            extra=job_fields(job, outcome="failed"))
                 return self.failure(job, exc)
             # The connection broke (server restart, terminated backend): not the
             # handler's failure, so the attempt does not count. The release is fenced:
             # if the commit did happen before the connection broke, it changes nothing.
             log.warning("job %s (%s): database connection lost during its transaction (%s); releasing it",
-                        job.id, job.consumer, describe(exc))
+                        job.id, job.consumer, describe(exc), extra=job_fields(job, outcome="released"))
             return _RELEASE
         sqlstate = transaction.retryable_sqlstate(exc)
         if sqlstate is not None and not isinstance(exc, LeaseLostError):

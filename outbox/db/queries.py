@@ -115,13 +115,18 @@ event_route_many: TextClause = text(
         FROM batch b
         WHERE e.id = b.id AND e.routed_at IS NULL
         RETURNING e.id
+    ), unmatched AS (
+        SELECT b.topic, count(*) AS events
+        FROM batch b
+        WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
+        GROUP BY b.topic
     )
     SELECT
         (SELECT count(*) FROM routed) AS events,
         (SELECT count(*) FROM inserted) AS jobs,
-        (SELECT count(*) FROM batch b
-          WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
-        ) AS unsubscribed,
+        (SELECT CAST(coalesce(sum(events), 0) AS bigint) FROM unmatched) AS unsubscribed,
+        (SELECT array_agg(topic ORDER BY topic) FROM unmatched) AS unsubscribed_topics,
+        (SELECT array_agg(events ORDER BY topic) FROM unmatched) AS unsubscribed_counts,
         (SELECT count(*) FROM locked) - (SELECT count(*) FROM batch) AS held_back,
         (SELECT count(*) FROM busy) AS busy_keys
     """
@@ -130,7 +135,9 @@ event_route_many: TextClause = text(
 routed, in one statement (one transaction). Rows locked by another router are skipped,
 so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
 above the last one seen") picks events, since ids commit out of order. Returns one row:
-events routed, jobs created, events that matched no subscription, events held back
+events routed, jobs created, events that matched no subscription (``unsubscribed``; their
+topics and how many of each in ``unsubscribed_topics`` and ``unsubscribed_counts``, arrays
+in topic order, NULL when none), events held back
 (``held_back``) and ordered keys found busy (``busy_keys``). Each job's ``run_at`` is
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
@@ -1095,6 +1102,73 @@ job_tables_vacuum: TextClause = text("VACUUM (SKIP_LOCKED) outbox_jobs, outbox_e
 that pruning leaves in both tables, so the queue's table stays the size of its live
 rows. ``SKIP_LOCKED`` (PostgreSQL 12+) skips a table another vacuum or ANALYZE is
 working on instead of waiting. Cannot run inside a transaction block: autocommit only."""
+
+# --------------------------------------------------------------------------- metrics
+
+metrics_gatherer_lock_try: TextClause = text(
+    "SELECT pg_try_advisory_lock(CAST(CAST(CAST('outbox_jobs' AS regclass) AS oid) AS int), 1)"
+)
+"""Become the relay that reads the database gauges for Prometheus (:mod:`outbox.metrics`):
+take the session-level advisory lock (the jobs table's oid, 1) if no other session holds
+it; returns whether it did. Held until the session ends, so one relay per schema gathers
+at a time and another takes over once its connection is gone. ``pg_locks`` shows it as
+``locktype = 'advisory'``, ``classid`` = ``'outbox_jobs'::regclass``, ``objid = 1``,
+``objsubid = 2``."""
+
+metrics_statement_timeout_set_local: TextClause = text("SELECT set_config('statement_timeout', :timeout, true)")
+"""Bound each statement of the current transaction (``SET LOCAL statement_timeout``,
+``:timeout`` as text such as ``'2000ms'``): a gauge reading that would take longer is
+cancelled and skipped instead of loading the database."""
+
+job_ready_gauges: TextClause = text(
+    """
+    SELECT consumer, count(*) AS jobs,
+           coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0) AS oldest_seconds
+    FROM outbox_jobs
+    WHERE status = 'ready'
+    GROUP BY consumer
+    """
+)
+"""Per consumer with ready jobs: how many are ready (due or waiting out a backoff) and the
+age of its oldest due one, seconds by the database clock (``now() - run_at``; 0 when none
+is due): the consumer's lag. Reads ``ix_outbox_jobs_ready`` (ready rows only, however
+many done rows the table holds), cost proportional to the ready backlog."""
+
+job_running_counts: TextClause = text(
+    """
+    SELECT consumer, count(*) AS jobs
+    FROM outbox_jobs
+    WHERE status = 'running'
+    GROUP BY consumer
+    """
+)
+"""Running jobs per consumer (claimed, lease held). Reads ``ix_outbox_jobs_lease``
+(running rows only)."""
+
+job_dead_counts: TextClause = text(
+    """
+    SELECT consumer, count(*) AS jobs
+    FROM outbox_jobs
+    WHERE status = 'dead'
+    GROUP BY consumer
+    """
+)
+"""Dead jobs per consumer. Reads ``ix_outbox_jobs_dead`` (consumer, id; dead rows only),
+as an index-only scan where the visibility map allows: cost proportional to the dead
+letters kept."""
+
+event_unrouted_gauges: TextClause = text(
+    """
+    SELECT count(*) AS events,
+           coalesce(extract(epoch FROM now() - (SELECT e.created_at FROM outbox_events e
+                                                WHERE e.routed_at IS NULL ORDER BY e.id LIMIT 1)), 0)
+               AS oldest_seconds
+    FROM outbox_events
+    WHERE routed_at IS NULL
+    """
+)
+"""Unrouted events and the age of the oldest (the lowest id), seconds by the database
+clock (0 when none). Reads ``ix_outbox_events_unrouted`` (unrouted rows only)."""
 
 # ---------------------------------------------------------------------------- schema
 

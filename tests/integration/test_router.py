@@ -60,7 +60,7 @@ def test_event_without_subscriber_is_marked_routed_and_counted(engine):
 
     result = _route(engine)
 
-    assert result == RouteResult(events=3, jobs=1, unsubscribed=2)
+    assert result == RouteResult(events=3, jobs=1, unsubscribed=2, unsubscribed_topics={"nobody.listens": 2})
     assert _unrouted(engine) == []
     with engine.connect() as c:
         assert c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE event_id = ANY(:ids)"),

@@ -1,0 +1,79 @@
+"""The relay's log lines: text or JSON, and the structured fields of job lines.
+
+``log_format`` (``--log-format``, ``OUTBOX_LOG_FORMAT``) chooses the format of every
+line the process writes to stderr: ``text`` (``time LEVEL logger [pid] message``) or
+``json``, one JSON object per line (:class:`JsonFormatter`): ``ts`` (UTC, ISO 8601 with
+milliseconds), ``level``, ``logger``, ``message`` (the same text as the text format),
+``pid``, ``thread``, the traceback as ``exc_info`` when there is one, and the record's
+structured fields.
+
+Structured fields: every line about a job's state changing (dead-lettered, retried,
+snoozed, stale, lease lost, released, timed out, and at DEBUG each finished job) is logged
+with ``extra=job_fields(job, ...)``: ``job_id``, ``event_id``, ``consumer``, ``topic``,
+``fence``, ``attempt``, ``max_attempts``, ``duration_seconds`` (how long its handler ran,
+when it ran) and what the line adds (``outcome``, ``delay_seconds``, ``error``). Other
+lines carry what they name (``topic`` and ``events`` for a topic with no subscriber). The
+text format shows the message only; the fields are for JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .job import Job
+
+#: The text format's layout.
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+
+# Attributes every LogRecord has: anything else on a record came from ``extra=``.
+_RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+
+
+def job_fields(job: Job, **more: Any) -> dict[str, Any]:
+    """The structured fields of a log line about ``job`` (see the module notes), with ``more``."""
+    fields: dict[str, Any] = {"job_id": job.id, "event_id": job.event_id, "consumer": job.consumer,
+                              "topic": job.topic, "fence": job.fence, "attempt": job.attempt,
+                              "max_attempts": job.max_attempts}
+    if job._ran:
+        fields["duration_seconds"] = round(job._ran, 6)
+    fields.update(more)
+    return fields
+
+
+class JsonFormatter(logging.Formatter):
+    """Formats a record as one line of JSON (see the module notes). A field value that JSON
+    cannot encode is written as its ``str()``."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+            "pid": record.process,
+            "thread": record.threadName,
+        }
+        for name, value in vars(record).items():
+            if name not in _RECORD_ATTRIBUTES and name not in entry:
+                entry[name] = value
+        if record.exc_info:
+            entry["exc_info"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            entry["exc_info"] = record.exc_text
+        if record.stack_info:
+            entry["stack_info"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def configure(level: str, log_format: str = "text") -> None:
+    """Send the process's log records at ``level`` and above to stderr in ``log_format``
+    (``text`` or ``json``), as :func:`logging.basicConfig` does: nothing changes when the root
+    logger has handlers already (the CLI calls it once, before any other logging)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler])

@@ -1,0 +1,66 @@
+"""The JSON log format and the once-a-minute warning about topics with no subscriber."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from outbox.logs import JsonFormatter, job_fields
+from outbox.router import UnsubscribedTopics
+from outbox.testing import make_job
+
+
+def _record(message: str, *args: object, **extra: object) -> logging.LogRecord:
+    record = logging.LogRecord("outbox.worker", logging.ERROR, __file__, 1, message, args, None)
+    for key, value in extra.items():
+        setattr(record, key, value)
+    return record
+
+
+def test_a_json_line_holds_the_message_and_the_structured_fields():
+    job = make_job({"n": 1}, consumer="c", id=7, event_id=3, fence=11, attempt=2)
+    record = _record("dead-lettered job %s (%s)", 7, "c", **job_fields(job, outcome="dead", error="x\ny"))
+    line = JsonFormatter().format(record)
+    assert "\n" not in line  # one line, whatever the fields hold
+    entry = json.loads(line)
+    assert entry["message"] == "dead-lettered job 7 (c)" and entry["level"] == "ERROR"
+    assert entry["logger"] == "outbox.worker" and entry["ts"].endswith("+00:00")
+    assert {k: entry[k] for k in ("job_id", "event_id", "consumer", "fence", "attempt", "outcome", "error")} == {
+        "job_id": 7, "event_id": 3, "consumer": "c", "fence": 11, "attempt": 2, "outcome": "dead", "error": "x\ny"}
+    assert "args" not in entry and "msg" not in entry  # the record's own attributes stay out
+
+
+def test_a_field_json_cannot_encode_is_written_as_text_and_a_traceback_kept():
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        import sys
+
+        record = _record("failed", when=object)
+        record.exc_info = sys.exc_info()
+    entry = json.loads(JsonFormatter().format(record))
+    assert entry["when"] == str(object) and "ValueError: boom" in entry["exc_info"]
+
+
+def test_an_unsubscribed_topic_is_warned_about_once_a_minute_with_the_events_since(caplog):
+    now = [1000.0]
+    topics = UnsubscribedTopics(clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="outbox.router"):
+        topics.routed({"order.palced": 2})
+        now[0] += 10
+        topics.routed({"order.palced": 3, "other": 1})
+        now[0] += 49
+        topics.routed({"order.palced": 1})
+        assert [(r.topic, r.events) for r in caplog.records] == [("order.palced", 2), ("other", 1)]
+        now[0] += 1  # 60 s after the first warning: the next one reports the events met since
+        topics.routed({"order.palced": 1})
+    assert [(r.topic, r.events) for r in caplog.records] == [("order.palced", 2), ("other", 1), ("order.palced", 5)]
+    assert "'order.palced'" in caplog.records[0].getMessage() and "in the last 60s" in caplog.records[2].getMessage()
+    assert all(r.levelno == logging.WARNING for r in caplog.records)
+
+
+def test_unsubscribed_topics_remembered_are_bounded():
+    topics = UnsubscribedTopics(clock=lambda: 0.0, max_topics=3)
+    for n in range(10):
+        topics.routed({f"t{n}": 1})
+    assert topics.warnings == 10 and len(topics._warned_at) == 3
