@@ -39,3 +39,22 @@ def fanout() -> Outbox:
                 json.dump(samples, f)
         atexit.register(dump)
     return ob
+
+
+def forwarding() -> Outbox:
+    """One forwarder, ``fwd``, of ``bench.event`` to the broker ``BENCH_FORWARD`` names
+    (``jetstream``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_SUBJECT``, ``BENCH_FORWARD_STREAM``;
+    ``rabbitmq``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_EXCHANGE``, ``BENCH_FORWARD_ROUTING_KEY``),
+    for the forwarding scenario."""
+    from outbox import JetStream, RabbitMQ
+
+    kind, url = os.environ["BENCH_FORWARD"], os.environ["BENCH_FORWARD_URL"]
+    ob = Outbox()
+    if kind == "jetstream":
+        sink: JetStream | RabbitMQ = JetStream(url, subject=os.environ["BENCH_FORWARD_SUBJECT"],
+                                               stream=os.environ.get("BENCH_FORWARD_STREAM"))
+    else:
+        sink = RabbitMQ(url, exchange=os.environ["BENCH_FORWARD_EXCHANGE"],
+                        routing_key=os.environ.get("BENCH_FORWARD_ROUTING_KEY", "{topic}"))
+    ob.forward(TOPIC, to=sink, consumer="fwd")
+    return ob
