@@ -44,7 +44,11 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -57,10 +61,25 @@ import sqlalchemy as sa
 
 from outbox import publish
 
-from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, log, median, percentile, publish_events
+from .common import (
+    TOPIC,
+    Databases,
+    RelayProcess,
+    Size,
+    backends_cpu,
+    conninfo,
+    engine,
+    log,
+    machine_busy,
+    median,
+    percentile,
+    proc_cpu,
+    publish_events,
+)
 
 FORWARDER = "fwd"
 RAW_WINDOW = 500
+SPY_RATE = 250  # py-spy samples per second, as scenario ``profile``
 NATS_URL = os.environ.get("BENCH_NATS_URL") or os.environ.get("OUTBOX_TEST_NATS_URL") or "nats://127.0.0.1:4222"
 AMQP_URL = (os.environ.get("BENCH_AMQP_URL") or os.environ.get("OUTBOX_TEST_AMQP_URL")
             or "amqp://guest:guest@127.0.0.1:5672/")
@@ -354,29 +373,40 @@ def wait_done(mon: psycopg.Connection, expected: int, timeout: float = 600.0) ->
 
 
 def throughput(dbs: Databases, broker_type: type[Broker], events: int, settings: tuple[int, int, int] | None,
-               results: Path, tag: str, keep: bool = False) -> dict[str, Any]:
+               results: Path, tag: str, keep: bool = False, hooks: Any = None) -> dict[str, Any]:
     """One forwarded run of ``events`` events; with ``keep``, the messages as stored are
-    returned too (``"messages"``), for the raw runs."""
+    returned too (``"messages"``), for the raw runs. ``hooks``: as scenario 2's (a profiler).
+    Records the relay's and the database backends' CPU per event and the batches the relay
+    handed its sink (size, seconds each took to be acknowledged)."""
     broker = broker_type()
     asyncio.run(broker.create())
     flags, env = relay_settings(settings)
+    record = results / "logs" / f"forward-batches-{tag}.json"
     try:
         with dbs.fresh() as url:
             relay = RelayProcess(url, results / "logs" / f"relay-forward-{tag}.log", flags,
-                                 env={**broker.relay_env(), **env}, app="bench.apps:forwarding")
+                                 env={**broker.relay_env(), **env, "BENCH_RECORD": str(record)},
+                                 app="bench.apps:forwarding")
             try:
                 relay.wait_ready(1)
                 eng = engine(url)
                 with psycopg.connect(conninfo(url), autocommit=True) as mon:
                     warm = warm_up(eng, mon)
+                    if hooks:
+                        hooks.started(relay.pid)
+                    cpu0, busy0, db0 = proc_cpu(relay.pid), machine_busy(), backends_cpu(mon, url.database)
                     published = publish_events(eng, events)
                     wait_done(mon, events + 1)
+                    cpu1, busy1, db1 = proc_cpu(relay.pid), machine_busy(), backends_cpu(mon, url.database)
+                    if hooks:
+                        hooks.drained(relay.pid)
                     t0, t1 = mon.execute(
                         "SELECT (SELECT min(created_at) FROM outbox_events WHERE id > %s),"
                         " (SELECT max(finished_at) FROM outbox_jobs)", (warm,)).fetchone()
                 eng.dispose()
             finally:
                 code = relay.stop()
+        batches = json.loads(record.read_text())[1:] if record.exists() else []  # the warm-up's first
         stored = asyncio.run(broker.count())
         if stored != events + 1:
             raise RuntimeError(f"{broker.kind}: {stored} messages stored for {events + 1} events")
@@ -384,10 +414,21 @@ def throughput(dbs: Databases, broker_type: type[Broker], events: int, settings:
     finally:
         asyncio.run(broker.delete())
     seconds = (t1 - t0).total_seconds()
-    out: dict[str, Any] = {"events": events, "seconds": seconds, "events_per_s": events / seconds,
-                           "publish_seconds": published, "settings": settings, "relay_exit": code}
+    sizes = [b[0] for b in batches]
+    out: dict[str, Any] = {
+        "events": events, "seconds": seconds, "events_per_s": events / seconds, "publish_seconds": published,
+        "settings": settings, "relay_exit": code,
+        "relay_cpu_us_per_event": (cpu1 - cpu0) / events * 1e6 if cpu0 is not None and cpu1 is not None else None,
+        # the backends still connected at the end (the monitor's excluded); the publisher's is among them
+        "db_cpu_us_per_event": (db1 - db0) / events * 1e6,
+        "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+        "batches": len(sizes), "batch_mean": sum(sizes) / len(sizes) if sizes else None,
+        "batch_p50": percentile(sizes, 50) if sizes else None, "batch_max": max(sizes) if sizes else None,
+        "send_seconds": sum(b[1] for b in batches), "send_ms_p50": percentile([b[1] * 1e3 for b in batches], 50)}
     log(f"forward {tag}: {out['events_per_s']:,.0f} events/s ({events} in {seconds:.2f}s, publishing alone took"
-        f" {published:.2f}s; settings {settings or 'defaults'})")
+        f" {published:.2f}s; settings {settings or 'defaults'}); relay CPU {out['relay_cpu_us_per_event'] or 0:.0f}"
+        f" us/event, db {out['db_cpu_us_per_event']:.0f} us/event, machine {out['machine_busy']:.0%} busy;"
+        f" {out['batches']} batches, mean {out['batch_mean'] or 0:.0f} messages, {out['send_seconds']:.2f}s in send_many")
     if keep:
         out["messages"] = messages
     return out
@@ -464,6 +505,54 @@ def latency(dbs: Databases, broker_type: type[Broker], size: Size, settings: tup
     return out
 
 
+class Spy:
+    """``py-spy record`` (``--gil --threads``, raw stacks) on the relay while the load runs."""
+
+    def __init__(self, binary: str, out: Path) -> None:
+        self.binary, self.out = binary, out
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def started(self, pid: int) -> None:
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen([self.binary, "record", "--pid", str(pid), "--rate", str(SPY_RATE), "--gil",
+                                      "--threads", "--format", "raw", "--output", str(self.out)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def drained(self, pid: int) -> None:
+        self.seconds = time.monotonic() - self.t0
+        if self.proc is not None:
+            self.proc.send_signal(signal.SIGINT)
+            self.proc.wait(60)
+
+
+def spy_binary() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def profiled(dbs: Databases, broker_type: type[Broker], size: Size, settings: tuple[int, int, int] | None,
+             results: Path) -> dict[str, Any] | None:
+    """One forwarded run with py-spy sampling the relay: shares of its Python time by thread,
+    by package and by outbox function (scenario ``profile``'s summary). None without py-spy."""
+    from .profile import RATE, summarise_stacks
+
+    binary = spy_binary()
+    if binary is None:
+        log("forward profile: skipped (py-spy not found)")
+        return None
+    assert RATE == SPY_RATE
+    stacks = results / f"pyspy-forward-{broker_type.kind}.txt"
+    spy = Spy(binary, stacks)
+    run_ = throughput(dbs, broker_type, size.forward_events, settings, results, f"profile-{broker_type.kind}",
+                      hooks=spy)
+    if not stacks.exists():
+        return {"error": "py-spy wrote nothing", "run": run_}
+    summary = summarise_stacks(stacks, spy.seconds)
+    log(f"forward profile {broker_type.kind}: {json.dumps(summary)[:900]}")
+    return {"run": run_, "cpu": summary}
+
+
 def one_broker(dbs: Databases, broker_type: type[Broker], size: Size, results: Path,
                best: tuple[int, int, int] | None) -> dict[str, Any]:
     forwarded, defaults = [], []
@@ -513,5 +602,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
             top = max(sweep, key=lambda r: r["events_per_s"])["settings"]
             best = None if top == SWEEP[0] else top
         out[broker_type.kind] = one_broker(dbs, broker_type, size, results, best)
+        if broker_type is JetStreamBroker:
+            out["profile"] = profiled(dbs, broker_type, size, best, results)
     (results / "forward.json").write_text(json.dumps(out, indent=1, default=str))
     return out

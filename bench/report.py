@@ -243,6 +243,20 @@ def forward_rows(fw: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{lat['p50_ms']:.1f} / {lat['p99_ms']:.1f} ms (database clock, finished_at - created_at: "
                     f"{lat['db_p50_ms']:.1f} / {lat['db_p99_ms']:.1f} ms)", "<= 15 / <= 60 ms",
                     _ok(lat["p50_ms"] <= 15 and lat["p99_ms"] <= 60)))
+        runs = b["forwarded"]
+        med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2] if all(r.get(k) is not None for r in runs) else None  # noqa: E731
+        out.append(("9 forward", f"{name}: CPU per event relay / database backends; batches handed to the sink "
+                    "(mean size; time in send_many / run)",
+                    f"{_n(med('relay_cpu_us_per_event'))} / {_n(med('db_cpu_us_per_event'))} us, machine "
+                    f"{med('machine_busy') or 0:.0%} busy; {_n(med('batch_mean'))} messages; "
+                    f"{_n(med('send_seconds'), 1)} / {_n(med('seconds'), 1)} s", "", ""))
+    prof = fw.get("profile")
+    if prof and "cpu" in prof:
+        c = prof["cpu"]
+        threads = ", ".join(f"{k} {v:.0%}" for k, v in list(c["threads"].items())[:5])
+        top = ", ".join(f"{k} {v:.0%}" for k, v in list(c["inclusive_outbox"].items())[:6])
+        out.append(("9 forward", "JetStream relay under py-spy: GIL busy; Python time by thread; outbox functions "
+                    "(inclusive)", f"{c['gil_busy']:.0%}; {threads}; {top}", "", ""))
     return out
 
 
