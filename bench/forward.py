@@ -24,7 +24,10 @@ duplicate window) or a direct exchange with a durable queue bound to it.
   their ack at once (an ``asyncio.Semaphore``; nats-py ``JetStreamContext.publish`` /
   aio-pika ``Exchange.publish`` with publisher confirms, ``mandatory``); for JetStream also
   (b) the client's own ``publish_async`` (its window of 4,000) and
-  ``publish_async_completed``; and, for information, (c) one at a time, each ack awaited.
+  ``publish_async_completed``; and, for information, (c) one at a time, each ack awaited
+  (the first ``SERIAL_MAX`` messages only). outbox's own sink is also run alone, without
+  PostgreSQL or a relay: the same messages through ``send_many``, in batches of the
+  forwarding window, one batch at a time, as the forwarder calls it.
   Messages/s = N / (last ack - first send), harness clock. The raw limit is the best
   pipelined variant; forwarded / raw is reported as a ratio (issue 11's target: >= 70 %).
 * **Latency.** The relay forwards single events the harness commits at ``forward_rate``
@@ -41,6 +44,7 @@ duplicate window) or a direct exchange with a durable queue bound to it.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import importlib.util
 import json
 import os
@@ -79,6 +83,7 @@ from .common import (
 
 FORWARDER = "fwd"
 RAW_WINDOW = 500
+SERIAL_MAX = 2_000  # messages the one-at-a-time variant sends (information only; slow on RabbitMQ)
 SPY_RATE = 250  # py-spy samples per second, as scenario ``profile``
 NATS_URL = os.environ.get("BENCH_NATS_URL") or os.environ.get("OUTBOX_TEST_NATS_URL") or "nats://127.0.0.1:4222"
 AMQP_URL = (os.environ.get("BENCH_AMQP_URL") or os.environ.get("OUTBOX_TEST_AMQP_URL")
@@ -449,6 +454,58 @@ def raw(broker_type: type[Broker], messages: list[Any], mode: str) -> dict[str, 
     return out
 
 
+def sink_alone(broker_type: type[Broker], messages: list[Any], batch: int) -> dict[str, Any]:
+    """outbox's own sink (``JetStream`` / ``RabbitMQ``), no PostgreSQL and no relay: the
+    stored messages made :class:`~outbox.sinks.Message` again and handed to ``send_many`` in
+    batches of ``batch``, one batch at a time, as the forwarder does. Separates the sink's
+    cost from the relay's (claims, completions, the other threads)."""
+    from outbox import JetStream, RabbitMQ
+    from outbox.sinks import Delivered, Message
+
+    broker = broker_type()
+    asyncio.run(broker.create())
+
+    def headers_of(m: Any) -> dict[str, Any]:
+        return dict(m[1]) if broker_type is JetStreamBroker else dict(m.headers)
+
+    own = {"Nats-Msg-Id", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key", "Outbox-Idempotency-Key",
+           "Outbox-Created-At"}
+    prepared = []
+    for m in messages:
+        h = headers_of(m)
+        body = m[0] if broker_type is JetStreamBroker else m.body
+        prepared.append(Message(
+            job_id=int(h["Outbox-Event-Id"]), event_id=int(h["Outbox-Event-Id"]), consumer=FORWARDER,
+            topic=h["Outbox-Topic"], key=h.get("Outbox-Key"), idempotency_key=h["Outbox-Idempotency-Key"],
+            created_at=datetime.datetime.fromisoformat(h["Outbox-Created-At"]), body=bytes(body),
+            headers={k: str(v) for k, v in h.items() if k not in own}))
+
+    async def send() -> tuple[float, int]:
+        sink: JetStream | RabbitMQ = (JetStream(NATS_URL, subject=broker.name + ".{topic}", stream=broker.name)
+                                      if isinstance(broker, JetStreamBroker) else
+                                      RabbitMQ(AMQP_URL, exchange=broker.name, routing_key="{topic}"))
+        await sink.connect()
+        try:
+            start = time.perf_counter()
+            delivered = 0
+            for i in range(0, len(prepared), batch):
+                results = await sink.send_many(prepared[i:i + batch], 10.0)
+                delivered += sum(1 for r in results if isinstance(r, Delivered))
+            return time.perf_counter() - start, delivered
+        finally:
+            await sink.close()
+
+    try:
+        seconds, delivered = asyncio.run(send())
+    finally:
+        asyncio.run(broker.delete())
+    if delivered != len(messages):
+        raise RuntimeError(f"sink alone: {delivered} of {len(messages)} delivered")
+    out = {"batch": batch, "messages": len(messages), "seconds": seconds, "messages_per_s": len(messages) / seconds}
+    log(f"sink alone {broker_type.kind}, batches of {batch}: {out['messages_per_s']:,.0f} messages/s")
+    return out
+
+
 def latency(dbs: Databases, broker_type: type[Broker], size: Size, settings: tuple[int, int, int] | None,
             results: Path) -> dict[str, Any]:
     broker = broker_type()
@@ -555,7 +612,7 @@ def profiled(dbs: Databases, broker_type: type[Broker], size: Size, settings: tu
 
 def one_broker(dbs: Databases, broker_type: type[Broker], size: Size, results: Path,
                best: tuple[int, int, int] | None) -> dict[str, Any]:
-    forwarded, defaults = [], []
+    forwarded, defaults, alone = [], [], []
     raws: dict[str, list[dict[str, Any]]] = {}
     modes = ("window", "publish_async", "serial") if broker_type is JetStreamBroker else ("window", "serial")
     for rep in range(size.runs):
@@ -563,7 +620,9 @@ def one_broker(dbs: Databases, broker_type: type[Broker], size: Size, results: P
         messages = run.pop("messages")
         forwarded.append(run)
         for mode in modes:
-            raws.setdefault(mode, []).append(raw(broker_type, messages, mode))
+            raws.setdefault(mode, []).append(raw(broker_type, messages[:SERIAL_MAX] if mode == "serial" else messages,
+                                                 mode))
+        alone.append(sink_alone(broker_type, messages, (best or SWEEP[0])[2]))
         if best is not None:
             defaults.append(throughput(dbs, broker_type, size.forward_events, None, results,
                                        f"{broker_type.kind}-defaults-{rep}"))
@@ -577,6 +636,8 @@ def one_broker(dbs: Databases, broker_type: type[Broker], size: Size, results: P
         "events": size.forward_events, "settings": best, "forwarded_events_per_s": fwd, "forwarded": forwarded,
         "defaults_events_per_s": median([r["events_per_s"] for r in defaults]) if defaults else fwd,
         "defaults": defaults, "raw": {m: {"messages_per_s": raw_med[m], "runs": raws[m]} for m in modes},
+        "sink_alone": {"messages_per_s": median([a["messages_per_s"] for a in alone]), "batch": alone[0]["batch"],
+                       "runs": alone},
         "raw_limit_mode": limit_mode, "raw_limit": raw_med[limit_mode], "ratio": median(ratios), "ratios": ratios,
         "latency": latency(dbs, broker_type, size, best, results),
     }

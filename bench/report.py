@@ -235,6 +235,10 @@ def forward_rows(fw: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         variants.append(f"one at a time: {_n(r['serial']['messages_per_s'])}")
         out.append(("9 forward", f"{name}: raw client, same messages, no PostgreSQL, acks awaited",
                     " / ".join(variants) + " messages/s", "", ""))
+        if "sink_alone" in b:
+            out.append(("9 forward", f"{name}: outbox's sink alone (send_many, batches of {b['sink_alone']['batch']}, "
+                        "one at a time, no PostgreSQL)", f"{_n(b['sink_alone']['messages_per_s'])} messages/s "
+                        f"({b['sink_alone']['messages_per_s'] / b['raw_limit']:.0%} of the raw limit)", "", ""))
         out.append(("9 forward", f"{name}: forwarded / raw client limit ({b['raw_limit_mode']}), "
                     "median of paired ratios", f"{b['ratio']:.0%}", ">= 70 %", _ok(b["ratio"] >= 0.7)))
         lat = b["latency"]
