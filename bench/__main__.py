@@ -6,6 +6,7 @@
     python -m bench --only e2e --only peers
     python -m bench --only profile     # where the relay's time goes (py-spy, round trips)
     python -m bench --only ordered     # ordered delivery per key against unordered (issue 10)
+    python -m bench --only forward     # forwarding to JetStream / RabbitMQ against their raw clients (issue 11)
 
 Prints the markdown table on stdout (progress on stderr) and writes ``results.json``,
 ``results.md``, ``throughput.png`` and ``latency.png`` (plus logs, plans and a
@@ -30,7 +31,7 @@ from typing import Any
 
 from .common import BENCH, ROOT, SIZES, Databases, is_server_restart, log, server_facts, server_url, wait_for_server
 
-SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "metrics")
+SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics")
 ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {"profile": "profile"}
 
 
@@ -114,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         "timings": {}, "errors": {},
     }
     log(f"size {size.name}, scenarios {', '.join(args.scenarios)}; results in {results}")
-    from . import e2e, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak
+    from . import e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak
 
     modules = {"raw": raw, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
-               "scale": scale, "soak": soak, "ordered": ordered, "metrics": metrics_cost}
+               "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost}
     with Databases(server) as dbs:
         for name in args.scenarios:
             t0 = time.monotonic()

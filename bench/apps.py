@@ -39,3 +39,40 @@ def fanout() -> Outbox:
                 json.dump(samples, f)
         atexit.register(dump)
     return ob
+
+
+def forwarding() -> Outbox:
+    """One forwarder, ``fwd``, of ``bench.event`` to the broker ``BENCH_FORWARD`` names
+    (``jetstream``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_SUBJECT``, ``BENCH_FORWARD_STREAM``;
+    ``rabbitmq``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_EXCHANGE``, ``BENCH_FORWARD_ROUTING_KEY``),
+    for the forwarding scenario. When ``BENCH_RECORD`` names a file, every batch the relay
+    hands the sink is noted as ``(messages, seconds in send_many)`` and the list written
+    there as JSON when the process exits."""
+    from outbox import JetStream, RabbitMQ
+
+    kind, url = os.environ["BENCH_FORWARD"], os.environ["BENCH_FORWARD_URL"]
+    record = os.environ.get("BENCH_RECORD")
+    batches: list[tuple[int, float]] = []
+    base: type[JetStream] | type[RabbitMQ] = JetStream if kind == "jetstream" else RabbitMQ
+
+    class Recording(base):  # type: ignore[valid-type,misc]
+        async def send_many(self, messages, timeout):  # type: ignore[no-untyped-def]
+            start = time.perf_counter()
+            results = await super().send_many(messages, timeout)
+            batches.append((len(messages), time.perf_counter() - start))
+            return results
+
+    cls = Recording if record else base
+    if kind == "jetstream":
+        sink = cls(url, subject=os.environ["BENCH_FORWARD_SUBJECT"], stream=os.environ.get("BENCH_FORWARD_STREAM"))
+    else:
+        sink = cls(url, exchange=os.environ["BENCH_FORWARD_EXCHANGE"],
+                   routing_key=os.environ.get("BENCH_FORWARD_ROUTING_KEY", "{topic}"))
+    ob = Outbox()
+    ob.forward(TOPIC, to=sink, consumer="fwd")
+    if record:
+        def dump() -> None:
+            with open(record, "w") as f:
+                json.dump(batches, f)
+        atexit.register(dump)
+    return ob

@@ -78,6 +78,11 @@ class Size:
                                                                       "prefetch": 100})
     claim_ready: int = 30_000            # ready jobs the claim-cost loop may claim
     blocked_jobs: int = 100_000          # pending jobs behind the blocked key
+    # 9 forwarding
+    forward_events: int = 20_000         # events forwarded per throughput run (and re-sent raw)
+    forward_sweep_events: int = 5_000    # events per configuration of the forwarding sweep
+    forward_latency_seconds: float = 20.0
+    forward_rate: float = 200.0
     claim_seconds: float = 1.5
     notes: tuple[str, ...] = field(default=())
 
@@ -88,7 +93,8 @@ SIZES = {
         default_events=500, sweep_events=500, sweep=((8, 50, 50), (16, 100, 100)), procrastinate_cap=2.0,
         publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
-        ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3),
+        ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
+        forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
@@ -292,15 +298,15 @@ def backends_cpu(conn: psycopg.Connection, dbname: str) -> float:
 
 
 class RelayProcess:
-    """``python -m outbox.cli run --app bench.apps:fanout`` as a subprocess on ``url``.
+    """``python -m outbox.cli run --app bench.apps:fanout`` (or ``app``) as a subprocess on ``url``.
 
     ``settings`` are CLI flags (``concurrency=16`` -> ``--concurrency 16``), ``env`` extra
     environment (``BENCH_CONSUMERS``, ``BENCH_RECORD``); its log goes to ``log_path``.
     """
 
     def __init__(self, url: URL, log_path: Path, settings: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None, listen: bool = True) -> None:
-        args = [sys.executable, "-m", "outbox.cli", "run", "--app", "bench.apps:fanout",
+                 env: dict[str, str] | None = None, listen: bool = True, app: str = "bench.apps:fanout") -> None:
+        args = [sys.executable, "-m", "outbox.cli", "run", "--app", app,
                 "--database-url", conninfo(url), "--log-level", "WARNING"]
         for key, value in (settings or {}).items():
             args += ["--" + key.replace("_", "-"), str(value)]

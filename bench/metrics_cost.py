@@ -1,4 +1,4 @@
-"""Scenario 9, the cost of metrics: end-to-end fan-out with and without ``--metrics-port``.
+"""Scenario 10, the cost of metrics: end-to-end fan-out with and without ``--metrics-port``.
 
 The relay of scenario 2 (``bench.apps:fanout``, 3 no-op consumers) at the best settings of
 the sweep (or ``concurrency 32, claim_batch 250, prefetch 250`` when scenario 2 did not run)

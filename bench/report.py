@@ -202,6 +202,65 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("8 ordered", f"claim + complete of 50 with {o['blocked_jobs']:,} jobs behind a blocked key / none",
                     f"{o['claim_blocked_ms']:.2f} / {o['claim_ms']:.2f} ms ({o['claim_ratio']:.2f}x)", "<= 1.2x",
                     _ok(o["claim_ratio"] <= 1.2)))
+    fw = data.get("forward")
+    if fw:
+        out += forward_rows(fw)
+    return out
+
+
+def forward_rows(fw: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The rows of scenario 9 (forwarding, issue 11)."""
+    out: list[tuple[str, str, str, str, str]] = []
+    for kind, why in fw.get("skipped", {}).items():
+        out.append(("9 forward", f"{kind}", f"skipped: {why}", "", ""))
+    sw = fw.get("sweep")
+    if sw:
+        out.append(("9 forward", f"sweep ({sw['broker']}, {sw['events']:,} events, one run each): "
+                    "claim_batch/prefetch/forward_window: events/s",
+                    " / ".join(f"{'/'.join(str(x) for x in r['settings'])}: {_n(r['events_per_s'])}" for r in sw["runs"]),
+                    "", ""))
+    for kind, name in (("jetstream", "JetStream"), ("rabbitmq", "RabbitMQ")):
+        b = fw.get(kind)
+        if not b:
+            continue
+        settings = ("claim_batch/prefetch/forward_window " + "/".join(str(x) for x in b["settings"])
+                    if b["settings"] else "relay defaults")
+        out.append(("9 forward", f"{name}: {b['events']:,} events forwarded by one relay ({settings}), "
+                    "first event created -> last job done", f"{_n(b['forwarded_events_per_s'])} events/s"
+                    + (f" (defaults: {_n(b['defaults_events_per_s'])})" if b["settings"] else ""), "", ""))
+        r = b["raw"]
+        variants = [f"window {fw['raw_window']}: {_n(r['window']['messages_per_s'])}"]
+        if "publish_async" in r:
+            variants.append(f"publish_async: {_n(r['publish_async']['messages_per_s'])}")
+        variants.append(f"one at a time: {_n(r['serial']['messages_per_s'])}")
+        out.append(("9 forward", f"{name}: raw client, same messages, no PostgreSQL, acks awaited",
+                    " / ".join(variants) + " messages/s", "", ""))
+        if "sink_alone" in b:
+            out.append(("9 forward", f"{name}: outbox's sink alone (send_many, batches of {b['sink_alone']['batch']}, "
+                        "one at a time, no PostgreSQL)", f"{_n(b['sink_alone']['messages_per_s'])} messages/s "
+                        f"({b['sink_alone']['messages_per_s'] / b['raw_limit']:.0%} of the raw limit)", "", ""))
+        out.append(("9 forward", f"{name}: forwarded / raw client limit ({b['raw_limit_mode']}), "
+                    "median of paired ratios", f"{b['ratio']:.0%}", ">= 70 %", _ok(b["ratio"] >= 0.7)))
+        lat = b["latency"]
+        out.append(("9 forward", f"{name}: commit -> message at a consumer, {lat['rate']:.0f} events/s, "
+                    f"{lat['events']:,} events, p50 / p99 (harness clock)",
+                    f"{lat['p50_ms']:.1f} / {lat['p99_ms']:.1f} ms (database clock, finished_at - created_at: "
+                    f"{lat['db_p50_ms']:.1f} / {lat['db_p99_ms']:.1f} ms)", "<= 15 / <= 60 ms",
+                    _ok(lat["p50_ms"] <= 15 and lat["p99_ms"] <= 60)))
+        runs = b["forwarded"]
+        med = lambda k: sorted(r[k] for r in runs)[len(runs) // 2] if all(r.get(k) is not None for r in runs) else None  # noqa: E731
+        out.append(("9 forward", f"{name}: CPU per event relay / database backends; batches handed to the sink "
+                    "(mean size; time in send_many / run)",
+                    f"{_n(med('relay_cpu_us_per_event'))} / {_n(med('db_cpu_us_per_event'))} us, machine "
+                    f"{med('machine_busy') or 0:.0%} busy; {_n(med('batch_mean'))} messages; "
+                    f"{_n(med('send_seconds'), 1)} / {_n(med('seconds'), 1)} s", "", ""))
+    prof = fw.get("profile")
+    if prof and "cpu" in prof:
+        c = prof["cpu"]
+        threads = ", ".join(f"{k} {v:.0%}" for k, v in list(c["threads"].items())[:5])
+        top = ", ".join(f"{k} {v:.0%}" for k, v in list(c["inclusive_outbox"].items())[:6])
+        out.append(("9 forward", "JetStream relay under py-spy: GIL busy; Python time by thread; outbox functions "
+                    "(inclusive)", f"{c['gil_busy']:.0%}; {threads}; {top}", "", ""))
     return out
 
 
