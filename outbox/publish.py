@@ -325,10 +325,11 @@ def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_byte
         if not isinstance(headers, Mapping):
             raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
         headers = dict(headers)
+    payload_json = _encode(payload, "payload", max_payload_bytes)  # first: problems are named in this order
     encoded = _encode(headers, "headers", MAX_HEADERS_BYTES)
     if trace is not None:
         encoded = _with_trace(encoded, headers, trace)
-    return topic, key, _encode(payload, "payload", max_payload_bytes), encoded
+    return topic, key, payload_json, encoded
 
 
 def _with_trace(encoded: str, headers: dict[str, Any], trace: tracing.TraceHeaders) -> str:

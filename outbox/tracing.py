@@ -69,6 +69,8 @@ ENABLED: bool = trace is not None
 #: The instrumentation scope of outbox's spans.
 TRACER_NAME = "outbox"
 SYSTEM = "outbox"
+#: Longest span status description, in characters (the message is cut, not the span).
+MAX_DESCRIPTION_CHARS = 1024
 
 # (job, span) of the job whose handler runs in this thread or task, for failure reports.
 _CURRENT: ContextVar[tuple[Job, Any] | None] = ContextVar("outbox_job_span", default=None)
@@ -145,9 +147,17 @@ def record_failure(job: Job, exc: BaseException) -> None:
     if current is None or current[0] is not job:
         return
     span = current[1]
-    span.record_exception(exc)
-    span.set_attribute("error.type", type(exc).__qualname__)
-    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{type(exc).__qualname__}: {exc}"[:1024]))
+    kind = type(exc).__qualname__
+    try:
+        message = str(exc)
+    except BaseException as err:  # noqa: BLE001 - a broken __str__ must not lose the failure
+        message = f"<str() raised {type(err).__name__}>"
+    span.set_attribute("error.type", kind)
+    span.set_status(trace.Status(trace.StatusCode.ERROR, f"{kind}: {message}"[:MAX_DESCRIPTION_CHARS]))
+    try:  # the SDK's record_exception calls str(exc) itself
+        span.record_exception(exc)
+    except Exception:  # noqa: BLE001
+        span.add_event("exception", {"exception.type": kind, "exception.message": message})
 
 
 def set_outcome(span: Any, outcome: str, *, error: str | None = None) -> None:

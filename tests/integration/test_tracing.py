@@ -123,6 +123,28 @@ def test_failing_handler_records_the_exception_and_error_status(engine, spans):
     assert first.context.trace_id == second.context.trace_id  # both attempts belong to the publisher's trace
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("no text")
+
+
+def test_an_exception_without_text_is_still_recorded(engine, spans):
+    ob = Outbox()
+
+    @ob.subscriber("t", consumer="c", max_attempts=1)
+    def fail(job: Job) -> None:
+        raise _Unprintable()
+
+    with Session(engine) as s, s.begin():
+        publish(s, "t", {})
+    [result] = drain(engine, ob)
+    assert result.outcome == "dead"
+    [span] = _job_spans(spans)
+    assert span.status.status_code is trace.StatusCode.ERROR
+    assert span.status.description == "_Unprintable: <str() raised RuntimeError>"
+    assert [e.attributes["exception.type"] for e in span.events] == ["_Unprintable"]
+
+
 def test_transactional_and_async_handlers_run_inside_their_span(engine, spans):
     ob = Outbox()
     seen: dict[str, Any] = {}
