@@ -27,19 +27,35 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 _EXPORTER = InMemorySpanExporter()
 
 
+class _WhileTesting(SimpleSpanProcessor):
+    """Exports to the in-memory exporter only during a test that asks for ``spans``: the
+    global provider outlives the test (OpenTelemetry refuses to replace it), and the rest
+    of the session should not pile spans up in memory."""
+
+    active = False
+
+    def on_end(self, span: Any) -> None:
+        if self.active:
+            super().on_end(span)
+
+
+_PROCESSOR = _WhileTesting(_EXPORTER)
+
+
 @pytest.fixture
 def spans() -> Any:
-    """The spans finished during the test (the global tracer provider is set once per
-    process: OpenTelemetry refuses to replace it)."""
+    """The spans finished during the test."""
     provider = trace.get_tracer_provider()
     if not isinstance(provider, sdk_trace.TracerProvider):
         provider = sdk_trace.TracerProvider()
         trace.set_tracer_provider(provider)
-    if not getattr(provider, "_outbox_test_exporter", False):
-        provider.add_span_processor(SimpleSpanProcessor(_EXPORTER))
-        provider._outbox_test_exporter = True  # type: ignore[attr-defined]
+    if not getattr(provider, "_outbox_test_processor", False):
+        provider.add_span_processor(_PROCESSOR)
+        provider._outbox_test_processor = True  # type: ignore[attr-defined]
     _EXPORTER.clear()
+    _PROCESSOR.active = True
     yield _EXPORTER
+    _PROCESSOR.active = False
     _EXPORTER.clear()
 
 
