@@ -44,21 +44,27 @@ A failed attempt (any exception of the handler, a misuse, a timeout) records the
 as a span event and sets the status to ERROR with ``Type: message``; every other outcome
 leaves the status unset. A lease-mode job's completion is written after the span ends, by
 the relay's completer.
+
+**Forwarding** (:mod:`outbox.forwarder`): a forwarder's job runs no handler, so it has no
+``process`` span; each batch sent to a broker is a PRODUCER span ``send <forwarder>``
+(:func:`send_span`) linked to the publishers' contexts, which the messages carry on in their
+headers unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 try:
     from opentelemetry import propagate, trace
+    from opentelemetry.context import Context
 except ImportError:  # the [otel] extra is not installed: tracing is off
-    propagate = trace = None  # type: ignore[assignment]
+    propagate = trace = Context = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
     from .job import Job
@@ -137,6 +143,47 @@ def process_span(job: Job) -> Iterator[Any]:
             yield span
         finally:
             _CURRENT.reset(token)
+
+
+@contextlib.contextmanager
+def send_span(forwarder: str, system: str, where: str, jobs: Sequence[Job]) -> Iterator[Any]:
+    """The PRODUCER span of one batch a forwarder sends to its broker, ``send <forwarder>``:
+    linked to each job's publishing context (the messages carry the event's headers
+    unchanged, so the broker's consumers continue the publisher's trace, not this one).
+    Attributes: ``messaging.system`` (the sink's extra: ``nats``, ``rabbitmq``),
+    ``messaging.operation.name`` / ``messaging.operation.type`` ``send``,
+    ``messaging.batch.message_count``, ``outbox.forwarder``, ``outbox.sink`` (the sink's
+    description, without credentials). Call only when :data:`ENABLED`."""
+    assert trace is not None
+    links = []
+    for job in jobs:
+        context = trace.get_current_span(propagate.extract(_carrier(job.headers))).get_span_context()
+        if context.is_valid:
+            links.append(trace.Link(context, {"outbox.job.id": job.id}))
+    attributes: dict[str, str | int] = {
+        "messaging.system": system,
+        "messaging.operation.name": "send",
+        "messaging.operation.type": "send",
+        "messaging.batch.message_count": len(jobs),
+        "outbox.forwarder": forwarder,
+        "outbox.sink": where,
+    }
+    with trace.get_tracer(TRACER_NAME).start_as_current_span(
+            f"send {forwarder}", kind=trace.SpanKind.PRODUCER, attributes=attributes, links=links,
+            context=Context()) as span:
+        yield span
+
+
+def record_send(span: Any, delivered: int, failed: int, unavailable: int) -> None:
+    """Count a batch's results on its :func:`send_span`; status ERROR when any message was
+    not delivered."""
+    span.set_attribute("outbox.forward.delivered", delivered)
+    if failed or unavailable:
+        span.set_attribute("outbox.forward.failed", failed)
+        span.set_attribute("outbox.forward.unavailable", unavailable)
+        span.set_attribute("error.type", "undelivered")
+        span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                     f"{failed} failed, {unavailable} not sent (broker unavailable)"))
 
 
 def record_failure(job: Job, exc: BaseException) -> None:

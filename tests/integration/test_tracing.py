@@ -8,6 +8,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session
 from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.publish import MAX_HEADERS_BYTES
 from outbox.relay import Relay
+from outbox.sinks import Delivered, Failed, Message, SendResult, Sink
 from outbox.testing import drain, wait_for
 
 trace = pytest.importorskip("opentelemetry.trace", reason="opentelemetry-api is not installed")
@@ -256,3 +258,54 @@ def test_without_opentelemetry_nothing_is_traced(db_url):
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+class _MemorySink(Sink):
+    """A broker in memory: keeps every message; refuses the ones whose payload says so."""
+
+    extra = "memory"
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self._up = False
+
+    def describe(self) -> str:
+        return "memory"
+
+    async def connect(self) -> None:
+        self._up = True
+
+    @property
+    def connected(self) -> bool:
+        return self._up
+
+    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+        self.messages.extend(messages)
+        return [Failed("refused", permanent=True) if b'"refuse"' in m.body else Delivered() for m in messages]
+
+    async def close(self) -> None:
+        self._up = False
+
+
+def test_forwarded_batches_are_producer_spans_linked_to_the_publishers(engine, settings, spans):
+    sink = _MemorySink()
+    ob = Outbox()
+    ob.forward("t", to=sink, consumer="to_memory", max_attempts=1)
+    with _tracer().start_as_current_span("publisher") as publisher, Session(engine) as s, s.begin():
+        publish_many(s, [("t", {"n": 1}), ("t", {"refuse": True})])
+    relay = Relay(ob, settings(), maintain=False)
+    relay.start()
+    try:
+        wait_for(lambda: len(sink.messages) == 2 and any(s.kind is trace.SpanKind.PRODUCER
+                                                         for s in spans.get_finished_spans()),
+                 timeout=15, what="the batch sent")
+    finally:
+        relay.stop()
+    sends = [s for s in spans.get_finished_spans() if s.kind is trace.SpanKind.PRODUCER]
+    assert sum(s.attributes["messaging.batch.message_count"] for s in sends) == 2
+    assert {s.name for s in sends} == {"send to_memory"}
+    assert all(s.attributes["messaging.system"] == "memory" for s in sends)
+    assert {link.context.span_id for s in sends for link in s.links} == {publisher.get_span_context().span_id}
+    assert any(s.status.status_code is trace.StatusCode.ERROR for s in sends)  # the refused message
+    # The messages carry the publisher's context on, unchanged.
+    assert {m.headers["traceparent"] for m in sink.messages} == {_traceparent(publisher)}
