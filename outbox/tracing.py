@@ -54,6 +54,7 @@ headers unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from contextvars import ContextVar
@@ -98,6 +99,14 @@ class TraceHeaders:
         return any(isinstance(k, str) and k.lower() in self.keys for k in headers)
 
 
+@functools.cache
+def _tracer() -> Any:
+    """outbox's tracer, made on first use: a proxy that follows whatever tracer provider the
+    application sets, before or after."""
+    assert trace is not None
+    return trace.get_tracer(TRACER_NAME)
+
+
 def current_headers() -> TraceHeaders | None:
     """The current context, as the global propagator writes it, or None when tracing is
     off or no valid span is current."""
@@ -124,7 +133,7 @@ def process_span(job: Job) -> Iterator[Any]:
     ended on leaving it (module notes). Call only when :data:`ENABLED`."""
     assert trace is not None
     parent = propagate.extract(_carrier(job.headers))  # no context in them: a new trace
-    tracer = trace.get_tracer(TRACER_NAME)
+    tracer = _tracer()
     attributes: dict[str, str | int] = {
         "messaging.system": SYSTEM,
         "messaging.operation.name": "process",
@@ -168,7 +177,7 @@ def send_span(forwarder: str, system: str, where: str, jobs: Sequence[Job]) -> I
         "outbox.forwarder": forwarder,
         "outbox.sink": where,
     }
-    with trace.get_tracer(TRACER_NAME).start_as_current_span(
+    with _tracer().start_as_current_span(
             f"send {forwarder}", kind=trace.SpanKind.PRODUCER, attributes=attributes, links=links,
             context=Context()) as span:
         yield span
