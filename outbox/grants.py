@@ -144,14 +144,22 @@ def render(statements: Sequence[sql.Composable]) -> str:
     return "".join(statement.as_string(None) + ";\n" for statement in statements)
 
 
-def apply(engine: Engine, statements: Sequence[sql.Composable], roles: Sequence[str]) -> None:
+def apply(engine: Engine, statements: Sequence[sql.Composable], roles: Sequence[str], *,
+          maintain: bool = False) -> None:
     """Run ``statements`` in one transaction on ``engine`` (as its role: the owner of
     outbox's tables, or another role that may grant on them). Raises ConfigurationError
-    naming a role of ``roles`` that does not exist (nothing is granted then); other
-    database errors propagate as SQLAlchemy raises them."""
+    naming a role of ``roles`` that does not exist, or when ``maintain`` (the statements
+    grant MAINTAIN) and the server is older than PostgreSQL 17; nothing is granted then.
+    Other database errors propagate as SQLAlchemy raises them."""
     from .db import queries
 
     with engine.begin() as conn:
+        if maintain:
+            version = conn.execute(queries.server_version_number).scalar_one()
+            if version < 170000:
+                raise ConfigurationError(f"grants --maintain: the MAINTAIN privilege needs PostgreSQL 17 or later; "
+                                         f"this server is {version // 10000}.{version % 10000}: leave --maintain "
+                                         "out and let autovacuum (or the owner) ANALYZE and VACUUM")
         found = set(conn.execute(queries.role_names_existing, {"names": list(roles)}).scalars())
         missing = [r for r in roles if r not in found]
         if missing:
@@ -184,7 +192,7 @@ def main(args: argparse.Namespace, settings: OutboxSettings, engine: Engine | No
         return 0
     assert engine is not None
     roles = [r for r in (args.relay, args.publisher) if r is not None]
-    apply(engine, statements, roles)
+    apply(engine, statements, roles, maintain=args.maintain)
     print(f"granted: {', '.join(f'{kind} {name}' for kind, name in (('relay', args.relay), ('publisher', args.publisher)) if name)} "
           f"on schema {schema}")
     return 0

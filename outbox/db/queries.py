@@ -1118,6 +1118,9 @@ working on instead of waiting. Cannot run inside a transaction block: autocommit
 
 # ----------------------------------------------------------------------------- roles
 
+server_version_number: TextClause = text("SELECT current_setting('server_version_num')::int")
+"""The server's version as a number: 150020 for 15.20, 170000 for 17.0."""
+
 role_names_existing: TextClause = text("SELECT rolname FROM pg_roles WHERE rolname = ANY(CAST(:names AS text[]))")
 """Which of the role names ``:names`` exist (``outbox-relay grants --apply`` checks before granting)."""
 

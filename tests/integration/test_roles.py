@@ -146,6 +146,11 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     assert names["relay"] in warnings[0].getMessage()
     assert relay.stats["vacuums"] == 0 and relay.job_statistics.analyzed == 0
 
+    # The relay role runs the inspecting commands too.
+    relay_url = _url_text(roles["relay"])
+    for command in (["status"], ["dead"], ["subscriptions"]):
+        assert main([*command, "--schema", SCHEMA, "--database-url", relay_url]) == 0, command
+
     # The publisher: no jobs, no payloads, headers or keys, no changes to events.
     for statement in (f"SELECT count(*) FROM {SCHEMA}.outbox_jobs",
                       f"SELECT payload FROM {SCHEMA}.outbox_events",
@@ -176,6 +181,22 @@ def test_statistics_keeper_analyzes_as_owner(engine):
     keeper = StatisticsKeeper(engine, floor=0)
     assert keeper.routed(1) is AnalyzeOutcome.ANALYZED
     assert keeper.upkeep.denied == 0
+
+
+def test_grants_maintain(db_url, capsys):
+    """``--maintain`` grants MAINTAIN (PostgreSQL 17+); an older server refuses it clearly,
+    before granting anything."""
+    assert main(["grants", "--relay", "r", "--maintain"]) == 0
+    assert 'GRANT MAINTAIN ON TABLE "public"."outbox_jobs", "public"."outbox_events" TO "r";' in capsys.readouterr().out
+    engine = make_engine(db_url)
+    with engine.connect() as c:
+        version = c.execute(sa.text("SELECT current_setting('server_version_num')::int")).scalar_one()
+        role = c.execute(sa.text("SELECT current_user")).scalar_one()
+    engine.dispose()
+    if version >= 170000:
+        pytest.skip("PostgreSQL 17 or later grants MAINTAIN; the refusal is for older servers")
+    assert main(["grants", "--relay", role, "--maintain", "--apply", "--database-url", _url_text(db_url)]) == 2
+    assert "the MAINTAIN privilege needs PostgreSQL 17 or later" in capsys.readouterr().err
 
 
 def test_grants_apply_refuses_a_missing_role(db_url, capsys):
