@@ -4,8 +4,9 @@ Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, 
 reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
 ``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
 ``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
-``psql``; the operator's commands ``relays``, ``cancel``, ``retry``, ``replay``, ``purge``,
-``prune`` (:mod:`outbox.admin`). Settings come from ``OUTBOX_*`` environment variables
+``psql``, ``grants`` (the relay and publisher roles: :mod:`outbox.grants`); the operator's commands
+``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`). Settings come from
+``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("outbox.cli")
 
 COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
-            "pause", "resume", "psql")
+            "pause", "resume", "psql", "grants")
 #: The operator's commands (:mod:`outbox.admin`).
 COMMANDS += ("relays", "cancel", "retry", "replay", "purge", "prune")
 #: Exit status of a command that matched nothing (bad input and errors exit 2).
@@ -183,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "other arguments go to psql (outbox-relay psql -c 'select 1').")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
     psql.add_argument("--pgdata", help="data folder of the embedded server (default ./.outbox/pgdata)")
+    grants = add("grants", "Print (or --apply) the GRANTs of a relay role and a publisher role on --schema's outbox: "
+                           "DML for relays, publish() only for the application; create the roles first.")
+    from .grants import add_arguments as add_grants_arguments
+
+    add_grants_arguments(grants)
     return parser
 
 
@@ -367,6 +373,14 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return demo_main(args, settings)
     if args.command == "psql":
         return _psql(args, settings)
+    if args.command == "grants":
+        from .grants import main as grants_main
+
+        if not args.apply:  # printing needs no database
+            return grants_main(args, settings, None)
+        engine = _engine(settings)
+        with translate_errors(engine.url, settings.schema_name):
+            return grants_main(args, settings, engine)
     if args.command in ("pause", "resume"):
         _check_consumer_name(args.command, args.consumer)  # before anything connects
     engine = _engine(settings, demo_fallback=args.command != "migrate")

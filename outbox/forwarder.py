@@ -33,6 +33,7 @@ window drops and which a RabbitMQ consumer can drop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import queue
@@ -42,7 +43,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from . import backoff
+from . import backoff, tracing
 from .claims import HeldClaims, Signals
 from .errors import ForwardingError, UndeliverableError
 from .job import Job
@@ -180,14 +181,21 @@ class Forwarder:
         started = time.monotonic()
         for job in sendable:
             job._started = started  # the broker round trip is a forwarded job's "handler" (metrics)
-        try:
-            messages = [message_for(job) for job in sendable]
-            results = await sink.send_many(messages, sub.timeout or 10.0)
-            if len(results) != len(messages):
-                raise RuntimeError(f"the sink answered {len(results)} results for {len(messages)} messages")
-        except Exception as exc:  # noqa: BLE001 - a sink's bug fails the attempts, it does not stop forwarding
-            log.exception("forwarder %s: sending a batch of %d failed", sub.consumer, len(sendable))
-            results = [Failed(f"the sink raised {type(exc).__name__}: {exc}")] * len(sendable)
+        span = (tracing.send_span(sub.consumer, sink.extra or tracing.SYSTEM, sink.describe(), sendable)
+                if tracing.ENABLED else contextlib.nullcontext())
+        with span as current:
+            try:
+                messages = [message_for(job) for job in sendable]
+                results = await sink.send_many(messages, sub.timeout or 10.0)
+                if len(results) != len(messages):
+                    raise RuntimeError(f"the sink answered {len(results)} results for {len(messages)} messages")
+            except Exception as exc:  # noqa: BLE001 - a sink's bug fails the attempts, it does not stop forwarding
+                log.exception("forwarder %s: sending a batch of %d failed", sub.consumer, len(sendable))
+                results = [Failed(f"the sink raised {type(exc).__name__}: {exc}")] * len(sendable)
+            if current is not None:
+                tracing.record_send(current, sum(isinstance(r, Delivered) for r in results),
+                                    sum(isinstance(r, Failed) for r in results),
+                                    sum(isinstance(r, Unavailable) for r in results))
         lost = False
         ran = time.monotonic() - started
         tally = dict.fromkeys(FORWARD_RESULTS, 0)

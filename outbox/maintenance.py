@@ -14,6 +14,13 @@ batches, so pruning never holds long locks. When the server's autovacuum is off 
 server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
 round, and says so once at start.
 
+Upkeep that needs ownership: ``ANALYZE`` (the router's :class:`outbox.router.StatisticsKeeper`)
+and ``VACUUM`` (above) of the queue's tables are allowed only to their owner (the role that
+ran ``outbox-relay migrate``), the database's owner, a superuser or, on PostgreSQL 17 and
+later, a role granted ``MAINTAIN`` on them. A relay running as a role of its own without it
+skips both, saying so in one WARNING (:class:`TableUpkeep`), and leaves them to autovacuum
+(operations notes, "Roles").
+
 Every function works on the tables of its ``schema`` argument (None: the process default,
 :func:`outbox.settings.default_schema`).
 """
@@ -21,6 +28,7 @@ Every function works on the tables of its ``schema`` argument (None: the process
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,6 +167,36 @@ def autovacuum_enabled(conn: Connection, *, schema: str | None = None) -> bool:
     """True when the server's autovacuum will visit ``outbox_jobs`` (on globally, not off
     for the table)."""
     return bool(conn.execute(queries.in_schema(schema).autovacuum_enabled).scalar_one())
+
+
+class TableUpkeep:
+    """Whether this relay's role may ``ANALYZE`` and ``VACUUM`` outbox's queue tables
+    (``outbox_jobs``, ``outbox_events``; see the module notes), asked of the database each
+    time one of them is due, so a privilege granted later is used from then on. The first
+    time the answer is no, one WARNING says what is skipped and what it costs; never again
+    for this object (one per relay, shared by its router and maintenance loops:
+    thread-safe)."""
+
+    def __init__(self, schema: str | None = None) -> None:
+        self.statements = queries.in_schema(schema)
+        self.denied = 0  #: times the answer was no
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def permitted(self, conn: Connection) -> bool:
+        """Ask on ``conn`` (any transaction state); warn once when the answer is no."""
+        if conn.execute(self.statements.job_tables_maintainable).scalar_one():
+            return True
+        with self._lock:
+            self.denied += 1
+            warn, self._warned = not self._warned, True
+        if warn:
+            log.warning("role %s may not ANALYZE or VACUUM %s.outbox_jobs and %s.outbox_events (only their owner "
+                        "may, or on PostgreSQL 17+ a role granted MAINTAIN): this relay skips both and leaves them "
+                        "to autovacuum; if autovacuum is off, the owner must run them (see the Roles section of "
+                        "the operations notes)", conn.execute(self.statements.current_role_name).scalar_one(),
+                        self.statements.schema, self.statements.schema)
+        return False
 
 
 def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:

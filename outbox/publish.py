@@ -78,6 +78,7 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from . import tracing
 from .db import queries
 from .errors import InvalidEventError, OutboxError, SchemaNotReadyError
 
@@ -309,19 +310,40 @@ def make_event(
     return EventDraft(*_validate(topic, payload, key, headers, max_payload_bytes))
 
 
-def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_bytes: int) -> _Row:
+def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_bytes: int,
+              trace: tracing.TraceHeaders | None = None) -> _Row:
     """(topic, key, payload JSON, headers JSON) of a valid event; raises InvalidEventError
-    for the first problem, checking topic, key, headers' type, payload, headers in turn."""
+    for the first problem, checking topic, key, headers' type, payload, headers in turn.
+    ``trace``: the current trace context, added to the headers (:func:`_with_trace`)."""
     check_name(topic, "topic")
     if key is not None:
         check_name(key, "key", MAX_KEY_LENGTH)
     if headers is None:
-        return topic, key, _encode(payload, "payload", max_payload_bytes), "{}"
+        return topic, key, _encode(payload, "payload", max_payload_bytes), \
+            "{}" if trace is None else "{" + trace.members + "}"
     if type(headers) is not dict:
         if not isinstance(headers, Mapping):
             raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
         headers = dict(headers)
-    return topic, key, _encode(payload, "payload", max_payload_bytes), _encode(headers, "headers", MAX_HEADERS_BYTES)
+    payload_json = _encode(payload, "payload", max_payload_bytes)  # first: problems are named in this order
+    encoded = _encode(headers, "headers", MAX_HEADERS_BYTES)
+    if trace is not None:
+        encoded = _with_trace(encoded, headers, trace)
+    return topic, key, payload_json, encoded
+
+
+def _with_trace(encoded: str, headers: dict[str, Any], trace: tracing.TraceHeaders) -> str:
+    """``encoded`` (the caller's valid ``headers``, JSON text) with the trace context's
+    members added; unchanged when the caller set one of its keys or the result would pass
+    ``MAX_HEADERS_BYTES`` (:mod:`outbox.tracing`)."""
+    if trace.taken_by(headers):
+        return encoded
+    if encoded == "{}":
+        return "{" + trace.members + "}"
+    size = len(encoded) if encoded.isascii() else len(encoded.encode("utf-8"))
+    if size + len(trace.members) + 1 > MAX_HEADERS_BYTES:
+        return encoded
+    return encoded[:-1] + "," + trace.members + "}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +477,10 @@ def publish(
     counts towards ``max_payload_bytes`` at that length, up to 312 bytes), but ``-0.0``
     arrives as ``0.0``: ``jsonb`` numbers have no negative zero (module notes).
 
+    With OpenTelemetry's API installed and a span current, the headers also carry the
+    current trace context (W3C ``traceparent`` / ``tracestate``, by the global propagator)
+    unless they already hold it; the job's span is then its child (:mod:`outbox.tracing`).
+
     ``schema`` names the schema of outbox's tables; None (the default) means the process
     default: ``OUTBOX_SCHEMA`` from the environment, else ``public``, read on the first
     publish and remembered (:func:`outbox.settings.default_schema`). Pass it to publish into
@@ -467,7 +493,8 @@ def publish(
     schema (the transaction is then aborted, as after any failed statement). Other
     database errors propagate as SQLAlchemy raises them.
     """
-    topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes)
+    topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes,
+                                                       tracing.current_headers() if tracing.ENABLED else None)
     statements = queries.in_schema(schema)
     if run_at is None and delay is None and dedup_key is None and priority is None:
         params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
@@ -597,8 +624,8 @@ def publish_many(
     async sessions); ascending when no event has a ``dedup_key``. An event whose
     (topic, dedup_key) a retained event already has, or an earlier event of the same call,
     gets that event's id and writes nothing (one more statement looks the retained ones
-    up). Numbers are written as :func:`publish` writes them; ``schema`` is chosen as for
-    :func:`publish`.
+    up). Numbers are written as :func:`publish` writes them, the trace context added to each
+    event's headers as :func:`publish` adds it; ``schema`` is chosen as for :func:`publish`.
     """
     batches, plan = _encode_many(events, max_payload_bytes)
     statements = queries.in_schema(schema)
@@ -665,6 +692,7 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[st
     plan: _ManyPlan | None = None
     positions: list[int] = []  # of the current batch's rows, once there is a plan
     index = -1
+    trace = tracing.current_headers() if tracing.ENABLED else None  # one context for every event
     for index, item in enumerate(events):
         # The usual items, without options, decided inline; _fields reads (or refuses) the rest.
         kind = type(item)
@@ -675,7 +703,8 @@ def _encode_many(events: Iterable[Any], max_payload_bytes: int) -> tuple[list[st
         else:
             fields, options = _fields(item, index)
         try:
-            topic, key, payload, headers = _validate(fields[0], fields[1], fields[2], fields[3], max_payload_bytes)
+            topic, key, payload, headers = _validate(fields[0], fields[1], fields[2], fields[3], max_payload_bytes,
+                                                     trace)
             checked = None if options is None else check_options(**options)
         except InvalidEventError as exc:
             raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None

@@ -38,7 +38,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
-from .maintenance import autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
+from .maintenance import TableUpkeep, autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .metrics import GaugeGatherer, MetricsServer, RelayMetrics, check_metrics_available
 from .notify import Listener, Wakeup
 from .ordering import HeadSweeper
@@ -118,7 +118,9 @@ class Relay:
         self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
                                   reconnect=self.reconnect, schema=self.schema) if listen_url else None)
         self._route = route
-        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema)  # the router loop's ANALYZE after bursts
+        self.upkeep = TableUpkeep(self.schema)  # may this role ANALYZE / VACUUM? (warns once if not)
+        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema,  # the router loop's ANALYZE after bursts
+                                               upkeep=self.upkeep)
         self.unsubscribed_topics = UnsubscribedTopics()  # the router loop's warnings about topics with no subscriber
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
         self.route_quarantine = Quarantine("event")
@@ -133,7 +135,7 @@ class Relay:
         self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
                                       "reaped": 0, "reaped_dead": 0, "reaped_unstarted": 0,
                                       "pruned_jobs": 0, "pruned_events": 0,
-                                      "vacuums": 0, "promoted": 0}
+                                      "vacuums": 0, "vacuums_skipped": 0, "promoted": 0}
         self._warned_autovacuum = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -276,6 +278,9 @@ class Relay:
                 self._warned_autovacuum = True
                 log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
                             "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
+            if not self.upkeep.permitted(conn):
+                self.stats["vacuums_skipped"] += 1
+                return
             vacuum_tables(conn, schema=self.schema)
         self.stats["vacuums"] += 1
 

@@ -39,6 +39,7 @@ from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from . import backoff
 from .db import queries
 from .db.engine import describe
+from .maintenance import TableUpkeep
 from .poison import Quarantine, whole_or_halves
 from .registry import Outbox
 from .settings import OutboxSettings
@@ -216,6 +217,9 @@ class AnalyzeOutcome(enum.Enum):
     SKIPPED = "skipped"
     #: Any other database error (logged at INFO): tried again later.
     FAILED = "failed"
+    #: This role may not ANALYZE the table (not its owner: :class:`outbox.maintenance.TableUpkeep`
+    #: warned once); asked again after ``retry_cap`` seconds.
+    NOT_PERMITTED = "not permitted"
 
 
 class StatisticsKeeper:
@@ -248,22 +252,25 @@ class StatisticsKeeper:
     database error is logged at INFO and retried the same way; nothing is raised.
 
     The relay's role must own ``outbox_jobs`` (it does when it ran the migrations);
-    otherwise PostgreSQL skips the ANALYZE with a warning and the statistics are left to
-    autovacuum. Not thread-safe: one keeper per router loop. ``analyzed``, ``skipped`` and
-    ``failed`` count the outcomes; ``pending`` is the jobs routed since the last ANALYZE.
+    otherwise (``upkeep``, :class:`outbox.maintenance.TableUpkeep`, says so once) the
+    ANALYZE is not sent and the statistics are left to autovacuum. Not thread-safe: one
+    keeper per router loop. ``analyzed``, ``skipped``, ``failed`` and ``denied`` (not
+    permitted) count the outcomes; ``pending`` is the jobs routed since the last ANALYZE.
     """
 
     def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 0.1, lock_timeout: float = 0.1,
-                 retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None) -> None:
+                 retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None,
+                 upkeep: TableUpkeep | None = None) -> None:
         self.engine = engine
         self.statements = queries.in_schema(schema)  # outbox_jobs of this schema
+        self.upkeep = upkeep if upkeep is not None else TableUpkeep(schema)
         self.floor = floor
         self.fraction = fraction
         self.lock_timeout = lock_timeout
         self.retry_base = retry_base
         self.retry_cap = retry_cap
         self.pending = 0
-        self.analyzed = self.skipped = self.failed = 0
+        self.analyzed = self.skipped = self.failed = self.denied = 0
         self._trigger = float(floor)  # from the last reltuples read
         self._misses = 0  # skips and failures in a row
         self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
@@ -283,6 +290,10 @@ class StatisticsKeeper:
                 self._trigger = max(float(self.floor), self.fraction * before)
                 if self.pending <= self._trigger:  # analysed or vacuumed by someone else meanwhile
                     return AnalyzeOutcome.NOT_DUE
+                if not self.upkeep.permitted(conn):  # PostgreSQL would skip it with a warning of its own
+                    self.denied += 1
+                    self._retry_at = time.monotonic() + self.retry_cap
+                    return AnalyzeOutcome.NOT_PERMITTED
                 timeout = f"{max(1, round(self.lock_timeout * 1000))}ms"
                 conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
                 conn.execute(self.statements.job_table_analyze)

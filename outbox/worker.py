@@ -49,7 +49,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import backoff, transaction
+from . import backoff, tracing, transaction
 from .db import queries
 from .db.engine import describe
 from .db.tables import JOBS_CHANNEL, notify_channel
@@ -390,6 +390,9 @@ _DONE = Outcome.DONE
 _COMMITTED = Outcome.COMMITTED
 _STALE = Outcome.STALE
 _RELEASE = Outcome.RELEASE
+#: ``outbox.job.outcome`` of a span whose run ended with an Outcome (:mod:`outbox.tracing`).
+_SPAN_OUTCOMES = {Outcome.DONE: "done", Outcome.COMMITTED: "committed", Outcome.STALE: "stale",
+                  Outcome.RELEASE: "released", Outcome.TIMED_OUT: "timed_out"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -537,7 +540,23 @@ class JobExecutor:
 
     def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure | Snoozed:
         """Run ``sub``'s handler for ``job`` once (a transactional one perhaps again in
-        place); never raises for the handler's failures."""
+        place); never raises for the handler's failures. With OpenTelemetry installed, the
+        run is a CONSUMER span, child of the publisher's context (:mod:`outbox.tracing`)."""
+        if not tracing.ENABLED:
+            return self._run(job, sub, context)
+        with tracing.process_span(job) as span:
+            outcome = self._run(job, sub, context)
+            if isinstance(outcome, Failure):
+                tracing.set_outcome(span, "failed")
+            elif isinstance(outcome, Snoozed):
+                tracing.set_outcome(span, "snoozed")
+            elif outcome is Outcome.TIMED_OUT:
+                tracing.set_outcome(span, "timed_out", error=f"the handler ran past its timeout of {sub.timeout}s")
+            else:
+                tracing.set_outcome(span, _SPAN_OUTCOMES[outcome])
+        return outcome
+
+    def _run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure | Snoozed:
         try:
             if sub.transactional:
                 outcome = self._run_transactional(job, sub, context)
@@ -694,6 +713,8 @@ class JobExecutor:
             return _STALE
         if isinstance(exc, Snooze):
             return Snoozed(exc.seconds)
+        if tracing.ENABLED:
+            tracing.record_failure(job, exc)
         s = self.settings
         return Failure(
             delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),

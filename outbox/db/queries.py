@@ -1146,6 +1146,26 @@ autovacuum_enabled: TextClause = text(
 """True when autovacuum will visit ``outbox_jobs``: on for the server and not turned off for
 the table (PostgreSQL docs, "The Autovacuum Daemon" and "Storage Parameters")."""
 
+job_tables_maintainable: TextClause = text(
+    """
+    SELECT pg_has_role(c.relowner, 'USAGE')
+        OR pg_has_role((SELECT d.datdba FROM pg_database d WHERE d.datname = current_database()), 'USAGE')
+        OR CASE WHEN current_setting('server_version_num')::int >= 170000
+                THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END
+    FROM pg_class c WHERE c.oid = CAST('outbox_jobs' AS regclass)
+    """
+)
+"""True when the current role may ``ANALYZE`` and ``VACUUM`` ``outbox_jobs`` (and
+``outbox_events``, which ``outbox-relay migrate`` creates with the same owner): it is, or
+has the privileges of, the table's owner or the database's owner (a superuser has every
+role's), or, on PostgreSQL 17 and later, it holds the ``MAINTAIN`` privilege on the table
+(PostgreSQL docs, "VACUUM", "ANALYZE", "Privileges"). For anyone else both commands skip the
+table with a warning, not an error. ``MAINTAIN`` is an unknown privilege before 17, so the
+CASE asks for it only there."""
+
+current_role_name: TextClause = text("SELECT current_user")
+"""The role the session's privileges are checked as."""
+
 job_tables_vacuum: TextClause = text("VACUUM (SKIP_LOCKED) outbox_jobs, outbox_events")
 """Reclaim the dead rows that every job leaves (an insert, two updates and a delete) and
 that pruning leaves in both tables, so the queue's table stays the size of its live
@@ -1218,6 +1238,14 @@ event_unrouted_gauges: TextClause = text(
 )
 """Unrouted events and the age of the oldest (the lowest id), seconds by the database
 clock (0 when none). Reads ``ix_outbox_events_unrouted`` (unrouted rows only)."""
+
+# ----------------------------------------------------------------------------- roles
+
+server_version_number: TextClause = text("SELECT current_setting('server_version_num')::int")
+"""The server's version as a number: 150020 for 15.20, 170000 for 17.0."""
+
+role_names_existing: TextClause = text("SELECT rolname FROM pg_roles WHERE rolname = ANY(CAST(:names AS text[]))")
+"""Which of the role names ``:names`` exist (``outbox-relay grants --apply`` checks before granting)."""
 
 # ---------------------------------------------------------------------------- schema
 

@@ -1,0 +1,205 @@
+"""Least privilege: an owner migrates, `outbox-relay grants --apply` gives a relay role and
+a publisher role what they need, and a relay and publish run end to end under those roles;
+the publisher cannot read jobs or payloads, the relay cannot change the schema, and the
+upkeep only the owner may do (ANALYZE, VACUUM) is skipped with one warning."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.orm import Session
+
+from outbox import Job, Outbox, publish, publish_many
+from outbox.cli import main
+from outbox.db.engine import make_engine
+from outbox.db.migrate import upgrade
+from outbox.grants import grant_statements, render
+from outbox.relay import Relay
+from outbox.router import AnalyzeOutcome, StatisticsKeeper
+from outbox.testing import wait_for
+
+SCHEMA = "shop"
+TIMEOUT = 20
+
+
+@pytest.fixture
+def roles(empty_db_url: URL) -> Iterator[dict[str, URL]]:
+    """Three login roles of this test's own (owner, relay, publisher), the owner allowed to
+    create schemas in the test's database; each role's URL. Dropped afterwards (with
+    everything they own or were granted), after the database."""
+    suffix = uuid.uuid4().hex[:10]
+    names = {kind: f"outbox_{kind}_{suffix}" for kind in ("owner", "relay", "publisher")}
+    admin = make_engine(empty_db_url.set(database="postgres"))
+    try:
+        with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+            if not c.execute(sa.text("SELECT rolcreaterole OR rolsuper FROM pg_roles WHERE rolname = current_user"))\
+                    .scalar_one():
+                pytest.skip("the test server's role may not create roles")
+            for name in names.values():
+                c.exec_driver_sql(f'CREATE ROLE "{name}" LOGIN')
+            c.exec_driver_sql(f'GRANT CREATE ON DATABASE "{empty_db_url.database}" TO "{names["owner"]}"')
+        yield {kind: empty_db_url.set(username=name) for kind, name in names.items()}
+    finally:
+        admin.dispose()
+        _drop_roles_after(empty_db_url, list(names.values()))
+
+
+def _drop_roles_after(db_url: URL, names: list[str]) -> None:
+    """Drop the test's database first (the owner role owns its schema; the fixture's own
+    teardown, which runs after this one, then finds it gone), then the roles: they hold
+    nothing elsewhere but what DROP OWNED revokes (the database privilege went with it)."""
+    admin = make_engine(db_url.set(database="postgres"))
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db_url.database}" WITH (FORCE)')
+        for name in names:
+            if c.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": name}).first():
+                c.exec_driver_sql(f'DROP OWNED BY "{name}"')
+                c.exec_driver_sql(f'DROP ROLE "{name}"')
+    admin.dispose()
+
+
+def _url_text(url: URL) -> str:
+    return url.render_as_string(hide_password=False)
+
+
+def _denied(engine: sa.Engine, statement: str) -> bool:
+    """Whether ``statement`` fails for want of a privilege (nothing is changed either way)."""
+    with engine.connect() as c:
+        try:
+            c.execute(sa.text(statement))
+        except ProgrammingError as exc:
+            return isinstance(exc.orig, psycopg.errors.InsufficientPrivilege)
+        finally:
+            c.rollback()
+    return False
+
+
+def test_grants_command_prints_quoted_statements(capsys):
+    assert main(["grants", "--relay", "relay", "--publisher", 'app"; DROP TABLE x; --', "--schema", "shop"]) == 0
+    out = capsys.readouterr().out
+    assert 'GRANT INSERT ON TABLE "shop"."outbox_events" TO "app""; DROP TABLE x; --";' in out
+    assert 'GRANT USAGE ON SEQUENCE "shop"."outbox_fence_seq" TO "relay";' in out
+    assert out.count(";\n") == len(grant_statements("relay", "app", "shop"))
+    assert render(grant_statements(None, "p")).startswith('GRANT USAGE ON SCHEMA "public" TO "p";')
+    for bad in (["--relay", "public"], ["--publisher", "pg_monitor"], ["--relay", "x" * 64], []):
+        assert main(["grants", *bad]) == 2
+    assert "outbox-relay: error:" in capsys.readouterr().err
+
+
+def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
+    owner = make_engine(roles["owner"])
+    upgrade(owner, schema=SCHEMA)
+    names = {kind: url.username for kind, url in roles.items()}
+    assert main(["grants", "--relay", names["relay"], "--publisher", names["publisher"], "--schema", SCHEMA,
+                 "--apply", "--database-url", _url_text(roles["owner"])]) == 0
+    with owner.begin() as c:  # autovacuum off for the queue: the relay would vacuum after each pruning round
+        for table in ("outbox_jobs", "outbox_events"):
+            c.exec_driver_sql(f"ALTER TABLE {SCHEMA}.{table} SET (autovacuum_enabled = false)")
+
+    ob = Outbox()
+    done: list[tuple[str, Any]] = []
+
+    @ob.subscriber("order.placed", consumer="receipt")
+    def receipt(job: Job) -> None:
+        done.append(("receipt", job.payload))
+
+    @ob.subscriber("order.placed", consumer="ledger", ordered=True)
+    def ledger(job: Job) -> None:
+        done.append(("ledger", job.payload))
+
+    caplog.set_level(logging.INFO)
+    relay = Relay(ob, settings(database_url=_url_text(roles["relay"]), schema_name=SCHEMA, prune_interval=0.2))
+    # ANALYZE due after every routed job, asked again at once: the warning must still come once.
+    relay.job_statistics = StatisticsKeeper(relay.engine, floor=0, retry_cap=0.0, schema=SCHEMA,
+                                            upkeep=relay.upkeep)
+    relay.start()
+    publisher = make_engine(roles["publisher"])
+    try:
+        with Session(publisher) as s, s.begin():
+            first = publish(s, "order.placed", {"n": 1}, key="order:1", schema=SCHEMA)  # ordered: the key's lock
+            assert publish(s, "order.placed", {"n": 2}, dedup_key="d", schema=SCHEMA) > first
+        with Session(publisher) as s, s.begin():
+            again = publish(s, "order.placed", {"n": 2}, dedup_key="d", schema=SCHEMA)  # held: looked up
+            more = publish_many(s, [("order.placed", {"n": 3}, "order:1"),
+                                    {"topic": "order.placed", "payload": {"n": 4}, "dedup_key": "d"}], schema=SCHEMA)
+        assert more[1] == again
+        wait_for(lambda: len(done) == 6, timeout=TIMEOUT, what="the jobs of three events, two consumers each")
+        assert [p["n"] for c, p in done if c == "ledger"] == [1, 2, 3]
+        wait_for(lambda: relay.job_statistics.denied >= 2 and relay.stats["vacuums_skipped"] >= 2,
+                 timeout=TIMEOUT, what="ANALYZE and VACUUM each skipped twice")
+        # The relay keeps working after the skips.
+        with Session(publisher) as s, s.begin():
+            publish(s, "order.placed", {"n": 5}, schema=SCHEMA)
+        wait_for(lambda: len(done) == 8, timeout=TIMEOUT, what="a job after the skipped upkeep")
+    finally:
+        relay.stop()
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "may not ANALYZE or VACUUM" in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert names["relay"] in warnings[0].getMessage()
+    assert relay.stats["vacuums"] == 0 and relay.job_statistics.analyzed == 0
+
+    # The relay role runs the inspecting commands too.
+    relay_url = _url_text(roles["relay"])
+    for command in (["status"], ["dead"], ["subscriptions"]):
+        assert main([*command, "--schema", SCHEMA, "--database-url", relay_url]) == 0, command
+
+    # The publisher: no jobs, no payloads, headers or keys, no changes to events.
+    for statement in (f"SELECT count(*) FROM {SCHEMA}.outbox_jobs",
+                      f"SELECT payload FROM {SCHEMA}.outbox_events",
+                      f"SELECT headers FROM {SCHEMA}.outbox_events",
+                      f"SELECT key FROM {SCHEMA}.outbox_events",
+                      f"UPDATE {SCHEMA}.outbox_events SET routed_at = NULL",
+                      f"DELETE FROM {SCHEMA}.outbox_events",
+                      f"UPDATE {SCHEMA}.outbox_jobs SET status = 'ready'",
+                      f"SELECT nextval('{SCHEMA}.outbox_fence_seq')",
+                      f"SELECT consumer FROM {SCHEMA}.outbox_subscriptions"):
+        assert _denied(publisher, statement), statement
+    # The relay: no DDL.
+    relay_engine = make_engine(roles["relay"])
+    for statement in (f"CREATE TABLE {SCHEMA}.intruder (id int)",
+                      f"ALTER TABLE {SCHEMA}.outbox_jobs ADD COLUMN intruder int",
+                      f"TRUNCATE {SCHEMA}.outbox_jobs"):
+        assert _denied(relay_engine, statement), statement
+    with relay_engine.connect() as c:  # DROP: "must be owner", the same SQLSTATE
+        with pytest.raises(ProgrammingError) as raised:
+            c.execute(sa.text(f"DROP TABLE {SCHEMA}.outbox_jobs"))
+        assert isinstance(raised.value.orig, psycopg.errors.InsufficientPrivilege)
+    for engine in (publisher, relay_engine, owner):
+        engine.dispose()
+
+
+def test_statistics_keeper_analyzes_as_owner(engine):
+    """The check asks the database: the tables' owner (the migrating role) still analyses."""
+    keeper = StatisticsKeeper(engine, floor=0)
+    assert keeper.routed(1) is AnalyzeOutcome.ANALYZED
+    assert keeper.upkeep.denied == 0
+
+
+def test_grants_maintain(db_url, capsys):
+    """``--maintain`` grants MAINTAIN (PostgreSQL 17+); an older server refuses it clearly,
+    before granting anything."""
+    assert main(["grants", "--relay", "r", "--maintain"]) == 0
+    assert 'GRANT MAINTAIN ON TABLE "public"."outbox_jobs", "public"."outbox_events" TO "r";' in capsys.readouterr().out
+    engine = make_engine(db_url)
+    with engine.connect() as c:
+        version = c.execute(sa.text("SELECT current_setting('server_version_num')::int")).scalar_one()
+        role = c.execute(sa.text("SELECT current_user")).scalar_one()
+    engine.dispose()
+    if version >= 170000:
+        pytest.skip("PostgreSQL 17 or later grants MAINTAIN; the refusal is for older servers")
+    assert main(["grants", "--relay", role, "--maintain", "--apply", "--database-url", _url_text(db_url)]) == 2
+    assert "the MAINTAIN privilege needs PostgreSQL 17 or later" in capsys.readouterr().err
+
+
+def test_grants_apply_refuses_a_missing_role(db_url, capsys):
+    assert main(["grants", "--relay", f"nobody_{uuid.uuid4().hex[:8]}", "--apply",
+                 "--database-url", _url_text(db_url)]) == 2
+    assert "does not exist; create it first" in capsys.readouterr().err
