@@ -4,13 +4,17 @@ Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, 
 reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
 ``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
 ``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
-``psql``. Settings come from ``OUTBOX_*`` environment variables
+``psql``; the operator's commands ``relays``, ``cancel``, ``retry``, ``replay``, ``purge``,
+``prune`` (:mod:`outbox.admin`). Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
 invalid setting) and any statement the database refuses (a missing privilege, say;
 translated by :func:`outbox.db.engine.translate_errors`) print one line
-``outbox-relay: error: ...`` and exit with status 2; never a traceback, never a password.
+``outbox-relay: error: ...`` and exit with status 2; never a traceback, never a password. A
+command that matched nothing (no such job, nothing to redrive, cancel, retry or replay)
+prints one line ``outbox-relay: ...`` and exits with status 1. An unknown command word is
+refused (status 2); only options (``outbox-relay --app x:ob``) mean ``run``.
 ``migrate`` may run from many processes at once: they take turns (an advisory lock,
 :mod:`outbox.db.migrate`), and all but the first find the schema at head.
 
@@ -28,7 +32,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from datetime import UTC
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -37,12 +41,16 @@ from .errors import ConfigurationError, OutboxError
 from .settings import OutboxSettings
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Engine
+    from sqlalchemy.engine import URL, Engine
 
 log = logging.getLogger("outbox.cli")
 
-COMMANDS = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
+COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
             "pause", "resume", "psql")
+#: The operator's commands (:mod:`outbox.admin`).
+COMMANDS += ("relays", "cancel", "retry", "replay", "purge", "prune")
+#: Exit status of a command that matched nothing (bad input and errors exit 2).
+NOTHING_MATCHED = 1
 
 #: run flags -> settings fields
 _RUN_FLAGS = {
@@ -134,8 +142,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
-    add("status", "Jobs per consumer and status, unrouted events, flow control (paused consumers, concurrency "
-                  "caps, rate limits) and schedules.")
+    status = add("status", "Per consumer: ready, running, pending, dead, cancelled and done jobs, lag (how long "
+                           "its oldest due job has waited), blocked keys, paused; unrouted events and the oldest's "
+                           "age; retained events on topics nobody subscribes to; flow control and schedules. Done "
+                           "jobs are counted only on a small table (else estimated), and unsubscribed topics "
+                           "looked for among the latest 100,000 events, unless --exact.")
+    status.add_argument("--exact", action="store_true", help="count done jobs and scan every retained event "
+                                                             "(reads the whole tables)")
+    status.add_argument("--json", action="store_true", help="one JSON object")
+    _add_admin_commands(add)
     dead = add("dead", "List dead-lettered jobs with their last error.")
     dead.add_argument("--consumer", help="only this consumer's dead jobs")
     dead.add_argument("--limit", type=_positive_int, default=50, help="most jobs listed, oldest first (default 50)")
@@ -160,10 +175,60 @@ def build_parser() -> argparse.ArgumentParser:
     pause.add_argument("consumer")
     resume = add("resume", "Resume a paused consumer: every relay claims its jobs again at once.")
     resume.add_argument("consumer")
-    psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured.")
+    psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured; "
+                       "other arguments go to psql (outbox-relay psql -c 'select 1').")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
     psql.add_argument("--pgdata", help="data folder of the embedded server (default ./.outbox/pgdata)")
     return parser
+
+
+def _add_admin_commands(add: Any) -> None:
+    """The operator's commands (:mod:`outbox.admin`)."""
+    relays = add("relays", "The relay registry: each relay running handlers, its host, pid, version, consumers, "
+                           "concurrency, started and last seen; one silent for --gone-after seconds is shown gone "
+                           "(the pruner forgets it later).")
+    relays.add_argument("--gone-after", type=float, default=None, help="seconds without a sign of life after which a "
+                                                                       "relay is shown gone (default 90)")
+    relays.add_argument("--json", action="store_true", help="one JSON array")
+    cancel = add("cancel", "Cancel jobs: ready and pending ones become cancelled (kept, then pruned, like done "
+                           "ones); a running one is asked to stop (job.cancel_requested) and its attempt's outcome "
+                           "records cancelled.")
+    cancel.add_argument("ids", nargs="*", type=_positive_int, metavar="JOB_ID", help="job ids")
+    cancel.add_argument("--consumer", help="every job of this consumer (with --status: those only)")
+    cancel.add_argument("--status", action="append", choices=("ready", "pending", "running"),
+                        help="only jobs in this status (repeatable; default all three)")
+    cancel.add_argument("--json", action="store_true", help="one JSON object")
+    retry = add("retry", "Make ready jobs waiting out a retry's backoff due now (JOB_IDs: also a delayed "
+                         "publish's jobs); attempts are not touched.")
+    retry.add_argument("ids", nargs="*", type=_positive_int, metavar="JOB_ID", help="job ids")
+    retry.add_argument("--consumer", help="every job of this consumer in backoff")
+    retry.add_argument("--json", action="store_true", help="one JSON object")
+    replay = add("replay", "Create the missing jobs of --consumer for retained events of its topics, in batches; "
+                           "each job once (a second replay at the same time creates none twice). Refused for "
+                           "events already pruned and for ordered consumers.")
+    replay.add_argument("--consumer", required=True)
+    start = replay.add_mutually_exclusive_group(required=True)
+    start.add_argument("--since", help="events created from TIME: ISO 8601 with offset, or an age such as 2h, 30m, "
+                                       "7d (database clock)")
+    start.add_argument("--from-event", type=_positive_int, metavar="ID", help="events from this id on")
+    replay.add_argument("--until", help="events created before TIME (as --since)")
+    replay.add_argument("--until-event", type=_positive_int, metavar="ID", help="events up to this id")
+    replay.add_argument("--topic", help="only this topic of the consumer's")
+    replay.add_argument("--batch", type=_positive_int, default=1000, help="events per transaction (default 1000)")
+    replay.add_argument("--retention-events", type=float, help="the relays' events retention, seconds: --since "
+                                                               "may not go further back (default: "
+                                                               "$OUTBOX_RETENTION_EVENTS or 7 days)")
+    replay.add_argument("--json", action="store_true", help="one JSON object")
+    purge = add("purge", "Delete the jobs (all but running ones) of a consumer that has no subscription left.")
+    purge.add_argument("consumer")
+    purge.add_argument("--yes", action="store_true", help="really delete them")
+    purge.add_argument("--json", action="store_true", help="one JSON object")
+    prune = add("prune", "Prune now, by the relay's pruner's rules: done and cancelled jobs older than "
+                         "--retention-done, finished events older than --retention-events, relays gone for 10 "
+                         "minutes.")
+    prune.add_argument("--retention-done", type=float, help="seconds (default $OUTBOX_RETENTION_DONE)")
+    prune.add_argument("--retention-events", type=float, help="seconds (default $OUTBOX_RETENTION_EVENTS)")
+    prune.add_argument("--json", action="store_true", help="one JSON object")
 
 
 def _positive_int(text: str) -> int:
@@ -196,10 +261,24 @@ def _settings(args: argparse.Namespace) -> OutboxSettings:
     return OutboxSettings(**overrides)
 
 
-def _engine(settings: OutboxSettings) -> Engine:
-    from .db.engine import make_engine
+#: The database ``outbox-relay demo`` creates on the embedded server (its ``--db-name`` default).
+DEMO_DATABASE = "outbox_demo"
 
-    url = settings.url()
+
+def _engine(settings: OutboxSettings, *, demo_fallback: bool = False) -> Engine:
+    """An engine on the configured database; with none configured and ``demo_fallback``, on
+    the demo's database of the embedded server in ``./.outbox/pgdata`` (started if needed,
+    and said so on stderr), so ``outbox-relay status`` works after ``outbox-relay demo``."""
+    from .db.engine import make_engine, parse_url
+
+    url: str | URL | None = settings.url()
+    if url is None and demo_fallback:
+        from .embedded import DEFAULT_DATA_DIR, start_embedded
+
+        if (DEFAULT_DATA_DIR / "PG_VERSION").exists():
+            url = parse_url(start_embedded(DEFAULT_DATA_DIR)).set(database=DEMO_DATABASE)
+            print(f"outbox-relay: no database configured; using the demo's ({DEMO_DATABASE} on the embedded "
+                  f"server in {DEFAULT_DATA_DIR})", file=sys.stderr)
     if url is None:
         raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
     return make_engine(url)
@@ -208,9 +287,16 @@ def _engine(settings: OutboxSettings) -> Engine:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``outbox-relay``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
-        argv = ["run", *argv]
-    args = build_parser().parse_args(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]  # only options: `outbox-relay --app myapp.jobs:ob`
+    elif argv[0] not in COMMANDS and argv[0] not in ("-h", "--help"):
+        return _fail(f"unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)} (outbox-relay --help)")
+    parser = build_parser()
+    if argv[0] == "psql":  # the rest goes to psql itself: outbox-relay psql -c "select 1"
+        args, extra = parser.parse_known_args(argv)
+        args.psql_args = extra
+    else:
+        args = parser.parse_args(argv)
     try:
         settings = _settings(args)
     except ValidationError as exc:
@@ -243,6 +329,13 @@ def _setting_error(error: Any) -> str:
     return f"{field} (OUTBOX_{field.upper()} or --{field.replace('_', '-')}): {message}"
 
 
+def _nothing(message: str) -> int:
+    """A command matched nothing: one line on stderr, exit status ``NOTHING_MATCHED``."""
+    print(f"outbox-relay: {' / '.join(line.strip() for line in message.splitlines() if line.strip())}",
+          file=sys.stderr)
+    return NOTHING_MATCHED
+
+
 def _fail(message: str) -> int:
     # One line, whatever the message (a user's exception text may span several).
     message = " / ".join(line.strip() for line in message.splitlines() if line.strip())
@@ -269,7 +362,7 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return _psql(args, settings)
     if args.command in ("pause", "resume"):
         _check_consumer_name(args.command, args.consumer)  # before anything connects
-    engine = _engine(settings)
+    engine = _engine(settings, demo_fallback=args.command != "migrate")
     schema = settings.schema_name
     with translate_errors(engine.url, schema):
         if args.command == "migrate":
@@ -278,7 +371,7 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
             revision = upgrade(engine, schema=schema)
             print(f"outbox schema {schema} at revision {revision}")
             return 0
-        return _inspect(args, engine, schema)
+        return _inspect(args, engine, schema, settings)
 
 
 def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
@@ -315,15 +408,19 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
     if settings.schema_name != "public":
         path = f"-c search_path={settings.schema_name},public"
         env["PGOPTIONS"] = f"{env['PGOPTIONS']} {path}" if env.get("PGOPTIONS") else path
-    return subprocess.call([binary, conninfo], env=env)
+    return subprocess.call([binary, "--dbname", conninfo, *getattr(args, "psql_args", [])], env=env)
 
 
-def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
+def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxSettings) -> int:
     from .db import queries
     from .db.migrate import check_schema
     from .maintenance import dead_letters, redrive
 
     statements = queries.in_schema(schema)
+    if args.command in ("relays", "cancel", "retry", "replay", "purge", "prune"):
+        with engine.begin() as conn:
+            check_schema(conn, schema)
+        return _admin(args, engine, schema, settings)
     if args.command == "skip":
         from .ordering import skip_dead_job
 
@@ -347,12 +444,13 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
                 since = k.since.astimezone(UTC).isoformat() if k.since else "-"
                 print(f"{k.consumer:<32} {k.key:<32} {k.job_id:>10} {k.pending:>8}  {since}")
         elif args.command == "status":
-            rows = conn.execute(statements.job_count_by_status).all()
-            unrouted = conn.execute(statements.event_unrouted_count).scalar_one()
-            print(f"unrouted events: {unrouted}")
-            print(f"{'consumer':<32} {'status':<8} {'jobs':>10}")
-            for r in rows:
-                print(f"{r.consumer:<32} {r.status:<8} {r.n:>10}")
+            from .admin import as_dict, status
+
+            state = status(conn, exact=args.exact, schema=schema)
+            if args.json:
+                print(json.dumps(as_dict(state)))
+                return 0
+            _print_status(state)
             _print_flow(conn.execute(statements.consumer_list).all())
             schedules = conn.execute(statements.schedule_list).all()
             if schedules:
@@ -377,6 +475,10 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")
             ids = redrive(conn, args.ids or None, args.consumer, schema=schema)
+            if not ids:
+                return _nothing("no job redriven: " + (f"none of {args.ids[:20]} is a dead job" if args.ids else
+                                                       "no dead job" + (f" of consumer {args.consumer}"
+                                                                        if args.consumer else "")))
             print(f"redriven {len(ids)} job{'s' if len(ids) != 1 else ''}" + (f": {ids[:20]}" if ids else ""))
             missing = sorted(set(args.ids) - set(ids))
             if missing:
@@ -396,6 +498,109 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str) -> int:
         elif args.command in ("pause", "resume"):
             _pause_or_resume(conn, statements, args.command, args.consumer)
     return 0
+
+
+def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxSettings) -> int:
+    """``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`):
+    text or ``--json`` on stdout; nothing matched: one line on stderr, status 1."""
+    from . import admin
+    from .db import queries
+
+    def out(result: Any, text: str) -> None:
+        if args.json:
+            print(json.dumps([admin.as_dict(r) for r in result] if isinstance(result, list) else admin.as_dict(result)))
+        else:
+            print(text)
+
+    command = args.command
+    if command in ("cancel", "retry", "replay", "purge") and getattr(args, "consumer", None) is not None:
+        _check_consumer_name(command, args.consumer)
+    if command in ("cancel", "retry") and bool(args.ids) == (args.consumer is not None):
+        raise UsageError(f"{command} needs job ids or --consumer (one of them)")
+    if command == "relays":
+        with engine.begin() as conn:
+            rows = admin.relays(conn, gone_after=args.gone_after or admin.RELAY_SILENT_AFTER, schema=schema)
+        if not rows:
+            return _nothing("no relay registered (relays running handlers register; see `outbox-relay run --app`)")
+        lines = [f"{'relay':<40} {'version':<9} {'conc':>4} {'running':>7}  {'started':<25} {'last seen':<10} consumers"]
+        for r in rows:
+            seen = "gone " + _seconds(r.silent_seconds) if r.gone else _seconds(r.silent_seconds) + " ago"
+            lines.append(f"{r.id:<40} {r.version or '?':<9} {r.concurrency if r.concurrency is not None else '?':>4} "
+                         f"{r.running:>7}  {r.started_at.astimezone(UTC).isoformat(timespec='seconds'):<25} "
+                         f"{seen:<10} {','.join(r.consumers) if r.consumers is not None else '?'}")
+        out(rows, "\n".join(lines))
+        return 0
+    if command == "cancel":
+        result = admin.cancel(engine, args.ids or None, args.consumer, statuses=args.status or admin.CANCELLABLE,
+                              schema=schema)
+        if not result.cancelled and not result.requested:
+            return _nothing("no job cancelled: " + (f"none of {args.ids[:20]} is ready, pending or running"
+                                                    if args.ids else f"consumer {args.consumer} has no such job"))
+        text = [f"cancelled {len(result.cancelled)} job{'s' if len(result.cancelled) != 1 else ''}"
+                + (f": {result.cancelled[:20]}" if result.cancelled else "")]
+        if result.requested:
+            text.append(f"asked {len(result.requested)} running job{'s' if len(result.requested) != 1 else ''} to "
+                        f"stop (cancelled when the attempt ends): {result.requested[:20]}")
+        if result.promoted:
+            text.append(f"{len(result.promoted)} ordered jobs behind them now ready: {result.promoted[:20]}")
+        missing = sorted(set(args.ids) - set(result.cancelled) - set(result.requested))
+        if missing:
+            text.append(f"not cancelled (no such job, or finished): {missing[:20]}")
+        out(result, "\n".join(text))
+        return 0
+    if command == "retry":
+        with engine.begin() as conn:
+            ids = admin.retry(conn, args.ids or None, args.consumer, schema=schema)
+        if not ids:
+            return _nothing("no job made due: " + (f"none of {args.ids[:20]} is a ready job waiting to be due"
+                                                   if args.ids else f"consumer {args.consumer} has no job in backoff"))
+        missing = sorted(set(args.ids) - set(ids))
+        out(admin.RetryResult(ids, missing), f"due now: {len(ids)} job{'s' if len(ids) != 1 else ''}: {ids[:20]}"
+            + (f"\nnot changed (no such job, or not waiting): {missing[:20]}" if missing else ""))
+        return 0
+    if command == "replay":
+        with engine.begin() as conn:
+            now = conn.execute(queries.in_schema(schema).database_now).scalar_one()
+        since = _time_arg("--since", args.since, now) if args.since else None
+        until = _time_arg("--until", args.until, now) if args.until else None
+        replayed = admin.replay(engine, args.consumer, since=since, from_event=args.from_event, until=until,
+                                until_event=args.until_event, topic=args.topic, batch=args.batch,
+                                retention_events=settings.retention_events, schema=schema)
+        if not replayed.scanned:
+            return _nothing(f"nothing to replay: no routed event of {', '.join(replayed.topics)} in that window")
+        out(replayed, f"replay to {replayed.consumer}: {replayed.created} jobs created for {replayed.scanned} events "
+                      f"of {', '.join(replayed.topics)} ({replayed.scanned - replayed.created} had one already; "
+                      f"{replayed.batches} batches, event ids {replayed.first_id} to {replayed.last_id})")
+        return 0
+    if command == "purge":
+        if not args.yes:
+            raise UsageError(f"purge deletes every job of consumer {args.consumer} but its running ones; "
+                             "add --yes to do it")
+        purged = admin.purge(engine, args.consumer, schema=schema)
+        if not purged.deleted and not purged.running:
+            return _nothing(f"consumer {args.consumer} has no job to purge")
+        out(purged, f"purged {purged.deleted} jobs of {purged.consumer}"
+            + (f"; {purged.running} running ones left (purge again once they finished)" if purged.running else ""))
+        return 0
+    pruned = admin.prune_now(engine, done_older_than=settings.retention_done,
+                             events_older_than=settings.retention_events, schema=schema)
+    out(pruned, f"pruned {pruned.jobs} done or cancelled jobs, {pruned.events} events, {pruned.relays} relays gone")
+    return 0
+
+
+def _time_arg(flag: str, text: str, now: datetime) -> datetime:
+    """``flag``'s TIME: ISO 8601 with a UTC offset, or an age (``90s``, ``30m``, ``2h``, ``7d``)
+    before ``now`` (the database clock)."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+        return now - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+    try:
+        value = datetime.fromisoformat(text)
+    except ValueError:
+        raise UsageError(f"{flag}: not a time: {text!r} (ISO 8601 with offset, or an age such as 2h)") from None
+    if value.tzinfo is None:
+        raise UsageError(f"{flag}: {text!r} has no UTC offset (add +00:00 or Z)")
+    return value
 
 
 def _check_consumer_name(command: str, consumer: str) -> None:
@@ -435,6 +640,41 @@ def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) ->
         conn.execute(statements.jobs_notify_head, {"channel": notify_channel(JOBS_CHANNEL, statements.schema)})
         print(f"resumed consumer {consumer} (paused since {row.was_paused_at.astimezone(UTC).isoformat()}): "
               "relays claim its jobs again")
+
+
+def _print_status(state: Any) -> None:
+    """The text form of ``status`` (:class:`outbox.admin.Status`)."""
+    age = f" (oldest {_seconds(state.unrouted_oldest_seconds)})" if state.unrouted else ""
+    print(f"unrouted events: {state.unrouted}{age}")
+    print(f"{'consumer':<32} {'ready':>8} {'running':>8} {'pending':>8} {'dead':>8} {'cancelled':>9} "
+          f"{'done':>10} {'blocked':>7} {'lag':>8}  paused")
+    for c in state.consumers:
+        done = str(c.done) if c.done is not None else "~"
+        lag = _seconds(c.lag_seconds) if c.lag_seconds is not None else "-"
+        paused = c.paused_at.astimezone(UTC).isoformat() if c.paused_at else "-"
+        note = "" if c.subscribed else "  (no subscription)"
+        print(f"{c.consumer:<32} {c.ready:>8} {c.running:>8} {c.pending:>8} {c.dead:>8} {c.cancelled:>9} "
+              f"{done:>10} {c.blocked_keys:>7} {lag:>8}  {paused}{note}")
+    if not state.done_exact:
+        print(f"done jobs: about {state.done_estimate} in all (estimated; --exact counts them per consumer)")
+    where = ("retained" if state.unsubscribed_complete else f"latest {state.unsubscribed_scanned}") + " events"
+    for t in state.unsubscribed:
+        print(f"no subscription for topic {t.topic!r}: {t.events} of the {where}, "
+              f"{t.oldest.astimezone(UTC).isoformat()} to {t.newest.astimezone(UTC).isoformat()}")
+
+
+def _seconds(value: float | None) -> str:
+    """A duration for people: 4.2s, 3m05s, 2h10m, 3d04h."""
+    if value is None:
+        return "-"
+    if value < 60:
+        return f"{value:.1f}s"
+    minutes, seconds = divmod(int(value), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
 def _print_flow(rows: Sequence[Any]) -> None:

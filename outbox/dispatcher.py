@@ -45,7 +45,7 @@ from .notify import Wakeup
 from .producer import Producer
 from .reconnect import Reconnector
 from .settings import OutboxSettings
-from .worker import Outcome, relay_delete, relay_seen
+from .worker import Outcome, RelayInfo, relay_delete, relay_seen
 
 log = logging.getLogger("outbox.worker")
 
@@ -57,10 +57,12 @@ RELAY_SEEN_INTERVAL = 30.0
 class RelayConnection:
     """The dispatcher's psycopg connection from ``engine`` (autocommit: every statement
     it runs is atomic by itself) and relay ``worker_id``'s row of ``outbox_relays``, which
-    lists the buffered fences of ``claims``."""
+    lists the buffered fences of ``claims`` and, from ``info``, what the relay runs."""
 
-    def __init__(self, engine: Engine, claims: HeldClaims, worker_id: str, schema: str) -> None:
+    def __init__(self, engine: Engine, claims: HeldClaims, worker_id: str, schema: str,
+                 info: RelayInfo | None = None) -> None:
         self.engine = engine
+        self.info = info  # written with the row (the relay registry)
         self.claims = claims
         self.worker_id = worker_id
         self.schema = schema
@@ -74,7 +76,7 @@ class RelayConnection:
             driver = cast(psycopg.Connection[Any], raw.driver_connection)  # the engine's driver is psycopg
             driver.autocommit = True
             try:
-                relay_seen(driver, self.worker_id, self.claims.buffer_fences(), schema=self.schema)
+                relay_seen(driver, self.worker_id, self.claims.buffer_fences(), info=self.info, schema=self.schema)
             except BaseException:
                 raw.invalidate()
                 raise
@@ -92,7 +94,7 @@ class RelayConnection:
             fresh = self._conn is None
             conn = self.get()  # a new connection writes the row itself
             if not fresh:
-                relay_seen(conn, self.worker_id, self.claims.buffer_fences(), schema=self.schema)
+                relay_seen(conn, self.worker_id, self.claims.buffer_fences(), info=self.info, schema=self.schema)
             self._seen_at = time.monotonic()
         except (DBAPIError, psycopg.Error) as exc:
             self.drop(exc)

@@ -21,6 +21,14 @@ class ConfigurationError(OutboxError):
     """
 
 
+class AdminError(ConfigurationError):
+    """An operator's command (:mod:`outbox.admin`: cancel, retry, replay, purge, relays) was
+    given input it refuses: neither or both of job ids and a consumer, a consumer that has
+    no subscription (replay) or still has one (purge), an ordered consumer to replay, events
+    asked for that were already pruned. Raised before anything is written; the message
+    names what was wrong and, where there is one, what to do instead."""
+
+
 class InvalidEventError(OutboxError, ValueError):
     """``publish()`` was given an event it refuses to write.
 

@@ -51,6 +51,8 @@ class Job:
     _claim_order: tuple[Any, ...] = field(default=(), init=False, repr=False)
     # The payload's JSON text as PostgreSQL stores it, when the job was claimed from it.
     _payload_json: str | None = field(default=None, init=False, repr=False)
+    # Set by the heartbeat when an operator asked to cancel this job (``outbox-relay cancel``).
+    _cancel_requested: bool = field(default=False, init=False, repr=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -73,6 +75,14 @@ class Job:
         afterwards is dropped."""
         return self._lost
 
+    @property
+    def cancel_requested(self) -> bool:
+        """True once an operator asked to cancel this job while it ran (``outbox-relay
+        cancel``), as the relay's heartbeat (every lease/3) learnt it. A handler that sees it
+        should stop early; however the attempt ends (returns, raises, snoozes), the job is
+        recorded ``cancelled`` and not run again."""
+        return self._cancel_requested
+
     def check_lease(self) -> None:
         """Raise :class:`~outbox.errors.LeaseLostError` if the lease is lost; call it between
         steps of a long handler to stop early."""
@@ -91,6 +101,10 @@ class Job:
         if self._lost:
             return True
         return event.wait(timeout)
+
+    def mark_cancel_requested(self) -> None:
+        """Record that an operator asked to cancel the job (used by the relay's heartbeat)."""
+        self._cancel_requested = True
 
     def mark_lease_lost(self) -> None:
         """Record that the lease is gone (used by the relay)."""

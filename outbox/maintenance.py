@@ -6,7 +6,7 @@ lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, wi
 relays may reap at once, and a job being completed at that very moment (its row locked)
 is skipped rather than overwritten; the completion's own fence check then decides.
 
-Pruner: deletes done jobs older than ``retention_done`` seconds, then events older than
+Pruner: deletes done and cancelled jobs older than ``retention_done`` seconds, then events older than
 ``retention_events`` seconds that have no job left, then the rows of relays gone for
 ``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned: they wait
 for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
@@ -113,7 +113,8 @@ def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], stat
 def prune(conn: Connection, done_older_than: float, events_older_than: float,
           limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
           schema: str | None = None) -> tuple[int, int]:
-    """Delete up to ``limit`` done jobs older than ``done_older_than`` seconds and up to
+    """Delete up to ``limit`` done jobs and up to ``limit`` cancelled jobs finished more than
+    ``done_older_than`` seconds ago (counted together) and up to
     ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
     (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
     the application's pointing at an event) is found by halves (:mod:`outbox.poison`) and
@@ -122,6 +123,8 @@ def prune(conn: Connection, done_older_than: float, events_older_than: float,
     statements = queries.in_schema(schema)
     jobs = _prune_by_halves(conn, statements.job_prune_done_many, statements.job_prune_candidates,
                             done_older_than, limit, quarantine, "pruning the done job")
+    jobs += _prune_by_halves(conn, statements.job_prune_cancelled_many, statements.job_prune_cancelled_candidates,
+                             done_older_than, limit, quarantine, "pruning the cancelled job")
     events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
                               events_older_than, limit, quarantine, "pruning the event")
     return jobs, events

@@ -64,7 +64,16 @@ from .reconnect import Reconnector
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
 from .watchdog import Watchdog
-from .worker import Failure, JobExecutor, Outcome, WorkerContext, notify_head, release_jobs
+from .worker import (
+    Failure,
+    JobExecutor,
+    Outcome,
+    RelayInfo,
+    WorkerContext,
+    notify_head,
+    package_version,
+    release_jobs,
+)
 
 log = logging.getLogger("outbox.worker")
 
@@ -114,7 +123,8 @@ class JobRunner:
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
-        connection = RelayConnection(engine, self.claims, worker_id, self.schema)
+        connection = RelayConnection(engine, self.claims, worker_id, self.schema, RelayInfo(
+            package_version(), tuple(registry.consumers), settings.concurrency))
         self.completer = Completer(self.claims, connection.get, self.stats, self.schema,
                                    subscribers=self.subscribers, wake=wake)
         self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._start, self.completer,

@@ -232,14 +232,38 @@ def bury_ready_job(conn: Executor, job_id: int, error: str, *, schema: str | Non
     return _execute(conn, queries.in_schema(schema).job_bury_ready, {"id": job_id, "error": error}) == 1
 
 
-def relay_seen(conn: Executor, worker_id: str, buffer: list[int], *, schema: str | None = None) -> None:
+@dataclass(frozen=True, slots=True)
+class RelayInfo:
+    """What a relay writes about itself in the registry (``outbox_relays``, shown by
+    ``outbox-relay relays``): the outbox ``version`` it runs, the ``consumers`` it has
+    handlers for and its ``concurrency`` (worker slots)."""
+
+    version: str
+    consumers: tuple[str, ...]
+    concurrency: int
+
+
+def package_version() -> str:
+    """The installed outbox-relay distribution's version ("unknown" when not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("outbox-relay")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def relay_seen(conn: Executor, worker_id: str, buffer: list[int], *, info: RelayInfo | None = None,
+               schema: str | None = None) -> None:
     """Write (or refresh) the row of relay ``worker_id`` (``host:pid:suffix``) in
     ``outbox_relays``: seen now, listing ``buffer`` (the fences it holds unstarted) and
-    nothing stale (``relay_seen``)."""
+    nothing stale (``relay_seen``), with ``info`` (None keeps what the row holds)."""
     host, _, rest = worker_id.partition(":")
     pid = rest.partition(":")[0]
     _execute(conn, queries.in_schema(schema).relay_seen, {
-        "relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0, "buffer": buffer})
+        "relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0, "buffer": buffer,
+        "version": info.version if info else None, "consumers": list(info.consumers) if info else None,
+        "concurrency": info.concurrency if info else None})
 
 
 def relay_buffer_remove(conn: Executor, worker_id: str, fences: list[int], *, schema: str | None = None) -> None:
@@ -273,11 +297,17 @@ def promote_keys(conn: Executor, params: dict[str, list[str]], *, schema: str | 
 def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
     """Renew the leases of ``jobs``; returns the fences of the claims still owned (fence and
     status match). Fences, not ids: one process may hold a job's old claim (its worker
-    paused past the lease) and its new claim at once, and only the new one is owned."""
+    paused past the lease) and its new claim at once, and only the new one is owned. A job
+    an operator asked to cancel gets ``job.cancel_requested`` here."""
     if not jobs:
         return set()
     params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
-    return {r[1] for r in _rows(conn, queries.in_schema(schema).job_heartbeat_many, params)}
+    rows = _rows(conn, queries.in_schema(schema).job_heartbeat_many, params)
+    cancelled = {r[1] for r in rows if r[2]}
+    for job in jobs:
+        if job.fence in cancelled:
+            job.mark_cancel_requested()
+    return {r[1] for r in rows}
 
 
 def complete_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:

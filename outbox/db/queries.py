@@ -422,15 +422,18 @@ job_heartbeat_many: TextClause = text(
         updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
-    RETURNING j.id, j.fence
+    RETURNING j.id, j.fence, j.cancel_requested
     """
 )
 """Renew the leases of many running jobs in one statement. A claim (id, fence) missing
-from the result has lost its lease (reaped, re-claimed or released): its worker must stop."""
+from the result has lost its lease (reaped, re-claimed or released): its worker must stop.
+``cancel_requested`` says an operator asked to cancel the job (``job_cancel_many``): the
+handler is told through ``job.cancel_requested``."""
 
 _COMPLETE_SET = """
     UPDATE outbox_jobs j
-    SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
+        lease_until = NULL, finished_at = now(), updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
     RETURNING j.id
@@ -443,8 +446,9 @@ _ARGS_IDS_FENCES = """
 """
 
 job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_COMPLETE_SET}")
-"""Mark many jobs done, each only if it still holds the given fence and is running. Jobs
-missing from the result were stale reports and changed nothing."""
+"""Mark many jobs done, each only if it still holds the given fence and is running
+(``cancelled`` instead when an operator asked to cancel it while it ran). Jobs missing from
+the result were stale reports and changed nothing."""
 
 _CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="""
           AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
@@ -574,7 +578,8 @@ job_complete: TextClause = text(
         FOR UPDATE
     ), completed AS (
         UPDATE outbox_jobs
-        SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+        SET status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'done' END,
+            lease_until = NULL, finished_at = now(), updated_at = now()
         WHERE id IN (SELECT id FROM locked) AND fence = :fence AND status = 'running'
         RETURNING id
     )
@@ -599,10 +604,11 @@ job_fail_many: TextClause = text(
             AS a(id, fence, delay_seconds, permanent, error)
     ), {_LOCK_BY_ID}
     UPDATE outbox_jobs j
-    SET status = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
-        run_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN j.run_at
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+        run_at = CASE WHEN j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts THEN j.run_at
                       ELSE now() + make_interval(secs => a.delay_seconds) END,
-        finished_at = CASE WHEN a.permanent OR j.attempts >= j.max_attempts THEN now() END,
+        finished_at = CASE WHEN j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts THEN now() END,
         ordering_key = CASE WHEN (a.permanent OR j.attempts >= j.max_attempts) AND j.ordering_key IS NOT NULL
                                  AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
                             THEN NULL ELSE j.ordering_key END,
@@ -615,7 +621,9 @@ job_fail_many: TextClause = text(
     """
 )
 """Record failed attempts: back to ``ready`` at ``now() + delay`` while attempts remain,
-else (or when ``permanent``) ``dead``. Fenced; returns (id, new status) of rows changed. A
+else (or when ``permanent``) ``dead``; ``cancelled`` instead of either when an operator asked
+to cancel the job while it ran (``cancel_requested``, ``job_cancel_many``). Fenced; returns
+(id, new status) of rows changed. A
 job of an ordered consumer declared ``on_dead='skip'`` drops its ``ordering_key`` as it dies,
 so it no longer holds its key back (``job_promote_many`` then lets the next one go); under
 ``'block'`` it keeps it (architecture notes, "Ordering")."""
@@ -626,7 +634,9 @@ job_release_many: TextClause = text(
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
     ), {_LOCK_BY_ID}
     UPDATE outbox_jobs j
-    SET status = 'ready', attempts = j.attempts - 1, lease_until = NULL, updated_at = now()
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested THEN now() END,
+        attempts = j.attempts - 1, lease_until = NULL, updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
     RETURNING j.id
@@ -635,7 +645,8 @@ job_release_many: TextClause = text(
 """Hand claimed jobs back at once (shutdown): ``ready``, and the attempt is not counted,
 since the handler did not fail. ``run_at`` is kept (it is already due: the job was
 claimed), so the job keeps its place at the head of the queue instead of waiting behind
-every job that became due while it ran. Fenced."""
+every job that became due while it ran. A job an operator asked to cancel while it ran
+(``cancel_requested``) is ``cancelled`` instead. Fenced."""
 
 job_snooze_many: TextClause = text(
     f"""
@@ -644,7 +655,9 @@ job_snooze_many: TextClause = text(
             AS a(id, fence, delay_seconds)
     ), {_LOCK_BY_ID}
     UPDATE outbox_jobs j
-    SET status = 'ready', attempts = j.attempts - 1, snoozes = j.snoozes + 1,
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested THEN now() END,
+        attempts = j.attempts - 1, snoozes = j.snoozes + 1,
         run_at = now() + make_interval(secs => a.delay_seconds), lease_until = NULL, updated_at = now()
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND j.status = 'running'
@@ -653,7 +666,8 @@ job_snooze_many: TextClause = text(
 )
 """Snoozed jobs (the handler raised ``Snooze(seconds)``): back to ``ready`` at ``now() +
 delay``, the attempt given back (``attempts - 1``) and ``snoozes + 1``; ``last_error``
-kept. Fenced; returns the ids of rows changed."""
+kept; ``cancelled`` instead when an operator asked to cancel the job while it ran. Fenced;
+returns the ids of rows changed."""
 
 jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
 """Tell every relay listening on ``:channel`` (the schema's jobs channel) that ready jobs
@@ -732,9 +746,11 @@ job_reap_many: TextClause = text(
         FOR UPDATE OF j SKIP LOCKED
     )
     UPDATE outbox_jobs j
-    SET status = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
         attempts = j.attempts - x.unstarted::int,
-        finished_at = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN now() END,
+        finished_at = CASE WHEN j.cancel_requested OR (NOT x.unstarted AND j.attempts >= j.max_attempts)
+                           THEN now() END,
         ordering_key = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts AND j.ordering_key IS NOT NULL
                                  AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
                             THEN NULL ELSE j.ordering_key END,
@@ -761,7 +777,8 @@ other expired claim is charged as before, so a handler that kills its process en
 after ``max_attempts`` starts. ``:skip`` and ``:only`` as in ``event_route_many``. A job
 back to ``ready`` keeps its ordering key and so its place at the head of its key; one
 dead-lettered drops it under ``on_dead='skip'``, as in ``job_fail_many`` (the reaper's
-promotion sweep then lets the next one of its key go)."""
+promotion sweep then lets the next one of its key go). A job an operator asked to cancel
+while it ran (``cancel_requested``) ends ``cancelled`` instead."""
 
 job_reap_candidates: TextClause = text(
     """
@@ -789,6 +806,33 @@ job_prune_done_many: TextClause = text(
 )
 """Delete up to ``:limit`` jobs done more than ``:older_than`` seconds ago; returns their
 ids. ``:skip`` and ``:only`` as in ``event_route_many``."""
+
+job_prune_cancelled_many: TextClause = text(
+    """
+    DELETE FROM outbox_jobs
+    WHERE id IN (
+        SELECT id FROM outbox_jobs
+        WHERE status = 'cancelled' AND finished_at < now() - make_interval(secs => :older_than)
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+    """
+)
+"""``job_prune_done_many`` for cancelled jobs (read through ``ix_outbox_jobs_cancelled``):
+kept as long as done ones, then deleted."""
+
+job_prune_cancelled_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_jobs
+    WHERE status = 'cancelled' AND finished_at < now() - make_interval(secs => :older_than)
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    LIMIT :limit
+    """
+)
+"""Ids of the jobs ``job_prune_cancelled_many`` would delete, none locked."""
 
 job_prune_candidates: TextClause = text(
     """
@@ -1005,10 +1049,14 @@ and session-level ``SET`` do not (PostgreSQL docs, "Configuration Settings Funct
 
 relay_seen: TextClause = text(
     """
-    INSERT INTO outbox_relays AS r (id, host, pid, buffered)
-    VALUES (:relay, :host, :pid, CAST(:buffer AS bigint[]))
+    INSERT INTO outbox_relays AS r (id, host, pid, buffered, version, consumers, concurrency)
+    VALUES (:relay, :host, :pid, CAST(:buffer AS bigint[]), CAST(:version AS text), CAST(:consumers AS text[]),
+            CAST(:concurrency AS int))
     ON CONFLICT (id) DO UPDATE
     SET last_seen_at = now(),
+        version = coalesce(EXCLUDED.version, r.version),
+        consumers = coalesce(EXCLUDED.consumers, r.consumers),
+        concurrency = coalesce(EXCLUDED.concurrency, r.concurrency),
         buffered = ARRAY(
             SELECT f FROM unnest(r.buffered) AS f
             WHERE f = ANY (CAST(:buffer AS bigint[]))
@@ -1017,7 +1065,8 @@ relay_seen: TextClause = text(
 )
 """Insert this relay's row of ``outbox_relays`` with its buffer (``:buffer``: the fences it
 holds unstarted), or mark it seen: the dispatcher runs it on each new connection and every
-``RELAY_SEEN_INTERVAL`` seconds. Listed fences that are neither in its buffer nor still
+``RELAY_SEEN_INTERVAL`` seconds. ``:version``, ``:consumers`` and ``:concurrency`` (the
+registry ``outbox-relay relays`` lists; NULL keeps what the row holds) describe the relay. Listed fences that are neither in its buffer nor still
 running under it (finished, released, or reaped since: a claim whose reply was lost) are
 dropped, so the list stays the size of the buffer. The running jobs are read through
 ``ix_outbox_jobs_lease``."""
@@ -1321,6 +1370,242 @@ matched). The caller checks the row count."""
 schedule_list: TextClause = text(
     "SELECT name, cron, timezone, topic, catch_up, last_slot, next_slot FROM outbox_schedules ORDER BY name"
 )
+
+
+# ----------------------------------------------------------------------------- admin
+# The statements of ``outbox.admin`` (the operator's commands: status, relays, cancel,
+# retry, replay, purge). Each reads through a partial index or a bounded range; none
+# counts the done jobs unless asked to (``job_done_count_by_consumer``).
+
+consumer_status_list: TextClause = text(
+    """
+    WITH ready AS (
+        SELECT consumer, count(*) AS n, min(run_at) FILTER (WHERE run_at <= now()) AS oldest_due
+        FROM outbox_jobs WHERE status = 'ready' GROUP BY consumer
+    ), running AS (
+        SELECT consumer, count(*) AS n FROM outbox_jobs WHERE status = 'running' GROUP BY consumer
+    ), dead AS (
+        SELECT consumer, count(*) AS n, count(*) FILTER (WHERE ordering_key IS NOT NULL) AS blocked
+        FROM outbox_jobs WHERE status = 'dead' GROUP BY consumer
+    ), pending AS (
+        SELECT consumer, count(*) AS n FROM outbox_jobs
+        WHERE status = 'pending' AND ordering_key IS NOT NULL GROUP BY consumer
+    ), cancelled AS (
+        SELECT consumer, count(*) AS n FROM outbox_jobs WHERE status = 'cancelled' GROUP BY consumer
+    ), names AS (
+        SELECT consumer FROM ready UNION SELECT consumer FROM running UNION SELECT consumer FROM dead
+        UNION SELECT consumer FROM pending UNION SELECT consumer FROM cancelled
+        UNION SELECT consumer FROM outbox_subscriptions UNION SELECT consumer FROM outbox_consumers
+    )
+    SELECT n.consumer,
+           coalesce(r.n, 0) AS ready, coalesce(ru.n, 0) AS running, coalesce(d.n, 0) AS dead,
+           coalesce(p.n, 0) AS pending, coalesce(x.n, 0) AS cancelled, coalesce(d.blocked, 0) AS blocked_keys,
+           extract(epoch FROM now() - r.oldest_due) AS lag_seconds,
+           c.paused_at,
+           EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = n.consumer) AS subscribed
+    FROM names n
+    LEFT JOIN ready r ON r.consumer = n.consumer
+    LEFT JOIN running ru ON ru.consumer = n.consumer
+    LEFT JOIN dead d ON d.consumer = n.consumer
+    LEFT JOIN pending p ON p.consumer = n.consumer
+    LEFT JOIN cancelled x ON x.consumer = n.consumer
+    LEFT JOIN outbox_consumers c ON c.consumer = n.consumer
+    ORDER BY n.consumer
+    """
+)
+"""Per consumer (every consumer with a subscription, a flow-control row or an unfinished,
+dead or cancelled job): exact counts of its ready, running, dead, pending and cancelled jobs,
+each read through that status's partial index (``ix_outbox_jobs_ready``, ``_lease``,
+``_dead``, ``_ordering``, ``_cancelled``), so millions of done rows cost nothing; its blocked
+keys (dead jobs still holding an ordering key); ``lag_seconds``, how long its oldest due
+ready job has waited to be claimed (``now() - run_at``, database clock; NULL: none due);
+when it was paused (NULL: not) and whether it still has a subscription."""
+
+job_done_count_by_consumer: TextClause = text(
+    "SELECT consumer, count(*) AS n FROM outbox_jobs WHERE status = 'done' GROUP BY consumer"
+)
+"""Exact done jobs per consumer: reads every done row (a scan of the table), so ``status``
+runs it only when asked (``--exact``) or when the table is small."""
+
+event_unrouted_stats: TextClause = text(
+    """
+    SELECT count(*) AS n, extract(epoch FROM now() - min(created_at)) AS oldest_seconds
+    FROM outbox_events WHERE routed_at IS NULL
+    """
+)
+"""Unrouted events and the age of the oldest, seconds (NULL: none), read through
+``ix_outbox_events_unrouted``."""
+
+event_unsubscribed_by_topic_list: TextClause = text(
+    """
+    WITH latest AS (
+        SELECT id, topic, created_at FROM outbox_events
+        WHERE routed_at IS NOT NULL
+        ORDER BY id DESC
+        LIMIT :limit
+    )
+    SELECT l.topic, count(*) AS n, min(l.created_at) AS oldest, max(l.created_at) AS newest,
+           (SELECT count(*) FROM latest) AS scanned
+    FROM latest l
+    WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = l.topic)
+    GROUP BY l.topic
+    ORDER BY count(*) DESC, l.topic
+    """
+)
+"""Retained routed events whose topic has no subscription now, per topic (count, oldest,
+newest), among the ``:limit`` most recent events (NULL: all retained ones; a backward scan
+of the primary key). ``scanned`` is how many events were looked at."""
+
+event_recent_routed_count: TextClause = text(
+    """
+    SELECT count(*) FROM (
+        SELECT 1 FROM outbox_events WHERE routed_at IS NOT NULL ORDER BY id DESC LIMIT :limit
+    ) latest
+    """
+)
+"""How many routed events ``event_unsubscribed_by_topic_list`` looks at with ``:limit``."""
+
+event_retained_bounds: TextClause = text(
+    """
+    SELECT (SELECT id FROM outbox_events ORDER BY id LIMIT 1) AS first_id,
+           (SELECT created_at FROM outbox_events ORDER BY id LIMIT 1) AS first_created_at,
+           (SELECT id FROM outbox_events ORDER BY id DESC LIMIT 1) AS last_id,
+           now() AS now
+    """
+)
+"""The lowest and highest retained event ids, the creation time of the lowest, and the
+database clock: replay's check that the events it is asked for were not pruned."""
+
+subscription_topics_of: TextClause = text(
+    "SELECT topic, ordered FROM outbox_subscriptions WHERE consumer = :consumer ORDER BY topic"
+)
+"""The topics ``:consumer`` subscribes to, and whether each subscription is ordered."""
+
+job_replay_many: TextClause = text(
+    """
+    WITH picked AS (
+        SELECT e.id, e.topic, e.priority, e.run_at
+        FROM outbox_events e
+        WHERE e.id > :after AND e.id <= :last
+          AND e.routed_at IS NOT NULL
+          AND e.topic = ANY (CAST(:topics AS text[]))
+          AND (CAST(:since AS timestamptz) IS NULL OR e.created_at >= CAST(:since AS timestamptz))
+          AND (CAST(:until AS timestamptz) IS NULL OR e.created_at < CAST(:until AS timestamptz))
+        ORDER BY e.id
+        LIMIT :limit
+        FOR KEY SHARE
+    ), inserted AS (
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, status)
+        SELECT p.id, s.consumer,
+               CASE WHEN p.priority IS NULL THEN s.priority
+                    ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + p.priority)) AS smallint) END,
+               s.max_attempts, greatest(coalesce(p.run_at, now()), now()), 'ready'
+        FROM picked p
+        JOIN outbox_subscriptions s ON s.topic = p.topic AND s.consumer = :consumer
+        ORDER BY p.id
+        ON CONFLICT (event_id, consumer) DO NOTHING
+        RETURNING 1
+    )
+    SELECT (SELECT max(id) FROM picked) AS last_id, (SELECT count(*) FROM picked) AS scanned,
+           (SELECT count(*) FROM inserted) AS created
+    """
+)
+"""One batch of a replay (``outbox-relay replay``): of the routed events with id above
+``:after`` and at most ``:last``, on ``:topics``, created in [``:since``, ``:until``) (NULL:
+unbounded), the first ``:limit`` by id each get a ``ready`` job of ``:consumer`` unless it
+already has one (``ON CONFLICT (event_id, consumer) DO NOTHING``: two replays at once, or a
+replay and the router, create each job once; the second waits for the first's commit).
+Priority, attempts budget and ``run_at`` as the router sets them. The events are locked
+``FOR KEY SHARE``, so an event the pruner is deleting right now is waited for and then
+passed over instead of failing the insert's foreign key. Returns the highest id looked at
+(the next batch's ``:after``; NULL: none left), how many were looked at and how many jobs
+were created."""
+
+job_cancel_many: TextClause = text(
+    """
+    WITH target AS (
+        SELECT id FROM outbox_jobs
+        WHERE (CASE WHEN CAST(:ids AS bigint[]) IS NULL THEN consumer = :consumer
+                    ELSE id = ANY (CAST(:ids AS bigint[])) END)
+          AND status = ANY (CAST(:statuses AS text[]))
+          AND NOT cancel_requested
+        ORDER BY id
+        LIMIT :limit
+        FOR UPDATE
+    )
+    UPDATE outbox_jobs j
+    SET status = CASE WHEN j.status = 'running' THEN 'running' ELSE 'cancelled' END,
+        cancel_requested = (j.status = 'running'),
+        finished_at = CASE WHEN j.status = 'running' THEN j.finished_at ELSE now() END,
+        updated_at = now()
+    FROM target t
+    WHERE j.id = t.id AND j.status = ANY (CAST(:statuses AS text[])) AND NOT j.cancel_requested
+    RETURNING j.id, j.consumer, j.status, j.fence, j.ordering_key
+    """
+)
+"""Cancel up to ``:limit`` jobs: those in ``:ids``, or (``:ids`` NULL) of ``:consumer``, whose
+status is one of ``:statuses`` (of ``ready``, ``pending``, ``running``). A ready or pending
+job becomes ``cancelled`` (terminal, pruned like a done job; an ordered job no longer holds
+its key). A running job stays running with ``cancel_requested``: its handler sees it at the
+next heartbeat and the fenced statement that records its attempt (completion, failure,
+snooze, release, the reaper) records ``cancelled``, so no claim is overwritten here. The
+rows are locked in id order ``FOR UPDATE`` (like every statement that finishes a job) and
+re-checked on their newest version, so a ready job claimed meanwhile is only cancelled when
+``running`` is among ``:statuses``. Returns (id, consumer, new status, fence, ordering key)
+of the jobs changed; the caller promotes the keys of the cancelled ordered jobs after the
+commit (``job_promote_many``)."""
+
+job_retry_due_many: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET run_at = now(), updated_at = now()
+    WHERE status = 'ready' AND run_at > now()
+      AND (CASE WHEN CAST(:ids AS bigint[]) IS NULL THEN consumer = :consumer AND attempts > 0
+                ELSE id = ANY (CAST(:ids AS bigint[])) END)
+    RETURNING id
+    """
+)
+"""``outbox-relay retry``: make ready jobs that are not due yet due now: those in ``:ids``
+(waiting out a retry's backoff or a delayed publish), or (``:ids`` NULL) every job of
+``:consumer`` waiting out a retry's backoff (``attempts > 0``; its delayed publishes keep
+their ``run_at``). Attempts are not touched. Not-yet-due jobs are never claimed, so no
+claim holds these rows. Returns the ids changed."""
+
+job_purge_many: TextClause = text(
+    """
+    DELETE FROM outbox_jobs
+    WHERE id IN (
+        SELECT id FROM outbox_jobs
+        WHERE consumer = :consumer AND status <> 'running'
+          AND NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = :consumer)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+    """
+)
+"""``outbox-relay purge``: delete up to ``:limit`` jobs of ``:consumer``, a consumer with no
+subscription left (re-checked by every batch: a relay that subscribes it again stops the
+purge), except running ones (a relay still runs them; they finish, and a later purge takes
+them). Returns the ids deleted."""
+
+job_running_count_of: TextClause = text(
+    "SELECT count(*) FROM outbox_jobs WHERE status = 'running' AND consumer = :consumer"
+)
+"""Running jobs of ``:consumer`` (``ix_outbox_jobs_lease``)."""
+
+relay_list: TextClause = text(
+    """
+    SELECT r.id, r.host, r.pid, r.version, r.consumers, r.concurrency, r.started_at, r.last_seen_at,
+           extract(epoch FROM now() - r.last_seen_at) AS silent_seconds,
+           cardinality(r.buffered) AS buffered,
+           (SELECT count(*) FROM outbox_jobs j WHERE j.status = 'running' AND j.locked_by = r.id) AS running
+    FROM outbox_relays r
+    ORDER BY r.started_at, r.id
+    """
+)
+"""The relay registry: every row of ``outbox_relays`` with how long since it was last seen
+(seconds, database clock), its buffered claims and the jobs running under it."""
 
 # --------------------------------------------------------------------------- schemas
 

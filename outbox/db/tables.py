@@ -11,6 +11,9 @@ Job states (``jobs.status``)::
       ^                 |  \\--fail, attempts left / lease expired / release--> ready
       |                 \\----fail, none left / PermanentError / lease expired, none left--> dead
       \\--------------------------------- redrive ------------------------------------ dead
+
+    ready, pending --cancel--> cancelled
+    running --cancel (cancel_requested)--> any outcome of that claim records cancelled
 """
 
 from __future__ import annotations
@@ -136,6 +139,9 @@ jobs = Table(
     # handler put the job back with Snooze, which attempts do not count.
     Column("ordering_key", Text, nullable=True),
     Column("snoozes", Integer, nullable=False, server_default=text("0")),
+    # Migration 0006: set by ``outbox-relay cancel`` on a running job; the heartbeat tells the
+    # handler (``job.cancel_requested``) and the attempt's outcome records ``cancelled``.
+    Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
     PrimaryKeyConstraint("id"),
     UniqueConstraint("event_id", "consumer"),
     CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled')", name="status_known"),
@@ -148,6 +154,8 @@ jobs = Table(
     # Pruning reads done rows by age; dead letters are listed by consumer.
     Index("ix_outbox_jobs_finished", "finished_at", postgresql_where=text("status = 'done'")),
     Index("ix_outbox_jobs_dead", "consumer", "id", postgresql_where=text("status = 'dead'")),
+    # Cancelled jobs by age (migration 0006): pruned like done ones, counted by ``status``.
+    Index("ix_outbox_jobs_cancelled", "finished_at", postgresql_where=text("status = 'cancelled'")),
     # The unfinished jobs of each (ordered consumer, key) in event order: the key's head,
     # the jobs waiting behind it, and a dead job blocking it. Done rows never enter it.
     Index("ix_outbox_jobs_ordering", "consumer", "ordering_key", "event_id",
@@ -175,7 +183,7 @@ consumers = Table(
     CheckConstraint("rate_limit IS NULL OR rate_limit > 0", name="rate_limit_positive"),
 )
 
-#: One row per running relay. ``buffered``: fences of the claims the relay holds whose
+#: One row per running relay (the relay registry: ``outbox-relay relays``). ``buffered``: fences of the claims the relay holds whose
 #: handler has not started (its prefetch buffer), rewritten by the dispatcher in the
 #: statement that claims and before a buffered job is handed to a worker; the reaper gives
 #: the attempt back to an expired claim listed here (migration 0003).
@@ -188,6 +196,11 @@ relays = Table(
     Column("buffered", ARRAY(BigInteger), nullable=False, server_default=text("'{}'::bigint[]")),
     Column("started_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_seen_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # Migration 0006, for ``outbox-relay relays``: the outbox version the relay runs, the
+    # consumers it has handlers for and its worker slots (NULL: written by an older relay).
+    Column("version", Text, nullable=True),
+    Column("consumers", ARRAY(Text), nullable=True),
+    Column("concurrency", Integer, nullable=True),
     PrimaryKeyConstraint("id"),
 )
 

@@ -456,6 +456,16 @@ class Demo:
             warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")  # pgserver's platformdirs
             return parse_url(start_embedded(data_dir))
 
+    def _operate_hint(self) -> str:
+        """The exact command line that runs ``outbox-relay status`` (and the other operator
+        commands) on this demo's database afterwards."""
+        schema = f" --schema {self.settings.schema_name}" if self.settings.schema_name != "public" else ""
+        if self.settings.url() is None and self.config.pgdata is None and self.config.db_name == "outbox_demo":
+            return f"outbox-relay status{schema} (no URL needed: the commands use this embedded database)"
+        assert self.url is not None
+        return (f"outbox-relay status{schema} --database-url '{redact(self.url)}' (password hidden: the one "
+                "of OUTBOX_DATABASE_URL)")
+
     def _elapsed(self) -> float:
         return time.monotonic() - self.t0
 
@@ -773,6 +783,7 @@ class Demo:
         row("runtime", f"{runtime:.1f}s; inspect with: outbox-relay psql --db-name {cfg.db_name}{where} "
                        f"(tables demo_*, outbox_*); logs in {cfg.log_dir.resolve()}")
         forwarding = self._forwarding(rolled, logs) if self.stream is not None else None
+        row("operate", self._operate_hint())
 
         check("drained: every committed order's event routed, every job done or dead", drained)
         check("orders in the database = orders committed", r["orders"] == n, f"{r['orders']} = {n}")

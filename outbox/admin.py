@@ -1,0 +1,457 @@
+"""The operator's API: what ``outbox-relay status``, ``relays``, ``cancel``, ``retry``,
+``replay``, ``purge`` and ``prune`` do, as plain functions returning plain dataclasses (the
+command line prints them, ``--json`` dumps them, a dashboard can render them).
+
+Each function takes an ``Engine`` (when it commits in batches, or must commit before a
+follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
+transaction), and works on the tables of ``schema`` (None: the process default). Every
+statement is named in :mod:`outbox.db.queries`. Bad input (no such consumer, a consumer
+still subscribed, events already pruned) raises :class:`~outbox.errors.AdminError` naming
+what was wrong, before anything is written.
+
+**Claimed jobs.** Nothing here overwrites a claim. ``cancel`` of a running job only sets
+``cancel_requested``; the worker's own fenced statement that records the attempt (completion,
+failure, snooze, release, or the reaper's) then records ``cancelled``, so a stale worker's
+report afterwards matches no row (its fence or the status no longer match) and changes
+nothing. ``retry`` touches ready jobs that are not due (never claimed); ``purge`` skips
+running ones.
+
+**Cost with millions of rows** (``status``): ready, running, dead, pending and cancelled jobs
+are counted exactly, each through its status's partial index, so the cost follows the
+unfinished jobs, never the done ones. Done jobs are counted exactly only when asked
+(``exact=True``) or when the jobs table holds fewer than :data:`DONE_EXACT_BELOW` rows by
+the planner's estimate; otherwise ``status`` gives the table-wide estimate
+(``pg_class.reltuples`` minus the exact unfinished counts) and no per-consumer figure. Events
+on topics nobody subscribes to are looked for among the :data:`UNSUBSCRIBED_SCAN` most
+recent retained events (a backward scan of the primary key), all of them with ``exact``.
+
+**Replay** (:func:`replay`): the missing jobs of one consumer for retained, routed events of
+its topics, in batches of ``batch`` events, each its own transaction; ``ON CONFLICT
+(event_id, consumer) DO NOTHING`` makes each job exist once, whatever else runs (a second
+replay, the router). An event whose job was done and already pruned gets a new job: replay
+re-delivers it. It refuses, having written nothing: a consumer without a subscription; an
+ordered subscription (replayed events are older than the jobs its keys hold, so they would
+have to run before jobs already running or done; declare the consumer unordered to replay
+it); a start before the oldest retained event (``from_event``), or a ``since`` older than
+the retention window or than the oldest retained event when earlier ones existed: those
+events were pruned, and a replay would silently skip them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy.engine import Connection, Engine
+
+from . import maintenance, ordering
+from .db import queries
+from .dispatcher import RELAY_SEEN_INTERVAL
+from .errors import AdminError
+from .poison import Quarantine
+from .worker import notify_head
+
+#: Below this many rows in ``outbox_jobs`` (the planner's estimate), ``status`` counts done
+#: jobs per consumer exactly (a scan of a small table).
+DONE_EXACT_BELOW = 100_000
+#: Most recent events ``status`` looks at for topics with no subscription (``exact``: all).
+UNSUBSCRIBED_SCAN = 100_000
+#: A relay not seen for this many seconds is shown as gone: three of its refresh intervals.
+RELAY_SILENT_AFTER = 3 * RELAY_SEEN_INTERVAL
+#: Events per replay transaction, jobs per cancel and purge transaction.
+REPLAY_BATCH = 1000
+CHANGE_BATCH = 5000
+#: Statuses ``cancel`` acts on (a running job is asked to stop, the others are cancelled).
+CANCELLABLE = ("ready", "pending", "running")
+
+
+def as_dict(result: Any) -> dict[str, Any]:
+    """A result dataclass of this module as JSON-ready data (datetimes as ISO 8601 text)."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, datetime):
+            return value.isoformat()
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return {k: plain(v) for k, v in asdict(result).items()}
+
+
+# --------------------------------------------------------------------------- status
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStatus:
+    """One consumer's jobs: counts per status (``done``: None unless counted exactly),
+    ``blocked_keys`` (ordered keys held by a dead job), ``lag_seconds`` (how long its oldest due
+    ready job has waited, database clock; None: none due), ``paused_at`` and whether it still
+    has a subscription."""
+
+    consumer: str
+    ready: int
+    running: int
+    dead: int
+    pending: int
+    cancelled: int
+    done: int | None
+    blocked_keys: int
+    lag_seconds: float | None
+    paused_at: datetime | None
+    subscribed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TopicCount:
+    """Retained events on a topic no consumer subscribes to: how many, oldest and newest."""
+
+    topic: str
+    events: int
+    oldest: datetime
+    newest: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What ``outbox-relay status`` shows. ``done_exact``: whether the consumers' ``done``
+    counts were taken; ``done_estimate``: the table-wide done jobs otherwise (an estimate
+    from the planner's statistics). ``unsubscribed`` lists topics with no subscription among
+    the ``unsubscribed_scanned`` most recent routed events (``unsubscribed_complete``: that
+    was all of them)."""
+
+    consumers: list[ConsumerStatus]
+    unrouted: int
+    unrouted_oldest_seconds: float | None
+    unsubscribed: list[TopicCount]
+    unsubscribed_scanned: int
+    unsubscribed_complete: bool
+    done_exact: bool
+    done_estimate: int | None
+
+
+def status(conn: Connection, *, exact: bool = False, schema: str | None = None) -> Status:
+    """The outbox's state (see the module notes for what is exact and what it costs)."""
+    statements = queries.in_schema(schema)
+    rows = conn.execute(statements.consumer_status_list).all()
+    table_rows = int(conn.execute(statements.job_table_reltuples).scalar_one() or 0)
+    done_exact = exact or table_rows < DONE_EXACT_BELOW
+    done: dict[str, int] = {}
+    if done_exact:
+        done = {r.consumer: r.n for r in conn.execute(statements.job_done_count_by_consumer)}
+    names = [r.consumer for r in rows]
+    consumers = [ConsumerStatus(
+        r.consumer, r.ready, r.running, r.dead, r.pending, r.cancelled,
+        done.get(r.consumer, 0) if done_exact else None, r.blocked_keys,
+        None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)), r.paused_at, r.subscribed)
+        for r in rows]
+    consumers += [ConsumerStatus(c, 0, 0, 0, 0, 0, n, 0, None, None, False)  # only done jobs left
+                  for c, n in sorted(done.items()) if c not in names]
+    unfinished = sum(c.ready + c.running + c.dead + c.pending + c.cancelled for c in consumers)
+    unrouted = conn.execute(statements.event_unrouted_stats).one()
+    limit = None if exact else UNSUBSCRIBED_SCAN
+    topics = conn.execute(statements.event_unsubscribed_by_topic_list, {"limit": limit}).all()
+    scanned = topics[0].scanned if topics else _scanned(conn, statements, limit)
+    return Status(
+        consumers=consumers, unrouted=unrouted.n,
+        unrouted_oldest_seconds=None if unrouted.oldest_seconds is None else float(unrouted.oldest_seconds),
+        unsubscribed=[TopicCount(t.topic, t.n, t.oldest, t.newest) for t in topics],
+        unsubscribed_scanned=scanned, unsubscribed_complete=limit is None or scanned < limit,
+        done_exact=done_exact, done_estimate=None if done_exact else max(0, table_rows - unfinished))
+
+
+def _scanned(conn: Connection, statements: Any, limit: int | None) -> int:
+    """How many routed events the unsubscribed-topic scan looked at (when it found none)."""
+    return int(conn.execute(statements.event_recent_routed_count, {"limit": limit}).scalar_one())
+
+
+# --------------------------------------------------------------------------- relays
+
+
+@dataclass(frozen=True, slots=True)
+class RelayStatus:
+    """One relay of the registry: its id (``host:pid:suffix``), host, pid, outbox version,
+    consumers, concurrency (None: written by an older relay), when it started and was last
+    seen, ``silent_seconds`` since then, its buffered claims and running jobs, and ``gone``:
+    not seen for longer than the threshold (killed, or cut off from the database); the
+    pruner forgets such a row once no job runs under it."""
+
+    id: str
+    host: str
+    pid: int
+    version: str | None
+    consumers: list[str] | None
+    concurrency: int | None
+    started_at: datetime
+    last_seen_at: datetime
+    silent_seconds: float
+    buffered: int
+    running: int
+    gone: bool
+
+
+def relays(conn: Connection, *, gone_after: float = RELAY_SILENT_AFTER, schema: str | None = None,
+           ) -> list[RelayStatus]:
+    """The relay registry (``outbox_relays``), oldest first; a relay silent for more than
+    ``gone_after`` seconds (default three refresh intervals) is marked ``gone``. Only relays
+    that run job handlers register (``run`` with ``--app``)."""
+    if not gone_after > 0 or math.isinf(gone_after):
+        raise AdminError(f"gone_after must be a positive number of seconds, got {gone_after!r}")
+    rows = conn.execute(queries.in_schema(schema).relay_list).all()
+    return [RelayStatus(r.id, r.host, r.pid, r.version, list(r.consumers) if r.consumers is not None else None,
+                        r.concurrency, r.started_at, r.last_seen_at, float(r.silent_seconds), r.buffered,
+                        r.running, float(r.silent_seconds) > gone_after) for r in rows]
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResult:
+    """``cancelled``: ids now ``cancelled`` (they were ready or pending); ``requested``: ids
+    of running jobs asked to stop (recorded ``cancelled`` when their attempt ends);
+    ``promoted``: ordered jobs that became ready because a cancelled job no longer holds
+    their key back."""
+
+    cancelled: list[int] = field(default_factory=list)
+    requested: list[int] = field(default_factory=list)
+    promoted: list[int] = field(default_factory=list)
+
+
+def _one_target(ids: Sequence[int] | None, consumer: str | None, command: str) -> list[int] | None:
+    if (ids is None or not list(ids)) == (consumer is None):
+        raise AdminError(f"{command} needs job ids or a consumer (one of them)")
+    if ids is not None and list(ids):
+        bad = [i for i in ids if not 1 <= i <= 2**63 - 1]
+        if bad:
+            raise AdminError(f"{command}: not a job id: {bad[0]}")
+        return list(ids)
+    return None
+
+
+def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | None = None, *,
+           statuses: Sequence[str] = CANCELLABLE, batch: int = CHANGE_BATCH,
+           schema: str | None = None) -> CancelResult:
+    """Cancel the jobs ``ids``, or those of ``consumer``, whose status is in ``statuses`` (of
+    :data:`CANCELLABLE`): ready and pending ones become ``cancelled`` at once, running ones
+    get ``cancel_requested`` (see the module notes). ``batch`` jobs per transaction; then the
+    ordered keys the cancelled jobs held are promoted. Jobs in other statuses (done, dead,
+    already cancelled) are left alone. Raises :class:`AdminError` for neither or both of
+    ``ids`` and ``consumer``, or an unknown status."""
+    target = _one_target(ids, consumer, "cancel")
+    unknown = sorted(set(statuses) - set(CANCELLABLE))
+    if unknown or not statuses:
+        raise AdminError(f"cancel: status must be among {', '.join(CANCELLABLE)}, got {', '.join(unknown) or 'none'}")
+    statements = queries.in_schema(schema)
+    result = CancelResult()
+    keys: list[tuple[str, str]] = []
+    while True:
+        with engine.begin() as conn:
+            rows = conn.execute(statements.job_cancel_many, {
+                "ids": target, "consumer": consumer, "statuses": list(statuses), "limit": batch}).all()
+        for r in rows:
+            (result.requested if r.status == "running" else result.cancelled).append(r.id)
+            if r.status == "cancelled" and r.ordering_key is not None:
+                keys.append((r.consumer, r.ordering_key))
+        if len(rows) < batch:
+            break
+    if keys:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            result.promoted.extend(ordering.promote(conn, keys, schema=schema))
+            if result.promoted:
+                notify_head(conn, schema=schema)
+    result.cancelled.sort()
+    result.requested.sort()
+    return result
+
+
+# ---------------------------------------------------------------------------- retry
+
+
+def retry(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
+          schema: str | None = None) -> list[int]:
+    """Make ready jobs that wait to be due, due now: ``ids`` (waiting out a retry's backoff or a
+    delayed publish), or every job of ``consumer`` waiting out a retry's backoff. Attempts
+    are not touched; relays are woken on commit. Returns the ids changed (sorted). Raises
+    :class:`AdminError` for neither or both of ``ids`` and ``consumer``."""
+    target = _one_target(ids, consumer, "retry")
+    statements = queries.in_schema(schema)
+    changed = sorted(conn.execute(statements.job_retry_due_many, {"ids": target, "consumer": consumer}).scalars())
+    if changed:
+        notify_head(conn, schema=schema)
+    return changed
+
+
+@dataclass(frozen=True, slots=True)
+class RetryResult:
+    """``retry``'s answer: the jobs made due (``ids``) and the ids asked for that were not
+    (``unchanged``: no such job, or not a ready job waiting to be due)."""
+
+    ids: list[int]
+    unchanged: list[int]
+
+
+# --------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """A replay to ``consumer`` on ``topics``: ``created`` jobs (events that had one already
+    were passed over), ``scanned`` events looked at, in ``batches`` transactions, over event ids
+    ``first_id`` to ``last_id`` (the newest retained when it started)."""
+
+    consumer: str
+    topics: list[str]
+    created: int
+    scanned: int
+    batches: int
+    first_id: int
+    last_id: int
+
+
+def replay(engine: Engine, consumer: str, *, since: datetime | None = None, from_event: int | None = None,
+           until: datetime | None = None, until_event: int | None = None, topic: str | None = None,
+           retention_events: float | None = None, batch: int = REPLAY_BATCH,
+           schema: str | None = None) -> ReplayResult:
+    """Create the missing jobs of ``consumer`` for the retained, routed events of its topics
+    (``topic``: only that one) from ``since`` (creation time, inclusive) or from event id
+    ``from_event`` (inclusive), to ``until`` (exclusive) and/or ``until_event`` (inclusive),
+    ``batch`` events per transaction (see the module notes). ``retention_events`` (seconds:
+    the relays' events retention) bounds how far back ``since`` may go. Raises
+    :class:`AdminError`, before writing, for a bad window, a consumer without subscription or
+    with an ordered one, a topic it does not subscribe to, or events already pruned."""
+    if (since is None) == (from_event is None):
+        raise AdminError("replay needs a start: --since TIME or --from-event ID (one of them)")
+    if from_event is not None and from_event < 1:
+        raise AdminError(f"replay: --from-event must be an event id (1 or more), got {from_event}")
+    if (since is not None and since.tzinfo is None) or (until is not None and until.tzinfo is None):
+        raise AdminError("replay: times need a UTC offset (2026-01-31T12:00:00+00:00)")
+    if since is not None and until is not None and until <= since:
+        raise AdminError(f"replay: --until ({until.isoformat()}) is not after --since ({since.isoformat()})")
+    if from_event is not None and until_event is not None and until_event < from_event:
+        raise AdminError(f"replay: --until-event {until_event} is before --from-event {from_event}")
+    if batch < 1:
+        raise AdminError(f"replay: batch must be at least 1, got {batch}")
+    statements = queries.in_schema(schema)
+    with engine.begin() as conn:
+        subscriptions = conn.execute(statements.subscription_topics_of, {"consumer": consumer}).all()
+        if not subscriptions:
+            raise AdminError(f"replay: consumer {consumer!r} has no subscription (a relay declaring it writes "
+                             "them when it starts): nothing to replay to")
+        topics = [s.topic for s in subscriptions]
+        if topic is not None:
+            if topic not in topics:
+                raise AdminError(f"replay: consumer {consumer!r} does not subscribe to topic {topic!r} "
+                                 f"(it subscribes to {', '.join(topics)})")
+            topics = [topic]
+        ordered = [s.topic for s in subscriptions if s.ordered and s.topic in topics]
+        if ordered:
+            raise AdminError(f"replay: consumer {consumer!r} is ordered on {', '.join(ordered)}: replayed events are "
+                             "older than the jobs its keys hold and would run out of order; replay refused "
+                             "(declare it unordered first, or replay another consumer)")
+        bounds = conn.execute(statements.event_retained_bounds).one()
+    if bounds.first_id is None:
+        raise AdminError("replay: no event is retained (none published, or all pruned)")
+    if from_event is not None:
+        if from_event < bounds.first_id:
+            raise AdminError(f"replay: events from {from_event} to {bounds.first_id - 1} are no longer retained "
+                             f"(pruned); the oldest retained event is {bounds.first_id}, created "
+                             f"{bounds.first_created_at.isoformat()}: replay --from-event {bounds.first_id} at the "
+                             "earliest")
+        if from_event > bounds.last_id:
+            raise AdminError(f"replay: no event from {from_event} on (the newest is {bounds.last_id})")
+    if since is not None:
+        if retention_events is not None and (bounds.now - since).total_seconds() > retention_events:
+            raise AdminError(f"replay: --since {since.isoformat()} is older than the events retention "
+                             f"({retention_events:g} s, OUTBOX_RETENTION_EVENTS): events that old may have been "
+                             "pruned; replay from a later time")
+        if bounds.first_created_at > since and bounds.first_id > 1:
+            raise AdminError(f"replay: the oldest retained event ({bounds.first_id}, created "
+                             f"{bounds.first_created_at.isoformat()}) is newer than --since {since.isoformat()} and "
+                             "earlier events existed: they were pruned; replay --from-event "
+                             f"{bounds.first_id} to take what is retained")
+    after = (from_event - 1) if from_event is not None else 0
+    last = bounds.last_id if until_event is None else min(until_event, bounds.last_id)
+    created = scanned = batches = 0
+    while True:
+        with engine.begin() as conn:
+            row = conn.execute(statements.job_replay_many, {
+                "after": after, "last": last, "topics": topics, "since": since, "until": until,
+                "consumer": consumer, "limit": batch}).one()
+        batches += 1
+        created += row.created
+        scanned += row.scanned
+        if row.last_id is None or row.scanned < batch:
+            break
+        after = row.last_id
+    first = from_event if from_event is not None else bounds.first_id
+    return ReplayResult(consumer, topics, created, scanned, batches, first, last)
+
+
+# ---------------------------------------------------------------------------- purge
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    """Jobs of ``consumer`` deleted, and how many running ones were left (a relay still runs
+    them; purge again once they finished)."""
+
+    consumer: str
+    deleted: int
+    running: int
+
+
+def purge(engine: Engine, consumer: str, *, batch: int = CHANGE_BATCH, schema: str | None = None) -> PurgeResult:
+    """Delete the jobs of ``consumer``, which must have no subscription left (what
+    ``outbox-relay unsubscribe`` leaves behind), ``batch`` per transaction, every status but
+    running. Raises :class:`AdminError`, having deleted nothing, while it still has a
+    subscription."""
+    statements = queries.in_schema(schema)
+    with engine.begin() as conn:
+        topics = [s.topic for s in conn.execute(statements.subscription_topics_of, {"consumer": consumer})]
+    if topics:
+        raise AdminError(f"purge: consumer {consumer!r} still subscribes to {', '.join(topics)}; run "
+                         f"`outbox-relay unsubscribe {consumer}` first (and stop the relays that declare it)")
+    deleted = 0
+    while True:
+        with engine.begin() as conn:
+            n = len(conn.execute(statements.job_purge_many, {"consumer": consumer, "limit": batch}).all())
+        deleted += n
+        if n < batch:
+            break
+    with engine.begin() as conn:
+        running = conn.execute(statements.job_running_count_of, {"consumer": consumer}).scalar_one()
+    return PurgeResult(consumer, deleted, running)
+
+
+# ---------------------------------------------------------------------------- prune
+
+
+@dataclass(frozen=True, slots=True)
+class PruneResult:
+    """Rows pruned: done and cancelled ``jobs``, finished ``events``, forgotten ``relays``."""
+
+    jobs: int
+    events: int
+    relays: int
+
+
+def prune_now(engine: Engine, *, done_older_than: float, events_older_than: float,
+              relays_older_than: float = maintenance.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
+    """Prune now, by the relay's pruner's rules (:func:`outbox.maintenance.prune`, then
+    :func:`outbox.maintenance.prune_relays`), in rounds of ``maintenance.PRUNE_BATCH`` rows
+    each its own transaction, until a round finds nothing more to delete."""
+    jobs = events = 0
+    quarantine = Quarantine("row")
+    while True:
+        with engine.begin() as conn:
+            j, e = maintenance.prune(conn, done_older_than, events_older_than, quarantine=quarantine, schema=schema)
+        jobs, events = jobs + j, events + e
+        if j < maintenance.PRUNE_BATCH and e < maintenance.PRUNE_BATCH:
+            break
+    with engine.begin() as conn:
+        gone = maintenance.prune_relays(conn, relays_older_than, schema=schema)
+    return PruneResult(jobs, events, gone)

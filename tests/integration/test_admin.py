@@ -1,0 +1,359 @@
+"""The operator's API and commands (outbox.admin; ``outbox-relay status``, ``relays``,
+``cancel``, ``retry``, ``replay``, ``purge``, ``prune``) against seeded databases, each
+checked against the rows it should have changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import Job, Outbox, admin, publish
+from outbox.cli import main
+from outbox.errors import AdminError
+from outbox.maintenance import prune, reap_expired
+from outbox.relay import Relay
+from outbox.router import route_all
+from outbox.testing import wait_for
+from outbox.worker import Failure, claim_jobs, complete_jobs, fail_jobs
+
+from .helpers import expire_lease, job_row, publish_events, subscribe
+
+
+def _url(db_url) -> list[str]:
+    return ["--database-url", db_url.render_as_string(hide_password=False)]
+
+
+def _statuses(engine: sa.Engine, consumer: str) -> dict[int, str]:
+    with engine.connect() as c:
+        return dict(c.execute(sa.text("SELECT id, status FROM outbox_jobs WHERE consumer = :c ORDER BY id"),
+                              {"c": consumer}).all())
+
+
+def _cli_json(capsys, *argv: str) -> object:
+    capsys.readouterr()
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --------------------------------------------------------------------------- status
+
+
+def test_status_counts_lag_blocked_keys_and_unsubscribed_topics(engine, db_url, capsys):
+    subscribe(engine, "order.placed", ["mail", "bill"])
+    publish_events(engine, "order.placed", [{"n": i} for i in range(6)])
+    publish_events(engine, "order.plcaed", [{"n": 1}, {"n": 2}])  # a misspelled topic
+    route_all(engine)
+    publish_events(engine, "order.placed", [{"n": 99}])  # left unrouted
+    with engine.begin() as c:
+        ids = list(c.execute(sa.text("SELECT id FROM outbox_jobs WHERE consumer = 'mail' ORDER BY id")).scalars())
+        c.execute(sa.text("UPDATE outbox_jobs SET status = 'done', finished_at = now() WHERE id = ANY(:i)"),
+                  {"i": ids[:2]})
+        c.execute(sa.text("UPDATE outbox_jobs SET status = 'dead', finished_at = now(), ordering_key = 'k' "
+                          "WHERE id = :i"), {"i": ids[2]})
+        c.execute(sa.text("UPDATE outbox_jobs SET run_at = now() - interval '90 seconds' WHERE consumer = 'bill'"))
+    capsys.readouterr()
+    state = _cli_json(capsys, "status", "--json", *_url(db_url))
+    by = {c["consumer"]: c for c in state["consumers"]}
+    assert {k: by["mail"][k] for k in ("ready", "running", "dead", "done", "blocked_keys", "subscribed")} == {
+        "ready": 3, "running": 0, "dead": 1, "done": 2, "blocked_keys": 1, "subscribed": True}
+    assert by["bill"]["ready"] == 6 and by["bill"]["lag_seconds"] >= 90
+    assert state["unrouted"] == 1 and state["unrouted_oldest_seconds"] >= 0
+    assert [(t["topic"], t["events"]) for t in state["unsubscribed"]] == [("order.plcaed", 2)]
+    assert state["done_exact"] is True and state["unsubscribed_complete"] is True
+    assert main(["status", *_url(db_url)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("unrouted events: 1") and "no subscription for topic 'order.plcaed': 2" in out
+    assert out.splitlines()[2].split()[:7] == ["bill", "6", "0", "0", "0", "0", "0"]
+
+
+# --------------------------------------------------------------------------- cancel
+
+
+def test_cancel_ready_jobs_by_id_and_by_consumer_then_pruned_like_done(engine, db_url, capsys):
+    subscribe(engine, "t", ["a", "b"])
+    publish_events(engine, "t", [{"n": i} for i in range(4)])
+    route_all(engine)
+    a = sorted(_statuses(engine, "a"))
+    assert main(["cancel", str(a[0]), str(a[1]), "999999", *_url(db_url)]) == 0
+    out = capsys.readouterr().out
+    assert f"cancelled 2 jobs: [{a[0]}, {a[1]}]" in out and "not cancelled (no such job, or finished): [999999]" in out
+    assert list(_statuses(engine, "a").values()) == ["cancelled", "cancelled", "ready", "ready"]
+    assert main(["cancel", str(a[0]), *_url(db_url)]) == 1  # already cancelled: nothing matched
+    assert "no job cancelled" in capsys.readouterr().err
+    result = _cli_json(capsys, "cancel", "--consumer", "b", "--status", "ready", "--json", *_url(db_url))
+    assert len(result["cancelled"]) == 4 and result["requested"] == []
+    assert set(_statuses(engine, "b").values()) == {"cancelled"}
+    with engine.begin() as c:  # cancelled jobs are pruned like done ones
+        jobs, _ = prune(c, done_older_than=0, events_older_than=3600)
+    assert jobs == 6 and list(_statuses(engine, "a").values()) == ["ready", "ready"]
+
+
+def test_cancelling_an_ordered_head_lets_the_next_job_of_its_key_go(engine):
+    subscribe(engine, "o", ["ord"], ordered=True)
+    with Session(engine) as s, s.begin():
+        for i in range(3):
+            publish(s, "o", {"n": i}, key="k")
+    route_all(engine)
+    ids = sorted(_statuses(engine, "ord"))
+    assert list(_statuses(engine, "ord").values()) == ["ready", "pending", "pending"]
+    result = admin.cancel(engine, [ids[0]])
+    assert result.cancelled == [ids[0]] and result.promoted == [ids[1]]
+    assert list(_statuses(engine, "ord").values()) == ["cancelled", "ready", "pending"]
+
+
+def test_cancel_of_a_running_job_reaches_its_handler_and_records_cancelled(engine, settings, capsys, db_url):
+    seen: list[Job] = []
+    started = threading.Event()
+
+    ob = Outbox()
+
+    @ob.subscriber("slow", consumer="slow", lease=1.5)
+    def slow(job: Job) -> None:
+        seen.append(job)
+        started.set()
+        wait_for(lambda: job.cancel_requested, timeout=30, what="cancel_requested seen by the handler")
+
+    publish_events(engine, "slow", [{"n": 1}])
+    relay = Relay(ob, settings(concurrency=1, prefetch=0))
+    relay.start()
+    try:
+        assert started.wait(30)
+        job_id = seen[0].id
+        assert main(["cancel", "--consumer", "slow", *_url(db_url)]) == 0
+        assert f"asked 1 running job to stop (cancelled when the attempt ends): [{job_id}]" in capsys.readouterr().out
+        assert job_row(engine, job_id)["status"] == "running"  # the claim is the worker's until it reports
+        wait_for(lambda: job_row(engine, job_id)["status"] == "cancelled", timeout=30, what="outcome cancelled")
+    finally:
+        relay.stop()
+    row = job_row(engine, job_id)
+    assert row["cancel_requested"] and row["finished_at"] is not None and row["attempts"] == 1
+    with engine.begin() as c:  # a stale worker's completion afterwards changes nothing
+        assert complete_jobs(c, [seen[0]]) == set()
+    assert job_row(engine, job_id)["status"] == "cancelled"
+
+
+def test_a_running_job_cancelled_then_reaped_ends_cancelled_and_its_old_claim_is_stale(engine):
+    subscribe(engine, "t", ["a"])
+    publish_events(engine, "t", [{"n": 1}])
+    route_all(engine)
+    with engine.begin() as c:
+        [job] = claim_jobs(c, {"a": 30.0}, 1, "w1")
+    assert admin.cancel(engine, [job.id]).requested == [job.id]
+    with engine.begin() as c:
+        expire_lease(c, job.id)
+    with engine.begin() as c:
+        reap_expired(c)
+    assert job_row(engine, job.id)["status"] == "cancelled"
+    with engine.begin() as c:  # the worker that lost the lease reports a failure: nothing changes
+        assert fail_jobs(c, [(job, Failure(delay=0.0, permanent=False, error="x"))]) == {}
+    assert job_row(engine, job.id)["status"] == "cancelled"
+
+
+# ---------------------------------------------------------------------------- retry
+
+
+def test_retry_makes_jobs_in_backoff_due_now(engine, db_url, capsys):
+    subscribe(engine, "t", ["a"])
+    publish_events(engine, "t", [{"n": i} for i in range(3)])
+    route_all(engine)
+    ids = sorted(_statuses(engine, "a"))
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE outbox_jobs SET attempts = 1, run_at = now() + interval '1 hour' WHERE id = ANY(:i)"),
+                  {"i": ids[:2]})
+        c.execute(sa.text("UPDATE outbox_jobs SET run_at = now() + interval '1 hour' WHERE id = :i"), {"i": ids[2]})
+    result = _cli_json(capsys, "retry", "--consumer", "a", "--json", *_url(db_url))
+    assert result == {"ids": ids[:2], "unchanged": []}  # the delayed publish (attempts 0) keeps its run_at
+    with engine.connect() as c:
+        due = c.execute(sa.text("SELECT id FROM outbox_jobs WHERE run_at <= now() ORDER BY id")).scalars().all()
+    assert due == ids[:2] and job_row(engine, ids[0])["attempts"] == 1
+    assert main(["retry", "--consumer", "a", *_url(db_url)]) == 1
+    assert "no job made due" in capsys.readouterr().err
+    assert main(["retry", str(ids[2]), *_url(db_url)]) == 0  # named: a delayed job too
+    assert main(["retry", *_url(db_url)]) == 2
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def _replay_seed(engine: sa.Engine, n: int) -> list[int]:
+    """``n`` events on ``t`` routed while only ``old`` subscribed, then ``late`` subscribes."""
+    subscribe(engine, "t", ["old"])
+    ids = publish_events(engine, "t", [{"n": i} for i in range(n)])
+    route_all(engine)
+    subscribe(engine, "t", ["old", "late"])
+    return ids
+
+
+def test_replay_creates_the_missing_jobs_once_even_run_twice_at_the_same_time(engine, db_url, capsys):
+    ids = _replay_seed(engine, 600)
+    results: list[admin.ReplayResult] = []
+    barrier = threading.Barrier(2)
+
+    def run() -> None:
+        barrier.wait()
+        results.append(admin.replay(engine, "late", from_event=ids[0], batch=50))
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sum(r.created for r in results) == 600 and all(r.scanned == 600 for r in results)
+    with engine.connect() as c:
+        per_event = c.execute(sa.text("SELECT count(*), count(DISTINCT event_id) FROM outbox_jobs "
+                                      "WHERE consumer = 'late'")).one()
+    assert tuple(per_event) == (600, 600)
+    again = _cli_json(capsys, "replay", "--consumer", "late", "--since", "1h", "--json", *_url(db_url))
+    assert (again["created"], again["scanned"]) == (0, 600)
+
+
+def test_replay_window_and_topic(engine):
+    ids = _replay_seed(engine, 10)
+    result = admin.replay(engine, "late", from_event=ids[2], until_event=ids[4], batch=2)
+    assert (result.created, result.scanned) == (3, 3)
+    with engine.connect() as c:
+        got = c.execute(sa.text("SELECT event_id FROM outbox_jobs WHERE consumer = 'late' ORDER BY 1")).scalars().all()
+    assert got == ids[2:5]
+    with pytest.raises(AdminError, match="does not subscribe to topic 'u'"):
+        admin.replay(engine, "late", from_event=ids[0], topic="u")
+    with pytest.raises(AdminError, match="has no subscription"):
+        admin.replay(engine, "nobody", from_event=ids[0])
+
+
+def test_replay_after_pruning_is_refused(engine, db_url, capsys):
+    publish_events(engine, "t", [{"n": i} for i in range(5)])  # routed with no subscriber: no job
+    route_all(engine)
+    with engine.begin() as c:
+        assert prune(c, done_older_than=0, events_older_than=0) == (0, 5)
+    kept = publish_events(engine, "t", [{"n": 9}])
+    subscribe(engine, "t", ["late"])
+    route_all(engine)
+    assert main(["replay", "--consumer", "late", "--from-event", "1", *_url(db_url)]) == 2
+    err = capsys.readouterr().err
+    assert f"events from 1 to {kept[0] - 1} are no longer retained (pruned)" in err and len(err.splitlines()) == 1
+    assert main(["replay", "--consumer", "late", "--since", "1h", *_url(db_url)]) == 2
+    assert "earlier events existed: they were pruned" in capsys.readouterr().err
+    assert main(["replay", "--consumer", "late", "--since", "30d", *_url(db_url)]) == 2
+    assert "older than the events retention" in capsys.readouterr().err
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT count(*) FROM outbox_jobs")).scalar_one() == 1  # the router's, nothing more
+
+
+def test_replay_to_an_ordered_consumer_is_refused(engine):
+    ids = publish_events(engine, "t", [{"n": 1}])
+    route_all(engine)
+    subscribe(engine, "t", ["ord"], ordered=True)
+    with pytest.raises(AdminError, match="is ordered on t"):
+        admin.replay(engine, "ord", from_event=ids[0])
+
+
+# ---------------------------------------------------------------------------- purge
+
+
+def test_purge_needs_yes_and_no_subscription(engine, db_url, capsys):
+    subscribe(engine, "t", ["gone", "kept"])
+    publish_events(engine, "t", [{"n": i} for i in range(3)])
+    route_all(engine)
+    assert main(["purge", "gone", "--yes", *_url(db_url)]) == 2
+    assert "still subscribes to t" in capsys.readouterr().err
+    assert main(["unsubscribe", "gone", *_url(db_url)]) == 0
+    assert main(["purge", "gone", *_url(db_url)]) == 2
+    assert "add --yes" in capsys.readouterr().err
+    assert _cli_json(capsys, "purge", "gone", "--yes", "--json", *_url(db_url)) == {
+        "consumer": "gone", "deleted": 3, "running": 0}
+    assert _statuses(engine, "gone") == {} and len(_statuses(engine, "kept")) == 3
+    assert main(["purge", "gone", "--yes", *_url(db_url)]) == 1
+
+
+# ----------------------------------------------------------------------- prune, cli
+
+
+def test_prune_now_and_the_command_words(engine, db_url, capsys):
+    subscribe(engine, "t", ["a"])
+    publish_events(engine, "t", [{"n": 1}, {"n": 2}])
+    route_all(engine)
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE outbox_jobs SET status = 'done', finished_at = now() - interval '1 hour'"))
+    assert _cli_json(capsys, "prune", "--retention-done", "60", "--retention-events", "0", "--json",
+                     *_url(db_url)) == {"jobs": 2, "events": 2, "relays": 0}
+    assert main(["blocked-keys", *_url(db_url)]) == 2
+    assert "unknown command 'blocked-keys'" in capsys.readouterr().err
+    assert main(["redrive", "--all", *_url(db_url)]) == 1
+    assert capsys.readouterr().err.strip() == "outbox-relay: no job redriven: no dead job"
+
+
+@pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not installed")
+def test_psql_passes_its_arguments(db_url):
+    result = subprocess.run([sys.executable, "-m", "outbox.cli", "psql", *_url(db_url), "-At", "-c", "select 40 + 2"],
+                            capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, "42"), result.stderr
+
+
+# --------------------------------------------------------------------------- relays
+
+APP = '''
+from outbox import Outbox
+
+ob = Outbox()
+
+
+@ob.subscriber("t", consumer="first")
+def first(job):
+    pass
+
+
+@ob.subscriber("t", consumer="second")
+def second(job):
+    pass
+'''
+
+
+def test_relays_registry_shows_a_killed_relay_gone(engine, db_url, tmp_path: Path, capsys):
+    (tmp_path / "regapp.py").write_text(textwrap.dedent(APP))
+    environ = {**os.environ, "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False)}
+    environ.pop("OUTBOX_TEST_DATABASE_URL", None)
+    log = open(tmp_path / "relay.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "outbox.cli", "run", "--app", "regapp:ob", "--concurrency", "3"],
+                            cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def registered() -> list[admin.RelayStatus]:
+            with engine.connect() as c:
+                return [r for r in admin.relays(c) if r.pid == proc.pid]
+
+        [live] = wait_for(registered, timeout=30, what="the relay's row")
+        assert (live.consumers, live.concurrency, live.gone) == (["first", "second"], 3, False)
+        assert live.version and live.version != "unknown"
+        listed = _cli_json(capsys, "relays", "--json", *_url(db_url))
+        assert [r["pid"] for r in listed] == [proc.pid] and listed[0]["gone"] is False
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+        def shown_gone() -> bool:
+            capsys.readouterr()
+            assert main(["relays", "--gone-after", "1", "--json", *_url(db_url)]) == 0
+            rows = json.loads(capsys.readouterr().out)
+            return [(r["pid"], r["gone"]) for r in rows] == [(proc.pid, True)]
+
+        wait_for(shown_gone, timeout=30, what="the killed relay shown gone")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+    assert main(["relays", "--gone-after", "1", *_url(db_url)]) == 0
+    assert " gone " in capsys.readouterr().out
+    with engine.begin() as c:  # the pruner forgets it once it was gone long enough (here: at once)
+        c.execute(sa.text("UPDATE outbox_relays SET last_seen_at = now() - interval '1 hour'"))
+    assert admin.prune_now(engine, done_older_than=3600, events_older_than=3600).relays == 1
+    assert main(["relays", *_url(db_url)]) == 1
