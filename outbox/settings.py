@@ -113,6 +113,10 @@ class OutboxSettings(BaseSettings):
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
 
+    dashboard_token: SecretStr | None = Field(default=None, description="Bearer token of `outbox-relay dashboard` (Authorization: Bearer, or typed once into its sign-in page, which keeps a cookie derived from it); required, or dashboard_user and dashboard_password, for a bind to any address but loopback. Never logged. Default: none.")
+    dashboard_user: str | None = Field(default=None, description="User name of the dashboard's HTTP basic auth, with dashboard_password. Default: none.")
+    dashboard_password: SecretStr | None = Field(default=None, description="Password of the dashboard's HTTP basic auth, with dashboard_user. Never logged. Default: none.")
+
     @field_validator("schema_name")
     @classmethod
     def _schema_valid(cls, value: str) -> str:
@@ -130,6 +134,13 @@ class OutboxSettings(BaseSettings):
         if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown log level {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _dashboard_basic_auth_whole(self) -> OutboxSettings:
+        if (self.dashboard_user is None) != (self.dashboard_password is None):
+            raise ValueError("dashboard_user and dashboard_password go together (OUTBOX_DASHBOARD_USER and "
+                             "OUTBOX_DASHBOARD_PASSWORD): set both or neither")
+        return self
 
     @model_validator(mode="after")
     def _backoff_ordered(self) -> OutboxSettings:
