@@ -1,6 +1,9 @@
 """The operator's API: what ``outbox-relay status``, ``relays``, ``cancel``, ``retry``,
 ``replay``, ``purge`` and ``prune`` do, as plain functions returning plain dataclasses (the
-command line prints them, ``--json`` dumps them, a dashboard can render them).
+command line prints them, ``--json`` dumps them, ``outbox-relay dashboard`` renders them);
+besides, for the dashboard: ``redrive``, ``pause`` and ``resume``, a consumer's jobs in
+keyset pages (``jobs_page``: no OFFSET, nothing counted), an event with its job for every
+consumer (``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
 
 Each function takes an ``Engine`` (when it commits in batches, or must commit before a
 follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
