@@ -34,6 +34,7 @@ PARTIAL_INDEXES = {
     "ix_outbox_jobs_lease": "ON public.outbox_jobs USING btree (lease_until) WHERE (status = 'running'::text)",
     "ix_outbox_jobs_finished": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'done'::text)",
     "ix_outbox_jobs_dead": "ON public.outbox_jobs USING btree (consumer, id) WHERE (status = 'dead'::text)",
+    "ix_outbox_jobs_cancelled": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'cancelled'::text)",
     "ix_outbox_jobs_ordering": "ON public.outbox_jobs USING btree (consumer, ordering_key, event_id)"
                                " WHERE ((ordering_key IS NOT NULL) AND (status <> 'done'::text))",
     "ix_outbox_events_unrouted_key": "ON public.outbox_events USING btree (key, id)"

@@ -167,8 +167,11 @@ def test_two_relays_side_by_side(two_schemas, empty_db_url, capsys):
     status_a = capsys.readouterr().out
     assert main(["status", "--database-url", url, "--schema", B]) == 0
     status_b = capsys.readouterr().out
-    assert [line.split() for line in status_a.splitlines()[2:]] == [["invoice", "done", "5"], ["receipt", "done", "5"]]
-    assert [line.split() for line in status_b.splitlines()[2:]] == [["invoice", "done", "3"], ["receipt", "done", "3"]]
+    # consumer, ready, running, pending, dead, cancelled, done
+    assert [line.split()[:7] for line in status_a.splitlines()[2:]] == [
+        ["invoice", "0", "0", "0", "0", "0", "5"], ["receipt", "0", "0", "0", "0", "0", "5"]]
+    assert [line.split()[:7] for line in status_b.splitlines()[2:]] == [
+        ["invoice", "0", "0", "0", "0", "0", "3"], ["receipt", "0", "0", "0", "0", "0", "3"]]
     assert main(["subscriptions", "--schema", B, "--database-url", url]) == 0
     assert "invoice" in capsys.readouterr().out
     assert main(["unsubscribe", "receipt", "--schema", B, "--database-url", url]) == 0
