@@ -1,6 +1,9 @@
 """The operator's API: what ``outbox-relay status``, ``relays``, ``cancel``, ``retry``,
 ``replay``, ``purge`` and ``prune`` do, as plain functions returning plain dataclasses (the
-command line prints them, ``--json`` dumps them, a dashboard can render them).
+command line prints them, ``--json`` dumps them, ``outbox-relay dashboard`` renders them);
+besides, for the dashboard: ``redrive``, ``pause`` and ``resume``, a consumer's jobs in
+keyset pages (``jobs_page``: no OFFSET, nothing counted), an event with its job for every
+consumer (``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
 
 Each function takes an ``Engine`` (when it commits in batches, or must commit before a
 follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -136,18 +139,14 @@ class Status:
 def status(conn: Connection, *, exact: bool = False, schema: str | None = None) -> Status:
     """The outbox's state (see the module notes for what is exact and what it costs)."""
     statements = queries.in_schema(schema)
-    rows = conn.execute(statements.consumer_status_list).all()
     table_rows = int(conn.execute(statements.job_table_reltuples).scalar_one() or 0)
     done_exact = exact or table_rows < DONE_EXACT_BELOW
     done: dict[str, int] = {}
     if done_exact:
         done = {r.consumer: r.n for r in conn.execute(statements.job_done_count_by_consumer)}
-    names = [r.consumer for r in rows]
-    consumers = [ConsumerStatus(
-        r.consumer, r.ready, r.running, r.dead, r.pending, r.cancelled,
-        done.get(r.consumer, 0) if done_exact else None, r.blocked_keys,
-        None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)), r.paused_at, r.subscribed)
-        for r in rows]
+    consumers = [replace(c, done=done.get(c.consumer, 0)) if done_exact else c
+                 for c in consumer_statuses(conn, schema=schema)]
+    names = {c.consumer for c in consumers}
     consumers += [ConsumerStatus(c, 0, 0, 0, 0, 0, n, 0, None, None, False)  # only done jobs left
                   for c, n in sorted(done.items()) if c not in names]
     unfinished = sum(c.ready + c.running + c.dead + c.pending + c.cancelled for c in consumers)
@@ -161,6 +160,17 @@ def status(conn: Connection, *, exact: bool = False, schema: str | None = None) 
         unsubscribed=[TopicCount(t.topic, t.n, t.oldest, t.newest) for t in topics],
         unsubscribed_scanned=scanned, unsubscribed_complete=limit is None or scanned < limit,
         done_exact=done_exact, done_estimate=None if done_exact else max(0, table_rows - unfinished))
+
+
+def consumer_statuses(conn: Connection, *, schema: str | None = None) -> list[ConsumerStatus]:
+    """Every consumer with a subscription, a flow-control row or an unfinished, dead or
+    cancelled job, by name, with its exact counts but ``done`` (None: never counted here):
+    the cheap part of :func:`status`, read through the partial indexes only."""
+    rows = conn.execute(queries.in_schema(schema).consumer_status_list).all()
+    return [ConsumerStatus(
+        r.consumer, r.ready, r.running, r.dead, r.pending, r.cancelled, None, r.blocked_keys,
+        None if r.lag_seconds is None else max(0.0, float(r.lag_seconds)), r.paused_at, r.subscribed)
+        for r in rows]
 
 
 def _scanned(conn: Connection, statements: Any, limit: int | None) -> int:
@@ -455,3 +465,180 @@ def prune_now(engine: Engine, *, done_older_than: float, events_older_than: floa
     with engine.begin() as conn:
         gone = maintenance.prune_relays(conn, relays_older_than, schema=schema)
     return PruneResult(jobs, events, gone)
+
+
+# ---------------------------------------------------------------------- redrive, pause
+
+
+def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
+            schema: str | None = None) -> list[int]:
+    """Put dead jobs back to ``ready`` with a fresh attempt budget (``outbox-relay redrive``):
+    the ones in ``ids``, or every dead job of ``consumer``; relays are woken on commit.
+    Returns the ids redriven (sorted); jobs that are not dead are left alone. Raises
+    :class:`AdminError` for neither or both of ``ids`` and ``consumer``."""
+    target = _one_target(ids, consumer, "redrive")
+    changed = sorted(maintenance.redrive(conn, target, consumer if target is None else None, schema=schema))
+    if changed:
+        notify_head(conn, schema=schema)
+    return changed
+
+
+@dataclass(frozen=True, slots=True)
+class PauseResult:
+    """``pause`` or ``resume`` of ``consumer``: ``paused_at`` (when it is paused now; None:
+    it runs), ``was_paused_at`` (when it had been paused before; None: it was not) and
+    ``known`` (False: ``resume`` of a consumer nobody declared nor paused; nothing changed)."""
+
+    consumer: str
+    paused_at: datetime | None
+    was_paused_at: datetime | None
+    known: bool = True
+
+
+def pause(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
+    """Pause ``consumer`` on every relay (``outbox-relay pause``; architecture notes, "Flow
+    control"): once this commits no claim takes its jobs; routing goes on, jobs already
+    claimed finish. A consumer no relay declared yet gets its row, so it starts paused."""
+    row = conn.execute(queries.in_schema(schema).consumer_pause, {"consumer": consumer}).one()
+    return PauseResult(consumer, row.paused_at, row.was_paused_at)
+
+
+def resume(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
+    """Resume a paused ``consumer`` (``outbox-relay resume``): relays claim its jobs again,
+    woken on commit."""
+    row = conn.execute(queries.in_schema(schema).consumer_resume, {"consumer": consumer}).one_or_none()
+    if row is None:
+        return PauseResult(consumer, None, None, known=False)
+    if row.was_paused_at is not None:
+        notify_head(conn, schema=schema)
+    return PauseResult(consumer, None, row.was_paused_at)
+
+
+# ------------------------------------------------------------------ jobs and events
+
+#: What the dashboard pages through, per consumer.
+JOB_STATUSES = ("ready", "running", "pending", "dead", "done", "cancelled")
+#: Most jobs on one page, and the most recent events a look-up by key reads.
+PAGE_LIMIT = 200
+KEY_SCAN = 100_000
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    """One job as the tables keep it: its event, consumer, status, priority, when it is due
+    (``run_at``), attempts of ``max_attempts`` (and ``snoozes``, not counted), the fence of
+    its latest claim (0: never claimed), the lease and the relay holding it (running
+    jobs), the last error (type, message, bounded traceback), ``ordering_key`` (ordered
+    consumers), ``cancel_requested``, created / updated / finished times."""
+
+    id: int
+    event_id: int
+    consumer: str
+    status: str
+    priority: int
+    run_at: datetime
+    attempts: int
+    max_attempts: int
+    lease_until: datetime | None
+    fence: int
+    locked_by: str | None
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    ordering_key: str | None
+    snoozes: int
+    cancel_requested: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JobPage:
+    """One keyset page of a consumer's jobs in one status, newest first; ``next_before``:
+    the ``before`` of the next (older) page, None when this one is the last."""
+
+    consumer: str
+    status: str
+    jobs: list[JobRow]
+    next_before: int | None
+
+
+def jobs_page(conn: Connection, consumer: str, status: str, *, before: int | None = None, limit: int = 50,
+              schema: str | None = None) -> JobPage:
+    """The jobs of ``consumer`` in ``status`` (one of :data:`JOB_STATUSES`) with ids below
+    ``before`` (None: from the newest), at most ``limit`` (1 to :data:`PAGE_LIMIT`), newest
+    first: keyset pagination, so a page costs the same on the millionth job as on the first
+    (no OFFSET, nothing counted). Raises :class:`AdminError` for an unknown status or a
+    limit out of range."""
+    if status not in JOB_STATUSES:
+        raise AdminError(f"jobs: status must be one of {', '.join(JOB_STATUSES)}, got {status!r}")
+    if not 1 <= limit <= PAGE_LIMIT:
+        raise AdminError(f"jobs: limit must be between 1 and {PAGE_LIMIT}, got {limit}")
+    if before is not None and not 1 <= before <= 2**63 - 1:
+        raise AdminError(f"jobs: not a job id: {before}")
+    statement = getattr(queries.in_schema(schema), f"job_page_{status}")
+    rows = conn.execute(statement, {"consumer": consumer, "before": 2**63 - 1 if before is None else before,
+                                    "limit": limit + 1}).all()
+    jobs = [JobRow(**r._asdict()) for r in rows[:limit]]
+    return JobPage(consumer, status, jobs, jobs[-1].id if len(rows) > limit else None)
+
+
+@dataclass(frozen=True, slots=True)
+class EventTrace:
+    """One event and where it went: topic, key, payload, headers, created and routed times
+    (``routed_at`` None: not routed yet), publish options (``run_at``, ``priority``,
+    ``dedup_key``); ``jobs``: its job for every consumer it was routed to, by consumer;
+    ``unrouted_consumers``: consumers subscribed to its topic now that have no job of it
+    (subscribed after it was routed, their job pruned, or the event not routed yet)."""
+
+    id: int
+    topic: str
+    key: str | None
+    payload: Any
+    headers: Any
+    created_at: datetime
+    routed_at: datetime | None
+    run_at: datetime | None
+    priority: int | None
+    dedup_key: str | None
+    jobs: list[JobRow]
+    unrouted_consumers: list[str]
+
+
+def _trace(conn: Connection, statements: Any, row: Any) -> EventTrace:
+    jobs = [JobRow(**r._asdict()) for r in conn.execute(statements.job_list_of_event, {"event_id": row.id})]
+    have = {j.consumer for j in jobs}
+    subscribed = conn.execute(statements.subscription_consumers_of, {"topic": row.topic}).scalars()
+    return EventTrace(**row._asdict(), jobs=jobs, unrouted_consumers=[c for c in subscribed if c not in have])
+
+
+def event_trace(conn: Connection, event_id: int, *, schema: str | None = None) -> EventTrace | None:
+    """Event ``event_id`` with its jobs (see :class:`EventTrace`); None when there is no such
+    event (never published, or pruned). Raises :class:`AdminError` for an id out of range."""
+    if not 1 <= event_id <= 2**63 - 1:
+        raise AdminError(f"not an event id: {event_id}")
+    statements = queries.in_schema(schema)
+    row = conn.execute(statements.event_get, {"id": event_id}).one_or_none()
+    return None if row is None else _trace(conn, statements, row)
+
+
+def events_by_key(conn: Connection, key: str, *, limit: int = 20, scan: int = KEY_SCAN,
+                  schema: str | None = None) -> list[EventTrace]:
+    """The events of ``key`` with their jobs, newest first, at most ``limit``, among the
+    ``scan`` most recent retained events (events are not indexed by key: the look-up stays
+    bounded; an older event is found by its id)."""
+    statements = queries.in_schema(schema)
+    rows = conn.execute(statements.event_list_by_key, {"key": key, "limit": limit, "scan": scan}).all()
+    return [_trace(conn, statements, r) for r in rows]
+
+
+def throughput(conn: Connection, *, minutes: int = 10, schema: str | None = None) -> dict[str, list[int]]:
+    """Jobs done per minute for each consumer that finished any over the last ``minutes``
+    minutes (database clock): a list of ``minutes`` counts, oldest minute first, the current
+    (partial) minute last. Reads only the jobs done in the window (``ix_outbox_jobs_finished``)."""
+    if not 1 <= minutes <= 24 * 60:
+        raise AdminError(f"throughput: minutes must be between 1 and {24 * 60}, got {minutes}")
+    counts: dict[str, list[int]] = {}
+    for r in conn.execute(queries.in_schema(schema).job_done_per_minute_list, {"minutes": minutes}):
+        if 0 <= r.minutes_ago < minutes:
+            counts.setdefault(r.consumer, [0] * minutes)[minutes - 1 - r.minutes_ago] += r.n
+    return counts

@@ -5,7 +5,8 @@ reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
 ``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
 ``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
 ``psql``, ``grants`` (the relay and publisher roles: :mod:`outbox.grants`); the operator's commands
-``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`). Settings come from
+``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`); ``dashboard``, the web
+dashboard on top of them (:mod:`outbox.dashboard`, extra ``[dashboard]``). Settings come from
 ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
@@ -50,6 +51,8 @@ COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redriv
             "pause", "resume", "psql", "grants")
 #: The operator's commands (:mod:`outbox.admin`).
 COMMANDS += ("relays", "cancel", "retry", "replay", "purge", "prune")
+#: The web dashboard (extra ``[dashboard]``; :mod:`outbox.dashboard`).
+COMMANDS += ("dashboard",)
 #: Exit status of a command that matched nothing (bad input and errors exit 2).
 NOTHING_MATCHED = 1
 
@@ -180,6 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     pause.add_argument("consumer")
     resume = add("resume", "Resume a paused consumer: every relay claims its jobs again at once.")
     resume.add_argument("consumer")
+    dashboard = add("dashboard", "Serve the web dashboard (extra [dashboard]): consumers' health, dead letters, "
+                                 "an event's path through its fan-out, the relays; redrive, retry, cancel, pause and "
+                                 "resume, each confirmed. Any --host but loopback needs OUTBOX_DASHBOARD_TOKEN (or "
+                                 "OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD) and is refused without.")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    dashboard.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
+    dashboard.add_argument("--read-only", action="store_true", help="show no action and refuse every one (403)")
     psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured; "
                        "other arguments go to psql (outbox-relay psql -c 'select 1').")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
@@ -239,6 +249,17 @@ def _add_admin_commands(add: Any) -> None:
     prune.add_argument("--retention-done", type=float, help="seconds (default $OUTBOX_RETENTION_DONE)")
     prune.add_argument("--retention-events", type=float, help="seconds (default $OUTBOX_RETENTION_EVENTS)")
     prune.add_argument("--json", action="store_true", help="one JSON object")
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -381,6 +402,13 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         engine = _engine(settings)
         with translate_errors(engine.url, settings.schema_name):
             return grants_main(args, settings, engine)
+    if args.command == "dashboard":
+        try:
+            from .dashboard import serve
+        except ImportError as exc:
+            raise UsageError(f"the dashboard needs the extra [dashboard] (pip install 'outbox-relay[dashboard]'): "
+                             f"{exc}") from None
+        return serve(settings, host=args.host, port=args.port, read_only=args.read_only)
     if args.command in ("pause", "resume"):
         _check_consumer_name(args.command, args.consumer)  # before anything connects
     engine = _engine(settings, demo_fallback=args.command != "migrate")

@@ -32,5 +32,6 @@ def docs_dir() -> Path:
     """The folder of outbox's documents (``architecture.md``: design, tables, statements,
     failure handling; ``forwarding.md``: forwarders to JetStream and RabbitMQ, the message
     mapping, guarantees and failures; ``reliability.md``: the faults tested and the defects
-    they found; ``performance.md``: benchmarks and their findings), shipped with the package."""
+    they found; ``performance.md``: benchmarks and their findings; ``dashboard.md``: the web
+    dashboard, its safety and its cost), shipped with the package."""
     return shipped_dir("docs", "docs", "architecture.md")

@@ -117,6 +117,10 @@ class OutboxSettings(BaseSettings):
     metrics_host: str = Field(default="127.0.0.1", min_length=1, description="Address the metrics port listens on. Default 127.0.0.1 (this host only); 0.0.0.0 or :: to let a Prometheus elsewhere scrape it.")
     metrics_interval: float = Field(default=5.0, ge=1.0, le=3600, description="Seconds between two readings of the database gauges (ready, running, dead jobs by consumer, lag, unrouted events), taken by one relay at a time. Default 5.")
 
+    dashboard_token: SecretStr | None = Field(default=None, description="Bearer token of `outbox-relay dashboard` (Authorization: Bearer, or typed once into its sign-in page, which keeps a cookie derived from it); required, or dashboard_user and dashboard_password, for a bind to any address but loopback. Never logged. Default: none.")
+    dashboard_user: str | None = Field(default=None, description="User name of the dashboard's HTTP basic auth, with dashboard_password. Default: none.")
+    dashboard_password: SecretStr | None = Field(default=None, description="Password of the dashboard's HTTP basic auth, with dashboard_user. Never logged. Default: none.")
+
     @field_validator("schema_name")
     @classmethod
     def _schema_valid(cls, value: str) -> str:
@@ -134,6 +138,13 @@ class OutboxSettings(BaseSettings):
         if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"unknown log level {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _dashboard_basic_auth_whole(self) -> OutboxSettings:
+        if (self.dashboard_user is None) != (self.dashboard_password is None):
+            raise ValueError("dashboard_user and dashboard_password go together (OUTBOX_DASHBOARD_USER and "
+                             "OUTBOX_DASHBOARD_PASSWORD): set both or neither")
+        return self
 
     @model_validator(mode="after")
     def _backoff_ordered(self) -> OutboxSettings:

@@ -1709,6 +1709,94 @@ relay_list: TextClause = text(
 """The relay registry: every row of ``outbox_relays`` with how long since it was last seen
 (seconds, database clock), its buffered claims and the jobs running under it."""
 
+# ------------------------------------------------------------------------- dashboard
+
+
+def _job_page(status: str) -> TextClause:
+    """The keyset page statement of jobs in ``status`` (a constant of this module, never
+    request input): written out per status so the planner sees the literal and reads the
+    status's partial index, whatever plan cache a connection keeps."""
+    return text(
+        f"""
+        SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+               j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+               j.ordering_key, j.snoozes, j.cancel_requested
+        FROM outbox_jobs j
+        WHERE j.status = '{status}' AND j.consumer = :consumer AND j.id < :before
+        ORDER BY j.id DESC
+        LIMIT :limit
+        """
+    )
+
+
+job_page_ready: TextClause = _job_page("ready")
+job_page_running: TextClause = _job_page("running")
+job_page_pending: TextClause = _job_page("pending")
+job_page_dead: TextClause = _job_page("dead")
+job_page_done: TextClause = _job_page("done")
+job_page_cancelled: TextClause = _job_page("cancelled")
+"""``job_page_<status>``: up to ``:limit`` jobs of ``:consumer`` in that status with ids below
+``:before``, newest first: one keyset page of the dashboard's consumer page (the next page
+starts below the last id shown; no OFFSET, no count). Dead ones are read through
+``ix_outbox_jobs_dead`` (consumer, id), ready, running, pending and cancelled ones through
+their status's partial index (small: unfinished jobs only); done ones by a backward scan
+of the primary key, which stops after ``:limit`` matches."""
+
+job_done_per_minute_list: TextClause = text(
+    """
+    SELECT consumer, CAST(floor(extract(epoch FROM now() - finished_at) / 60) AS int) AS minutes_ago,
+           count(*) AS n
+    FROM outbox_jobs
+    WHERE status = 'done' AND finished_at > now() - make_interval(mins => :minutes)
+    GROUP BY 1, 2
+    """
+)
+"""Jobs done per consumer and minute over the last ``:minutes`` minutes (``minutes_ago``: 0
+is the current minute, database clock), read through ``ix_outbox_jobs_finished``: the cost
+follows the jobs finished in that window, never the done jobs kept before it."""
+
+event_get: TextClause = text(
+    """
+    SELECT e.id, e.topic, e.key, e.payload, e.headers, e.created_at, e.routed_at, e.run_at, e.priority,
+           e.dedup_key
+    FROM outbox_events e
+    WHERE e.id = :id
+    """
+)
+"""One event by id (no row: never published, or pruned)."""
+
+event_list_by_key: TextClause = text(
+    """
+    SELECT l.id, l.topic, l.key, l.payload, l.headers, l.created_at, l.routed_at, l.run_at, l.priority,
+           l.dedup_key
+    FROM (SELECT e.* FROM outbox_events e ORDER BY e.id DESC LIMIT :scan) l
+    WHERE l.key = :key
+    ORDER BY l.id DESC
+    LIMIT :limit
+    """
+)
+"""Up to ``:limit`` events of key ``:key``, newest first, among the ``:scan`` most recent
+retained events (a backward scan of the primary key: events have no index on their key, so
+the cost stays bounded by ``:scan`` however many are kept)."""
+
+job_list_of_event: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.event_id = :event_id
+    ORDER BY j.consumer
+    """
+)
+"""Every job of event ``:event_id``, one per consumer it was routed to
+(``uq_outbox_jobs_event_id_consumer``)."""
+
+subscription_consumers_of: TextClause = text(
+    "SELECT consumer FROM outbox_subscriptions WHERE topic = :topic ORDER BY consumer"
+)
+"""The consumers subscribed to ``:topic`` now."""
+
 # --------------------------------------------------------------------------- schemas
 
 def statements() -> dict[str, TextClause]:

@@ -53,8 +53,15 @@ def test_wheel_ships_the_migrations(wheel):
                      f"outbox/migrations/versions/{_revision_file()}", "outbox/db/tables.py",
                      "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md",
                      "outbox/docs/forwarding.md",
-                     "outbox/docs/img/throughput.png"):  # the images performance.md shows
+                     "outbox/docs/img/throughput.png",  # the images performance.md shows
+                     "outbox/dashboard/templates/base.html", "outbox/dashboard/templates/overview.html",
+                     "outbox/dashboard/static/htmx.min.js", "outbox/dashboard/static/style.css",
+                     "outbox/dashboard/static/NOTICE", "outbox/docs/dashboard.md",
+                     "outbox/docs/img/dashboard-overview.png"):
         assert required in names, sorted(names)
+    shipped = {f"outbox/dashboard/{p.relative_to(REPO / 'outbox' / 'dashboard').as_posix()}"
+               for folder in ("templates", "static") for p in (REPO / "outbox" / "dashboard" / folder).iterdir()}
+    assert shipped <= names, sorted(shipped - names)  # every template and asset of the dashboard
     assert not any(name.startswith("tests/") for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "outbox-relay = outbox.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

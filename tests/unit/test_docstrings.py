@@ -18,7 +18,7 @@ REPO = PACKAGE.parent
 #: A path into the repository's own folders, a Markdown file other than the documents the
 #: package ships (outbox.docs_dir()), or the README.
 REPOSITORY_PATH = re.compile(r"(?<![\w.:/-])(?:docs|tests|bench|\.ci)/"
-                             r"|\b(?!(?:architecture|forwarding|performance|reliability)\.md\b)[\w./-]+\.md\b|\bREADME\b")
+                             r"|\b(?!(?:architecture|dashboard|forwarding|performance|reliability)\.md\b)[\w./-]+\.md\b|\bREADME\b")
 
 
 def _sources() -> list[Path]:

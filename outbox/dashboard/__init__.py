@@ -1,0 +1,69 @@
+"""``outbox-relay dashboard``: a small server-rendered web dashboard (extra ``[dashboard]``:
+Starlette, Jinja2, uvicorn; htmx vendored under ``static/``, no build step) that reads and
+acts only through :mod:`outbox.admin`.
+
+Pages: the overview (per consumer ready / running / pending / dead / cancelled, lag, done per
+minute over the last minutes as a server-rendered SVG chart, paused and blocked state;
+unrouted events and topics nobody subscribes to; live relays; refreshed by htmx every few
+seconds), a consumer's jobs by status in keyset pages with dead letters' errors (traceback
+folded) and the actions redrive, retry now, cancel, pause and resume, each confirmed on a
+page of its own; an event by id or key with its job for every consumer (attempts, fence,
+lease, relay, status, last error); the relay registry.
+
+Safety (:func:`serve`): binds 127.0.0.1 unless told otherwise; any other address needs
+credentials (``OUTBOX_DASHBOARD_TOKEN``, or ``OUTBOX_DASHBOARD_USER`` and
+``OUTBOX_DASHBOARD_PASSWORD``) and is refused without them; secrets are never logged. Every
+action is a POST carrying a CSRF token bound to the browser's session; every value is
+escaped by Jinja2's autoescape, and a Content-Security-Policy allows scripts from the
+dashboard only; ``read_only`` hides and refuses (403) every action. Request input reaches
+SQL only as bound parameters of the statements :mod:`outbox.admin` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..errors import ConfigurationError
+from ..settings import OutboxSettings
+from .app import create_app
+from .auth import DashboardAuth, is_loopback
+
+__all__ = ["DashboardAuth", "create_app", "is_loopback", "check_bind", "serve"]
+
+log = logging.getLogger("outbox.dashboard")
+
+
+def check_bind(host: str, auth: DashboardAuth | None) -> None:
+    """Refuse (:class:`~outbox.errors.ConfigurationError`) to listen on ``host`` without
+    credentials unless it is a loopback address: on any other interface, whoever reaches
+    the port could redrive, cancel and pause."""
+    if auth is None and not is_loopback(host):
+        raise ConfigurationError(
+            f"dashboard: refusing to listen on {host} without authentication; set OUTBOX_DASHBOARD_TOKEN (or "
+            "OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD), or bind 127.0.0.1")
+
+
+def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000, read_only: bool = False) -> int:
+    """Run the dashboard on ``host``:``port`` until interrupted (uvicorn), on the database of
+    ``settings``; returns 0 after a clean stop. Checks the bind first (:func:`check_bind`),
+    so nothing listens when it refuses. A database that is down at start or later makes
+    pages answer 503; the server stays up and recovers with the database."""
+    import uvicorn
+
+    from ..db.engine import make_engine, redact
+
+    auth = DashboardAuth.from_settings(settings)
+    check_bind(host, auth)
+    url = settings.url()
+    if url is None:
+        raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
+    engine = make_engine(url, pool_size=4, application_name="outbox-dashboard")
+    app = create_app(engine, settings, read_only=read_only, auth=auth)
+    shown = f"[{host}]" if ":" in host else host
+    log.info("dashboard on http://%s:%d for %s, schema %s%s; auth: %s", shown, port, redact(url),
+             settings.schema_name, " (read-only)" if read_only else "", auth.describe() if auth else "none (loopback)")
+    try:
+        uvicorn.run(app, host=host, port=port, log_config=None, server_header=False)
+    finally:
+        engine.dispose()
+    return 0

@@ -1,0 +1,449 @@
+"""The dashboard's web application: Starlette routes rendering Jinja2 templates, reading and
+acting only through :mod:`outbox.admin`.
+
+Pages: ``/`` (overview; ``/overview`` is its refreshing part, fetched by htmx), ``/consumers/<name>``
+(jobs by status, keyset pages, actions), ``/events`` (look-up by id or key) and
+``/events/<id>``, ``/relays``. Actions: ``GET /confirm`` shows what an action will do with
+a form; only its ``POST /actions/<action>`` acts, and only with the form's CSRF token. Every
+endpoint is a plain function run in Starlette's thread pool on a SQLAlchemy engine.
+
+Failures: the database unreachable (or outbox's tables missing) answers 503 with a
+readable line (the page reloads itself and recovers when the database is back; the
+overview's refresh keeps polling); bad input (a non-numeric id, an unknown status) answers
+400, an unknown consumer or event 404, an action in read-only mode or without a valid CSRF
+token 403, an unexpected error 500: always a page, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import jinja2
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .. import admin
+from ..db.engine import translate_errors
+from ..errors import AdminError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
+from ..settings import OutboxSettings
+from .auth import AUTH_COOKIE, SESSION_COOKIE, CsrfGuard, DashboardAuth
+
+log = logging.getLogger("outbox.dashboard")
+
+HERE = Path(__file__).resolve().parent
+#: Seconds between the overview's refreshes; minutes its throughput chart covers.
+REFRESH_SECONDS = 3.0
+CHART_MINUTES = 10
+#: Jobs per page of the consumer page.
+PAGE_SIZE = 50
+#: What the action buttons do, by name: (label, needs a job id, allowed without one).
+ACTIONS: dict[str, tuple[str, bool, bool]] = {
+    "redrive": ("Redrive", False, True),   # a dead job, or every dead job of the consumer
+    "retry": ("Retry now", False, True),   # a ready job in backoff, or all of the consumer's
+    "cancel": ("Cancel", True, False),     # one ready, pending or running job
+    "pause": ("Pause", False, True),
+    "resume": ("Resume", False, True),
+}
+#: Headers of every response: no script, style or frame from anywhere but the dashboard itself
+#: (a second wall behind the escaping of every value), no referrer, no MIME sniffing.
+SECURITY_HEADERS = {
+    "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
+    "x-content-type-options": "nosniff",
+    "referrer-policy": "no-referrer",
+    "x-frame-options": "DENY",
+    "cache-control": "no-store",
+}
+
+
+def _environment() -> jinja2.Environment:
+    """Jinja2 with autoescape on for every template and every value (payloads, errors and
+    topic names are hostile input) and undefined names as errors."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE / "templates"), autoescape=True,
+                             undefined=jinja2.StrictUndefined)
+    env.filters["when"] = _when
+    env.filters["age"] = _age
+    env.filters["pretty"] = lambda value: json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    env.filters["first_line"] = lambda text: (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    env.globals["bars"] = bars
+    return env
+
+
+def _when(value: datetime | None) -> str:
+    return "-" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _age(seconds: float | None) -> str:
+    """A duration for people: 4.2s, 3m05s, 2h10m, 3d04h (``-``: none)."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def bars(counts: list[int], width: int = 150, height: int = 28) -> list[dict[str, float]]:
+    """The bars of a small SVG chart of ``counts`` (oldest first) in a ``width`` x ``height``
+    box: one per count, x, y, w, h in pixels (the tallest bar fills the height; a zero
+    count gets a 1-pixel stub so the minute is visible), with the count as ``n``."""
+    if not counts:
+        return []
+    top = max(max(counts), 1)
+    step = width / len(counts)
+    out = []
+    for i, n in enumerate(counts):
+        h = max(1.0, height * n / top) if n else 1.0
+        out.append({"x": round(i * step + 1, 1), "y": round(height - h, 1), "w": round(max(step - 2, 1), 1),
+                    "h": round(h, 1), "n": n})
+    return out
+
+
+class Dashboard:
+    """The state the endpoints share: the engine, the schema, read-only or not, the
+    credentials and CSRF guard, the templates."""
+
+    def __init__(self, engine: Engine, settings: OutboxSettings, *, read_only: bool, auth: DashboardAuth | None,
+                 refresh_seconds: float) -> None:
+        self.engine = engine
+        self.schema = settings.schema_name
+        self.read_only = read_only
+        self.auth = auth
+        self.refresh_seconds = refresh_seconds
+        self.csrf = CsrfGuard()
+        self.templates = _environment()
+
+    @contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A connection in a transaction, committed at the end; database errors come out as
+        outbox's (:func:`outbox.db.engine.translate_errors`)."""
+        with translate_errors(self.engine.url, self.schema):
+            try:
+                with self.engine.begin() as conn:
+                    yield conn
+            except PoolTimeoutError as exc:
+                raise DatabaseUnavailableError(f"no database connection free: {exc}") from exc
+
+    def render(self, request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
+        """``template`` rendered with ``context`` plus what every page uses."""
+        session = request.cookies.get(SESSION_COOKIE) or request.scope.get("outbox.session") or ""
+        html = self.templates.get_template(template).render(
+            request=request, read_only=self.read_only, signed_in=self.auth is not None and self.auth.token is not None,
+            csrf=self.csrf.token(session) if session else "", refresh=self.refresh_seconds, **context)
+        return HTMLResponse(html, status_code=status_code)
+
+    def error(self, request: Request, status_code: int, title: str, message: str) -> HTMLResponse:
+        """The error page: a heading and one readable line; a 503 page reloads itself."""
+        return self.render(request, "error.html", status_code, title=title, message=message,
+                           reload=status_code == 503)
+
+
+class Guard:
+    """ASGI middleware before every route: the credentials check (401 with a sign-in page, or
+    a basic-auth challenge), the session cookie the CSRF token is bound to, and the security
+    headers on every response."""
+
+    def __init__(self, app: ASGIApp, dashboard: Dashboard) -> None:
+        self.app = app
+        self.dashboard = dashboard
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        new_session = None
+        if not request.cookies.get(SESSION_COOKIE):
+            new_session = CsrfGuard.new_session()
+            scope["outbox.session"] = new_session
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+                if new_session is not None:
+                    headers.append((b"set-cookie", f"{SESSION_COOKIE}={new_session}; HttpOnly; SameSite=Strict; "
+                                                   "Path=/".encode()))
+                message["headers"] = headers
+            await send(message)
+
+        auth = self.dashboard.auth
+        path = scope["path"]
+        if auth is not None and path != "/login" and not path.startswith("/static/") and not auth.allows(
+                request.headers.get("authorization"), request.cookies.get(AUTH_COOKIE)):
+            response = self.dashboard.render(request, "login.html", 401, wrong=False, basic=auth.user is not None,
+                                             token=auth.token is not None)
+            if auth.user is not None:
+                response.headers["www-authenticate"] = 'Basic realm="outbox dashboard", charset="UTF-8"'
+            await response(scope, receive, send_with_headers)
+            return
+        await self.app(scope, receive, send_with_headers)
+
+
+def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = False,
+               auth: DashboardAuth | None = None, refresh_seconds: float = REFRESH_SECONDS) -> Starlette:
+    """The dashboard as an ASGI application on ``engine``'s database, the outbox in
+    ``settings.schema_name``. ``read_only``: no action is shown, and every action is refused
+    (403). ``auth``: the credentials every request must carry (None: none; only for a
+    loopback bind, which :func:`outbox.dashboard.serve` enforces). ``refresh_seconds``: how
+    often the overview refreshes itself."""
+    dash = Dashboard(engine, settings, read_only=read_only, auth=auth, refresh_seconds=refresh_seconds)
+
+    def page(handler: Callable[[Request], Response]) -> Callable[[Request], Response]:
+        """Turn the exceptions of ``handler`` into pages (see the module notes)."""
+        def endpoint(request: Request) -> Response:
+            try:
+                return handler(request)
+            except HTTPException as exc:
+                return dash.error(request, exc.status_code, _TITLES.get(exc.status_code, "Error"), str(exc.detail))
+            except AdminError as exc:
+                return dash.error(request, 400, "Bad request", str(exc))
+            except (DatabaseUnavailableError, SchemaNotReadyError) as exc:
+                log.warning("dashboard: %s", exc)
+                return dash.error(request, 503, "Database unavailable", str(exc))
+            except DatabaseStatementError as exc:
+                log.warning("dashboard: %s", exc)
+                return dash.error(request, 500, "Database error", str(exc))
+            except Exception:
+                log.exception("dashboard: %s %s failed", request.method, request.url.path)
+                return dash.error(request, 500, "Internal error", "the dashboard failed on this request; its log "
+                                                                  "has the details")
+        endpoint.__name__ = handler.__name__
+        return endpoint
+
+    def overview(request: Request) -> Response:
+        return dash.render(request, "overview.html", **_overview(dash))
+
+    def overview_part(request: Request) -> Response:
+        try:
+            return dash.render(request, "_overview.html", **_overview(dash))
+        except (DatabaseUnavailableError, SchemaNotReadyError) as exc:
+            log.warning("dashboard: %s", exc)
+            return dash.render(request, "_overview.html", 503, failure=str(exc))
+
+    def consumer_page(request: Request) -> Response:
+        name = request.path_params["consumer"]
+        status = request.query_params.get("status", "dead")
+        if status not in admin.JOB_STATUSES:
+            raise HTTPException(400, f"unknown status {status!r}; one of {', '.join(admin.JOB_STATUSES)}")
+        before = _id_param(request.query_params.get("before"), "before")
+        with dash.connect() as conn:
+            consumer = _consumer(conn, name, dash.schema)
+            jobs = admin.jobs_page(conn, name, status, before=before, limit=PAGE_SIZE, schema=dash.schema)
+        return dash.render(request, "consumer.html", consumer=consumer, page=jobs, statuses=admin.JOB_STATUSES,
+                           message=request.query_params.get("msg"), before=before)
+
+    def events_lookup(request: Request) -> Response:
+        raw_id = (request.query_params.get("id") or "").strip()
+        key = request.query_params.get("key")
+        if raw_id:
+            event_id = _id_param(raw_id, "event id")
+            return RedirectResponse(f"/events/{event_id}", status_code=303)
+        traces: list[admin.EventTrace] = []
+        if key:
+            with dash.connect() as conn:
+                traces = admin.events_by_key(conn, key, schema=dash.schema)
+        return dash.render(request, "events.html", key=key, traces=traces, scan=admin.KEY_SCAN)
+
+    def event_page(request: Request) -> Response:
+        event_id = _id_param(request.path_params["event_id"], "event id")
+        assert event_id is not None
+        with dash.connect() as conn:
+            trace = admin.event_trace(conn, event_id, schema=dash.schema)
+        if trace is None:
+            raise HTTPException(404, f"no event {event_id} (never published, or pruned)")
+        return dash.render(request, "event.html", trace=trace)
+
+    def relays_page(request: Request) -> Response:
+        with dash.connect() as conn:
+            rows = admin.relays(conn, schema=dash.schema)
+        return dash.render(request, "relays.html", relays=rows, gone_after=admin.RELAY_SILENT_AFTER)
+
+    def confirm(request: Request) -> Response:
+        if dash.read_only:
+            raise HTTPException(403, "the dashboard is read-only: actions are off")
+        action, name, job = _action_args(request.query_params.get("action"), request.query_params.get("consumer"),
+                                         request.query_params.get("job"))
+        with dash.connect() as conn:
+            consumer = _consumer(conn, name, dash.schema)
+        return dash.render(request, "confirm.html", action=action, label=ACTIONS[action][0], consumer=consumer,
+                           job=job, back=request.query_params.get("status") or "dead")
+
+    async def act(request: Request) -> Response:
+        form = await request.form()
+        fields = {k: v for k, v in form.items() if isinstance(v, str)}
+        return await _threadpool(act_sync, request, fields)
+
+    def act_sync(request: Request, fields: dict[str, str]) -> Response:
+        if dash.read_only:
+            raise HTTPException(403, "the dashboard is read-only: actions are off")
+        if not dash.csrf.valid(request.cookies.get(SESSION_COOKIE), fields.get("csrf")):
+            raise HTTPException(403, "the form's CSRF token is missing or does not match this browser's session: "
+                                     "reload the page and confirm again")
+        action, name, job = _action_args(request.path_params["action"], fields.get("consumer"), fields.get("job"))
+        with dash.connect() as conn:
+            _consumer(conn, name, dash.schema)
+        message = _perform(dash, action, name, job)
+        log.info("dashboard: %s", message)
+        query = urlencode({"status": fields.get("back") or "dead", "msg": message})
+        return RedirectResponse(f"/consumers/{_quote(name)}?{query}", status_code=303)
+
+    async def login(request: Request) -> Response:
+        auth = dash.auth
+        if request.method == "GET" or auth is None:
+            if auth is None:
+                return RedirectResponse("/", status_code=303)
+            return dash.render(request, "login.html", wrong=False, basic=auth.user is not None,
+                               token=auth.token is not None)
+        form = await request.form()
+        token = form.get("token")
+        cookie = auth.cookie_value()
+        if not isinstance(token, str) or cookie is None or not auth.token_matches(token):
+            return dash.render(request, "login.html", 401, wrong=True, basic=auth.user is not None,
+                               token=auth.token is not None)
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(AUTH_COOKIE, cookie, httponly=True, samesite="strict")
+        return response
+
+    async def logout(request: Request) -> Response:
+        form = await request.form()
+        token = form.get("csrf")
+        if not dash.csrf.valid(request.cookies.get(SESSION_COOKIE), token if isinstance(token, str) else None):
+            return dash.error(request, 403, "Refused", "the form's CSRF token is missing or does not match")
+        response = RedirectResponse("/login", status_code=303)
+        response.delete_cookie(AUTH_COOKIE)
+        return response
+
+    async def _threadpool(fn: Callable[[Request, dict[str, str]], Response], request: Request,
+                          fields: dict[str, str]) -> Response:
+        from starlette.concurrency import run_in_threadpool
+
+        return await run_in_threadpool(page(lambda r: fn(r, fields)), request)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status_code = exc.status_code if isinstance(exc, HTTPException) else 404
+        return dash.error(request, status_code, _TITLES.get(status_code, "Error"),
+                          "no such page" if status_code == 404 else str(getattr(exc, "detail", "")))
+
+    async def server_error(request: Request, exc: Exception) -> Response:
+        log.error("dashboard: %s %s failed", request.method, request.url.path, exc_info=exc)
+        return dash.error(request, 500, "Internal error", "the dashboard failed on this request; its log has the "
+                                                          "details")
+
+    routes = [
+        Route("/", page(overview)),
+        Route("/overview", page(overview_part)),
+        Route("/consumers/{consumer:path}", page(consumer_page)),
+        Route("/events", page(events_lookup)),
+        Route("/events/{event_id}", page(event_page)),
+        Route("/relays", page(relays_page)),
+        Route("/confirm", page(confirm)),
+        Route("/actions/{action}", act, methods=["POST"]),
+        Route("/login", login, methods=["GET", "POST"]),
+        Route("/logout", logout, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=HERE / "static"), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(Guard, dashboard=dash)],
+                     exception_handlers={404: not_found, 405: not_found, 500: server_error})
+
+
+_TITLES = {400: "Bad request", 401: "Sign in", 403: "Refused", 404: "Not found", 405: "Not allowed",
+           503: "Database unavailable"}
+
+
+def _quote(name: str) -> str:
+    from urllib.parse import quote
+
+    return quote(name, safe="")
+
+
+def _id_param(raw: str | None, what: str) -> int | None:
+    """A job or event id from request input (None: not given); 400 unless a whole number from
+    1 to 2**63 - 1."""
+    if raw is None or raw == "":
+        return None
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= 2**63 - 1:
+        raise HTTPException(400, f"{what} must be a whole number from 1 to {2**63 - 1}, got {raw[:40]!r}")
+    return int(raw)
+
+
+def _consumer(conn: Connection, name: str, schema: str) -> admin.ConsumerStatus:
+    """The consumer ``name`` (its counts), or 404 when the outbox knows no such consumer."""
+    for consumer in admin.consumer_statuses(conn, schema=schema):
+        if consumer.consumer == name:
+            return consumer
+    raise HTTPException(404, f"no consumer {name[:200]!r} (no subscription, flow-control row or unfinished job)")
+
+
+def _action_args(action: str | None, consumer: str | None, job: str | None) -> tuple[str, str, int | None]:
+    """An action's name, consumer and job id from request input; 400 for an unknown action, no
+    consumer, a bad job id, or a job missing where the action needs one."""
+    if action not in ACTIONS:
+        raise HTTPException(400, f"unknown action {str(action)[:40]!r}; one of {', '.join(ACTIONS)}")
+    if not consumer:
+        raise HTTPException(400, f"{action} needs a consumer")
+    job_id = _id_param(job, "job id")
+    _, needs_job, _ = ACTIONS[action]
+    if needs_job and job_id is None:
+        raise HTTPException(400, f"{action} needs a job id")
+    if action in ("pause", "resume") and job_id is not None:
+        raise HTTPException(400, f"{action} acts on a consumer, not a job")
+    return action, consumer, job_id
+
+
+def _perform(dash: Dashboard, action: str, consumer: str, job: int | None) -> str:
+    """Do ``action`` through :mod:`outbox.admin` and say what changed, in one line."""
+    ids = [job] if job is not None else None
+    target = f"job {job}" if job is not None else f"consumer {consumer}"
+    if action == "cancel":
+        with translate_errors(dash.engine.url, dash.schema):
+            result = admin.cancel(dash.engine, ids, schema=dash.schema)
+        if result.cancelled:
+            return f"cancelled job {job}"
+        if result.requested:
+            return f"asked running job {job} to stop (it is recorded cancelled when its attempt ends)"
+        return f"job {job} not cancelled: it is not ready, pending or running"
+    with dash.connect() as conn:
+        if action == "redrive":
+            changed = admin.redrive(conn, ids, None if ids else consumer, schema=dash.schema)
+            return f"redriven {len(changed)} job(s) of {consumer}: {changed[:20]}" if changed else \
+                f"nothing redriven: {target} has no dead job"
+        if action == "retry":
+            changed = admin.retry(conn, ids, None if ids else consumer, schema=dash.schema)
+            return f"due now: {len(changed)} job(s): {changed[:20]}" if changed else \
+                f"nothing made due: {target} has no ready job waiting to be due"
+        if action == "pause":
+            paused = admin.pause(conn, consumer, schema=dash.schema)
+            return f"consumer {consumer} was already paused" if paused.was_paused_at else \
+                f"paused consumer {consumer}: no relay claims its jobs until it is resumed"
+        resumed = admin.resume(conn, consumer, schema=dash.schema)
+        return f"resumed consumer {consumer}" if resumed.was_paused_at else f"consumer {consumer} was not paused"
+
+
+def _overview(dash: Dashboard) -> dict[str, Any]:
+    with dash.connect() as conn:
+        state = admin.status(conn, schema=dash.schema)
+        rate = admin.throughput(conn, minutes=CHART_MINUTES, schema=dash.schema)
+        relays = admin.relays(conn, schema=dash.schema)
+    total = [sum(col) for col in zip(*rate.values())] if rate else [0] * CHART_MINUTES
+    return {"state": state, "rate": rate, "total": total, "relays": relays, "minutes": CHART_MINUTES,
+            "failure": None, "empty": [0] * CHART_MINUTES}

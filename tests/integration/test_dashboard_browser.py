@@ -1,0 +1,263 @@
+"""The dashboard in a real browser: playwright (Python) drives Debian's chromium
+(``/usr/bin/chromium``, or ``$OUTBOX_CHROMIUM``) against a dashboard served by uvicorn on a
+seeded database, and each action is checked in the database afterwards.
+
+Skipped, saying why, where playwright is not importable or no chromium is installed.
+With ``OUTBOX_SCREENSHOTS=1`` the tests write a screenshot of each page into docs/img
+(dashboard-*.png, shown in docs/dashboard.md); without it they write nothing, so a test run
+leaves the work tree as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from outbox.db.engine import make_engine
+from tests.acceptance.proxy import TcpProxy
+
+from .dashboard_helpers import HOSTILE, paused, seed, served, statuses
+
+playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (extra dev)")
+pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] is not installed")
+
+CHROMIUM = os.environ.get("OUTBOX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium; .ci/run "
+                                                         "installs it), or set OUTBOX_CHROMIUM")
+SHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
+#: Longest wait for anything the page shows, milliseconds (a deadline, not a pause).
+WAIT_MS = 15_000
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright_sync.expect.set_options(timeout=WAIT_MS)
+    with playwright_sync.sync_playwright() as p:
+        args = ["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # root has no sandbox
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=args)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh browser context (its own cookies) and page; ``page.dialogs`` lists every
+    alert, confirm or prompt the page opened (each is dismissed)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 800})
+    tab = context.new_page()
+    tab.set_default_timeout(WAIT_MS)
+    tab.dialogs = []
+
+    def on_dialog(dialog):
+        tab.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    tab.on("dialog", on_dialog)
+    yield tab
+    context.close()
+
+
+def shot(page, name: str) -> None:
+    """Screenshot of the page into docs/img/dashboard-<name>.png, only with OUTBOX_SCREENSHOTS=1."""
+    if os.environ.get("OUTBOX_SCREENSHOTS") == "1":
+        page.screenshot(path=str(SHOTS / f"dashboard-{name}.png"), full_page=True)
+
+
+def expect(locator):
+    return playwright_sync.expect(locator)
+
+
+def cell(page, consumer: str, count: str):
+    return page.locator(f'#consumers tr[data-consumer="{consumer}"] td[data-count="{count}"]')
+
+
+def test_overview_shows_the_seeded_counts_and_refreshes_itself(engine, page):
+    seed(engine)
+    with served(engine, refresh_seconds=1.0) as base:
+        page.goto(base + "/")
+        expected = {"mail": {"ready": "1", "running": "1", "dead": "2", "done": "2"},
+                    "bill": {"ready": "5", "running": "0", "dead": "1", "done": "0"},
+                    "ship": {"ready": "6", "running": "0", "dead": "0", "done": "0"}}
+        for consumer, counts in expected.items():
+            for name, value in counts.items():
+                expect(cell(page, consumer, name)).to_have_text(value)
+        expect(page.locator("#unrouted strong")).to_have_text("0")
+        expect(page.locator("#live-relays strong")).to_have_text("1")
+        bars = page.locator('#consumers tr[data-consumer="mail"] svg.chart rect')
+        expect(bars).to_have_count(10)
+        assert bars.last.get_attribute("class") != "zero"  # mail's 2 done jobs in the current minute
+        shot(page, "overview")
+        with engine.begin() as c:  # a bill job dies and a ship job finishes, behind the page's back
+            c.execute(sa.text("UPDATE outbox_jobs SET status = 'dead', attempts = max_attempts, finished_at = now() "
+                              "WHERE id = (SELECT min(id) FROM outbox_jobs WHERE consumer = 'bill' AND status = 'ready')"))
+            c.execute(sa.text("UPDATE outbox_consumers SET paused_at = now() WHERE consumer = 'ship'"))
+        expect(cell(page, "bill", "dead")).to_have_text("2")  # no reload: htmx swapped it in
+        expect(page.locator('#consumers tr[data-consumer="ship"] .tag.paused')).to_have_count(1)
+        assert page.dialogs == []
+
+
+def test_redrive_a_dead_job_from_the_consumer_page(engine, page):
+    s = seed(engine)
+    job, other = s.jobs["mail"]["dead"]
+    with served(engine) as base:
+        page.goto(base + "/consumers/mail")
+        expect(page.locator("#jobs tr[data-job]")).to_have_count(2)
+        page.locator(f'tr[data-job="{job}"] details summary').click()  # the folded traceback opens
+        expect(page.locator(f'tr[data-job="{job}"] pre.traceback')).to_contain_text("Traceback (most recent call last)")
+        shot(page, "consumer")
+        page.locator(f'tr[data-job="{job}"] a[data-action="redrive"]').click()
+        expect(page.locator("h1")).to_contain_text(f"Redrive job {job} of mail?")
+        assert statuses(engine, [job]) == ["dead"]  # the confirmation step has changed nothing yet
+        shot(page, "confirm")
+        page.locator("#confirm").click()
+        expect(page.locator("#flash")).to_contain_text(f"redriven 1 job(s) of mail: [{job}]")
+        assert statuses(engine, [job, other]) == ["ready", "dead"]
+        expect(page.locator("#jobs tr[data-job]")).to_have_count(1)
+        # and "Back, do nothing" on a confirmation page leaves the job alone
+        page.locator(f'tr[data-job="{other}"] a[data-action="redrive"]').click()
+        page.locator("#back").click()
+        expect(page.locator("h1")).to_contain_text("Consumer mail")
+        assert statuses(engine, [other]) == ["dead"]
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT attempts FROM outbox_jobs WHERE id = :i"), {"i": job}).scalar_one() == 0
+
+
+def test_cancel_retry_pause_and_resume_from_the_consumer_page(engine, page):
+    s = seed(engine)
+    ready = s.jobs["bill"]["ready"][0]
+    backoff = s.jobs["ship"]["backoff"][0]
+    with served(engine) as base:
+        page.goto(base + "/consumers/bill?status=ready")
+        page.locator(f'tr[data-job="{ready}"] a[data-action="cancel"]').click()
+        page.locator("#confirm").click()
+        expect(page.locator("#flash")).to_have_text(f"cancelled job {ready}")
+        assert statuses(engine, [ready]) == ["cancelled"]
+
+        page.locator('#pause-state a[data-action="pause"]').click()
+        expect(page.locator(".explain")).to_contain_text("No relay claims this consumer's jobs")
+        page.locator("#confirm").click()
+        expect(page.locator("#pause-state .tag.paused")).to_contain_text("paused since")
+        assert paused(engine, "bill")
+        page.locator('#pause-state a[data-action="resume"]').click()
+        page.locator("#confirm").click()
+        expect(page.locator("#flash")).to_have_text("resumed consumer bill")
+        assert not paused(engine, "bill")
+
+        page.goto(base + "/consumers/ship?status=ready")
+        page.locator(f'tr[data-job="{backoff}"] a[data-action="retry"]').click()
+        page.locator("#confirm").click()
+        expect(page.locator("#flash")).to_contain_text(f"due now: 1 job(s): [{backoff}]")
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT run_at <= now() FROM outbox_jobs WHERE id = :i"), {"i": backoff}).scalar_one()
+
+
+def test_the_event_page_shows_one_job_per_consumer(engine, page):
+    s = seed(engine)
+    with served(engine) as base:
+        page.goto(base + "/")
+        page.fill('nav input[name="key"]', "order:1")
+        page.locator("nav form.lookup button").click()
+        page.locator(f'#key-events a[href="/events/{s.events[0]}"]').click()
+        expect(page.locator("h1")).to_have_text(f"Event {s.events[0]}")
+        rows = page.locator("#event-jobs tbody tr[data-consumer]")
+        expect(rows).to_have_count(3)
+        seen = {rows.nth(i).get_attribute("data-consumer"): rows.nth(i).locator(".status").inner_text()
+                for i in range(3)}
+        assert seen == {"bill": "dead", "mail": "done", "ship": "ready"}
+        expect(page.locator("#topic")).to_have_text("order.placed")
+        expect(page.locator("#payload")).to_contain_text('"total_cents": 100')
+        expect(page.locator("#headers")).to_contain_text('"trace": "t-1"')
+        shot(page, "event")
+        page.fill('nav input[name="id"]', str(s.events[4]))
+        page.locator("nav form.lookup button").click()
+        expect(page.locator("h1")).to_have_text(f"Event {s.events[4]}")
+        running = page.locator('#event-jobs tr[data-consumer="mail"]')
+        expect(running).to_contain_text("running")
+        expect(running).to_contain_text("host-a:1:x")  # the relay holding its lease
+
+
+def test_a_hostile_payload_is_text_and_never_runs(engine, page):
+    s = seed(engine)
+    with served(engine) as base:
+        page.goto(base + f"/events/{s.hostile_event}")
+        expect(page.locator("#payload")).to_contain_text(HOSTILE)
+        expect(page.locator("#headers")).to_contain_text(HOSTILE)
+        page.goto(base + "/consumers/mail?status=dead")
+        expect(page.locator("#jobs")).to_contain_text("<img src=x onerror=alert(2)> refused")
+        assert page.locator("main img").count() == 0
+        assert page.locator("script").count() == 1  # htmx only
+        page.goto(base + "/events?key=" + "%3Cscript%3Ealert(3)%3C%2Fscript%3E")
+        expect(page.locator("h2")).to_contain_text("<script>alert(3)</script>")
+        page.reload()
+        page.wait_for_load_state("load")
+    assert page.dialogs == []
+
+
+def test_an_action_without_the_csrf_token_is_refused(engine, page):
+    seed(engine)
+    with served(engine) as base:
+        page.goto(base + "/confirm?action=pause&consumer=bill")
+        page.evaluate("document.querySelector('#confirm-form input[name=csrf]').remove()")
+        with page.expect_response(lambda r: "/actions/pause" in r.url) as answer:
+            page.locator("#confirm").click()
+        assert answer.value.status == 403
+        expect(page.locator("#error")).to_contain_text("CSRF token is missing")
+        assert not paused(engine, "bill")
+        page.goto(base + "/confirm?action=pause&consumer=bill")
+        page.evaluate("document.querySelector('#confirm-form input[name=csrf]').value = '00ff'")
+        page.locator("#confirm").click()
+        expect(page.locator("h1")).to_have_text("Refused")
+        assert not paused(engine, "bill")
+        status = page.evaluate("""async () => (await fetch('/actions/pause', {method: 'POST',
+            body: new URLSearchParams({consumer: 'bill'})})).status""")
+        assert status == 403
+        assert not paused(engine, "bill")
+
+
+def test_read_only_hides_and_refuses_actions(engine, page):
+    s = seed(engine)
+    dead = s.jobs["mail"]["dead"]
+    with served(engine, read_only=True) as base:
+        page.goto(base + "/consumers/mail")
+        expect(page.locator("#read-only")).to_be_visible()
+        expect(page.locator("#jobs tr[data-job]")).to_have_count(2)
+        assert page.locator("a.action").count() == 0
+        page.goto(base + f"/confirm?action=redrive&consumer=mail&job={dead[0]}")
+        expect(page.locator("#error")).to_contain_text("read-only")
+        status = page.evaluate(f"""async () => (await fetch('/actions/redrive', {{method: 'POST',
+            body: new URLSearchParams({{consumer: 'mail', job: '{dead[0]}'}})}})).status""")
+        assert status == 403
+    assert statuses(engine, dead) == ["dead", "dead"]
+
+
+def test_relays_page_lists_the_registry(engine, page):
+    seed(engine)
+    with served(engine) as base:
+        page.goto(base + "/relays")
+        row = page.locator('#relays tr[data-relay="host-a:1:x"]')
+        expect(row).to_contain_text("host-a")
+        expect(row).to_contain_text("bill, mail, ship")
+        shot(page, "relays")
+
+
+def test_the_overview_says_the_database_is_down_and_recovers(db_url, page):
+    proxy = TcpProxy((db_url.host or "127.0.0.1", db_url.port or 5432))
+    proxy.start()
+    engine = make_engine(db_url.set(host="127.0.0.1", port=proxy.port))
+    try:
+        seed(engine)
+        with served(engine, refresh_seconds=0.5) as base:
+            page.goto(base + "/")
+            expect(cell(page, "mail", "dead")).to_have_text("2")
+            proxy.stop()
+            expect(page.locator("#db-down")).to_contain_text("cannot reach the database")
+            proxy.start()
+            expect(cell(page, "mail", "dead")).to_have_text("2")  # the same page, polling on
+            expect(page.locator("#db-down")).to_have_count(0)
+    finally:
+        proxy.stop()
+        engine.dispose()

@@ -1,0 +1,319 @@
+"""The dashboard over HTTP (Starlette's TestClient, and a real ``outbox-relay dashboard``
+process): authentication and the refusal to listen off loopback without it, CSRF, read-only,
+bad input as 400/404 pages, the database going away and coming back, escaping, keyset pages;
+and the :mod:`outbox.admin` queries the dashboard reads through, on a seeded database."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.orm import Session
+
+from outbox import admin, publish
+from outbox.cli import main
+from outbox.db.engine import make_engine
+from outbox.router import route_all
+from outbox.settings import OutboxSettings
+from outbox.testing import wait_for
+from tests.acceptance.proxy import TcpProxy
+
+from .dashboard_helpers import HOSTILE, paused, seed, statuses
+from .helpers import subscribe
+
+pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] (starlette) is not installed")
+pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
+
+from pydantic import SecretStr  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from outbox.dashboard import DashboardAuth, check_bind, create_app  # noqa: E402
+from outbox.errors import AdminError, ConfigurationError  # noqa: E402
+
+
+def _client(engine: sa.Engine, **options) -> TestClient:
+    return TestClient(create_app(engine, OutboxSettings(_env_file=None), **options), follow_redirects=False)
+
+
+def _csrf(client: TestClient, query: str) -> str:
+    page = client.get(f"/confirm?{query}")
+    assert page.status_code == 200, page.text
+    return re.search(r'name="csrf" value="([0-9a-f]+)"', page.text).group(1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------ binding, auth
+
+
+def test_a_non_loopback_bind_without_credentials_refuses_to_start(db_url, capsys):
+    port = _free_port()
+    url = db_url.render_as_string(hide_password=False)
+    env = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("OUTBOX_DASHBOARD_")}
+    try:
+        code = main(["dashboard", "--host", "0.0.0.0", "--port", str(port), "--database-url", url])
+    finally:
+        os.environ.update(env)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "refusing to listen on 0.0.0.0 without authentication" in err and "OUTBOX_DASHBOARD_TOKEN" in err
+    with socket.socket() as s:  # nothing listens there
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_which_binds_need_credentials():
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        check_bind(host, None)
+    for host in ("0.0.0.0", "::", "192.168.1.5", "dashboard.example", ""):
+        with pytest.raises(ConfigurationError, match="refusing to listen"):
+            check_bind(host, None)
+    check_bind("0.0.0.0", DashboardAuth(token=SecretStr("t")))
+
+
+def test_settings_want_basic_auth_whole():
+    with pytest.raises(ValueError, match="dashboard_user and dashboard_password go together"):
+        OutboxSettings(_env_file=None, dashboard_user="ops")
+    assert DashboardAuth.from_settings(OutboxSettings(_env_file=None, dashboard_token="")) is None
+
+
+def test_dashboard_process_on_all_interfaces_wants_the_token_and_never_logs_it(db_url, tmp_path):
+    """A real ``outbox-relay dashboard --host 0.0.0.0`` with a token: every page answers 401
+    without it or with a wrong one, 200 with it (bearer, or the sign-in cookie); the token
+    is in no line the process writes."""
+    port = _free_port()
+    secret = "s3cret-token-for-the-test-" + os.urandom(6).hex()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+           "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), "OUTBOX_DASHBOARD_TOKEN": secret}
+    log = tmp_path / "dashboard.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "dashboard", "--host", "0.0.0.0", "--port",
+                                    str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def get(path: str, headers: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, str, object]:
+        request = urllib.request.Request(base + path, headers=headers or {}, data=data)
+        try:
+            with urllib.request.build_opener(_NoRedirect).open(request, timeout=10) as response:
+                return response.status, response.read().decode(), response.headers
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read().decode(), exc.headers
+
+    def up() -> bool:
+        assert process.poll() is None, log.read_text()
+        try:
+            return get("/")[0] > 0
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="the dashboard process to answer")
+        status, body, _ = get("/")
+        assert status == 401 and 'name="token"' in body
+        assert get("/consumers/x", {"Authorization": "Bearer wrong"})[0] == 401
+        assert get("/static/style.css")[0] == 200  # assets are public, pages are not
+        status, body, _ = get("/", {"Authorization": f"Bearer {secret}"})
+        assert status == 200 and "<h1>Overview</h1>" in body
+        assert get("/login", data=b"token=wrong")[0] == 401
+        status, _, headers = get("/login", data=f"token={secret}".encode())
+        assert status == 303
+        cookie = headers.get("set-cookie").split(";")[0]
+        assert secret not in cookie
+        assert get("/relays", {"Cookie": cookie})[0] == 200
+        assert get("/relays", {"Cookie": "outbox_auth=forged"})[0] == 401
+    finally:
+        process.terminate()
+        process.wait(20)
+    text = log.read_text()
+    assert "auth: bearer token" in text, text
+    assert secret not in text
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def test_basic_auth_wrong_password_is_401_with_a_challenge(engine):
+    auth = DashboardAuth(user="ops", password=SecretStr("pw"))
+    client = _client(engine, auth=auth)
+    wrong = "Basic " + base64.b64encode(b"ops:nope").decode()
+    response = client.get("/", headers={"Authorization": wrong})
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"].startswith("Basic ")
+    assert client.get("/", headers={"Authorization": "Basic !!!"}).status_code == 401
+    right = "Basic " + base64.b64encode(b"ops:pw").decode()
+    assert client.get("/", headers={"Authorization": right}).status_code == 200
+
+
+# ----------------------------------------------------------------------- CSRF, read-only
+
+
+def test_an_action_needs_the_csrf_token_of_its_own_session(engine):
+    seed(engine)
+    client = _client(engine)
+    token = _csrf(client, "action=pause&consumer=bill")
+    assert client.post("/actions/pause", data={"consumer": "bill"}).status_code == 403
+    other = _client(engine)
+    foreign = _csrf(other, "action=pause&consumer=bill")
+    assert client.post("/actions/pause", data={"consumer": "bill", "csrf": foreign}).status_code == 403
+    assert not paused(engine, "bill")
+    response = client.post("/actions/pause", data={"consumer": "bill", "csrf": token})
+    assert response.status_code == 303 and response.headers["location"].startswith("/consumers/bill?")
+    assert paused(engine, "bill")
+
+
+def test_read_only_shows_no_action_and_refuses_them(engine):
+    s = seed(engine)
+    client = _client(engine, read_only=True)
+    page = client.get("/consumers/mail")
+    assert page.status_code == 200 and "read-only" in page.text
+    assert "data-action" not in page.text and "/confirm?" not in page.text
+    assert client.get("/confirm?action=redrive&consumer=mail").status_code == 403
+    writer = _client(engine)
+    token = _csrf(writer, "action=redrive&consumer=mail")
+    client.cookies.update(writer.cookies)  # even with a valid session and token
+    dead = s.jobs["mail"]["dead"]
+    assert client.post("/actions/redrive", data={"consumer": "mail", "job": str(dead[0]), "csrf": token}).status_code == 403
+    assert statuses(engine, dead) == ["dead", "dead"]
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(("path", "status"), [
+    ("/events/abc", 400), ("/events/0", 400), ("/events/99999999999999999999", 400), ("/events/%C2%B2", 400),
+    ("/events/123456", 404), ("/events?id=x1", 400), ("/consumers/nobody", 404), ("/consumers/mail?status=bogus", 400),
+    ("/consumers/mail?before=-3", 400), ("/confirm?action=drop&consumer=mail", 400),
+    ("/confirm?action=cancel&consumer=mail", 400), ("/confirm?action=pause&consumer=nobody", 404),
+    ("/nowhere", 404),
+])
+def test_bad_input_is_a_page_never_a_traceback(engine, path, status):
+    seed(engine)
+    response = _client(engine).get(path)
+    assert response.status_code == status, response.text
+    assert "<h1>" in response.text and "Traceback" not in response.text
+
+
+def test_an_unknown_action_post_is_400(engine):
+    seed(engine)
+    client = _client(engine)
+    token = _csrf(client, "action=pause&consumer=bill")
+    assert client.post("/actions/drop", data={"consumer": "bill", "csrf": token}).status_code == 400
+    assert client.post("/actions/cancel", data={"consumer": "bill", "job": "x", "csrf": token}).status_code == 400
+
+
+# ------------------------------------------------------------------ database down, back
+
+
+def test_database_down_is_a_503_page_and_the_dashboard_recovers(db_url):
+    proxy = TcpProxy((db_url.host or "127.0.0.1", db_url.port or 5432))
+    proxy.start()
+    engine = make_engine(db_url.set(host="127.0.0.1", port=proxy.port))
+    try:
+        client = _client(engine)
+        assert client.get("/").status_code == 200
+        proxy.stop()
+        page = client.get("/")
+        assert page.status_code == 503
+        assert "Database unavailable" in page.text and "cannot reach the database" in page.text
+        assert 'http-equiv="refresh"' in page.text  # it reloads itself
+        part = client.get("/overview")
+        assert part.status_code == 503 and 'id="db-down"' in part.text and 'hx-get="/overview"' in part.text
+        assert client.get("/consumers/mail").status_code == 503
+        proxy.start()
+        wait_for(lambda: client.get("/").status_code == 200, timeout=30, what="the dashboard to recover")
+        assert client.get("/overview").status_code == 200
+    finally:
+        proxy.stop()
+        engine.dispose()
+
+
+def test_missing_tables_are_a_503_naming_migrate(empty_db_url):
+    engine = make_engine(empty_db_url)
+    try:
+        page = _client(engine).get("/relays")
+        assert page.status_code == 503 and "outbox-relay migrate" in page.text
+    finally:
+        engine.dispose()
+
+
+# ------------------------------------------------------------------ escaping, headers
+
+
+def test_hostile_payloads_and_errors_are_escaped(engine):
+    s = seed(engine)
+    client = _client(engine)
+    event = client.get(f"/events/{s.hostile_event}")
+    assert event.status_code == 200
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in event.text and HOSTILE not in event.text
+    dead = client.get("/consumers/mail?status=dead").text
+    assert "&lt;img src=x onerror=alert(2)&gt;" in dead and "<img" not in dead
+    assert "script-src 'self'" in event.headers["content-security-policy"]
+    assert event.headers["x-frame-options"] == "DENY"
+
+
+# -------------------------------------------------------------------- keyset pages
+
+
+def test_consumer_pages_are_keyset_pages_covering_every_job_once(engine):
+    subscribe(engine, "t", ["many"])
+    with Session(engine) as s, s.begin():
+        for i in range(120):
+            publish(s, "t", {"i": i})
+    route_all(engine)
+    client = _client(engine)
+    seen: list[int] = []
+    path = "/consumers/many?status=ready"
+    pages = 0
+    while path:
+        body = client.get(path).text
+        seen += [int(i) for i in re.findall(r'<tr data-job="(\d+)"', body)]
+        older = re.search(r'href="\?([^"]+)" id="older"', body)
+        path = f"/consumers/many?{older.group(1).replace('&amp;', '&')}" if older else ""
+        pages += 1
+    assert pages == 3
+    assert len(seen) == 120 and seen == sorted(seen, reverse=True)
+    with engine.connect() as c:
+        assert set(seen) == set(c.execute(sa.text("SELECT id FROM outbox_jobs")).scalars())
+
+
+# ---------------------------------------------------------- admin queries it reads through
+
+
+def test_admin_event_trace_throughput_and_pages(engine):
+    s = seed(engine)
+    with engine.begin() as conn:
+        trace = admin.event_trace(conn, s.events[0])
+        assert trace is not None and [j.consumer for j in trace.jobs] == ["bill", "mail", "ship"]
+        assert [j.status for j in trace.jobs] == ["dead", "done", "ready"] and trace.unrouted_consumers == []
+        assert trace.payload == {"order_id": 1, "total_cents": 100} and trace.headers == {"trace": "t-1"}
+        assert admin.event_trace(conn, 10**9) is None
+        assert [t.id for t in admin.events_by_key(conn, "order:3")] == [s.events[2]]
+        rate = admin.throughput(conn, minutes=5)
+        assert rate == {"mail": [0, 0, 0, 0, 2]}
+        page = admin.jobs_page(conn, "mail", "dead", limit=1)
+        assert [j.id for j in page.jobs] == [max(s.jobs["mail"]["dead"])] and page.next_before == page.jobs[0].id
+        rest = admin.jobs_page(conn, "mail", "dead", before=page.next_before, limit=1)
+        assert [j.id for j in rest.jobs] == [min(s.jobs["mail"]["dead"])] and rest.next_before is None
+        with pytest.raises(AdminError):
+            admin.jobs_page(conn, "mail", "exploded")
+        assert admin.pause(conn, "ship").was_paused_at is None
+        assert admin.pause(conn, "ship").was_paused_at is not None
+        assert admin.resume(conn, "ship").was_paused_at is not None
+        assert admin.resume(conn, "nobody").known is False
+        assert admin.redrive(conn, consumer="mail") == sorted(s.jobs["mail"]["dead"])
+    with pytest.raises(AdminError):
+        with engine.begin() as conn:
+            admin.redrive(conn)
