@@ -83,6 +83,12 @@ STREAM_NAME = re.compile(r"[^\s.*>/\\\x00-\x1f\x7f]{1,255}")
 
 OUTBOX_HEADERS = ("Nats-Msg-Id", "Nats-Expected-Stream", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key",
                   "Outbox-Idempotency-Key", "Outbox-Created-At")
+_OUTBOX_HEADERS_LOWER = frozenset(name.lower() for name in OUTBOX_HEADERS)
+
+#: Most subjects, and most header names, whose check a sink remembers (then it starts over).
+CHECKS_KEPT = 10_000
+
+_UNCHECKED = object()
 
 
 def subject_problem(subject: str) -> str | None:
@@ -196,6 +202,8 @@ class JetStream(Sink):
         self._inbox = ""  # "<the connection's reply subject prefix>.": a publish's reply is this plus its token
         self._tokens = itertools.count(1)
         self._batch: _Batch | None = None
+        self._subject_problems: dict[str, str | None] = {}  # a rendered subject -> subject_problem's answer
+        self._good_names: set[str] = set(OUTBOX_HEADERS)  # header names header_problem accepted
         self._up = False
         self._down = asyncio.Event()  # set while the connection is down; bound to a loop on first wait
 
@@ -328,41 +336,55 @@ class JetStream(Sink):
 
     def _addressed(self, message: Message) -> tuple[str, dict[str, str]] | Failed:
         """The subject and headers ``message`` is published with, or a permanent failure when
-        it cannot be published at all."""
+        it cannot be published at all. The checks of a subject and of a header name are
+        remembered (most messages repeat them), at most :data:`CHECKS_KEPT` of each."""
         try:
             subject = self.subject.render(message)
         except ValueError as exc:
             return Failed(str(exc), permanent=True)
-        problem = subject_problem(subject)
+        problem = self._subject_problems.get(subject, _UNCHECKED)
+        if problem is _UNCHECKED:
+            problem = subject_problem(subject)
+            _remember(self._subject_problems, subject, problem)
         if problem is not None:
             return Failed(f"event {message.event_id}: {problem}", permanent=True)
-        _, headers = self._address(message, subject)
+        headers = self._headers(message)
+        names = self._good_names
         for name, value in headers.items():
-            problem = header_problem(name, value)
-            if problem is not None:
-                return Failed(f"event {message.event_id}: {problem}", permanent=True)
+            if name not in names or "\r" in value or "\n" in value or value != value.strip():
+                problem = header_problem(name, value)
+                if problem is not None:
+                    return Failed(f"event {message.event_id}: {problem}", permanent=True)
+                if len(names) >= CHECKS_KEPT:
+                    names.clear()
+                    names.update(OUTBOX_HEADERS)
+                names.add(name)
         if self._nc is not None:
             limit = int(self._nc.max_payload)
-            size = len(message.body) + HEADER_BLOCK_OVERHEAD + sum(
-                len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())  # "k: v\r\n"
+            # "k: v\r\n" per header; UTF-8 lengths, from one encoding of all the names and values
+            size = (len(message.body) + HEADER_BLOCK_OVERHEAD + 4 * len(headers)
+                    + len("".join(itertools.chain(headers, headers.values())).encode()))
             if size > limit:
                 return Failed(f"event {message.event_id}: message is {size} bytes (body {len(message.body)} and "
                               f"headers), over the server's max_payload of {limit} bytes", permanent=True)
         return subject, headers
 
-    def _address(self, message: Message, subject: str | None = None) -> tuple[str, dict[str, str]]:
-        """The subject and the headers ``message`` is published with."""
-        ours = {"Nats-Msg-Id": message.idempotency_key, "Outbox-Event-Id": str(message.event_id),
-                "Outbox-Topic": message.topic, "Outbox-Idempotency-Key": message.idempotency_key,
-                "Outbox-Created-At": message.created_at.astimezone(UTC).isoformat()}
+    def _headers(self, message: Message) -> dict[str, str]:
+        """The headers ``message`` is published with: the event's own but those named as one
+        of outbox's (compared case-insensitively), then outbox's."""
+        created = message.created_at
+        headers = ({k: v for k, v in message.headers.items() if k.lower() not in _OUTBOX_HEADERS_LOWER}
+                   if message.headers else {})
+        headers["Nats-Msg-Id"] = message.idempotency_key
+        headers["Outbox-Event-Id"] = str(message.event_id)
+        headers["Outbox-Topic"] = message.topic
+        headers["Outbox-Idempotency-Key"] = message.idempotency_key
+        headers["Outbox-Created-At"] = (created if created.tzinfo is UTC else created.astimezone(UTC)).isoformat()
         if message.key is not None:
-            ours["Outbox-Key"] = message.key
+            headers["Outbox-Key"] = message.key
         if self.stream is not None:
-            ours["Nats-Expected-Stream"] = self.stream
-        taken = {name.lower() for name in OUTBOX_HEADERS}
-        headers = {k: v for k, v in message.headers.items() if k.lower() not in taken}
-        headers.update(ours)
-        return (subject if subject is not None else self.subject.render(message)), headers
+            headers["Nats-Expected-Stream"] = self.stream
+        return headers
 
     async def _await_acks(self, batch: _Batch, below: int, seconds: float) -> None:
         """Wait until fewer than ``below`` of ``batch``'s publishes await their PubAck,
@@ -428,6 +450,13 @@ def _refused(exc: Exception) -> SendResult:
                   | nats.errors.OutboundBufferLimitError | nats.errors.ConnectionReconnectingError | OSError):
         return Unavailable(f"the connection to NATS is down ({type(exc).__name__})")
     return Failed(f"{type(exc).__name__}: {exc}")
+
+
+def _remember(checks: dict[str, Any], key: str, answer: Any) -> None:
+    """Keep one check's ``answer``, forgetting all the others once :data:`CHECKS_KEPT` are kept."""
+    if len(checks) >= CHECKS_KEPT:
+        checks.clear()
+    checks[key] = answer
 
 
 async def _quietly_close(nc: Any) -> None:
