@@ -9,13 +9,17 @@ stored again. Outbox's headers (``Outbox-Event-Id``, ``Outbox-Topic``, ``Outbox-
 ``Outbox-Idempotency-Key``, ``Outbox-Created-At``) travel with the event's own, which pass
 through unchanged (outbox's names win on a clash, compared case-insensitively).
 
-A batch is published pipelined: one request per message, all written before any PubAck is
-awaited, at most ``max_pending`` outstanding at once (a send past that waits for an earlier
-PubAck, within the batch's time), then every PubAck is awaited, the batch's ``timeout`` in
-all. The client's own ``publish_async`` is not used: in nats-py 2.16 an error answer (any
-JetStream API error) raises inside its reply handler and never reaches the future, which
-then waits forever and keeps its place in the pending window; ``JetStreamContext.publish``
-parses the same answers correctly and gives each request its own timeout.
+A batch is published pipelined, with the core client: each message is a plain publish
+whose reply subject is the sink's own inbox (``_INBOX.<unique>.``, one subscription to
+``<inbox>.*`` made at connect) plus a token naming the message, so a batch costs no asyncio
+task or request future per message and goes out in few socket writes (the client's flusher
+writes what the batch buffered once the sink waits). The server's answer arrives on that
+inbox: a PubAck, a JetStream API error, or a no-responders status. At most ``max_pending``
+publishes await their answer at once (a send past that waits for an earlier one, within
+the batch's time), then every answer is awaited, the batch's ``timeout`` in all. The
+client's own ``publish_async`` is not used: in nats-py 2.16 an error answer (any JetStream
+API error) raises inside its reply handler and never reaches the future, which then waits
+forever and keeps its place in the pending window; this sink parses every answer itself.
 
 What each message gets:
 
@@ -33,14 +37,17 @@ What each message gets:
   for every message without a PubAck yet. The client reconnects by itself (forever, every
   ``reconnect_time_wait``); ``connected`` follows its callbacks.
 
-Requests still unanswered when the batch ends are cancelled (the stream may yet store
-them: a re-send is deduplicated), so nothing of one batch lingers into the next.
+Publishes still unanswered when the batch ends are given up (the stream may yet store them:
+a re-send is deduplicated); an answer arriving later is dropped, so nothing of one batch
+lingers into the next (tokens are never reused on a connection).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -76,6 +83,12 @@ STREAM_NAME = re.compile(r"[^\s.*>/\\\x00-\x1f\x7f]{1,255}")
 
 OUTBOX_HEADERS = ("Nats-Msg-Id", "Nats-Expected-Stream", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key",
                   "Outbox-Idempotency-Key", "Outbox-Created-At")
+_OUTBOX_HEADERS_LOWER = frozenset(name.lower() for name in OUTBOX_HEADERS)
+
+#: Most subjects, and most header names, whose check a sink remembers (then it starts over).
+CHECKS_KEPT = 10_000
+
+_UNCHECKED = object()
 
 
 def subject_problem(subject: str) -> str | None:
@@ -186,7 +199,11 @@ class JetStream(Sink):
         self.connect_timeout = float(connect_timeout)
         self.max_pending = max_pending
         self._nc: Any = None
-        self._js: Any = None
+        self._inbox = ""  # "<the connection's reply subject prefix>.": a publish's reply is this plus its token
+        self._tokens = itertools.count(1)
+        self._batch: _Batch | None = None
+        self._subject_problems: dict[str, str | None] = {}  # a rendered subject -> subject_problem's answer
+        self._good_names: set[str] = set(OUTBOX_HEADERS)  # header names header_problem accepted
         self._up = False
         self._down = asyncio.Event()  # set while the connection is down; bound to a loop on first wait
 
@@ -231,19 +248,21 @@ class JetStream(Sink):
                            connect_timeout=math.ceil(self.connect_timeout), disconnected_cb=disconnected,
                            reconnected_cb=reconnected, closed_cb=disconnected, error_cb=error),
                 self.connect_timeout)
+            inbox = nc.new_inbox() + "."
+            await nc.subscribe(inbox + "*", cb=self._answered)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _quietly_close(nc)
             reason = type(exc).__name__ + (f": {exc}" if str(exc) else "")
             raise SinkUnavailableError(f"cannot reach NATS at {','.join(_safe(s) for s in self.servers)} "
                                        f"within {self.connect_timeout:g} s ({reason})") from None
         self._nc = nc
-        self._js = nc.jetstream()
+        self._inbox = inbox
         self._up = True
         self._down.clear()
 
     async def close(self) -> None:
         """Flush what is buffered and close the connection; does nothing when not connected."""
-        nc, self._nc, self._js, self._up = self._nc, None, None, False
+        nc, self._nc, self._up = self._nc, None, False
         self._down.set()
         if nc is not None:
             await _quietly_close(nc)
@@ -254,124 +273,190 @@ class JetStream(Sink):
         store one batch's messages in another order than given."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        results: list[SendResult | None] = [None] * len(messages)
-        sends: dict[int, asyncio.Task[Any]] = {}
-        subjects: dict[int, str] = {}
-        window = asyncio.Semaphore(self.max_pending)
-        js = self._js
+        batch = _Batch(len(messages))
+        nc = self._nc
         lost: str | None = None
-        for index, message in enumerate(messages):
-            address = self._addressed(message)
-            if isinstance(address, Failed):
-                results[index] = address
-                continue
-            if lost is None and not self.connected:
-                lost = "not connected to NATS" if js is None else "the connection to NATS is down"
-            if lost is not None:
-                results[index] = Unavailable(lost)
-                continue
-            if window.locked():  # the window is full: wait for a PubAck, within the batch's time
-                try:
-                    await asyncio.wait_for(window.acquire(), max(deadline - loop.time(), 0.0))
-                except TimeoutError:
-                    results[index] = Failed(f"no PubAck within {timeout:g} s (the batch's {self.max_pending} "
-                                            "outstanding publishes took all of it)")
+        self._batch = batch
+        try:
+            for index, message in enumerate(messages):
+                address = self._addressed(message)
+                if isinstance(address, Failed):
+                    batch.results[index] = address
                     continue
-            else:
-                # Room in the window: taken without yielding, so the whole batch is written
-                # before the client's flusher runs (wait_for would yield once per message,
-                # and each message would go out in a send of its own).
-                await window.acquire()
-            subject, headers = address
-            subjects[index] = subject
-            send = asyncio.ensure_future(js.publish(subject, message.body, timeout=max(deadline - loop.time(), 0.001),
-                                                    stream=self.stream, headers=headers))
-            send.add_done_callback(lambda _: window.release())
-            sends[index] = send
-        if sends:
-            await self._await_acks(list(sends.values()), deadline - loop.time())
-        down = lost is not None or not self.connected
-        unfinished = [send for send in sends.values() if not send.done()]
-        for send in unfinished:
-            send.cancel()
-        await asyncio.gather(*unfinished, return_exceptions=True)  # they end at once, cancelled
-        for index, send in sends.items():
-            results[index] = _outcome(send, subjects[index], timeout, down, self.stream)
-        return [r if r is not None else Unavailable("not sent") for r in results]
+                if lost is None and not self.connected:
+                    lost = "not connected to NATS" if nc is None else "the connection to NATS is down"
+                if lost is not None:
+                    batch.results[index] = Unavailable(lost)
+                    continue
+                if len(batch.pending) >= self.max_pending:  # the window is full: wait for a PubAck
+                    await self._await_acks(batch, self.max_pending, deadline - loop.time())
+                    if not self.connected:
+                        lost = "the connection to NATS was lost before the PubAck"
+                        batch.results[index] = Unavailable(lost)
+                        continue
+                    if len(batch.pending) >= self.max_pending:
+                        batch.results[index] = Failed(f"no PubAck within {timeout:g} s (the batch's "
+                                                      f"{self.max_pending} outstanding publishes took all of it)")
+                        continue
+                subject, headers = address
+                token = str(next(self._tokens))
+                batch.subjects[index] = subject
+                batch.pending[token] = index
+                try:
+                    # Never yields while the client's buffer has room: the whole batch is
+                    # written before its flusher runs, in few socket writes.
+                    await nc.publish(subject, message.body, reply=self._inbox + token, headers=headers)
+                except Exception as exc:  # noqa: BLE001 - that message's result says it
+                    del batch.pending[token]
+                    batch.results[index] = _refused(exc)
+            if batch.pending:
+                await self._await_acks(batch, 1, deadline - loop.time())
+        finally:
+            self._batch = None  # a PubAck arriving later is dropped: a re-send is deduplicated
+        if batch.pending:
+            late: SendResult = (Unavailable("the connection to NATS was lost before the PubAck")
+                                if lost is not None or not self.connected else Failed(f"no PubAck within {timeout:g} s"))
+            for index in batch.pending.values():
+                batch.results[index] = late
+        return [r if r is not None else Unavailable("not sent") for r in batch.results]
+
+    async def _answered(self, msg: Any) -> None:
+        """The reply inbox's callback: one PubAck (or error, or no-responders status) settles
+        the message of the current batch its token names; others (late, of an earlier batch)
+        are dropped."""
+        batch = self._batch
+        if batch is None:
+            return
+        index = batch.pending.pop(msg.subject[len(self._inbox):], None)
+        if index is None:
+            return
+        batch.results[index] = _pub_ack(msg, batch.subjects[index], self.stream)
+        if len(batch.pending) < batch.wake_below:
+            batch.answered.set()
 
     def _addressed(self, message: Message) -> tuple[str, dict[str, str]] | Failed:
         """The subject and headers ``message`` is published with, or a permanent failure when
-        it cannot be published at all."""
+        it cannot be published at all. The checks of a subject and of a header name are
+        remembered (most messages repeat them), at most :data:`CHECKS_KEPT` of each."""
         try:
             subject = self.subject.render(message)
         except ValueError as exc:
             return Failed(str(exc), permanent=True)
-        problem = subject_problem(subject)
+        problem = self._subject_problems.get(subject, _UNCHECKED)
+        if problem is _UNCHECKED:
+            problem = subject_problem(subject)
+            _remember(self._subject_problems, subject, problem)
         if problem is not None:
             return Failed(f"event {message.event_id}: {problem}", permanent=True)
-        _, headers = self._address(message, subject)
+        headers = self._headers(message)
+        names = self._good_names
         for name, value in headers.items():
-            problem = header_problem(name, value)
-            if problem is not None:
-                return Failed(f"event {message.event_id}: {problem}", permanent=True)
+            if name not in names or "\r" in value or "\n" in value or value != value.strip():
+                problem = header_problem(name, value)
+                if problem is not None:
+                    return Failed(f"event {message.event_id}: {problem}", permanent=True)
+                if len(names) >= CHECKS_KEPT:
+                    names.clear()
+                    names.update(OUTBOX_HEADERS)
+                names.add(name)
         if self._nc is not None:
             limit = int(self._nc.max_payload)
-            size = len(message.body) + HEADER_BLOCK_OVERHEAD + sum(
-                len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())  # "k: v\r\n"
-            if self.stream is not None:
-                size += len("Nats-Expected-Stream: \r\n") + len(self.stream.encode())
+            # "k: v\r\n" per header; UTF-8 lengths, from one encoding of all the names and values
+            size = (len(message.body) + HEADER_BLOCK_OVERHEAD + 4 * len(headers)
+                    + len("".join(itertools.chain(headers, headers.values())).encode()))
             if size > limit:
                 return Failed(f"event {message.event_id}: message is {size} bytes (body {len(message.body)} and "
                               f"headers), over the server's max_payload of {limit} bytes", permanent=True)
         return subject, headers
 
-    def _address(self, message: Message, subject: str | None = None) -> tuple[str, dict[str, str]]:
-        """The subject and the headers ``message`` is published with."""
-        ours = {"Nats-Msg-Id": message.idempotency_key, "Outbox-Event-Id": str(message.event_id),
-                "Outbox-Topic": message.topic, "Outbox-Idempotency-Key": message.idempotency_key,
-                "Outbox-Created-At": message.created_at.astimezone(UTC).isoformat()}
+    def _headers(self, message: Message) -> dict[str, str]:
+        """The headers ``message`` is published with: the event's own but those named as one
+        of outbox's (compared case-insensitively), then outbox's."""
+        created = message.created_at
+        headers = ({k: v for k, v in message.headers.items() if k.lower() not in _OUTBOX_HEADERS_LOWER}
+                   if message.headers else {})
+        headers["Nats-Msg-Id"] = message.idempotency_key
+        headers["Outbox-Event-Id"] = str(message.event_id)
+        headers["Outbox-Topic"] = message.topic
+        headers["Outbox-Idempotency-Key"] = message.idempotency_key
+        headers["Outbox-Created-At"] = (created if created.tzinfo is UTC else created.astimezone(UTC)).isoformat()
         if message.key is not None:
-            ours["Outbox-Key"] = message.key
-        taken = {name.lower() for name in OUTBOX_HEADERS}
-        headers = {k: v for k, v in message.headers.items() if k.lower() not in taken}
-        headers.update(ours)
-        return (subject if subject is not None else self.subject.render(message)), headers
+            headers["Outbox-Key"] = message.key
+        if self.stream is not None:
+            headers["Nats-Expected-Stream"] = self.stream
+        return headers
 
-    async def _await_acks(self, futures: list[asyncio.Future[Any]], seconds: float) -> None:
-        """Wait until every future is done, ``seconds`` pass, or the connection goes down."""
-        if seconds <= 0:
+    async def _await_acks(self, batch: _Batch, below: int, seconds: float) -> None:
+        """Wait until fewer than ``below`` of ``batch``'s publishes await their PubAck,
+        ``seconds`` pass, or the connection goes down."""
+        if seconds <= 0 or len(batch.pending) < below:
             return
-        everything: asyncio.Future[Any] = asyncio.ensure_future(asyncio.wait(futures))  # cancelling it leaves them be
+        batch.wake_below = below
+        batch.answered.clear()
+        answered: asyncio.Future[Any] = asyncio.ensure_future(batch.answered.wait())
         down: asyncio.Future[Any] = asyncio.ensure_future(self._down.wait())
         try:
-            await asyncio.wait({everything, down}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({answered, down}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
             down.cancel()
-            everything.cancel()
+            answered.cancel()
+            batch.wake_below = 0
 
-def _outcome(send: asyncio.Task[Any], subject: str, timeout: float, down: bool, stream: str | None) -> SendResult:
-    """The result of one publish to ``subject``, from its task (done or just cancelled)."""
-    import nats.errors  # noqa: PLC0415
-    import nats.js.errors  # noqa: PLC0415
 
-    exc = None if send.cancelled() else send.exception()
-    if send.cancelled() or isinstance(exc, nats.errors.TimeoutError | asyncio.TimeoutError):
-        if down:
-            return Unavailable("the connection to NATS was lost before the PubAck")
-        return Failed(f"no PubAck within {timeout:g} s")
-    if exc is None:
-        return Delivered(duplicate=bool(send.result().duplicate))
-    if isinstance(exc, nats.js.errors.NoStreamResponseError | nats.errors.NoRespondersError):
+class _Batch:
+    """One :meth:`JetStream.send_many` call in flight: each message's result (None until
+    known), the subject each sent one went to, and the publishes awaiting their PubAck
+    (reply token -> index). ``answered`` is set when fewer than ``wake_below`` await."""
+
+    __slots__ = ("answered", "pending", "results", "subjects", "wake_below")
+
+    def __init__(self, size: int) -> None:
+        self.results: list[SendResult | None] = [None] * size
+        self.subjects: dict[int, str] = {}
+        self.pending: dict[str, int] = {}
+        self.answered = asyncio.Event()
+        self.wake_below = 0
+
+
+def _pub_ack(msg: Any, subject: str, stream: str | None) -> SendResult:
+    """The result a reply to a publish to ``subject`` says: a PubAck (JSON ``{"stream",
+    "seq", "duplicate"}``), a JetStream API error (``{"error": {"code", "err_code",
+    "description"}}``), or the server's no-responders status (503, an empty message with a
+    ``Status`` header) when nothing binds the subject."""
+    status = msg.headers.get("Status") if msg.headers else None
+    if status == "503":
         return Failed(f"no JetStream stream binds subject {subject}", permanent=True)
-    if isinstance(exc, nats.js.errors.APIError):
-        permanent = exc.err_code in PERMANENT_ERROR_CODES
-        where = f" (expected stream {stream})" if exc.err_code == 10060 and stream else ""
-        return Failed(f"JetStream refused it: code {exc.code}, err_code {exc.err_code}: {exc.description}{where}",
-                      permanent=permanent)
+    try:
+        answer = json.loads(msg.data) if msg.data else None
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        return Failed(f"NATS answered neither a PubAck nor an error (status {status}, {bytes(msg.data[:200])!r})")
+    error = answer.get("error")
+    if isinstance(error, dict):
+        err_code = error.get("err_code")
+        where = f" (expected stream {stream})" if err_code == 10060 and stream else ""
+        return Failed(f"JetStream refused it: code {error.get('code')}, err_code {err_code}: "
+                      f"{error.get('description')}{where}", permanent=err_code in PERMANENT_ERROR_CODES)
+    return Delivered(duplicate=bool(answer.get("duplicate")))
+
+
+def _refused(exc: Exception) -> SendResult:
+    """The result of a publish the client would not send: unavailable when its connection
+    is closed, draining or reconnecting with a full buffer; failed otherwise."""
+    import nats.errors  # noqa: PLC0415
+
     if isinstance(exc, nats.errors.ConnectionClosedError | nats.errors.ConnectionDrainingError
                   | nats.errors.OutboundBufferLimitError | nats.errors.ConnectionReconnectingError | OSError):
         return Unavailable(f"the connection to NATS is down ({type(exc).__name__})")
     return Failed(f"{type(exc).__name__}: {exc}")
+
+
+def _remember(checks: dict[str, Any], key: str, answer: Any) -> None:
+    """Keep one check's ``answer``, forgetting all the others once :data:`CHECKS_KEPT` are kept."""
+    if len(checks) >= CHECKS_KEPT:
+        checks.clear()
+    checks[key] = answer
 
 
 async def _quietly_close(nc: Any) -> None:

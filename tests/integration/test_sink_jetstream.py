@@ -252,6 +252,30 @@ def test_a_batch_cut_off_by_the_outage_is_unavailable_not_failed():
     run(test)
 
 
+def test_an_outage_while_a_send_waits_for_room_in_the_window_ends_the_batch_unavailable():
+    async def test(js: Any, prefix: str) -> None:
+        parts = urlsplit(NATS_URL)
+        proxy = TcpProxy((parts.hostname or "127.0.0.1", parts.port or 4222))
+        proxy.start()
+        silent = await nats.connect(NATS_URL)  # never answers: the second send waits for room
+        await silent.subscribe(f"silent{prefix}.>", cb=ignore)
+        await silent.flush()
+        sink = JetStream(f"nats://127.0.0.1:{proxy.port}", subject=f"silent{prefix}" + ".{topic}", max_pending=1)
+        await sink.connect()
+        try:
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.3, proxy.stop)
+            # the batch's timeout is 600 s: the disconnection ends the wait for room too
+            results = await asyncio.wait_for(sink.send_many([message(i) for i in range(5)], 600), 60)
+            assert results == [Unavailable("the connection to NATS was lost before the PubAck")] * 5, results
+        finally:
+            proxy.stop()
+            await sink.close()
+            await silent.close()
+
+    run(test)
+
+
 def test_connecting_to_a_closed_port_raises_sink_unavailable_quickly():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
