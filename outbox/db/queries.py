@@ -457,15 +457,22 @@ job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_
 (``cancelled`` instead when an operator asked to cancel it while it ran). Jobs missing from
 the result were stale reports and changed nothing."""
 
-_CLAIM_PICK_AFTER = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="""
+
+# The combined statement's pick also leaves out the jobs it completes (none of them is ready,
+# so it changes no result): reading ``completed`` makes the completion take all its locks
+# before the pick locks its first row. Without it the claim could lock a row first, and a
+# heartbeat whose older snapshot still saw that row running would wait for it while holding a
+# row the completion waits for: a deadlock (seen under load in test_races).
+_CLAIM_PICK_AFTER_COMPLETION = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="""
           AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
                                         CAST(:after_id AS bigint))
           AND id <> ALL (CAST(:skip AS bigint[]))
-          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))""")
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
+          AND id NOT IN (SELECT id FROM completed)""")
 
 job_complete_claim_many: TextClause = text(
     f"""
-    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER},
+    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER_COMPLETION},
     claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
     marked AS (
         UPDATE outbox_relays r
@@ -504,7 +511,10 @@ relay's periodic ``relay_seen`` drops fences no longer running under it. Both ha
 completion is fenced and locks its rows in id order; the claim only takes rows that were
 ``ready`` in the statement's snapshot (never one being completed, which was ``running``)
 and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
-WITH": sub-statements run on one snapshot and must not update the same row twice)."""
+WITH": sub-statements run on one snapshot and must not update the same row twice). The pick
+reads ``completed`` (``id NOT IN``), so the completion has taken every lock it waits for
+before the claim locks a row: a statement that holds claimed rows while it waits could
+deadlock with a heartbeat waiting for one of them."""
 
 job_claim_limited_many: TextClause = text(
     f"""

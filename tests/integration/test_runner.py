@@ -70,6 +70,40 @@ def test_complete_and_claim_completes_fenced_and_claims_in_claim_order(engine):
         assert (row["fence"], row["locked_by"], row["attempts"]) == (job.fence, "w1", 1)
 
 
+def test_complete_and_claim_holds_no_claimed_row_while_it_waits_for_a_completion_lock(engine):
+    """The combined statement waits only in its completion (locked rows in id order) and must
+    take all of those locks before it locks a row to claim: otherwise it holds a claimed row
+    while it waits, and a session that holds the awaited row and then wants the claimed one
+    (a heartbeat whose older snapshot still saw that row running) deadlocks with it. Here the
+    session holds the job being completed and then takes the ready job NOWAIT while the
+    statement waits; the statement then completes and claims it."""
+    ids = routed_jobs(engine, "t", ["a"], n=2)
+    with engine.begin() as conn:
+        [running] = claim_jobs(conn, LEASES, 1, "w1")
+    assert running.id == ids[0]
+    result: dict[str, Any] = {}
+    with _psycopg(engine) as holder, _psycopg(engine) as dispatcher:
+        holder.execute("BEGIN")
+        holder.execute("SELECT 1 FROM outbox_jobs WHERE id = %s FOR UPDATE", (running.id,))
+        pid = dispatcher.info.backend_pid
+
+        def combined() -> None:
+            result["out"] = complete_and_claim_jobs(dispatcher, [running], LEASES, 5, "w1")
+
+        thread = threading.Thread(target=combined)
+        thread.start()
+        with _psycopg(engine) as probe:
+            wait_for(lambda: probe.execute("SELECT wait_event_type FROM pg_stat_activity WHERE pid = %s",
+                                           (pid,)).fetchone()[0] == "Lock", timeout=TIMEOUT,
+                     what="the combined statement waiting for the completion's lock")
+        # The ready job must not be locked by the waiting statement.
+        holder.execute("SELECT 1 FROM outbox_jobs WHERE id = %s FOR UPDATE NOWAIT", (ids[1],))
+        holder.execute("COMMIT")
+        thread.join(TIMEOUT)
+    completed, claimed = result["out"]
+    assert completed == {ids[0]} and [j.id for j in claimed] == [ids[1]]
+
+
 def test_complete_and_claim_with_a_stale_fence_changes_nothing_but_still_claims(engine):
     ids = routed_jobs(engine, "t", ["a"], n=3)
     with engine.begin() as conn:
