@@ -19,7 +19,10 @@ notes):
   ``last_error`` the broker's answer; broker unreachable -> released, attempt not counted.
   A job whose lease was lost before it was sent is released unsent; one lost while it was
   in flight has its outcome dropped by the fence, as any job's.
-* **Outages.** A keeper task per sink connects it, and reconnects it with backoff when its
+* **Outages.** A batch of which no message was answered in time counts as an outage too
+  (a silent broker on a connection that looks up: a partition, a stalled server), as does,
+  for RabbitMQ, a missing exchange; after such a batch the forwarder stays out of claims
+  for a growing pause (0.5 s doubling to 10 s). A keeper task per sink connects it, and reconnects it with backoff when its
   connection is down; meanwhile the forwarder is in :meth:`unavailable` and the producer
   claims none of its jobs (they wait, ready, in the table: an outage never costs an
   attempt). It logs once when a broker becomes unreachable and once when it is back.
@@ -94,6 +97,10 @@ class Forwarder:
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._down: set[str] = set(self.forwarders)  # until its sink first connects
         self._announced: dict[str, bool] = {}  # consumer -> the last state logged (True: up)
+        # Batches in a row that found the broker unavailable, and until when (monotonic) the
+        # forwarder stays out of claims although its connection looks up.
+        self._outages: dict[str, int] = {}
+        self._hold_until: dict[str, float] = {}
         self._down_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arrived: asyncio.Event | None = None
@@ -196,6 +203,13 @@ class Forwarder:
                 tracing.record_send(current, sum(isinstance(r, Delivered) for r in results),
                                     sum(isinstance(r, Failed) for r in results),
                                     sum(isinstance(r, Unavailable) for r in results))
+        silent = [r for r in results if isinstance(r, Failed) and r.unanswered]
+        if results and len(silent) == len(results):
+            # Not one message answered in time, on a connection that looks up: the broker is
+            # silent (a partition, a stalled server), not the messages bad. Counting attempts
+            # would dead-letter the backlog for an outage: release them, as when it is down.
+            results = [Unavailable(f"no message of a batch of {len(results)} answered: {silent[0].error}")
+                       for _ in results]
         lost = False
         ran = time.monotonic() - started
         tally = dict.fromkeys(FORWARD_RESULTS, 0)
@@ -219,7 +233,12 @@ class Forwarder:
         if self.metrics is not None:
             self.metrics.forwarded(sub.consumer, tally)
         if lost:
+            self._outages[sub.consumer] = self._outages.get(sub.consumer, 0) + 1
+            pause = backoff.retry_delay(self._outages[sub.consumer], base=0.5, cap=RECONNECT_CAP, jitter=0.25)
+            self._hold_until[sub.consumer] = time.monotonic() + pause
             self._mark_down(sub, next(r.error for r in results if isinstance(r, Unavailable)))
+        elif tally["delivered"] or tally["duplicate"]:
+            self._outages.pop(sub.consumer, None)
 
     # ------------------------------------------------------------- connections
 
@@ -230,7 +249,10 @@ class Forwarder:
         while True:
             if sink.connected:
                 failures = 0
-                self._mark_up(sub)
+                # After a batch found the broker unavailable on a connection that looks up
+                # (silent, or the exchange missing), wait out a growing pause before claiming.
+                if time.monotonic() >= self._hold_until.get(sub.consumer, 0.0):
+                    self._mark_up(sub)
                 await asyncio.sleep(WATCH_INTERVAL)
                 continue
             try:

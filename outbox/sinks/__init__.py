@@ -14,9 +14,11 @@ without waiting for one broker acknowledgement before the next send, then report
   counts (backoff, dead letter once out of attempts); ``permanent`` (a message no retry can
   deliver: over the server's size limit, a subject no stream binds, an address the key
   cannot be rendered into) dead-letters it at once. ``error`` names the broker's answer.
-* :class:`Unavailable`: the connection to the broker is down. The job is handed back, the
-  attempt not counted, and the relay claims no more of the forwarder's jobs until the sink
-  has reconnected: an outage makes jobs wait, it never dead-letters them.
+* :class:`Unavailable`: the connection to the broker is down (or the broker is silent: no
+  message of the batch answered in time; or, RabbitMQ, the exchange does not exist). The
+  job is handed back, the attempt not counted, and the relay claims no more of the
+  forwarder's jobs for a while (until the sink has reconnected, and at least a growing
+  pause): an outage makes jobs wait, it never dead-letters them.
 
 A sink object is created when the forwarder is declared (in the application module, so a
 bad option is a :class:`~outbox.errors.ConfigurationError` at import time) and connected by
@@ -66,10 +68,13 @@ class Delivered:
 @dataclass(frozen=True, slots=True)
 class Failed:
     """The broker refused the message or did not acknowledge it in time; ``error`` says
-    what the broker answered. ``permanent``: no retry can deliver it (dead at once)."""
+    what the broker answered. ``permanent``: no retry can deliver it (dead at once).
+    ``unanswered``: the broker gave no answer at all in time; when no message of a batch was
+    answered, the forwarder takes the broker for unreachable, not the messages for bad."""
 
     error: str
     permanent: bool = False
+    unanswered: bool = False
 
 
 @dataclass(frozen=True, slots=True)

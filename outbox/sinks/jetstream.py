@@ -84,6 +84,8 @@ STREAM_NAME = re.compile(r"[^\s.*>/\\\x00-\x1f\x7f]{1,255}")
 OUTBOX_HEADERS = ("Nats-Msg-Id", "Nats-Expected-Stream", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key",
                   "Outbox-Idempotency-Key", "Outbox-Created-At")
 _OUTBOX_HEADERS_LOWER = frozenset(name.lower() for name in OUTBOX_HEADERS)
+#: The NATS control headers outbox itself sets; an event's own ``Nats-*`` headers are refused.
+_OWN_NATS_HEADERS = frozenset({"Nats-Msg-Id", "Nats-Expected-Stream"})
 
 #: Most subjects, and most header names, whose check a sink remembers (then it starts over).
 CHECKS_KEPT = 10_000
@@ -108,9 +110,15 @@ def subject_problem(subject: str) -> str | None:
 
 def header_problem(name: str, value: str) -> str | None:
     """Why a header cannot travel over NATS unchanged (the client trims values and turns line
-    breaks into spaces; names must be RFC 7230 tokens), or None."""
+    breaks into spaces; names must be RFC 7230 tokens), or None. Names starting with
+    ``Nats-`` are the server's control headers (``Nats-Rollup`` purges a stream,
+    ``Nats-Expected-*`` make conditions, ``Nats-TTL`` expires the message): an event's own
+    header must not steer the stream, so they are refused (outbox sets ``Nats-Msg-Id`` and
+    ``Nats-Expected-Stream`` itself)."""
     if not HEADER_NAME.fullmatch(name):
         return f"header name {name!r} is not a token NATS accepts"
+    if name.lower().startswith("nats-") and name not in _OWN_NATS_HEADERS:
+        return f"header {name!r} is a NATS control header (Nats-*), which an event may not set: it would steer the stream"
     if "\r" in value or "\n" in value or value != value.strip():
         return f"header {name!r} value holds a line break or surrounding whitespace, which NATS does not keep"
     return None
@@ -296,7 +304,8 @@ class JetStream(Sink):
                         continue
                     if len(batch.pending) >= self.max_pending:
                         batch.results[index] = Failed(f"no PubAck within {timeout:g} s (the batch's "
-                                                      f"{self.max_pending} outstanding publishes took all of it)")
+                                                      f"{self.max_pending} outstanding publishes took all of it)",
+                                                      unanswered=True)
                         continue
                 subject, headers = address
                 token = str(next(self._tokens))
@@ -315,7 +324,7 @@ class JetStream(Sink):
             self._batch = None  # a PubAck arriving later is dropped: a re-send is deduplicated
         if batch.pending:
             late: SendResult = (Unavailable("the connection to NATS was lost before the PubAck")
-                                if lost is not None or not self.connected else Failed(f"no PubAck within {timeout:g} s"))
+                                if lost is not None or not self.connected else Failed(f"no PubAck within {timeout:g} s", unanswered=True))
             for index in batch.pending.values():
                 batch.results[index] = late
         return [r if r is not None else Unavailable("not sent") for r in batch.results]

@@ -56,6 +56,9 @@ SHORTSTR_MAX = 255
 _TOO_LARGE = re.compile(r"message size (\d+) is larger than (?:configured )?max size (\d+)")
 
 #: Reply codes of the channel errors aiormq raises as classes without the code.
+#: Message headers RabbitMQ itself acts on (lower case): refused in an event's own headers.
+_BROKER_HEADERS = frozenset({"cc", "bcc"})
+
 _REPLY_CODES = {"ChannelAccessRefused": 403, "ChannelNotFoundEntity": 404,
                 "ChannelLockedResource": 405, "ChannelPreconditionFailed": 406}
 
@@ -184,8 +187,8 @@ class RabbitMQ(Sink):
                     self._missing = await self._probe_exchange()
             except Exception as exc:
                 return [Unavailable(f"checking the exchange on RabbitMQ failed: {_describe(exc)}")] * len(messages)
-            if self._missing:
-                return [Failed(self._missing)] * len(messages)
+            if self._missing:  # the destination is missing, not the messages at fault: they wait
+                return [Unavailable(self._missing)] * len(messages)
         tasks: dict[int, asyncio.Task[Any]] = {}
         routing_keys: dict[int, str] = {}
         for i, message in enumerate(messages):
@@ -259,6 +262,12 @@ class RabbitMQ(Sink):
         for what, value in (("idempotency key (message_id)", message.idempotency_key), ("topic (type)", message.topic)):
             if len(value.encode()) > SHORTSTR_MAX:
                 raise ValueError(f"the {what} of event {message.event_id} is longer than {SHORTSTR_MAX} bytes")
+        for name in message.headers:
+            if name.lower() in _BROKER_HEADERS:
+                # RabbitMQ reads these (sender-selected distribution: an array of routing keys);
+                # a string closes the channel (406) and fails the whole batch with it.
+                raise ValueError(f"event {message.event_id}: header {name!r} is read by RabbitMQ itself (CC / BCC "
+                                 "route the message to more queues), which an event may not set")
         headers: dict[str, Any] = dict(message.headers)
         headers.update({"Outbox-Event-Id": str(message.event_id), "Outbox-Topic": message.topic,
                         "Outbox-Idempotency-Key": message.idempotency_key,
@@ -304,7 +313,7 @@ class RabbitMQ(Sink):
         if not self.connected:
             return Unavailable(f"connection to RabbitMQ lost before the confirm ({_describe(exc)})")
         if timed_out:
-            return Failed(f"no confirm within {timeout:g}s")
+            return Failed(f"no confirm within {timeout:g}s", unanswered=True)
         return Failed(f"publish failed: {_describe(exc)}")
 
     def _on_connection_close(self, _: Any, exc: BaseException | None) -> None:
@@ -326,6 +335,8 @@ def _after_close(closed: BaseException, message: Message) -> SendResult:
     ``closed`` (see the module's notes)."""
     code, text = _reply_parts(closed)
     error = _close_error(closed)
+    if code == 404:  # the exchange is gone: an outage of the destination, no message's fault
+        return Unavailable(error)
     too_large = _TOO_LARGE.search(text) if code == 406 else None
     if too_large is None:
         return Failed(error)

@@ -5,7 +5,9 @@ from the database without touching the server (which other sessions share).
 server (a TCP address, or the Unix socket of the embedded server). :meth:`TcpProxy.stop`
 closes the listening socket and every forwarded connection, so the relay sees its
 connections break and new ones refused, as during a server restart; :meth:`TcpProxy.start`
-listens on the same port again. Threads: one accept loop, two pumps per connection.
+listens on the same port again. :meth:`TcpProxy.freeze` keeps every connection open but
+passes no byte either way until :meth:`TcpProxy.thaw` (a partition, or a stalled server,
+that no socket error reveals). Threads: one accept loop, two pumps per connection.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ class TcpProxy:
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._flowing = threading.Event()  # cleared by freeze(): the pumps hold their bytes
+        self._flowing.set()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -53,6 +57,14 @@ class TcpProxy:
         for sock in sockets:
             _close(sock)
 
+    def freeze(self) -> None:
+        """Stop passing bytes on every connection, keeping them open (nothing is dropped:
+        what arrives meanwhile is passed on after :meth:`thaw`)."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
     def _accept(self, listener: socket.socket) -> None:
         while not self._stopping.is_set():
             try:
@@ -80,12 +92,14 @@ class TcpProxy:
                 self._sockets |= {client, upstream}
                 self.accepted += 1
             for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(src, dst), name="test-proxy-pump", daemon=True).start()
+                threading.Thread(target=_pump, args=(src, dst, self._flowing), name="test-proxy-pump",
+                                 daemon=True).start()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, flowing: threading.Event) -> None:
     try:
         while data := src.recv(65536):
+            flowing.wait()
             dst.sendall(data)
     except OSError:
         pass

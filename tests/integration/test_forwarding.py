@@ -249,3 +249,37 @@ def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
         release.set()
         relay.stop()
     assert stream.count() == 50
+
+
+def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
+    """The connection stays open but nothing comes back (a partition, a stalled server): no
+    PubAck arrives for any message of a batch. That is an outage, not bad messages: the jobs
+    are handed back uncounted, nothing is dead-lettered, and once the broker answers again
+    every event is stored once."""
+    target = urlsplit(NATS_URL)
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
+    proxy.start()
+    ob = Outbox()
+    ob.forward("t", to=JetStream(f"nats://127.0.0.1:{proxy.port}", subject=stream.name + ".{topic}"),
+               consumer="fwd", max_attempts=2, timeout=0.5)
+    relay = Relay(ob, settings(claim_batch=20, prefetch=20))
+    relay.start()
+    try:
+        _publish(engine, "t", 20)
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="the first 20 done")
+        proxy.freeze()
+        _publish(engine, "t", 40, start=20)
+        silent_until = time.monotonic() + 6.0  # many 0.5 s timeouts' worth of silence
+        while time.monotonic() < silent_until:
+            assert "dead" not in _statuses(engine, "fwd")
+            time.sleep(0.2)
+        with engine.connect() as c:
+            assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() <= 1
+        proxy.thaw()
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 60, timeout=TIMEOUT, what="all 60 done")
+    finally:
+        proxy.thaw()
+        relay.stop()
+        proxy.stop()
+    assert _statuses(engine, "fwd") == {"done": 60}
+    assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 60 and stream.count() == 60

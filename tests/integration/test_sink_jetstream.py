@@ -130,7 +130,8 @@ def test_messages_no_retry_can_deliver_fail_permanently_and_the_rest_of_the_batc
             batch = [message(1), message(2, key=None), message(3, body=b"x" * limit), message(4),
                      message(5, key="k" * 4000), message(6, headers={"bad header": "v"}),
                      message(7, headers={"multi": "line\nbreak"}), message(8, key="a b"), message(9, key="a.*"),
-                     message(10, key="")]
+                     message(10, key=""), message(11, headers={"Nats-Rollup": "all"}),
+                     message(12, headers={"nats-expected-last-sequence": "3"})]
             results = await sink.send_many(batch, 10)
             assert results[0] == results[3] == Delivered()
             failed = {i + 1: r for i, r in enumerate(results) if i not in (0, 3)}
@@ -141,6 +142,9 @@ def test_messages_no_retry_can_deliver_fail_permanently_and_the_rest_of_the_batc
             assert "over the 3840-byte limit" in reasons[5]
             assert "'bad header'" in reasons[6] and "'multi'" in reasons[7]
             assert "whitespace" in reasons[8] and "wildcard" in reasons[9] and "empty token" in reasons[10]
+            # an event's own NATS control header would steer the stream (Nats-Rollup purges it)
+            assert "control header" in reasons[11] and "'Nats-Rollup'" in reasons[11]
+            assert "control header" in reasons[12]
             assert sink.connected  # nothing oversized or malformed reached the server
             assert await stored(js, prefix) == 2
 
@@ -188,7 +192,7 @@ def test_an_unanswered_publish_times_out_retryable_and_leaves_nothing_in_the_way
         await mute.connect()
         try:
             results = await mute.send_many([message(i) for i in range(5)], 0.5)
-            assert results == [Failed("no PubAck within 0.5 s")] * 5
+            assert results == [Failed("no PubAck within 0.5 s", unanswered=True)] * 5
             # the same sink (window of 5) now reaches the stream: the five unanswered
             # publishes do not hold the window
             mute.subject = type(mute.subject)(prefix + ".{topic}", "subject")

@@ -194,14 +194,15 @@ def test_a_message_the_broker_nacks_fails_and_is_retried():
     run(main())
 
 
-def test_a_missing_exchange_fails_every_message_and_the_next_batch_works_once_it_exists():
+def test_a_missing_exchange_makes_every_message_wait_and_the_next_batch_works_once_it_exists():
     async def main() -> None:
         async with bound_queue(declare_exchange=False) as (channel, exchange, queue):
             s = sink(exchange=exchange)
             await s.connect()
             results = await s.send_many([message(i) for i in range(5)], timeout=10)
             for result in results:
-                assert isinstance(result, Failed) and not result.permanent, result
+                # the destination is missing, not the message at fault: it waits, attempt not counted
+                assert isinstance(result, Unavailable), result
                 assert result.error == (f"channel closed by the broker: 404 NOT_FOUND - no exchange {exchange!r} "
                                         "in vhost '/'")
             declared = await channel.declare_exchange(exchange, "direct", auto_delete=False)
@@ -217,7 +218,7 @@ def test_a_missing_exchange_fails_every_message_and_the_next_batch_works_once_it
     run(main())
 
 
-def test_an_exchange_deleted_while_running_fails_the_batch_and_the_sink_recovers_once_it_is_back():
+def test_an_exchange_deleted_while_running_makes_the_batch_wait_and_the_sink_recovers_once_it_is_back():
     async def main() -> None:
         async with bound_queue() as (channel, exchange, queue):
             s = sink(exchange=exchange)
@@ -226,7 +227,8 @@ def test_an_exchange_deleted_while_running_fails_the_batch_and_the_sink_recovers
             await channel.exchange_delete(exchange)
             results = await s.send_many([message(i) for i in range(1, 51)], timeout=10)
             for result in results:
-                assert isinstance(result, Failed) and not result.permanent, result
+                # the destination is missing, not the message at fault: it waits, attempt not counted
+                assert isinstance(result, Unavailable), result
                 assert result.error == (f"channel closed by the broker: 404 NOT_FOUND - no exchange {exchange!r} "
                                         "in vhost '/'")
             # Known missing now: the next batch is checked, not published.
@@ -357,13 +359,18 @@ def test_a_routing_key_that_cannot_be_rendered_fails_permanently_without_stoppin
         async with bound_queue("topic", "#") as (channel, exchange, queue):
             s = sink(exchange=exchange, routing_key="{topic}.{key}")
             await s.connect()
-            results = await s.send_many([message(0, key=None), message(1, key="k" * 300), message(2, key="a")],
+            results = await s.send_many([message(0, key=None), message(1, key="k" * 300), message(2, key="a"),
+                                         message(3, key="b", headers={"CC": "x"}), message(4, key="c")],
                                         timeout=10)
             await s.close()
             assert isinstance(results[0], Failed) and results[0].permanent and "has no key" in results[0].error
             assert isinstance(results[1], Failed) and results[1].permanent and "255 bytes" in results[1].error
             assert results[2] == Delivered()
-            got = await drain(channel, queue, 1)
-            assert got[0].message_id == "fwd:2"
+            # CC is read by the broker (a string closes the channel with 406 and fails the whole
+            # batch): refused alone, before sending; the message after it is delivered
+            assert isinstance(results[3], Failed) and results[3].permanent and "'CC'" in results[3].error
+            assert results[4] == Delivered()
+            got = await drain(channel, queue, 2)
+            assert sorted(m.message_id for m in got) == ["fwd:2", "fwd:4"]
 
     run(main())
