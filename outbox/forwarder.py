@@ -189,7 +189,7 @@ class Forwarder:
         for job in sendable:
             job._started = started  # the broker round trip is a forwarded job's "handler" (metrics)
         span = (tracing.send_span(sub.consumer, sink.extra or tracing.SYSTEM, sink.describe(), sendable)
-                if tracing.ENABLED else contextlib.nullcontext())
+                if tracing.active() else contextlib.nullcontext())
         with span as current:
             try:
                 messages = [message_for(job) for job in sendable]

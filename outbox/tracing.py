@@ -73,6 +73,18 @@ if TYPE_CHECKING:
 #: Whether ``opentelemetry-api`` is importable; decided once, at import.
 ENABLED: bool = trace is not None
 
+def active() -> bool:
+    """Whether to make spans now: the API is installed and the application has set a tracer
+    provider. Before one is set the API hands out its default proxy (and an explicit
+    ``NoOpTracerProvider`` is no better): their spans record nothing, and making, entering
+    and ending one per job cost the relay about 15 us of CPU per job (the relay's
+    e2e throughput 10-15 % lower, measured with ``bench.e2e``). Checked per job (a call and
+    an ``isinstance``), so a provider set after the relay started is followed."""
+    if trace is None:
+        return False
+    return not isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
 #: The instrumentation scope of outbox's spans.
 TRACER_NAME = "outbox"
 SYSTEM = "outbox"

@@ -542,7 +542,7 @@ class JobExecutor:
         """Run ``sub``'s handler for ``job`` once (a transactional one perhaps again in
         place); never raises for the handler's failures. With OpenTelemetry installed, the
         run is a CONSUMER span, child of the publisher's context (:mod:`outbox.tracing`)."""
-        if not tracing.ENABLED:
+        if not tracing.active():
             return self._run(job, sub, context)
         with tracing.process_span(job) as span:
             outcome = self._run(job, sub, context)
@@ -713,7 +713,7 @@ class JobExecutor:
             return _STALE
         if isinstance(exc, Snooze):
             return Snoozed(exc.seconds)
-        if tracing.ENABLED:
+        if tracing.active():
             tracing.record_failure(job, exc)
         s = self.settings
         return Failure(
