@@ -232,8 +232,8 @@ class CancelResult:
 
 
 def _one_target(ids: Sequence[int] | None, consumer: str | None, command: str) -> list[int] | None:
-    if (ids is None or not list(ids)) == (consumer is None):
-        raise AdminError(f"{command} needs job ids or a consumer (one of them)")
+    if (ids is None or not list(ids)) and consumer is None:
+        raise AdminError(f"{command} needs job ids or a consumer")
     if ids is not None and list(ids):
         bad = [i for i in ids if not 1 <= i <= 2**63 - 1]
         if bad:
@@ -242,15 +242,22 @@ def _one_target(ids: Sequence[int] | None, consumer: str | None, command: str) -
     return None
 
 
+def job_consumer(conn: Connection, job_id: int, *, schema: str | None = None) -> str | None:
+    """The consumer job ``job_id`` belongs to; None when there is no such job (never
+    created, or pruned)."""
+    return conn.execute(queries.in_schema(schema).job_consumer_get, {"id": job_id}).scalar_one_or_none()
+
+
 def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | None = None, *,
            statuses: Sequence[str] = CANCELLABLE, batch: int = CHANGE_BATCH,
            schema: str | None = None) -> CancelResult:
-    """Cancel the jobs ``ids``, or those of ``consumer``, whose status is in ``statuses`` (of
+    """Cancel the jobs ``ids``, or those of ``consumer`` (both: only those of the ``ids`` that
+    are jobs of ``consumer``, in the same statement), whose status is in ``statuses`` (of
     :data:`CANCELLABLE`): ready and pending ones become ``cancelled`` at once, running ones
     get ``cancel_requested`` (see the module notes). ``batch`` jobs per transaction; then the
     ordered keys the cancelled jobs held are promoted. Jobs in other statuses (done, dead,
-    already cancelled) are left alone. Raises :class:`AdminError` for neither or both of
-    ``ids`` and ``consumer``, or an unknown status."""
+    already cancelled) are left alone. Raises :class:`AdminError` for neither ``ids`` nor
+    ``consumer``, or an unknown status."""
     target = _one_target(ids, consumer, "cancel")
     unknown = sorted(set(statuses) - set(CANCELLABLE))
     if unknown or not statuses:
@@ -284,9 +291,10 @@ def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | Non
 def retry(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
           schema: str | None = None) -> list[int]:
     """Make ready jobs that wait to be due, due now: ``ids`` (waiting out a retry's backoff or a
-    delayed publish), or every job of ``consumer`` waiting out a retry's backoff. Attempts
+    delayed publish), or every job of ``consumer`` waiting out a retry's backoff (both: only
+    those of the ``ids`` that are jobs of ``consumer``, in the same statement). Attempts
     are not touched; relays are woken on commit. Returns the ids changed (sorted). Raises
-    :class:`AdminError` for neither or both of ``ids`` and ``consumer``."""
+    :class:`AdminError` for neither ``ids`` nor ``consumer``."""
     target = _one_target(ids, consumer, "retry")
     statements = queries.in_schema(schema)
     changed = sorted(conn.execute(statements.job_retry_due_many, {"ids": target, "consumer": consumer}).scalars())
@@ -473,11 +481,12 @@ def prune_now(engine: Engine, *, done_older_than: float, events_older_than: floa
 def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
             schema: str | None = None) -> list[int]:
     """Put dead jobs back to ``ready`` with a fresh attempt budget (``outbox-relay redrive``):
-    the ones in ``ids``, or every dead job of ``consumer``; relays are woken on commit.
+    the ones in ``ids``, or every dead job of ``consumer`` (both: only those of the ``ids``
+    that are jobs of ``consumer``, in the same statement); relays are woken on commit.
     Returns the ids redriven (sorted); jobs that are not dead are left alone. Raises
-    :class:`AdminError` for neither or both of ``ids`` and ``consumer``."""
+    :class:`AdminError` for neither ``ids`` nor ``consumer``."""
     target = _one_target(ids, consumer, "redrive")
-    changed = sorted(maintenance.redrive(conn, target, consumer if target is None else None, schema=schema))
+    changed = sorted(maintenance.redrive(conn, target, consumer, schema=schema))
     if changed:
         notify_head(conn, schema=schema)
     return changed

@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     dead.add_argument("--limit", type=_positive_int, default=50, help="most jobs listed, oldest first (default 50)")
     dead.add_argument("--json", action="store_true", help="one JSON object per line")
     redrive = add("redrive", "Put dead jobs back to ready with a fresh attempt budget.")
-    redrive.add_argument("ids", nargs="*", type=int, help="job ids (default: all dead jobs of --consumer, or --all)")
+    redrive.add_argument("ids", nargs="*", type=_row_id, metavar="JOB_ID", help="job ids (default: all dead jobs of --consumer, or --all)")
     redrive.add_argument("--consumer", help="every dead job of this consumer")
     redrive.add_argument("--all", action="store_true", help="redrive every dead job")
     blocked = add("blocked", "List the ordered keys a dead job blocks (on_dead='block'): consumer, key, the dead "
@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                          "(default 100)")
     skip = add("skip", "Let a blocked key go on: the dead job JOB_ID stops holding its key (it stays dead) and "
                        "the key's next job becomes ready. Redrive it instead to run it first.")
-    skip.add_argument("job_id", type=int, metavar="JOB_ID", help="the dead job that blocks its key (see `blocked`)")
+    skip.add_argument("job_id", type=_row_id, metavar="JOB_ID", help="the dead job that blocks its key (see `blocked`)")
     add("subscriptions", "List the (topic, consumer) subscriptions routing uses.")
     unsubscribe = add("unsubscribe", "Remove a consumer's subscriptions (new events stop producing its jobs).")
     unsubscribe.add_argument("consumer")
@@ -185,9 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     resume.add_argument("consumer")
     dashboard = add("dashboard", "Serve the web dashboard (extra [dashboard]): consumers' health, dead letters, "
                                  "an event's path through its fan-out, the relays; redrive, retry, cancel, pause and "
-                                 "resume, each confirmed. Any --host but loopback needs OUTBOX_DASHBOARD_TOKEN (or "
-                                 "OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD) and is refused without.")
-    dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+                                 "resume, each confirmed. Any --host but a loopback address (127.0.0.1, ::1; a name "
+                                 "such as localhost is not one) needs OUTBOX_DASHBOARD_TOKEN (16 characters or more) "
+                                 "or OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD (not blank), and is "
+                                 "refused without.")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address or name to listen on; an IPv6 address "
+                                                                "bare or in brackets (default 127.0.0.1)")
     dashboard.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     dashboard.add_argument("--read-only", action="store_true", help="show no action and refuse every one (403)")
     psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured; "
@@ -213,14 +216,14 @@ def _add_admin_commands(add: Any) -> None:
     cancel = add("cancel", "Cancel jobs: ready and pending ones become cancelled (kept, then pruned, like done "
                            "ones); a running one is asked to stop (job.cancel_requested) and its attempt's outcome "
                            "records cancelled.")
-    cancel.add_argument("ids", nargs="*", type=_positive_int, metavar="JOB_ID", help="job ids")
+    cancel.add_argument("ids", nargs="*", type=_row_id, metavar="JOB_ID", help="job ids")
     cancel.add_argument("--consumer", help="every job of this consumer (with --status: those only)")
     cancel.add_argument("--status", action="append", choices=("ready", "pending", "running"),
                         help="only jobs in this status (repeatable; default all three)")
     cancel.add_argument("--json", action="store_true", help="one JSON object")
     retry = add("retry", "Make ready jobs waiting out a retry's backoff due now (JOB_IDs: also a delayed "
                          "publish's jobs); attempts are not touched.")
-    retry.add_argument("ids", nargs="*", type=_positive_int, metavar="JOB_ID", help="job ids")
+    retry.add_argument("ids", nargs="*", type=_row_id, metavar="JOB_ID", help="job ids")
     retry.add_argument("--consumer", help="every job of this consumer in backoff")
     retry.add_argument("--json", action="store_true", help="one JSON object")
     replay = add("replay", "Create the missing jobs of --consumer for retained events of its topics, in batches; "
@@ -230,9 +233,9 @@ def _add_admin_commands(add: Any) -> None:
     start = replay.add_mutually_exclusive_group(required=True)
     start.add_argument("--since", help="events created from TIME: ISO 8601 with offset, or an age such as 2h, 30m, "
                                        "7d (database clock)")
-    start.add_argument("--from-event", type=_positive_int, metavar="ID", help="events from this id on")
+    start.add_argument("--from-event", type=_row_id, metavar="ID", help="events from this id on")
     replay.add_argument("--until", help="events created before TIME (as --since)")
-    replay.add_argument("--until-event", type=_positive_int, metavar="ID", help="events up to this id")
+    replay.add_argument("--until-event", type=_row_id, metavar="ID", help="events up to this id")
     replay.add_argument("--topic", help="only this topic of the consumer's")
     replay.add_argument("--batch", type=_positive_int, default=1000, help="events per transaction (default 1000)")
     replay.add_argument("--retention-events", type=float, help="the relays' events retention, seconds: --since "
@@ -270,6 +273,22 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
     if not 1 <= value <= 2**31 - 1:
         raise argparse.ArgumentTypeError(f"must be between 1 and {2**31 - 1}, got {value}")
+    return value
+
+
+#: The largest job or event id: the id columns are bigint.
+MAX_ROW_ID = 2**63 - 1
+
+
+def _row_id(text: str) -> int:
+    """An argparse type: a job or event id, a whole number from 1 to ``MAX_ROW_ID`` (the id
+    columns are bigint); every command taking an id uses it, so all refuse alike."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 1 <= value <= MAX_ROW_ID:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_ROW_ID}, got {text[:40]}")
     return value
 
 
@@ -642,7 +661,10 @@ def _time_arg(flag: str, text: str, now: datetime) -> datetime:
     before ``now`` (the database clock)."""
     units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
     if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
-        return now - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+        try:
+            return now - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+        except OverflowError:  # beyond timedelta's or datetime's range (about 2.7 million years)
+            raise UsageError(f"{flag}: {text!r} reaches before the year 1") from None
     try:
         value = datetime.fromisoformat(text)
     except ValueError:

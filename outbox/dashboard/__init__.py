@@ -10,9 +10,11 @@ folded) and the actions redrive, retry now, cancel, pause and resume, each confi
 page of its own; an event by id or key with its job for every consumer (attempts, fence,
 lease, relay, status, last error); the relay registry.
 
-Safety (:func:`serve`): binds 127.0.0.1 unless told otherwise; any other address needs
+Safety (:func:`serve`): binds 127.0.0.1 unless told otherwise; any address but a literal
+loopback one (127.0.0.0/8, ``::1``; a name such as ``localhost`` is not one) needs
 credentials (``OUTBOX_DASHBOARD_TOKEN``, or ``OUTBOX_DASHBOARD_USER`` and
-``OUTBOX_DASHBOARD_PASSWORD``) and is refused without them; secrets are never logged. Every
+``OUTBOX_DASHBOARD_PASSWORD``) and is refused without them, as are a token shorter than 16 characters and a blank user or
+password; secrets are never logged. Every
 action is a POST carrying a CSRF token bound to the browser's session; every value is
 escaped by Jinja2's autoescape, and a Content-Security-Policy allows scripts from the
 dashboard only; ``read_only`` hides and refuses (403) every action. Request input reaches
@@ -22,25 +24,48 @@ SQL only as bound parameters of the statements :mod:`outbox.admin` runs.
 from __future__ import annotations
 
 import logging
+import socket
 
 from ..errors import ConfigurationError
 from ..settings import OutboxSettings
 from .app import create_app
-from .auth import DashboardAuth, is_loopback
+from .auth import DashboardAuth, bind_address, is_loopback
 
-__all__ = ["DashboardAuth", "create_app", "is_loopback", "check_bind", "serve"]
+__all__ = ["DashboardAuth", "bind_address", "create_app", "is_loopback", "check_bind", "listen", "serve"]
 
 log = logging.getLogger("outbox.dashboard")
 
 
 def check_bind(host: str, auth: DashboardAuth | None) -> None:
     """Refuse (:class:`~outbox.errors.ConfigurationError`) to listen on ``host`` without
-    credentials unless it is a loopback address: on any other interface, whoever reaches
-    the port could redrive, cancel and pause."""
+    credentials unless it is a literal loopback address (:func:`is_loopback`): on any other
+    interface, whoever reaches the port could redrive, cancel and pause."""
     if auth is None and not is_loopback(host):
         raise ConfigurationError(
             f"dashboard: refusing to listen on {host} without authentication; set OUTBOX_DASHBOARD_TOKEN (or "
             "OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD), or bind 127.0.0.1")
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host`` (an address or a name; ``[::1]`` as ``::1``) and
+    ``port``, listening. Raises :class:`~outbox.errors.ConfigurationError`, in one line, when
+    the name does not resolve or the address cannot be bound (in use, not on this host), so
+    the dashboard fails before it announces anything."""
+    address = bind_address(host)
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(address or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigurationError(f"dashboard: cannot listen on --host {host!r}: {exc}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(f"dashboard: cannot listen on {host} port {port}: {exc.strerror or exc}") from None
+    return sock
 
 
 def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000, read_only: bool = False) -> int:
@@ -57,13 +82,21 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
     url = settings.url()
     if url is None:
         raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
+    sock = listen(host, port)
     engine = make_engine(url, pool_size=4, application_name="outbox-dashboard")
     app = create_app(engine, settings, read_only=read_only, auth=auth)
-    shown = f"[{host}]" if ":" in host else host
+    address = bind_address(host)
+    shown = f"[{address}]" if ":" in address else address
     log.info("dashboard on http://%s:%d for %s, schema %s%s; auth: %s", shown, port, redact(url),
              settings.schema_name, " (read-only)" if read_only else "", auth.describe() if auth else "none (loopback)")
+    server = uvicorn.Server(uvicorn.Config(app, host=address, port=port, log_config=None, server_header=False))
     try:
-        uvicorn.run(app, host=host, port=port, log_config=None, server_header=False)
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
     finally:
+        sock.close()
         engine.dispose()
+    if not server.started:
+        raise ConfigurationError(f"dashboard: the server on {host} port {port} did not start (its log says why)")
     return 0

@@ -249,12 +249,14 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
         with dash.connect() as conn:
             consumer = _consumer(conn, name, dash.schema)
             jobs = admin.jobs_page(conn, name, status, before=before, limit=PAGE_SIZE, schema=dash.schema)
+        message = request.query_params.get("msg")
+        shown = message if dash.csrf.sealed(message, request.query_params.get("seal")) else None
         return dash.render(request, "consumer.html", consumer=consumer, page=jobs, statuses=admin.JOB_STATUSES,
-                           message=request.query_params.get("msg"), before=before)
+                           message=shown, before=before)
 
     def events_lookup(request: Request) -> Response:
         raw_id = (request.query_params.get("id") or "").strip()
-        key = request.query_params.get("key")
+        key = _text_param(request.query_params.get("key"), "key")
         if raw_id:
             event_id = _id_param(raw_id, "event id")
             return RedirectResponse(f"/events/{event_id}", status_code=303)
@@ -285,6 +287,7 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
                                          request.query_params.get("job"))
         with dash.connect() as conn:
             consumer = _consumer(conn, name, dash.schema)
+            _check_owner(dash, name, job, conn)
         return dash.render(request, "confirm.html", action=action, label=ACTIONS[action][0], consumer=consumer,
                            job=job, back=request.query_params.get("status") or "dead")
 
@@ -304,7 +307,9 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
             _consumer(conn, name, dash.schema)
         message = _perform(dash, action, name, job)
         log.info("dashboard: %s", message)
-        query = urlencode({"status": fields.get("back") or "dead", "msg": message})
+        back = fields.get("back")
+        query = urlencode({"status": back if back in admin.JOB_STATUSES else "dead", "msg": message,
+                           "seal": dash.csrf.seal(message)})
         return RedirectResponse(f"/consumers/{_quote(name)}?{query}", status_code=303)
 
     async def login(request: Request) -> Response:
@@ -317,7 +322,7 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
         form = await request.form()
         token = form.get("token")
         cookie = auth.cookie_value()
-        if not isinstance(token, str) or cookie is None or not auth.token_matches(token):
+        if not isinstance(token, str) or cookie is None or not auth.token_matches(token.strip()):
             return dash.render(request, "login.html", 401, wrong=True, basic=auth.user is not None,
                                token=auth.token is not None)
         response = RedirectResponse("/", status_code=303)
@@ -386,6 +391,20 @@ def _id_param(raw: str | None, what: str) -> int | None:
     return int(raw)
 
 
+def _text_param(raw: str | None, what: str) -> str | None:
+    """Text from request input that reaches the database; 400 when PostgreSQL's text cannot
+    hold it: a NUL character, or a lone surrogate (no UTF-8 form)."""
+    if raw is None:
+        return None
+    try:
+        raw.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HTTPException(400, f"{what} is not valid text (a lone surrogate)") from None
+    if "\x00" in raw:
+        raise HTTPException(400, f"{what} holds a NUL character, which no key, topic or consumer can")
+    return raw
+
+
 def _consumer(conn: Connection, name: str, schema: str) -> admin.ConsumerStatus:
     """The consumer ``name`` (its counts), or 404 when the outbox knows no such consumer."""
     for consumer in admin.consumer_statuses(conn, schema=schema):
@@ -399,6 +418,7 @@ def _action_args(action: str | None, consumer: str | None, job: str | None) -> t
     consumer, a bad job id, or a job missing where the action needs one."""
     if action not in ACTIONS:
         raise HTTPException(400, f"unknown action {str(action)[:40]!r}; one of {', '.join(ACTIONS)}")
+    consumer = _text_param(consumer, "consumer")
     if not consumer:
         raise HTTPException(400, f"{action} needs a consumer")
     job_id = _id_param(job, "job id")
@@ -411,32 +431,55 @@ def _action_args(action: str | None, consumer: str | None, job: str | None) -> t
 
 
 def _perform(dash: Dashboard, action: str, consumer: str, job: int | None) -> str:
-    """Do ``action`` through :mod:`outbox.admin` and say what changed, in one line."""
+    """Do ``action`` through :mod:`outbox.admin` and say what changed, in one line. An action
+    on a job acts only when the job is one of ``consumer``'s: its statement is scoped to
+    both, so a job of another consumer changes nothing, and is then refused (404)."""
     ids = [job] if job is not None else None
     target = f"job {job}" if job is not None else f"consumer {consumer}"
     if action == "cancel":
         with translate_errors(dash.engine.url, dash.schema):
-            result = admin.cancel(dash.engine, ids, schema=dash.schema)
+            result = admin.cancel(dash.engine, ids, consumer, schema=dash.schema)
         if result.cancelled:
             return f"cancelled job {job}"
         if result.requested:
             return f"asked running job {job} to stop (it is recorded cancelled when its attempt ends)"
+        _check_owner(dash, consumer, job)
         return f"job {job} not cancelled: it is not ready, pending or running"
     with dash.connect() as conn:
         if action == "redrive":
-            changed = admin.redrive(conn, ids, None if ids else consumer, schema=dash.schema)
-            return f"redriven {len(changed)} job(s) of {consumer}: {changed[:20]}" if changed else \
-                f"nothing redriven: {target} has no dead job"
+            changed = admin.redrive(conn, ids, consumer, schema=dash.schema)
+            if changed:
+                return f"redriven {len(changed)} job(s) of {consumer}: {changed[:20]}"
+            _check_owner(dash, consumer, job, conn)
+            return f"nothing redriven: {target} has no dead job"
         if action == "retry":
-            changed = admin.retry(conn, ids, None if ids else consumer, schema=dash.schema)
-            return f"due now: {len(changed)} job(s): {changed[:20]}" if changed else \
-                f"nothing made due: {target} has no ready job waiting to be due"
+            changed = admin.retry(conn, ids, consumer, schema=dash.schema)
+            if changed:
+                return f"due now: {len(changed)} job(s): {changed[:20]}"
+            _check_owner(dash, consumer, job, conn)
+            return f"nothing made due: {target} has no ready job waiting to be due"
         if action == "pause":
             paused = admin.pause(conn, consumer, schema=dash.schema)
             return f"consumer {consumer} was already paused" if paused.was_paused_at else \
                 f"paused consumer {consumer}: no relay claims its jobs until it is resumed"
         resumed = admin.resume(conn, consumer, schema=dash.schema)
         return f"resumed consumer {consumer}" if resumed.was_paused_at else f"consumer {consumer} was not paused"
+
+
+def _check_owner(dash: Dashboard, consumer: str, job: int | None, conn: Connection | None = None) -> None:
+    """404 unless ``job`` (None: no job, nothing to check) is a job of ``consumer``: on the
+    confirmation page, and after an action on a job changed nothing (the action's statement
+    was scoped to ``consumer``, so a job of another one is untouched)."""
+    if job is None:
+        return
+    if conn is None:
+        with dash.connect() as own:
+            owner = admin.job_consumer(own, job, schema=dash.schema)
+    else:
+        owner = admin.job_consumer(conn, job, schema=dash.schema)
+    if owner != consumer:
+        raise HTTPException(404, f"job {job} is not a job of consumer {consumer[:200]!r}" +
+                            ("" if owner is not None else " (no such job, or pruned)"))
 
 
 def _overview(dash: Dashboard) -> dict[str, Any]:

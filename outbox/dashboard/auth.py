@@ -8,7 +8,7 @@ cookie holds an HMAC derived from the token, never the token itself; every compa
 constant-time (``hmac.compare_digest``). Secrets are kept as
 :class:`pydantic.SecretStr`, so no ``repr`` or log line shows them.
 
-**CSRF** (:class:`CsrfGuard`): every browser gets a random session cookie
+**CSRF** (:class:`CsrfGuard`, which also seals the status messages of redirects): every browser gets a random session cookie
 (``outbox_session``, HttpOnly, SameSite=Strict); each form carries
 ``HMAC(process secret, session)``; an action whose form token does not match its cookie's is
 refused (403). A page of another site can neither read the token nor send the cookie
@@ -27,11 +27,14 @@ from dataclasses import dataclass
 
 from pydantic import SecretStr
 
+from ..errors import ConfigurationError
 from ..settings import OutboxSettings
 
 #: Cookie names: the per-browser session the CSRF token is bound to, and the sign-in cookie.
 SESSION_COOKIE = "outbox_session"
 AUTH_COOKIE = "outbox_auth"
+#: Fewest characters of ``OUTBOX_DASHBOARD_TOKEN`` (after stripping surrounding whitespace).
+MIN_TOKEN_LENGTH = 16
 
 
 @dataclass(frozen=True)
@@ -46,12 +49,31 @@ class DashboardAuth:
     @classmethod
     def from_settings(cls, settings: OutboxSettings) -> DashboardAuth | None:
         """The credentials of ``settings`` (``dashboard_token``, ``dashboard_user`` and
-        ``dashboard_password``), or None when none is set (or set empty)."""
-        token = settings.dashboard_token if settings.dashboard_token and settings.dashboard_token.get_secret_value() else None
-        basic = settings.dashboard_user is not None and settings.dashboard_password is not None
+        ``dashboard_password``), or None when none is set. A token set at all must hold at
+        least :data:`MIN_TOKEN_LENGTH` characters once surrounding whitespace is stripped (the
+        stripped token is the one compared), and a user and password set must both be
+        non-blank; anything weaker raises :class:`~outbox.errors.ConfigurationError` naming
+        the variable, never its value, so a dashboard never starts guarded by a guessable
+        secret (an empty password would let ``ops:`` in)."""
+        token = None
+        if settings.dashboard_token is not None:
+            stripped = settings.dashboard_token.get_secret_value().strip()
+            if len(stripped) < MIN_TOKEN_LENGTH:
+                raise ConfigurationError(
+                    f"dashboard: OUTBOX_DASHBOARD_TOKEN is too short: at least {MIN_TOKEN_LENGTH} characters besides "
+                    "surrounding whitespace (openssl rand -hex 24 makes one), or leave it unset")
+            token = SecretStr(stripped)
+        user, password = settings.dashboard_user, settings.dashboard_password
+        if user is not None and not user.strip():
+            raise ConfigurationError("dashboard: OUTBOX_DASHBOARD_USER is blank: set a user name, or unset it and "
+                                     "OUTBOX_DASHBOARD_PASSWORD")
+        if password is not None and not password.get_secret_value().strip():
+            raise ConfigurationError("dashboard: OUTBOX_DASHBOARD_PASSWORD is blank: set a password, or unset it and "
+                                     "OUTBOX_DASHBOARD_USER")
+        basic = user is not None and password is not None
         if token is None and not basic:
             return None
-        return cls(token, settings.dashboard_user if basic else None, settings.dashboard_password if basic else None)
+        return cls(token, user if basic else None, password if basic else None)
 
     def describe(self) -> str:
         """How requests authenticate, for the start line (no secret in it)."""
@@ -89,13 +111,19 @@ class DashboardAuth:
         return expected is not None and cookie is not None and hmac.compare_digest(cookie.encode(), expected.encode())
 
 
+def bind_address(host: str) -> str:
+    """``host`` as a socket takes it: an IPv6 literal without the brackets of a URL
+    (``[::1]`` -> ``::1``); anything else unchanged."""
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
 def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` listens on the loopback interface only: ``localhost`` or a
-    loopback address (127.0.0.0/8, ``::1``). ``0.0.0.0``, ``::`` and any other name are not."""
-    if host.lower() in ("localhost", "localhost."):
-        return True
+    """Whether binding ``host`` surely listens on the loopback interface only: a literal
+    loopback address (127.0.0.0/8, ``::1``, also as ``[::1]``). Any name, ``localhost``
+    included, is not (a resolver or ``/etc/hosts`` decides where a name points), nor are
+    ``0.0.0.0``, ``::`` and every other address."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(bind_address(host)).is_loopback
     except ValueError:
         return False
 
@@ -116,6 +144,19 @@ class CsrfGuard:
     def token(self, session: str) -> str:
         """The CSRF token of forms shown to ``session``."""
         return hmac.new(self._key, session.encode(), hashlib.sha256).hexdigest()
+
+    def seal(self, message: str) -> str:
+        """The seal of a status ``message`` the dashboard itself wrote (an HMAC with this
+        process's key, apart from the CSRF tokens), sent along with it in the redirect after
+        an action: only a sealed message is shown, so a crafted link cannot show its own text
+        as the dashboard's."""
+        return hmac.new(self._key, b"status message\x00" + message.encode(), hashlib.sha256).hexdigest()
+
+    def sealed(self, message: str | None, seal: str | None) -> bool:
+        """Whether ``seal`` is :meth:`seal` of ``message`` (False when either is missing)."""
+        if not message or not seal:
+            return False
+        return hmac.compare_digest(seal.encode(), self.seal(message).encode())
 
     def valid(self, session: str | None, token: str | None) -> bool:
         """Whether ``token`` (from a form) is the one of ``session`` (from its cookie)."""

@@ -881,7 +881,8 @@ job_redrive_many: TextClause = text(
     RETURNING id
     """
 )
-"""Put dead jobs back to ``ready`` with a fresh attempt budget; ``last_error`` is kept
+"""Put dead jobs back to ``ready`` with a fresh attempt budget: those in ``:ids`` and/or of
+``:consumer`` (both: only those ids that are jobs of ``:consumer``); ``last_error`` is kept
 until the next failure. Only ``dead`` rows change."""
 
 job_retry_now_many: TextClause = text(
@@ -1638,7 +1639,8 @@ job_cancel_many: TextClause = text(
     WITH target AS (
         SELECT id FROM outbox_jobs
         WHERE (CASE WHEN CAST(:ids AS bigint[]) IS NULL THEN consumer = :consumer
-                    ELSE id = ANY (CAST(:ids AS bigint[])) END)
+                    ELSE id = ANY (CAST(:ids AS bigint[]))
+                         AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer) END)
           AND status = ANY (CAST(:statuses AS text[]))
           AND NOT cancel_requested
         ORDER BY id
@@ -1655,7 +1657,8 @@ job_cancel_many: TextClause = text(
     RETURNING j.id, j.consumer, j.status, j.fence, j.ordering_key
     """
 )
-"""Cancel up to ``:limit`` jobs: those in ``:ids``, or (``:ids`` NULL) of ``:consumer``, whose
+"""Cancel up to ``:limit`` jobs: those in ``:ids`` (with ``:consumer`` too: only those of
+``:consumer``), or (``:ids`` NULL) of ``:consumer``, whose
 status is one of ``:statuses`` (of ``ready``, ``pending``, ``running``). A ready or pending
 job becomes ``cancelled`` (terminal, pruned like a done job; an ordered job no longer holds
 its key). A running job stays running with ``cancel_requested``: its handler sees it at the
@@ -1673,15 +1676,20 @@ job_retry_due_many: TextClause = text(
     SET run_at = now(), updated_at = now()
     WHERE status = 'ready' AND run_at > now()
       AND (CASE WHEN CAST(:ids AS bigint[]) IS NULL THEN consumer = :consumer AND attempts > 0
-                ELSE id = ANY (CAST(:ids AS bigint[])) END)
+                ELSE id = ANY (CAST(:ids AS bigint[]))
+                     AND (CAST(:consumer AS text) IS NULL OR consumer = :consumer) END)
     RETURNING id
     """
 )
 """``outbox-relay retry``: make ready jobs that are not due yet due now: those in ``:ids``
-(waiting out a retry's backoff or a delayed publish), or (``:ids`` NULL) every job of
+(waiting out a retry's backoff or a delayed publish; with ``:consumer`` too, only those of
+``:consumer``), or (``:ids`` NULL) every job of
 ``:consumer`` waiting out a retry's backoff (``attempts > 0``; its delayed publishes keep
 their ``run_at``). Attempts are not touched. Not-yet-due jobs are never claimed, so no
 claim holds these rows. Returns the ids changed."""
+
+job_consumer_get: TextClause = text("SELECT consumer FROM outbox_jobs WHERE id = :id")
+"""The consumer job ``:id`` belongs to (no row: no such job, or pruned)."""
 
 job_purge_many: TextClause = text(
     """

@@ -363,3 +363,47 @@ def test_relays_registry_shows_a_killed_relay_gone(engine, db_url, tmp_path: Pat
         c.execute(sa.text("UPDATE outbox_relays SET last_seen_at = now() - interval '1 hour'"))
     assert admin.prune_now(engine, done_older_than=3600, events_older_than=3600).relays == 1
     assert main(["relays", *_url(db_url)]) == 1
+
+
+# ------------------------------------------------------------------------- job and event ids
+
+BIGINT_MAX = 2**63 - 1
+
+
+def test_every_id_argument_takes_the_bigint_range_and_refuses_beyond_it_alike(engine, db_url, capsys):
+    """Ids are bigint: cancel, retry, redrive, skip and replay's --from-event / --until-event
+    accept any id up to 2**63 - 1 (a big one matches nothing: status 1, or replay's own
+    refusal), and refuse 0, -1 and 2**64-sized ids with the same argparse range error (status
+    2) before any statement runs (before, redrive sent 2**66 to the database: "bigint out of
+    range")."""
+    _replay_seed(engine, 2)
+    big = str(3_000_000_000)
+    for command in (["cancel", big], ["retry", big], ["redrive", big], ["cancel", str(BIGINT_MAX)]):
+        capsys.readouterr()
+        assert main([*command, *_url(db_url)]) == 1, command
+        assert "Traceback" not in capsys.readouterr().err
+    assert main(["replay", "--consumer", "late", "--from-event", big, *_url(db_url)]) == 2
+    assert "no event from 3000000000 on" in capsys.readouterr().err
+    assert _cli_json(capsys, "replay", "--consumer", "late", "--from-event", "1", "--until-event", str(BIGINT_MAX),
+                     "--json", *_url(db_url))["created"] == 2
+    for bad in ("0", "-1", str(BIGINT_MAX + 1), "99999999999999999999"):
+        for command in (["cancel", bad], ["retry", bad], ["redrive", bad], ["skip", bad],
+                        ["replay", "--consumer", "late", "--from-event", bad],
+                        ["replay", "--consumer", "late", "--from-event", "1", "--until-event", bad]):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exited:
+                main([*command, *_url(db_url)])
+            err = capsys.readouterr().err
+            assert exited.value.code == 2, command
+            assert f"must be between 1 and {BIGINT_MAX}, got {bad}" in err, (command, err)
+            assert "Traceback" not in err and "bigint" not in err
+    assert set(_statuses(engine, "old").values()) == {"ready"}  # nothing was changed
+
+
+@pytest.mark.parametrize("since", ["9999999999h", "99999999999999999999d", "1" * 400 + "s"])
+def test_replay_since_an_age_beyond_any_date_is_one_line(db_url, capsys, since):
+    capsys.readouterr()
+    assert main(["replay", "--consumer", "x", "--since", since, *_url(db_url)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("outbox-relay: error: --since: ") and "reaches before the year 1" in err

@@ -74,9 +74,11 @@ def test_a_non_loopback_bind_without_credentials_refuses_to_start(db_url, capsys
 
 
 def test_which_binds_need_credentials():
-    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+    """Only a literal loopback address goes without credentials; a name, ``localhost``
+    included, needs them (a resolver or /etc/hosts decides where it points)."""
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]"):
         check_bind(host, None)
-    for host in ("0.0.0.0", "::", "192.168.1.5", "dashboard.example", ""):
+    for host in ("0.0.0.0", "::", "192.168.1.5", "dashboard.example", "", "localhost", "localhost.", "LOCALHOST"):
         with pytest.raises(ConfigurationError, match="refusing to listen"):
             check_bind(host, None)
     check_bind("0.0.0.0", DashboardAuth(token=SecretStr("t")))
@@ -85,7 +87,101 @@ def test_which_binds_need_credentials():
 def test_settings_want_basic_auth_whole():
     with pytest.raises(ValueError, match="dashboard_user and dashboard_password go together"):
         OutboxSettings(_env_file=None, dashboard_user="ops")
-    assert DashboardAuth.from_settings(OutboxSettings(_env_file=None, dashboard_token="")) is None
+    assert DashboardAuth.from_settings(OutboxSettings(_env_file=None)) is None
+
+
+WEAK_CREDENTIALS = [
+    ({"OUTBOX_DASHBOARD_TOKEN": ""}, "OUTBOX_DASHBOARD_TOKEN is too short"),
+    ({"OUTBOX_DASHBOARD_TOKEN": " "}, "OUTBOX_DASHBOARD_TOKEN is too short"),
+    ({"OUTBOX_DASHBOARD_TOKEN": "  tooshort-0123  "}, "OUTBOX_DASHBOARD_TOKEN is too short"),  # 15 once stripped
+    ({"OUTBOX_DASHBOARD_USER": "ops", "OUTBOX_DASHBOARD_PASSWORD": ""}, "OUTBOX_DASHBOARD_PASSWORD is blank"),
+    ({"OUTBOX_DASHBOARD_USER": "ops", "OUTBOX_DASHBOARD_PASSWORD": " \t"}, "OUTBOX_DASHBOARD_PASSWORD is blank"),
+    ({"OUTBOX_DASHBOARD_USER": " ", "OUTBOX_DASHBOARD_PASSWORD": "pw-secret-value"}, "OUTBOX_DASHBOARD_USER is blank"),
+]
+
+
+@pytest.mark.parametrize(("env", "fragment"), WEAK_CREDENTIALS)
+def test_weak_credentials_are_refused(monkeypatch, env, fragment):
+    """A token under 16 characters (surrounding whitespace not counted), or a blank user or
+    password, is refused by name, never quoting the value (before, ``ops`` with an empty
+    password started and let ``ops:`` in)."""
+    for name in [n for n in os.environ if n.startswith("OUTBOX_DASHBOARD_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigurationError, match=fragment) as refused:
+        DashboardAuth.from_settings(OutboxSettings(_env_file=None))
+    assert "pw-secret-value" not in str(refused.value) and "tooshort" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("env", "fragment"), WEAK_CREDENTIALS[1::2])
+def test_a_dashboard_with_weak_credentials_does_not_start(db_url, env, fragment):
+    """The process exits 2 with one line naming the variable, the secret in no line, nothing listening."""
+    port = _free_port()
+    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+               "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), **env}
+    result = subprocess.run([sys.executable, "-m", "outbox.cli", "dashboard", "--host", "0.0.0.0", "--port", str(port)],
+                            env=environ, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == "" and result.stderr.count("\n") == 1 and fragment in result.stderr
+    assert "pw-secret-value" not in result.stderr and "tooshort" not in result.stderr
+
+
+def test_a_stripped_token_is_the_one_compared(engine):
+    auth = DashboardAuth.from_settings(OutboxSettings(_env_file=None, dashboard_token="  0123456789abcdef \n"))
+    assert auth is not None and auth.token is not None and auth.token.get_secret_value() == "0123456789abcdef"
+    client = _client(engine, auth=auth)
+    assert client.get("/relays", headers={"Authorization": "Bearer 0123456789abcdef"}).status_code == 200
+
+
+def _serve(args: list[str], db_url, tmp_path, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, object]:
+    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
+               "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), **(env or {})}
+    log = tmp_path / "dashboard.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "dashboard", *args], env=environ, stdout=out,
+                                   stderr=subprocess.STDOUT)
+    return process, log
+
+
+@pytest.mark.parametrize("host", ["[::1]", "::1"])
+def test_the_ipv6_loopback_serves_without_credentials(db_url, tmp_path, host):
+    """``--host [::1]`` (as in a URL) and ``--host ::1`` listen on the IPv6 loopback (before,
+    ``[::1]`` logged its start line, then died: Errno -2, exit 3)."""
+    with socket.socket(socket.AF_INET6) as probe:
+        try:
+            probe.bind(("::1", 0))
+        except OSError:
+            pytest.skip("this host has no IPv6 loopback")
+        port = probe.getsockname()[1]
+    process, log = _serve(["--host", host, "--port", str(port)], db_url, tmp_path)
+
+    def answers() -> int:
+        assert process.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(f"http://[::1]:{port}/relays", timeout=10) as response:
+                return response.status
+        except OSError:
+            return 0
+
+    try:
+        assert wait_for(answers, timeout=30, what="the dashboard on [::1]") == 200
+    finally:
+        process.terminate()
+        process.wait(20)
+    assert "dashboard on http://[::1]:" in log.read_text()
+
+
+@pytest.mark.parametrize(("host", "fragment"), [("no-such-host.invalid", "cannot listen on --host 'no-such-host.invalid'"),
+                                                ("192.0.2.1", "cannot listen on 192.0.2.1 port")])
+def test_a_host_it_cannot_listen_on_is_one_line(db_url, tmp_path, host, fragment):
+    """A name that does not resolve, or an address not on this host: exit 2, one line, before
+    the start line (before: the start line, then a uvicorn error, exit 3)."""
+    process, log = _serve(["--host", host, "--port", str(_free_port())], db_url, tmp_path,
+                          {"OUTBOX_DASHBOARD_TOKEN": "0123456789abcdef-token"})
+    assert process.wait(30) == 2
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("outbox-relay: error: dashboard: ") and fragment in lines[0], lines
 
 
 def test_dashboard_process_on_all_interfaces_wants_the_token_and_never_logs_it(db_url, tmp_path):
@@ -197,7 +293,8 @@ def test_read_only_shows_no_action_and_refuses_them(engine):
     ("/events/123456", 404), ("/events?id=x1", 400), ("/consumers/nobody", 404), ("/consumers/mail?status=bogus", 400),
     ("/consumers/mail?before=-3", 400), ("/confirm?action=drop&consumer=mail", 400),
     ("/confirm?action=cancel&consumer=mail", 400), ("/confirm?action=pause&consumer=nobody", 404),
-    ("/nowhere", 404),
+    ("/nowhere", 404), ("/events?key=%00", 400), ("/events?key=order%00:1", 400),
+    ("/confirm?action=pause&consumer=bill%00", 400),
 ])
 def test_bad_input_is_a_page_never_a_traceback(engine, path, status):
     seed(engine)
@@ -212,6 +309,56 @@ def test_an_unknown_action_post_is_400(engine):
     token = _csrf(client, "action=pause&consumer=bill")
     assert client.post("/actions/drop", data={"consumer": "bill", "csrf": token}).status_code == 400
     assert client.post("/actions/cancel", data={"consumer": "bill", "job": "x", "csrf": token}).status_code == 400
+
+
+@pytest.mark.parametrize(("action", "wrong", "owner", "kind", "before"), [
+    ("redrive", "bill", "mail", "dead", "dead"), ("cancel", "bill", "ship", "ready", "ready"),
+    ("retry", "mail", "ship", "backoff", "ready")])
+def test_an_action_on_a_job_of_another_consumer_is_refused_and_changes_nothing(engine, action, wrong, owner, kind,
+                                                                                before):
+    """consumer=A&job=<a job of B>: 404 on the confirmation page and on the POST, and the job
+    is untouched (the action's statement is scoped to A; before, B's job was changed and A
+    reported)."""
+    s = seed(engine)
+    job = s.jobs[owner][kind][0]
+    with engine.connect() as c:
+        row_before = c.execute(sa.text("SELECT status, run_at, updated_at FROM outbox_jobs WHERE id = :i"),
+                               {"i": job}).one()
+    client = _client(engine)
+    assert client.get(f"/confirm?action={action}&consumer={wrong}&job={job}").status_code == 404
+    token = _csrf(client, f"action=pause&consumer={wrong}")
+    response = client.post(f"/actions/{action}", data={"consumer": wrong, "job": str(job), "csrf": token})
+    assert response.status_code == 404 and f"job {job} is not a job of consumer" in response.text
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT status, run_at, updated_at FROM outbox_jobs WHERE id = :i"),
+                         {"i": job}).one() == row_before
+    assert row_before.status == before
+    missing = client.post(f"/actions/{action}", data={"consumer": wrong, "job": "999999", "csrf": token})
+    assert missing.status_code == 404 and "no such job" in missing.text
+    right = client.post(f"/actions/{action}", data={"consumer": owner, "job": str(job), "csrf": token})
+    assert right.status_code == 303  # its own consumer's: done
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT status, run_at, updated_at FROM outbox_jobs WHERE id = :i"),
+                         {"i": job}).one() != row_before
+
+
+def test_only_the_dashboards_own_status_messages_are_shown(engine):
+    """A link's ``?msg=`` shows nothing unless sealed by this dashboard: a crafted warning,
+    or a real message's seal on other text, shows no message."""
+    s = seed(engine)
+    client = _client(engine)
+    fake = "WARNING: the database is compromised, sign in at evil.example"
+    assert fake not in client.get("/consumers/mail", params={"msg": fake}).text
+    token = _csrf(client, "action=redrive&consumer=mail")
+    done = client.post("/actions/redrive", data={"consumer": "mail", "job": str(s.jobs["mail"]["dead"][0]),
+                                                 "csrf": token})
+    assert done.status_code == 303
+    page = client.get(done.headers["location"])
+    assert 'id="flash"' in page.text and "redriven 1 job(s) of mail" in page.text
+    seal = re.search(r"seal=([0-9a-f]+)", done.headers["location"]).group(1)
+    forged = client.get("/consumers/mail", params={"msg": fake, "seal": seal})
+    assert forged.status_code == 200 and fake not in forged.text and 'id="flash"' not in forged.text
+    assert 'id="flash"' not in _client(engine).get(done.headers["location"]).text  # another process's key
 
 
 # ------------------------------------------------------------------ database down, back

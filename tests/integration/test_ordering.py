@@ -185,8 +185,11 @@ def test_blocked_and_skip_commands(engine, db_url, capsys, monkeypatch):
     assert main(["status", "--json", *url]) == 0
     [c] = [c for c in json.loads(capsys.readouterr().out)["consumers"] if c["consumer"] == "c"]
     assert (c["pending"], c["dead"], c["blocked_keys"]) == (1, 1, 1)
-    assert main(["skip", "0", *url]) == 2
+    assert main(["skip", "999999", *url]) == 2
     assert "no such job" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as refused:  # not a job id at all: the range error of every id argument
+        main(["skip", "0", *url])
+    assert refused.value.code == 2 and "must be between 1 and 9223372036854775807" in capsys.readouterr().err
     assert main(["skip", str(dead_id), *url]) == 0
     assert "is ready" in capsys.readouterr().out
     assert _status(engine) == {1: "dead", 2: "ready"}
