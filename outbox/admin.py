@@ -71,6 +71,21 @@ CHANGE_BATCH = 5000
 CANCELLABLE = ("ready", "pending", "running")
 
 
+def age_text(seconds: float | None) -> str:
+    """A duration for people, as ``status`` and the dashboard show lag and ages: ``4.2s``,
+    ``3m05s``, ``2h10m``, ``3d04h``; ``-`` for None."""
+    if seconds is None:
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    if days:
+        return f"{days}d{hours:02d}h"
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
 def as_dict(result: Any) -> dict[str, Any]:
     """A result dataclass of this module as JSON-ready data (datetimes as ISO 8601 text)."""
     def plain(value: Any) -> Any:

@@ -735,17 +735,10 @@ def _print_status(state: Any) -> None:
 
 
 def _seconds(value: float | None) -> str:
-    """A duration for people: 4.2s, 3m05s, 2h10m, 3d04h."""
-    if value is None:
-        return "-"
-    if value < 60:
-        return f"{value:.1f}s"
-    minutes, seconds = divmod(int(value), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    if days:
-        return f"{days}d{hours:02d}h"
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
+    """A duration for people (:func:`outbox.admin.age_text`)."""
+    from .admin import age_text
+
+    return age_text(value)
 
 
 def _print_flow(rows: Sequence[Any]) -> None:

@@ -89,17 +89,8 @@ def _when(value: datetime | None) -> str:
 
 
 def _age(seconds: float | None) -> str:
-    """A duration for people: 4.2s, 3m05s, 2h10m, 3d04h (``-``: none)."""
-    if seconds is None:
-        return "-"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    days, hours = divmod(hours, 24)
-    if days:
-        return f"{days}d{hours:02d}h"
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+    """A duration for people (:func:`outbox.admin.age_text`)."""
+    return admin.age_text(seconds)
 
 
 def bars(counts: list[int], width: int = 150, height: int = 28) -> list[dict[str, float]]:

@@ -8,8 +8,6 @@ deletes it."""
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,26 +21,17 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, publish_many
 from outbox.relay import Relay
 from outbox.testing import wait_for
+from tests.acceptance.brokers import NATS_URL, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
 
 from outbox import JetStream  # noqa: E402 (after the skip)
 
-NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
 TIMEOUT = 90.0
 
 
-def _reachable() -> str | None:
-    parts = urlsplit(NATS_URL)
-    try:
-        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout=2).close()
-    except OSError as exc:
-        return f"NATS is not reachable at {NATS_URL}: {exc}"
-    return None
-
-
-_why = _reachable()
+_why = nats_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 

@@ -9,13 +9,9 @@ and deletes them."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import os
-import socket
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy as sa
@@ -24,23 +20,14 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, publish_many
 from outbox.relay import Relay
 from outbox.testing import wait_for
+from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
 
-URL = os.environ.get("OUTBOX_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+URL = AMQP_URL
 TIMEOUT = 90.0
 
 
-def _broker_reason() -> str | None:
-    if importlib.util.find_spec("aio_pika") is None:
-        return "aio-pika is not installed (pip install 'outbox-relay[rabbitmq]')"
-    parts = urlsplit(URL)
-    try:
-        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=2).close()
-    except OSError as exc:
-        return f"no RabbitMQ at {parts.hostname}:{parts.port or 5672} ({exc}); set OUTBOX_TEST_AMQP_URL"
-    return None
-
-
-pytestmark = pytest.mark.skipif(bool(_broker_reason()), reason=_broker_reason() or "")
+_why = rabbitmq_missing()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 
 class Broker:

@@ -6,7 +6,6 @@ window) and deletes it. No PostgreSQL: the messages are built directly."""
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
 import uuid
@@ -18,25 +17,14 @@ from urllib.parse import urlsplit
 import pytest
 
 from outbox.sinks import Delivered, Failed, Message, SinkUnavailableError, Unavailable
+from tests.acceptance.brokers import NATS_URL, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
 
 from outbox.sinks.jetstream import JetStream  # noqa: E402 (after the skip)
 
-NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
-
-
-def _reachable() -> str | None:
-    parts = urlsplit(NATS_URL)
-    try:
-        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 4222), timeout=2).close()
-    except OSError as exc:
-        return f"NATS is not reachable at {NATS_URL}: {exc}"
-    return None
-
-
-_why = _reachable()
+_why = nats_missing()
 pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 CREATED = datetime(2024, 5, 6, 7, 8, 9, 123456, tzinfo=timezone(timedelta(hours=2)))

@@ -13,7 +13,6 @@ RabbitMQ is at-least-once: a message sent twice is stored twice, both copies wit
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import re
 import socket
@@ -29,24 +28,15 @@ from urllib.parse import urlsplit, urlunsplit
 import pytest
 
 from outbox.sinks import Delivered, Failed, Message, SinkUnavailableError, Unavailable
+from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
 from tests.acceptance.proxy import TcpProxy
 
-URL = os.environ.get("OUTBOX_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
+URL = AMQP_URL
 CREATED = datetime(2024, 5, 17, 9, 30, 15, 123456, tzinfo=UTC)
 
 
-def _broker_reason() -> str | None:
-    if importlib.util.find_spec("aio_pika") is None:
-        return "aio-pika is not installed (pip install 'outbox-relay[rabbitmq]')"
-    parts = urlsplit(URL)
-    try:
-        socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672), timeout=2).close()
-    except OSError as exc:
-        return f"no RabbitMQ at {parts.hostname}:{parts.port or 5672} ({exc}); set OUTBOX_TEST_AMQP_URL"
-    return None
-
-
-pytestmark = pytest.mark.skipif(bool(_broker_reason()), reason=_broker_reason() or "")
+_why = rabbitmq_missing()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
 
 
 def sink(**options: Any) -> Any:
