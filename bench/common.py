@@ -375,17 +375,23 @@ def publish_events(eng: Engine, n: int, per_txn: int = 500, consumers_topic: str
 
 def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, timeout: float = 1800.0,
                  interval: float = 0.1, raise_on_timeout: bool = True) -> bool:
-    """Wait until no event is unrouted and no job is ready or running (and, when given,
-    ``expected_jobs`` jobs exist); True when drained, False on timeout unless
-    ``raise_on_timeout``. Reads the partial indexes only, so it stays cheap."""
+    """Wait until no event is unrouted and no job is ready, running or pending (and, when
+    given, ``expected_jobs`` jobs exist); True when drained, False on timeout unless
+    ``raise_on_timeout``. While work is left it asks only whether any is (``EXISTS``, which
+    stops at the first live index entry; pending jobs are keyed, which lets the
+    ordering index answer): counting the partial indexes ten times a second
+    cost 46 us of database CPU per job of a 90,000-job run (37 ms a poll), on the two cores
+    the relay and the database share, where PgQueuer's drain mode polls nothing. The rate is
+    read from the database clock, so how soon this notices the end does not change it."""
     deadline = time.monotonic() + timeout
     while True:
-        unrouted, pending = conn.execute(
-            "SELECT (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
-            " (SELECT count(*) FROM outbox_jobs WHERE status = 'ready')"
-            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'running')"
-            " + (SELECT count(*) FROM outbox_jobs WHERE status = 'pending')").fetchone()
-        if unrouted == 0 and pending == 0:
+        busy = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM outbox_events WHERE routed_at IS NULL)"
+            " OR EXISTS (SELECT 1 FROM outbox_jobs WHERE status = 'ready')"
+            " OR EXISTS (SELECT 1 FROM outbox_jobs WHERE status = 'running')"
+            " OR EXISTS (SELECT 1 FROM outbox_jobs WHERE ordering_key IS NOT NULL AND status = 'pending')"
+        ).fetchone()[0]
+        if not busy:
             if expected_jobs is None:
                 return True
             if conn.execute("SELECT count(*) FROM outbox_jobs").fetchone()[0] >= expected_jobs:
@@ -393,7 +399,10 @@ def wait_drained(conn: psycopg.Connection, expected_jobs: int | None = None, tim
         if time.monotonic() > deadline:
             if not raise_on_timeout:
                 return False
-            raise RuntimeError(f"not drained after {timeout}s: {unrouted} unrouted events, {pending} pending jobs")
+            unrouted, pending = conn.execute(
+                "SELECT (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
+                " (SELECT count(*) FROM outbox_jobs WHERE status IN ('ready', 'running', 'pending'))").fetchone()
+            raise RuntimeError(f"not drained after {timeout}s: {unrouted} unrouted events, {pending} jobs left")
         time.sleep(interval)
 
 

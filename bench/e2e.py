@@ -77,7 +77,7 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 started = time.monotonic()
                 analyzer = Analyzer(url, analyze_every) if analyze_every else None
                 publish_seconds = publish_events(eng, events)
-                drained = wait_drained(mon, expected_jobs=events * consumers, raise_on_timeout=False,
+                drained = wait_drained(mon, expected_jobs=events * consumers, raise_on_timeout=False, interval=0.5,
                                        timeout=max(1.0, cap - (time.monotonic() - started)))
                 cpu1, busy1 = proc_cpu(relay.pid), machine_busy()
                 if analyzer:

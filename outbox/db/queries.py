@@ -112,8 +112,7 @@ event_route_many: TextClause = text(
     ), routed AS (
         UPDATE outbox_events e
         SET routed_at = now()
-        FROM batch b
-        WHERE e.id = b.id AND e.routed_at IS NULL
+        WHERE e.id = ANY (ARRAY(SELECT id FROM batch))
         RETURNING e.id
     ), unmatched AS (
         SELECT b.topic, count(*) AS events
@@ -163,7 +162,14 @@ while its completion part waited for a head this statement held deadlocked with 
 being promoted before this commits. The heads are locked in id order, like every statement that
 locks job rows and waits (completion, heartbeat, failure, promotion), so none of them can
 deadlock with this one; ``heads`` is ``MATERIALIZED`` and counted in the result so its
-locks are always all taken."""
+locks are always all taken.
+
+``routed`` marks the batch by primary key (``e.id = ANY (ARRAY(...))``, an InitPlan, as in
+the claim) and needs no ``routed_at IS NULL``: ``locked`` holds each row ``FOR UPDATE`` and
+re-checked the condition on its newest version. Joined to ``batch`` with the condition, a
+planner without statistics on ``outbox_events`` (a new database, autovacuum off) read
+every unrouted event through ``ix_outbox_events_unrouted`` for each batch: 20 ms of a
+250 ms round with a backlog of 20,000 (docs/performance.md, "Issue 14")."""
 
 event_route_candidates: TextClause = text(
     """
@@ -1630,7 +1636,9 @@ already has one (``ON CONFLICT (event_id, consumer) DO NOTHING``: two replays at
 replay and the router, create each job once; the second waits for the first's commit).
 Priority, attempts budget and ``run_at`` as the router sets them. The events are locked
 ``FOR KEY SHARE``, so an event the pruner is deleting right now is waited for and then
-passed over instead of failing the insert's foreign key. Returns the highest id looked at
+passed over (it is gone), and the pruner (``FOR UPDATE SKIP LOCKED``) passes over an event
+a replay holds: no job is ever left without its event (jobs have no foreign key to their
+event since migration 0007; these locks keep what it guarded). Returns the highest id looked at
 (the next batch's ``:after``; NULL: none left), how many were looked at and how many jobs
 were created."""
 
