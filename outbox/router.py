@@ -239,6 +239,14 @@ class StatisticsKeeper:
     not due costs no query. With several relays each counts the jobs it routed itself; an
     ANALYZE by any of them, or by autovacuum, raises ``reltuples`` and so the others' trigger.
 
+    The first of these ANALYZEs also analyses ``outbox_events`` if it never was (``reltuples``
+    -1: a new database, autovacuum off or not yet awake); later ones leave it to autovacuum.
+    Without any statistics the planner rates ``routed_at IS NULL`` at 0.5 % of the table, and
+    with a backlog the route's pick of 500 then read and sorted every unrouted event through a
+    bitmap scan; with statistics from any moment (a few unrouted: an estimate of a handful; a
+    burst: thousands) it walks ``ix_outbox_events_unrouted`` in id order and stops at the
+    batch (docs/performance.md, "Issue 14"). ``events_analyzed`` counts those.
+
     Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
     transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE
     UPDATE EXCLUSIVE lock, which conflicts with autovacuum and with another relay's
@@ -270,7 +278,7 @@ class StatisticsKeeper:
         self.retry_base = retry_base
         self.retry_cap = retry_cap
         self.pending = 0
-        self.analyzed = self.skipped = self.failed = self.denied = 0
+        self.analyzed = self.skipped = self.failed = self.denied = self.events_analyzed = 0
         self._trigger = float(floor)  # from the last reltuples read
         self._misses = 0  # skips and failures in a row
         self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
@@ -298,6 +306,9 @@ class StatisticsKeeper:
                 conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
                 conn.execute(self.statements.job_table_analyze)
                 after = conn.execute(self.statements.job_table_reltuples).scalar_one()
+                if not conn.execute(self.statements.event_table_analysed).scalar_one():
+                    conn.execute(self.statements.event_table_analyze)
+                    self.events_analyzed += 1
         except SQLAlchemyError as exc:
             return self._missed(exc)
         log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",

@@ -1139,6 +1139,15 @@ job_table_reltuples: TextClause = text(
 estimate); 0 when the table has never been analysed or vacuumed, which PostgreSQL 14 and
 later mark with -1 (PostgreSQL docs, "pg_class")."""
 
+event_table_analysed: TextClause = text(
+    "SELECT reltuples >= 0 FROM pg_class WHERE oid = CAST('outbox_events' AS regclass)"
+)
+"""Whether ``outbox_events`` has been analysed or vacuumed at least once (``reltuples`` is -1
+until then: PostgreSQL docs, "pg_class")."""
+
+event_table_analyze: TextClause = text("ANALYZE outbox_events")
+"""Refresh the planner's statistics of ``outbox_events``; locks as ``job_table_analyze``."""
+
 lock_timeout_set_local: TextClause = text("SELECT set_config('lock_timeout', :timeout, true)")
 """Until the end of the current transaction, give up waiting for a lock after ``:timeout``
 (text with a unit, e.g. ``'100ms'``) with SQLSTATE 55P03 (``lock_not_available``). Being

@@ -100,6 +100,56 @@ def test_claim_reads_the_ready_index_after_a_burst_into_a_never_analysed_table(e
         assert "Seq Scan on outbox_jobs" not in plan, plan
 
 
+def _route_plan(engine: sa.Engine) -> str:
+    """EXPLAIN of one routing round of 500 (not executed)."""
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("EXPLAIN " + queries.in_schema("public").event_route_many.text), {
+            "limit": 500, "skip": [], "only": None}).scalars().all()
+        conn.rollback()
+    return "\n".join(rows)
+
+
+def _events_reltuples(engine: sa.Engine) -> float:
+    with engine.connect() as conn:
+        return conn.execute(sa.text(
+            "SELECT reltuples FROM pg_class WHERE oid = 'outbox_events'::regclass")).scalar_one()
+
+
+def test_route_walks_the_unrouted_index_once_the_keeper_gave_events_statistics(engine):
+    subscribe(engine, "t", CONSUMERS)
+    _no_autovacuum(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE outbox_events SET (autovacuum_enabled = false)"))
+    assert _events_reltuples(engine) == -1
+
+    # Precondition, the failure this guards against: with a backlog of 6,000 unrouted events
+    # and no statistics, the route's pick reads and sorts every unrouted event.
+    _publish(engine, 6000)
+    plan = _route_plan(engine)
+    assert "Bitmap Heap Scan on outbox_events" in plan and "Sort Key: outbox_events.id" in plan, plan
+
+    # The keeper's first ANALYZE (past its floor of 1,000 jobs) also analyses outbox_events.
+    keeper = StatisticsKeeper(engine, floor=1000)
+    with engine.begin() as conn:
+        assert route_batch(conn, 500).jobs == 1500
+    assert keeper.routed(1500) is AnalyzeOutcome.ANALYZED
+    assert (keeper.analyzed, keeper.events_analyzed) == (1, 1)
+    assert _events_reltuples(engine) == 6000
+
+    # A larger backlog since: the pick walks the partial index in id order and stops at 500.
+    _publish(engine, 6000)
+    plan = _route_plan(engine)
+    assert "Index Scan using ix_outbox_events_unrouted on outbox_events" in plan, plan
+    assert "Bitmap Heap Scan on outbox_events" not in plan, plan
+    assert "Sort Key: outbox_events.id" not in plan, plan
+
+    # Later ANALYZEs of outbox_jobs leave outbox_events to autovacuum.
+    with engine.begin() as conn:
+        assert route_batch(conn, 1000).jobs == 3000
+    assert keeper.routed(3000) is AnalyzeOutcome.ANALYZED
+    assert (keeper.analyzed, keeper.events_analyzed) == (2, 1)
+
+
 # ------------------------------------------------------------------ the rule
 
 
