@@ -12,9 +12,9 @@
 --
 -- The completion is fenced: a job is done only if it still holds that fence and is running.
 -- "(status = 'running') IS TRUE" (status is NOT NULL: the same test) keeps the planner from
--- answering it through jobs_running, the partial index of running jobs: its entries of
--- finished jobs stay until VACUUM and a bitmap scan never marks them dead, so that plan costs
--- in proportion to the jobs claimed since the last VACUUM (docs/performance.md, "The
+-- answering it through jobs_running, the partial index of running jobs, which it takes for
+-- small: that plan reads every running job (and, until VACUUM, entries of finished ones) and
+-- cost the pipeline about 30 % more database CPU per job (docs/performance.md, "The
 -- ceiling"); the primary key answers it in 50 probes.
 --
 -- A worker that claimed nothing waits 1 ms before it looks again.
