@@ -7,6 +7,7 @@
     python -m bench --only profile     # where the relay's time goes (py-spy, round trips)
     python -m bench --only ordered     # ordered delivery per key against unordered (issue 10)
     python -m bench --only forward     # forwarding to JetStream / RabbitMQ against their raw clients (issue 11)
+    python -m bench --only ceiling     # the leanest SQL doing outbox's work: claim + complete, whole pipeline (issue 14)
 
 Prints the markdown table on stdout (progress on stderr) and writes ``results.json``,
 ``results.md``, ``throughput.png`` and ``latency.png`` (plus logs, plans and a
@@ -31,8 +32,11 @@ from typing import Any
 
 from .common import BENCH, ROOT, SIZES, Databases, is_server_restart, log, server_facts, server_url, wait_for_server
 
-SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics")
+SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics", "ceiling")
 ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {"profile": "profile"}
+# The order they run in: the ceiling right after scenario 1, so the two limits are measured
+# side by side and just before the end-to-end runs they are compared with.
+RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-1], "profile")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -44,7 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--full", action="store_const", const="full", dest="size",
                       help="the issue's full size: 10 min soak, 2 min snapshot (about 30 minutes)")
     parser.add_argument("--only", action="append", metavar="SCENARIO",
-                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}, 1-9, or profile")
+                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)}, or profile")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip PgQueuer and procrastinate (no peers' venv is created)")
     parser.add_argument("--profile", action="store_true", help="also profile the end-to-end relay")
@@ -57,13 +61,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         for name in item.split(","):
             name = ALIASES.get(name.strip(), name.strip())
             if name not in SCENARIOS and name != "profile":
-                parser.error(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}, 1-9 or profile")
+                parser.error(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)} or profile")
             chosen.append(name)
     if args.profile and "profile" not in chosen:
         chosen.append("profile")
     if args.no_peers:
         chosen = [c for c in chosen if c != "peers"]
-    args.scenarios = [s for s in (*SCENARIOS, "profile") if s in chosen]
+    args.scenarios = [s for s in RUN_ORDER if s in chosen]
     return args
 
 
@@ -115,9 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         "timings": {}, "errors": {},
     }
     log(f"size {size.name}, scenarios {', '.join(args.scenarios)}; results in {results}")
-    from . import e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak
+    from . import ceiling, e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak
 
-    modules = {"raw": raw, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
+    modules = {"raw": raw, "ceiling": ceiling, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
                "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost}
     with Databases(server) as dbs:
         for name in args.scenarios:

@@ -44,7 +44,7 @@ class Size:
 
     name: str
     runs: int = 3
-    # 1 raw limit
+    # 1 raw: the own-statement limit
     pgbench_seconds: float = 2.0          # 0: a fixed 20 script runs per client (smoke size)
     pgbench_pool: int = 150_000          # ready jobs present before a batched run
     loop_seconds: float = 4.0
@@ -84,6 +84,9 @@ class Size:
     forward_latency_seconds: float = 20.0
     forward_rate: float = 200.0
     claim_seconds: float = 1.5
+    # 11 ceiling: the leanest-SQL pipeline
+    lean_seconds: float = 10.0           # each of its pgbench runs
+    lean_pool: int = 400_000             # ready jobs preloaded before the first lean claim + complete run
     notes: tuple[str, ...] = field(default=())
 
 
@@ -94,13 +97,15 @@ SIZES = {
         publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
-        forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0),
+        forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
+        lean_pool=60_000),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
         default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50, 50), (8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250), (64, 500, 500)),
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
-        soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0),
+        soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
+        lean_pool=800_000),
 }
 
 
@@ -167,6 +172,46 @@ def find_binary(name: str) -> str | None:
 def conninfo(url: URL) -> str:
     """libpq form of a SQLAlchemy URL (for psycopg, pgbench and the peers)."""
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def pgbench_command(url: URL, scripts: Sequence[Path], clients: int, seconds: float | None = None,
+                    transactions: int | None = None, defines: dict[str, Any] | None = None) -> list[str]:
+    """The pgbench command line: ``scripts`` (one ``-f`` each) with ``clients`` clients
+    (``-j`` up to 2 threads), prepared statements, no vacuum, for ``-T seconds`` or ``-t
+    transactions`` per client; ``defines`` become ``-D name=value``. Raises RuntimeError
+    when pgbench cannot be found."""
+    pgbench = find_binary("pgbench")
+    if pgbench is None:
+        raise RuntimeError("pgbench not found (install the PostgreSQL client tools)")
+    length = ["-T", str(round(seconds))] if seconds is not None else ["-t", str(transactions or 20)]
+    args = [pgbench, "-n", "-M", "prepared", "-c", str(clients), "-j", str(min(clients, 2)), *length]
+    for script in scripts:
+        args += ["-f", str(script)]
+    for name, value in (defines or {}).items():
+        args += ["-D", f"{name}={value}"]
+    return [*args, conninfo(url)]
+
+
+def pgbench_result(returncode: int, stdout: str, stderr: str) -> dict[str, float]:
+    """tps (connection set-up excluded), transactions, average latency (ms) and failed
+    transactions from pgbench's summary; RuntimeError if it failed or printed none."""
+    import re
+
+    if returncode != 0 or "tps =" not in stdout:
+        raise RuntimeError(f"pgbench failed ({returncode}): {stderr[-1500:]}{stdout[-500:]}")
+    tps = re.search(r"tps = ([\d.]+)", stdout)
+    txns = re.search(r"number of transactions actually processed: (\d+)", stdout)
+    lat = re.search(r"latency average = ([\d.]+) ms", stdout)
+    failed = re.search(r"number of failed transactions: (\d+)", stdout)
+    return {"tps": float(tps.group(1)) if tps else float("nan"), "transactions": int(txns.group(1)) if txns else 0,
+            "latency_ms": float(lat.group(1)) if lat else float("nan"),
+            "failed": int(failed.group(1)) if failed else 0}
+
+
+def run_pgbench(command: list[str]) -> dict[str, float]:
+    """Run a :func:`pgbench_command` to its end and read its summary (:func:`pgbench_result`)."""
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
+    return pgbench_result(out.returncode, out.stdout, out.stderr)
 
 
 class Databases:

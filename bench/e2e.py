@@ -17,9 +17,10 @@ job, so each claim costs in proportion to the backlog (scenario 6 measures it). 
 shows what the relay does once the statistics are current, with nothing else changed.
 
 Before each repetition a short pgbench run (scenario 1's claim + complete, batch 50, 4
-clients) measures the raw limit on a fresh database, so "end to end / raw limit" is also
-reported as the median of ratios of neighbouring runs (``paired_limit``), which a busy
-machine disturbs less than a ratio of figures taken minutes apart.
+clients) measures the own-statement limit on a fresh database, so "end to end /
+own-statement limit" is also reported as the median of ratios of neighbouring runs
+(``paired_limit``), which a busy machine disturbs less than a ratio of figures taken
+minutes apart.
 
 A run still going after ``e2e_cap`` seconds (half that in the sweep) is cut short and its
 rate is the jobs done by then over the time taken; the report says how many were cut.

@@ -1,4 +1,8 @@
-"""Scenario 1, the raw limit: outbox's claim + fenced complete with no Python in the way.
+"""Scenario 1, the own-statement limit: outbox's claim + fenced complete with no Python in the way.
+
+It runs outbox's *own* statements, so it says how much the relay adds to them; how cheap
+those statements are beside the leanest SQL that does the same work is scenario 11
+(:mod:`bench.ceiling`). The report called this figure "the raw limit" before issue 14.
 
 pgbench runs ``bench/pgbench/claim_complete.sql`` (the text of ``job_claim_many`` and
 ``job_complete_many`` from :mod:`outbox.db.queries`, prepared, each statement its own
@@ -11,8 +15,6 @@ topped up and vacuumed before each run, and it is checked that it never ran dry.
 
 from __future__ import annotations
 
-import re
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ import psycopg
 
 from outbox.db import queries
 
+from . import common
 from .common import BENCH, Databases, Size, conninfo, find_binary, log, median, sql_for_psycopg
 
 CLIENTS = (1, 4, 8)
@@ -57,20 +60,9 @@ def done_count(conn: psycopg.Connection) -> int:
 
 def run_pgbench(url: Any, script: Path, clients: int, batch: int, seconds: float) -> dict[str, float]:
     """One pgbench run: ``-T seconds``, or ``-t 20`` per client when ``seconds`` is 0 (smoke size)."""
-    pgbench = find_binary("pgbench")
-    length = ["-T", str(round(seconds))] if seconds >= 1 else ["-t", "20"]
-    args = [pgbench, "-n", "-M", "prepared", "-c", str(clients), "-j", str(min(clients, 2)), *length,
-            "-f", str(script), "-D", "consumers={c1,c2,c3}", "-D", "leases={30,30,30}", "-D", "worker=pgbench",
-            "-D", f"limit={batch}", conninfo(url)]
-    out = subprocess.run(args, capture_output=True, text=True, check=False)
-    if out.returncode != 0 or "tps =" not in out.stdout:
-        raise RuntimeError(f"pgbench failed ({out.returncode}): {out.stderr[-1500:]}{out.stdout[-500:]}")
-    tps = float(re.search(r"tps = ([\d.]+)", out.stdout).group(1))
-    txns = int(re.search(r"number of transactions actually processed: (\d+)", out.stdout).group(1))
-    lat = re.search(r"latency average = ([\d.]+) ms", out.stdout)
-    failed = re.search(r"number of failed transactions: (\d+)", out.stdout)
-    return {"tps": tps, "transactions": txns, "latency_ms": float(lat.group(1)) if lat else float("nan"),
-            "failed": int(failed.group(1)) if failed else 0}
+    return common.run_pgbench(common.pgbench_command(
+        url, [script], clients, seconds=seconds if seconds >= 1 else None, transactions=20,
+        defines={"consumers": "{c1,c2,c3}", "leases": "{30,30,30}", "worker": "pgbench", "limit": batch}))
 
 
 def psycopg_loop(url: Any, seconds: float, batch: int = 50) -> dict[str, float]:
@@ -96,7 +88,7 @@ def psycopg_loop(url: Any, seconds: float, batch: int = 50) -> dict[str, float]:
 
 
 def probe(dbs: Databases, size: Size, clients: int = 4, batch: int = 50) -> float | None:
-    """A short pgbench run (batch 50, 4 clients) on a fresh database: the raw limit measured
+    """A short pgbench run (batch 50, 4 clients) on a fresh database: the own-statement limit measured
     right beside another run, so the two can be paired into one ratio. None without pgbench."""
     if find_binary("pgbench") is None:
         return None

@@ -40,10 +40,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         for batch in (1, 50) if raw["pgbench"] else ():
             vals = [raw["pgbench"][f"b{batch}_c{c}"]["jobs_per_s"] for c in (1, 4, 8)]
             drained = any(raw["pgbench"][f"b{batch}_c{c}"]["drained"] for c in (1, 4, 8))
-            out.append(("1 raw", f"pgbench claim + fenced complete, batch {batch}, clients 1 / 4 / 8",
+            out.append(("1 raw", f"pgbench, outbox's own claim + fenced complete, batch {batch}, clients 1 / 4 / 8",
                         " / ".join(_n(v) for v in vals) + " jobs/s" + (" (pool ran dry: lower bound)" if drained else ""),
                         "", ""))
-        out.append(("1 raw", "minimal psycopg loop, batch 50, one connection",
+        out.append(("1 raw", "minimal psycopg loop, outbox's own statements, batch 50, one connection",
                     f"{_n(raw['psycopg_loop']['jobs_per_s'])} jobs/s", "", ""))
     if e2e:
         d, b = e2e["default"], e2e["best"]
@@ -64,7 +64,7 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     sw, "", ""))
         pl = e2e.get("paired_limit") or {}
         if pl.get("best_ratio"):
-            out.append(("2 e2e", "end to end (best) / raw limit measured beside each run (pgbench batch 50, 4 clients:"
+            out.append(("2 e2e", "end to end (best) / own-statement limit measured beside each run (pgbench batch 50, 4 clients:"
                         f" {_n(pl['jobs_per_s'])} jobs/s), median of paired ratios",
                         f"{pl['best_ratio']:.0%} ({pl['best_analyzed_ratio']:.0%} with current statistics)", ">= 35%",
                         _ok(pl["best_ratio"] >= 0.35)))
@@ -77,8 +77,10 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             clients = raw["limit_config"].split("_c")[-1]
             limit = (f"pgbench batch 50, {clients} client{'' if clients == '1' else 's'}, scenario 1"
                      if raw["pgbench"] else raw["limit_config"])
-            out.append(("2 e2e", f"end to end (best) / raw limit ({limit})", f"{ratio:.0%}{also}", ">= 35%",
+            out.append(("2 e2e", f"end to end (best) / own-statement limit ({limit})", f"{ratio:.0%}{also}", ">= 35%",
                         _ok(ratio >= 0.35)))
+    if data.get("ceiling"):
+        out += ceiling_rows(data)
     if peers:
         p, r = peers["pgqueuer"], peers["procrastinate"]
         out.append(("3 peers", f"PgQueuer {peers['versions']['pgqueuer']} drain, {peers['jobs']:,} jobs "
@@ -205,6 +207,41 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     fw = data.get("forward")
     if fw:
         out += forward_rows(fw)
+    return out
+
+
+def ceiling_rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The rows of scenario 11 (the leanest-SQL ceiling, issue 14) and its ratios to scenarios 1 and 2."""
+    c, raw, e2e = data["ceiling"], data.get("raw"), data.get("e2e")
+    a, p, w = c["claim_complete"], c["pipeline"], c.get("pipeline_without_unique")
+    out = [("11 ceiling", f"leanest SQL: claim {a['batch']} + fenced complete (each its own transaction), "
+            f"{a['clients']} pgbench clients, preloaded ready backlog",
+            f"{_n(a['jobs_per_s'])} jobs/s" + (" (pool ran dry: lower bound)" if a["drained"] else ""), "", "")]
+    if raw and raw["pgbench"] and "b50_c4" in raw["pgbench"]:
+        own = raw["pgbench"]["b50_c4"]["jobs_per_s"]
+        out.append(("11 ceiling", "outbox's own claim + complete (scenario 1, batch 50, 4 clients) / the leanest",
+                    f"{own / a['jobs_per_s']:.0%}", "", ""))
+    out.append(("11 ceiling", f"**leanest-SQL pipeline limit**: publish ({p['publish_batch']} events per transaction, "
+                f"1 client) + route (up to {p['route_limit']}, 1 client) + claim {p['claim_limit']} and complete "
+                f"({p['workers']} clients) at once, {p['seconds']:.0f} s runs, jobs done per second in the steady state",
+                f"{_n(p['jobs_per_s'])} jobs/s ({_n(p['published_events_per_s'])} events/s published)", "", ""))
+    out.append(("11 ceiling", "pipeline CPU per job: database backends / pgbench clients",
+                f"{_n(p['db_cpu_us_per_job'])} / {_n(p['clients_cpu_us_per_job'])} us; machine "
+                f"{p['machine_busy']:.0%} busy", "", ""))
+    if w:
+        first = p["runs"][0]
+        out.append(("11 ceiling", "UNIQUE (event_id, consumer): the first pipeline run with it / one run without it, "
+                    "right after: jobs/s; database CPU per job",
+                    f"{_n(first['jobs_per_s'])} / {_n(w['jobs_per_s'])} jobs/s "
+                    f"({first['jobs_per_s'] / w['jobs_per_s']:.2f}x); {_n(first['db_cpu_us_per_job'])} / "
+                    f"{_n(w['db_cpu_us_per_job'])} us", "", ""))
+    if e2e:
+        b = e2e["best"]
+        ratio = b["jobs_per_s"] / p["jobs_per_s"]
+        out.append(("11 ceiling", "outbox end to end (best, scenario 2) / leanest-SQL pipeline limit",
+                    f"{ratio:.0%}{_also(e2e, p['jobs_per_s'], '{:.0%}')}", ">= 75 %", _ok(ratio >= 0.75)))
+        out.append(("11 ceiling", "database backends CPU per job: outbox end to end (best) / leanest-SQL pipeline",
+                    f"{_n(b['db_cpu_us_per_job'])} / {_n(p['db_cpu_us_per_job'])} us", "", ""))
     return out
 
 
