@@ -12,10 +12,13 @@ permits, ``--claim-batch`` jobs per claim) until the database holds N completion
 every 50 ms on a connection of the harness's own. awa's ``awa.jobs`` and
 ``awa.terminal_jobs`` views reconstruct every job and take about 10 s for 3,000 jobs, so
 the poll counts completions where queue storage records them: ``completed_count`` of
-``awa.receipt_completion_batches`` (one row per completed claim batch) plus completed
-rows of ``awa.done_entries``. A drain longer than ``--cap`` seconds stops there (the
-rate is then the completions so far over the time taken). Every job keeps awa's lease
-(``run_lease``) and heartbeat machinery; the handler only counts its calls.
+``awa.receipt_completion_batches`` (one row per completed claim batch), completed rows of
+``awa.done_entries``, and ``pruned_completed_count`` of ``awa.queue_terminal_rollups``: a
+ring slot whose jobs are all finished is pruned a second or two later and its
+completions move into that counter (the sum was seen unchanged across the move). A drain
+longer than ``--cap`` seconds stops there (the rate is then the completions so far over
+the time taken). Every job keeps awa's lease (``run_lease``) and heartbeat machinery; the
+handler only counts its calls.
 
 Prints one JSON line: migration, enqueue and drain seconds, jobs/s of the drain and of
 enqueue + drain. Imports nothing from outbox.
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 
 QUEUE = "bench"
 COMPLETED = ("SELECT (SELECT coalesce(sum(completed_count), 0) FROM awa.receipt_completion_batches WHERE queue = %s)"
-             " + (SELECT count(*) FROM awa.done_entries WHERE queue = %s AND state = 'completed')")
+             " + (SELECT count(*) FROM awa.done_entries WHERE queue = %s AND state = 'completed')"
+             " + (SELECT coalesce(sum(pruned_completed_count), 0) FROM awa.queue_terminal_rollups WHERE queue = %s)")
 
 
 @dataclass
@@ -40,7 +44,7 @@ class Noop:
 
 
 async def completed(conn) -> int:
-    cur = await conn.execute(COMPLETED, (QUEUE, QUEUE))
+    cur = await conn.execute(COMPLETED, (QUEUE, QUEUE, QUEUE))
     return int((await cur.fetchone())[0])
 
 
