@@ -50,7 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", action="append", metavar="SCENARIO",
                         help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)}, or profile")
     parser.add_argument("--no-peers", action="store_true",
-                        help="skip PgQueuer and procrastinate (no peers' venv is created)")
+                        help="skip PgQueuer, procrastinate and awa-pg (no peers' venv is created)")
     parser.add_argument("--profile", action="store_true", help="also profile the end-to-end relay")
     parser.add_argument("--runs", type=int, help="repetitions behind each median (default 3)")
     parser.add_argument("--results", type=Path, default=BENCH / "results", help="output folder (default bench/results)")

@@ -45,6 +45,10 @@ def throughput(data: dict, out: Path) -> bool:
         ax.axhline(peers["pgqueuer"]["jobs_per_s"], color="tab:purple", ls="-.",
                    label=f"PgQueuer drain ({peers['pgqueuer']['driver']}, batch {peers['pgqueuer']['batch']})")
         ax.axhline(peers["procrastinate"]["jobs_per_s"], color="tab:brown", ls="-.", label="procrastinate, concurrency 8")
+        if "awa" in peers:
+            a = peers["awa"]
+            ax.axhline(a["jobs_per_s"], color="tab:pink", ls="-.",
+                       label=f"awa-pg drain ({a['workers']} workers, claim batch {a['claim_batch']})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrency (pgbench clients / relay worker threads)")

@@ -56,6 +56,9 @@ class Size:
     sweep: tuple[tuple[int, int, int], ...] = ((8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250))
     e2e_cap: float = 40.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
+    # (workers, claim_batch) of awa's sweep on 3 x sweep_events jobs, each on a fresh database
+    awa_sweep: tuple[tuple[int, int], ...] = ((64, 64), (64, 512), (256, 64), (256, 512), (1024, 64), (1024, 512))
+    awa_cap: float = 300.0               # seconds an awa drain may take before it is stopped
     # 4 publish cost
     publish_txns: int = 1_000
     publish_many_txns: int = 10
@@ -94,6 +97,7 @@ SIZES = {
     "quick": Size(
         name="quick", pgbench_seconds=0, pgbench_pool=10_000, loop_seconds=0.5, events=1_000,
         default_events=500, sweep_events=500, sweep=((8, 50, 50), (16, 100, 100)), procrastinate_cap=2.0,
+        awa_sweep=((64, 64), (256, 512)),
         publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,

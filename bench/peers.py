@@ -1,15 +1,20 @@
-"""Scenario 3, the peers: PgQueuer and procrastinate on the same number of jobs as the
-end-to-end scenario (3 N), on the same server, in the same invocation.
+"""Scenario 3, the peers: PgQueuer, procrastinate and awa (``awa-pg``) on the same number
+of jobs as the end-to-end scenario (3 N), on the same server, in the same invocation.
 
 They live in their own virtualenv, ``bench/.venv-peers``, built from
 ``bench/requirements-peers.txt`` on first use (and rebuilt when that file changes); their
 workloads run there as subprocesses (``bench/peer_pgqueuer.py``,
-``bench/peer_procrastinate.py``), each on a fresh database. Neither is ever a dependency
-of outbox.
+``bench/peer_procrastinate.py``, ``bench/peer_awa.py``), each on a fresh database. None
+is ever a dependency of outbox. awa-pg shares the venv: it requires no other package, so
+nothing of the others' can conflict with it.
 
 PgQueuer: a short sweep over driver and batch size (on the sweep size), then its best
 configuration ``runs`` times on 3 N jobs. procrastinate: concurrency 8, ``runs`` times,
-each drain stopped after ``procrastinate_cap`` seconds (see peer_procrastinate.py).
+each drain stopped after ``procrastinate_cap`` seconds (see peer_procrastinate.py). awa:
+a short sweep over worker permits and claim batch (``Size.awa_sweep``, on the sweep size),
+then its best configuration ``runs`` times on 3 N jobs; its drain is timed after a COPY
+enqueue, and the enqueue + drain rate of the same runs is kept beside it (see
+peer_awa.py).
 """
 
 from __future__ import annotations
@@ -58,8 +63,8 @@ def peer(script: str, url: Any, *args: str) -> dict[str, Any]:
 
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     ensure_venv()
-    versions = subprocess.run([str(venv_python()), "-c",
-                               "import importlib.metadata as m; print(m.version('pgqueuer'), m.version('procrastinate'))"],
+    versions = subprocess.run([str(venv_python()), "-c", "import importlib.metadata as m; "
+                               "print(m.version('pgqueuer'), m.version('procrastinate'), m.version('awa-pg'))"],
                               capture_output=True, text=True, check=True).stdout.split()
     jobs, sweep_jobs = size.events * 3, size.sweep_events * 3
     sweep = []
@@ -69,7 +74,13 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         log(f"pgqueuer sweep driver={driver} batch={batch}: {r['jobs_per_s']:,.0f} jobs/s")
         sweep.append(r)
     best = max(sweep, key=lambda r: r["jobs_per_s"])
-    pgq_runs, pro_runs = [], []
+    awa_sweep = []
+    for workers, claim_batch in size.awa_sweep:
+        r = awa(dbs, sweep_jobs, workers, claim_batch, size.awa_cap)
+        log(f"awa sweep workers={workers} claim_batch={claim_batch}: {r['jobs_per_s']:,.0f} jobs/s")
+        awa_sweep.append(r)
+    awa_best = max(awa_sweep, key=lambda r: r["jobs_per_s"])
+    pgq_runs, pro_runs, awa_runs = [], [], []
     for _rep in range(size.runs):
         with dbs.fresh(migrated=False) as url:
             r = peer("peer_pgqueuer.py", url, "--jobs", str(jobs), "--driver", best["driver"],
@@ -82,12 +93,29 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         log(f"procrastinate concurrency 8: {r['jobs_per_s']:,.0f} jobs/s ({r['done']} of {jobs} jobs"
             f"{', capped' if r['capped'] else ''})")
         pro_runs.append(r)
+        r = awa(dbs, jobs, awa_best["workers"], awa_best["claim_batch"], size.awa_cap)
+        log(f"awa workers={r['workers']} claim_batch={r['claim_batch']}: {r['jobs_per_s']:,.0f} jobs/s, "
+            f"{r['jobs_per_s_with_enqueue']:,.0f} with the enqueue ({r['done']} of {jobs} jobs"
+            f"{', capped' if r['capped'] else ''})")
+        awa_runs.append(r)
     return {
-        "versions": {"pgqueuer": versions[0], "procrastinate": versions[1]},
+        "versions": {"pgqueuer": versions[0], "procrastinate": versions[1], "awa-pg": versions[2]},
         "jobs": jobs,
         "pgqueuer": {"jobs_per_s": median([r["jobs_per_s"] for r in pgq_runs]), "driver": best["driver"],
                      "batch": best["batch"], "dequeue": best["dequeue"], "sweep": sweep, "runs": pgq_runs},
         "procrastinate": {"jobs_per_s": median([r["jobs_per_s"] for r in pro_runs]), "concurrency": 8,
                           "capped": any(r["capped"] for r in pro_runs), "cap_seconds": size.procrastinate_cap,
                           "runs": pro_runs},
+        "awa": {"jobs_per_s": median([r["jobs_per_s"] for r in awa_runs]),
+                "jobs_per_s_with_enqueue": median([r["jobs_per_s_with_enqueue"] for r in awa_runs]),
+                "workers": awa_best["workers"], "claim_batch": awa_best["claim_batch"], "pool": awa_best["pool"],
+                "capped": any(r["capped"] for r in awa_runs), "cap_seconds": size.awa_cap,
+                "sweep": awa_sweep, "runs": awa_runs},
     }
+
+
+def awa(dbs: Databases, jobs: int, workers: int, claim_batch: int, cap: float) -> dict[str, Any]:
+    """One awa drain of ``jobs`` no-op jobs on a fresh database left to awa's own migrations."""
+    with dbs.fresh(migrated=False) as url:
+        return peer("peer_awa.py", url, "--jobs", str(jobs), "--workers", str(workers),
+                    "--claim-batch", str(claim_batch), "--cap", str(cap))

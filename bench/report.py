@@ -88,11 +88,25 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         cap = f", stopped after {r['cap_seconds']:.0f} s" if r["capped"] else ""
         out.append(("3 peers", f"procrastinate {peers['versions']['procrastinate']}, concurrency 8{cap}",
                     f"{_n(r['jobs_per_s'])} jobs/s", "", ""))
+        a = peers.get("awa")  # absent from results written before awa-pg joined the peers
+        if a:
+            cut = f", stopped after {a['cap_seconds']:.0f} s" if a["capped"] else ""
+            out.append(("3 peers", f"awa-pg {peers['versions']['awa-pg']} drain, {peers['jobs']:,} jobs enqueued by COPY "
+                        f"outside the clock (queue storage, {a['workers']} workers, claim batch {a['claim_batch']}, "
+                        f"pool {a['pool']}{cut})", f"{_n(a['jobs_per_s'])} jobs/s "
+                        f"({_n(a['jobs_per_s_with_enqueue'])} with the enqueue inside the clock)", "", ""))
+            out.append(("3 peers", f"awa-pg sweep, one run each on {a['sweep'][0]['jobs']:,} jobs: workers/claim batch: "
+                        "jobs/s", " / ".join(f"{s['workers']}/{s['claim_batch']}: {_n(s['jobs_per_s'])}"
+                                             + ("*" if s["capped"] else "") for s in a["sweep"]), "", ""))
         if e2e:
             b = e2e["best"]["jobs_per_s"]
             out.append(("3 peers", "outbox end to end (best) / PgQueuer best",
                         f"{b / p['jobs_per_s']:.2f}x{_also(e2e, p['jobs_per_s'], '{:.2f}x')}", ">= 1.5x",
                         _ok(b / p["jobs_per_s"] >= 1.5)))
+            if a:
+                out.append(("3 peers", "outbox end to end (best) / awa-pg best drain",
+                            f"{b / a['jobs_per_s']:.2f}x{_also(e2e, a['jobs_per_s'], '{:.2f}x')}", ">= 2.5x",
+                            _ok(b / a["jobs_per_s"] >= 2.5)))
             out.append(("3 peers", "outbox end to end (best) / procrastinate",
                         f"{b / r['jobs_per_s']:.1f}x{_also(e2e, r['jobs_per_s'], '{:.1f}x')}", ">= 20x",
                         _ok(b / r["jobs_per_s"] >= 20)))
