@@ -57,7 +57,7 @@ class Size:
     e2e_cap: float = 40.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
     # (workers, claim_batch) of awa's sweep on 3 x sweep_events jobs, each on a fresh database
-    awa_sweep: tuple[tuple[int, int], ...] = ((64, 64), (64, 512), (256, 64), (256, 512), (1024, 64), (1024, 512))
+    awa_sweep: tuple[tuple[int, int], ...] = ((256, 512), (1024, 64), (1024, 512), (2048, 512))
     awa_cap: float = 300.0               # seconds an awa drain may take before it is stopped
     # 4 publish cost
     publish_txns: int = 1_000

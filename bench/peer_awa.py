@@ -54,9 +54,11 @@ async def main(args: argparse.Namespace) -> dict:
 
     client = awa.AsyncClient(args.conninfo, max_connections=args.pool)
     start = time.perf_counter()
-    await client.migrate()
+    await client.migrate()  # a no-op on a copy of a migrated template (peers.py)
     await client.install_queue_storage()
     migrate_seconds = time.perf_counter() - start
+    if args.migrate_only:
+        return {"migrate_seconds": migrate_seconds}
 
     start = time.perf_counter()
     chunk = 10_000
@@ -105,5 +107,6 @@ if __name__ == "__main__":
     parser.add_argument("--pool", type=int, default=20, help="the client's connection pool (max_connections)")
     parser.add_argument("--claimers", type=int, help="claim loops sharing the queue's permits (default: awa's)")
     parser.add_argument("--cap", type=float, default=300.0, help="seconds a drain may take")
+    parser.add_argument("--migrate-only", action="store_true", help="install awa's schema and stop (a template)")
     args = parser.parse_args()
     print(json.dumps(asyncio.run(main(args))), flush=True)

@@ -19,14 +19,16 @@ peer_awa.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .common import BENCH, Databases, Size, conninfo, log, median
+from .common import BENCH, Databases, Size, conninfo, create_database, drop_quietly, log, median
 
 VENV = BENCH / ".venv-peers"
 REQUIREMENTS = BENCH / "requirements-peers.txt"
@@ -63,6 +65,11 @@ def peer(script: str, url: Any, *args: str) -> dict[str, Any]:
 
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     ensure_venv()
+    with awa_template(dbs) as template:
+        return _run(dbs, size, template)
+
+
+def _run(dbs: Databases, size: Size, template: str) -> dict[str, Any]:
     versions = subprocess.run([str(venv_python()), "-c", "import importlib.metadata as m; "
                                "print(m.version('pgqueuer'), m.version('procrastinate'), m.version('awa-pg'))"],
                               capture_output=True, text=True, check=True).stdout.split()
@@ -76,7 +83,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     best = max(sweep, key=lambda r: r["jobs_per_s"])
     awa_sweep = []
     for workers, claim_batch in size.awa_sweep:
-        r = awa(dbs, sweep_jobs, workers, claim_batch, size.awa_cap)
+        r = awa(dbs, template, sweep_jobs, workers, claim_batch, size.awa_cap)
         log(f"awa sweep workers={workers} claim_batch={claim_batch}: {r['jobs_per_s']:,.0f} jobs/s")
         awa_sweep.append(r)
     awa_best = max(awa_sweep, key=lambda r: r["jobs_per_s"])
@@ -93,7 +100,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         log(f"procrastinate concurrency 8: {r['jobs_per_s']:,.0f} jobs/s ({r['done']} of {jobs} jobs"
             f"{', capped' if r['capped'] else ''})")
         pro_runs.append(r)
-        r = awa(dbs, jobs, awa_best["workers"], awa_best["claim_batch"], size.awa_cap)
+        r = awa(dbs, template, jobs, awa_best["workers"], awa_best["claim_batch"], size.awa_cap)
         log(f"awa workers={r['workers']} claim_batch={r['claim_batch']}: {r['jobs_per_s']:,.0f} jobs/s, "
             f"{r['jobs_per_s_with_enqueue']:,.0f} with the enqueue ({r['done']} of {jobs} jobs"
             f"{', capped' if r['capped'] else ''})")
@@ -114,8 +121,24 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     }
 
 
-def awa(dbs: Databases, jobs: int, workers: int, claim_batch: int, cap: float) -> dict[str, Any]:
-    """One awa drain of ``jobs`` no-op jobs on a fresh database left to awa's own migrations."""
+@contextlib.contextmanager
+def awa_template(dbs: Databases) -> Iterator[str]:
+    """A database holding awa's schema (its migrations and queue storage, 1.7 MB of SQL:
+    7-37 s each on this machine), made once per invocation; each awa run gets a copy
+    (``CREATE DATABASE ... TEMPLATE``, under a second), like outbox's own runs. Yields its
+    name; dropped afterwards."""
     with dbs.fresh(migrated=False) as url:
+        r = peer("peer_awa.py", url, "--migrate-only")
+        log(f"awa schema installed in a template in {r['migrate_seconds']:.1f}s")
+        assert url.database is not None
+        yield url.database
+
+
+def awa(dbs: Databases, template: str, jobs: int, workers: int, claim_batch: int, cap: float) -> dict[str, Any]:
+    """One awa drain of ``jobs`` no-op jobs on a fresh copy of ``template`` (awa_template)."""
+    url = create_database(dbs.server, "outbox_bench", template=template)
+    try:
         return peer("peer_awa.py", url, "--jobs", str(jobs), "--workers", str(workers),
                     "--claim-batch", str(claim_batch), "--cap", str(cap))
+    finally:
+        drop_quietly(url)
