@@ -7,7 +7,7 @@ Create Date: 2026-12-27 09:00:00.000000
 * ``outbox_jobs.event_id`` loses its foreign key to ``outbox_events`` (``ON DELETE
   CASCADE``). The key checked every job the router inserts with a query of its own
   (``SELECT ... FOR KEY SHARE`` on the event, once per job, after the statement): a fifth to
-  a quarter of the routing statement's time in issue 14's profile (docs/performance.md,
+  a quarter of the routing statement's time in issue 14's profile (performance notes,
   "Issue 14"). What it guarded is kept by the statements themselves: the router inserts a
   job only for an event it holds ``FOR UPDATE``; a replay locks its events ``FOR KEY SHARE``
   before inserting, which the pruner's ``FOR UPDATE SKIP LOCKED`` skips, and an event the
@@ -24,12 +24,14 @@ tries again, up to ``ATTEMPTS`` times (each retry logged as a warning of ``outbo
 then the migration fails with PostgreSQL's lock timeout error and changes nothing (run it
 again when the queue is quieter). A deadlock is retried the same way: holding
 ``outbox_jobs``, the drop waits for ``outbox_events``, and a transaction that holds a lock on
-the events and then wants the jobs (a statement reading both, a replay) closes the cycle;
+the events and then wants the jobs (a transactional handler that published an event, then
+completes its job; a statement reading both) closes the cycle;
 when PostgreSQL picks the migration to abort (40P01), the savepoint gives both back, that
 transaction goes on, and the drop is tried again. The session's own ``lock_timeout`` is back
 for whatever runs after the drop in the same transaction. Jobs ready, running or finished
-during the upgrade are untouched: no row is rewritten (tests/acceptance/test_migration_live.py
-upgrades a live queue; tests/integration/test_migration_head.py bounds the waits).
+during the upgrade are untouched: no row is rewritten (the acceptance test of the live
+upgrade runs this migration under relays and publishers at work; the integration tests of the
+newest migration bound its waits).
 
 Locks taken in a savepoint are kept by the enclosing transaction once it is released, so the
 exclusive locks last until the whole migration commits: a moment for this one, longer when
