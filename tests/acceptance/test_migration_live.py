@@ -43,6 +43,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import selectors
 import subprocess
 import sys
 import tarfile
@@ -69,6 +70,8 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.acceptance.migration_app:app"
 RELAY_FLAGS = ("--concurrency", "8", "--poll-interval", "0.2", "--reap-interval", "0.5",
                "--shutdown-grace", "10", "--retention-done", "3600")
+#: Seconds the test waits for its client's reply to one command.
+REPLY_WAIT = 60.0
 #: The statuses the queue holds before the upgrade (a running job with cancel_requested apart).
 STATES = {"ready", "pending", "running", "running+cancel_requested", "done", "dead", "cancelled"}
 
@@ -95,6 +98,9 @@ class Client:
 
     def call_reply(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
+        with selectors.DefaultSelector() as selector:  # a client that hangs fails the test, never stalls it
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            assert selector.select(REPLY_WAIT), f"the previous release's client did not answer in {REPLY_WAIT}s"
         line = self.proc.stdout.readline()
         assert line, f"the previous release's client exited {self.proc.wait(10)}"
         reply = json.loads(line)
