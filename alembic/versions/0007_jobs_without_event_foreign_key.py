@@ -7,7 +7,7 @@ Create Date: 2026-12-27 09:00:00.000000
 * ``outbox_jobs.event_id`` loses its foreign key to ``outbox_events`` (``ON DELETE
   CASCADE``). The key checked every job the router inserts with a query of its own
   (``SELECT ... FOR KEY SHARE`` on the event, once per job, after the statement): a fifth to
-  a quarter of the routing statement's time in issue 14's profile (docs/performance.md,
+  a quarter of the routing statement's time in issue 14's profile (performance notes,
   "Issue 14"). What it guarded is kept by the statements themselves: the router inserts a
   job only for an event it holds ``FOR UPDATE``; a replay locks its events ``FOR KEY SHARE``
   before inserting, which the pruner's ``FOR UPDATE SKIP LOCKED`` skips, and an event the
@@ -20,10 +20,24 @@ EXCLUSIVE locks on both tables, which wait for every transaction using them (a c
 transactional handler holding its job) and, while waiting, queue every new statement on
 them behind the migration. So the drop waits at most ``LOCK_TIMEOUT`` for its locks, in a
 savepoint, and on a timeout gives them back, lets the queue move for ``RETRY_PAUSE`` and
-tries again, up to ``ATTEMPTS`` times; then the migration fails with PostgreSQL's lock
-timeout error and changes nothing (run it again when the queue is quieter). Jobs ready,
-running or finished during the upgrade are untouched: no row is rewritten.
+tries again, up to ``ATTEMPTS`` times (each retry logged as a warning of ``outbox.migrate``);
+then the migration fails with PostgreSQL's lock timeout error and changes nothing (run it
+again when the queue is quieter). A deadlock is retried the same way: holding
+``outbox_jobs``, the drop waits for ``outbox_events``, and a transaction that holds a lock on
+the events and then wants the jobs (a transactional handler that published an event, then
+completes its job; a statement reading both) closes the cycle;
+when PostgreSQL picks the migration to abort (40P01), the savepoint gives both back, that
+transaction goes on, and the drop is tried again. The session's own ``lock_timeout`` is back
+for whatever runs after the drop in the same transaction. Jobs ready, running or finished
+during the upgrade are untouched: no row is rewritten (the acceptance test of the live
+upgrade runs this migration under relays and publishers at work; the integration tests of the
+newest migration bound its waits).
+
+Locks taken in a savepoint are kept by the enclosing transaction once it is released, so the
+exclusive locks last until the whole migration commits: a moment for this one, longer when
+later migrations run in the same upgrade.
 """
+import logging
 import time
 
 import sqlalchemy as sa
@@ -39,12 +53,19 @@ FOREIGN_KEY = 'fk_outbox_jobs_event_id_outbox_events'
 LOCK_TIMEOUT = '2s'
 RETRY_PAUSE = 1.0  # seconds
 ATTEMPTS = 10
+#: SQLSTATEs after which the statement is tried again: lock_not_available (the lock timeout)
+#: and deadlock_detected.
+RETRIED = {'55P03': 'lock timeout', '40P01': 'deadlock'}
+
+log = logging.getLogger("outbox.migrate")
 
 
 def _with_short_locks(statement: str) -> None:
     """Run ``statement`` in a savepoint with a transaction-local ``lock_timeout``; retry on
-    a lock timeout (SQLSTATE 55P03) as the module notes say."""
+    a lock timeout or a deadlock (:data:`RETRIED`) as the module notes say, then put the
+    session's ``lock_timeout`` back."""
     bind = op.get_bind()
+    before = bind.execute(sa.text("SELECT current_setting('lock_timeout')")).scalar_one()
     for attempt in range(1, ATTEMPTS + 1):
         savepoint = bind.begin_nested()
         try:
@@ -52,13 +73,16 @@ def _with_short_locks(statement: str) -> None:
             bind.execute(sa.text(statement))
         except OperationalError as exc:
             savepoint.rollback()
-            if getattr(exc.orig, "sqlstate", None) != '55P03' or attempt == ATTEMPTS:
+            sqlstate = getattr(exc.orig, "sqlstate", None)
+            if sqlstate not in RETRIED or attempt == ATTEMPTS:
                 raise
+            log.warning("migration %s: %s on attempt %d of %d (lock_timeout %s), trying again in %gs: %s",
+                        revision, RETRIED[sqlstate], attempt, ATTEMPTS, LOCK_TIMEOUT, RETRY_PAUSE, statement)
             time.sleep(RETRY_PAUSE)
         else:
             savepoint.commit()
             break
-    bind.execute(sa.text("SELECT set_config('lock_timeout', '0', true)"))
+    bind.execute(sa.text("SELECT set_config('lock_timeout', :timeout, true)"), {"timeout": before})
 
 
 def upgrade() -> None:
@@ -66,8 +90,10 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    # NOT VALID first (no scan under the exclusive lock), then validated under a lock that
-    # lets writes go on; a job whose event is gone makes the validation fail, naming it.
+    # NOT VALID first: the exclusive locks are taken with the short, retried waits before any
+    # scan. The validation then reads every job in the same transaction, still holding them
+    # (see the module notes: a savepoint's locks last until commit), so the queue waits for
+    # that scan; a job whose event is gone makes it fail, naming the key, and changes nothing.
     _with_short_locks(f'ALTER TABLE outbox_jobs ADD CONSTRAINT {FOREIGN_KEY} FOREIGN KEY (event_id)'
                       ' REFERENCES outbox_events (id) ON DELETE CASCADE NOT VALID')
     op.execute(f'ALTER TABLE outbox_jobs VALIDATE CONSTRAINT {FOREIGN_KEY}')

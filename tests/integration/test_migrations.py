@@ -12,8 +12,6 @@ from collections.abc import Iterator
 
 import pytest
 import sqlalchemy as sa
-from alembic.autogenerate import compare_metadata
-from alembic.migration import MigrationContext
 from sqlalchemy.engine import URL
 
 from outbox.cli import main
@@ -22,6 +20,7 @@ from outbox.db.engine import make_engine
 from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
 from outbox.testing import temporary_database, wait_for
+from tests.integration.migration_helpers import drift, snapshot
 
 #: outbox's own alembic version table (alembic/env.py, a script, not importable).
 VERSION_TABLE = "outbox_alembic_version"
@@ -68,50 +67,6 @@ def cli_migrate(url: URL, capsys) -> str:
     assert status == 0, err
     assert "Traceback" not in err
     return out
-
-
-def drift(engine: sa.Engine) -> list:
-    """alembic's autogenerate diff between the database and ``metadata``, configured as
-    ``alembic/env.py`` configures it (plus type and default comparison)."""
-    with engine.connect() as conn:
-        context = MigrationContext.configure(conn, opts={
-            "target_metadata": metadata,
-            "version_table": VERSION_TABLE,
-            "compare_type": True,
-            "compare_server_default": True,
-        })
-        return compare_metadata(context, metadata)
-
-
-def snapshot(engine: sa.Engine) -> dict[str, object]:
-    """Everything in schema ``public`` that outbox owns, as PostgreSQL describes it."""
-    queries = {
-        "tables": "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'",
-        "columns": """
-            SELECT table_name, column_name, ordinal_position, data_type, is_nullable, column_default,
-                   is_identity, identity_generation
-            FROM information_schema.columns WHERE table_schema = 'public'""",
-        "indexes": "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'",
-        "constraints": """
-            SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid)
-            FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
-            WHERE n.nspname = 'public'""",
-        "sequences": """
-            SELECT sequencename, data_type::text, start_value, increment_by, cycle
-            FROM pg_sequences WHERE schemaname = 'public'""",
-        "triggers": """
-            SELECT t.tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t
-            JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
-            WHERE NOT t.tgisinternal AND n.nspname = 'public'""",
-        "functions": """
-            SELECT p.proname, pg_get_functiondef(p.oid) FROM pg_proc p
-            JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'public'""",
-        "storage_parameters": """
-            SELECT relname, array_to_string(reloptions, ',') FROM pg_class
-            WHERE relnamespace = 'public'::regnamespace AND reloptions IS NOT NULL""",
-    }
-    with engine.connect() as conn:
-        return {name: sorted(tuple(r) for r in conn.exec_driver_sql(sql)) for name, sql in queries.items()}
 
 
 def without_version_table(snap: dict[str, object]) -> dict[str, object]:
