@@ -64,7 +64,7 @@ class Size:
     publish_many_txns: int = 10
     # 5 latency
     latency_seconds: float = 30.0
-    latency_rate: float = 200.0
+    latency_rate: float = 1_000.0         # events/s (issue 14's target: p99 <= 50 ms at 1,000 events/s)
     # 6 scale
     scale_rows: int = 1_000_000
     scale_events: int = 3_000            # unrouted events routed per measurement
@@ -98,7 +98,7 @@ SIZES = {
         name="quick", pgbench_seconds=0, pgbench_pool=10_000, loop_seconds=0.5, events=1_000,
         default_events=500, sweep_events=500, sweep=((8, 50, 50), (16, 100, 100)), procrastinate_cap=2.0,
         awa_sweep=((64, 64), (256, 512)),
-        publish_txns=100, publish_many_txns=2, latency_seconds=4.0, scale_rows=10_000, scale_events=300,
+        publish_txns=100, publish_many_txns=2, latency_seconds=4.0, latency_rate=200.0, scale_rows=10_000, scale_events=300,
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
         forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
@@ -109,6 +109,7 @@ SIZES = {
         default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50, 50), (8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250), (64, 500, 500)),
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
+        scale_rows=10_000_000,
         lean_pool=800_000),
 }
 
