@@ -245,7 +245,7 @@ class StatisticsKeeper:
     with a backlog the route's pick of 500 then read and sorted every unrouted event through a
     bitmap scan; with statistics from any moment (a few unrouted: an estimate of a handful; a
     burst: thousands) it walks ``ix_outbox_events_unrouted`` in id order and stops at the
-    batch (docs/performance.md, "Issue 14"). ``events_analyzed`` counts those.
+    batch (performance notes, "Issue 14"). ``events_analyzed`` counts those.
 
     Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
     transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE

@@ -169,7 +169,7 @@ the claim) and needs no ``routed_at IS NULL``: ``locked`` holds each row ``FOR U
 re-checked the condition on its newest version. Joined to ``batch`` with the condition, a
 planner without statistics on ``outbox_events`` (a new database, autovacuum off) read
 every unrouted event through ``ix_outbox_events_unrouted`` for each batch: 20 ms of a
-250 ms round with a backlog of 20,000 (docs/performance.md, "Issue 14")."""
+250 ms round with a backlog of 20,000 (performance notes, "Issue 14")."""
 
 event_route_candidates: TextClause = text(
     """
@@ -432,7 +432,7 @@ _LOCK_BY_ID = """
 # prepared statement (psycopg prepares it after five runs) took that index as small and read
 # every running job for the lock step, then again once per job for the UPDATE (loops = the
 # batch): 17.6 ms for 50 completions with 300 jobs running, against 1-2 ms by primary key
-# (docs/performance.md, "Issue 14"; found by the ceiling scenario's lean completion). The
+# (performance notes, "Issue 14"; found by the ceiling scenario's lean completion). The
 # UPDATEs that follow it say ``(j.status = 'running') IS TRUE`` for the same reason.
 
 job_heartbeat_many: TextClause = text(
