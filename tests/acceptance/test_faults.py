@@ -208,15 +208,19 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
         rerun_done = row.fence > h.fence and row.status in ("done", "dead")
         return reaped_dead or rerun_done if h.id in last_attempt else rerun_done
 
-    def taken_over() -> bool:
+    def unfinished() -> list[Any]:
         with scenario.engine.connect() as c:
-            rows = c.execute(sa.text("SELECT id, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
-                             {"ids": [h.id for h in held]}).all()
+            rows = c.execute(sa.text(
+                "SELECT id, consumer, fence, status, attempts, run_at, lease_until, locked_by, ordering_key, last_error"
+                " FROM outbox_jobs WHERE id = ANY(:ids)"), {"ids": [h.id for h in held]}).all()
         before = {h.id: h for h in held}
-        return all(ended(r, before[r.id]) for r in rows)
+        return [r for r in rows if not ended(r, before[r.id])]
 
-    wait_for(taken_over, timeout=LEASE * 3 + 20, interval=0.1,
-             what="the other relay to re-claim and finish every job of the paused relay")
+    try:
+        wait_for(lambda: not unfinished(), timeout=LEASE * 3 + 20, interval=0.1,
+                 what="the other relay to re-claim and finish every job of the paused relay")
+    except AssertionError as exc:  # say which jobs, as they stand, and what they held before
+        raise AssertionError(f"{exc}; not finished: {unfinished()}; held at SIGSTOP: {held}") from None
     print(f"paused relay held {len(held)} jobs, {len(last_attempt)} of them on their last attempt")
     assert (scenario.now() - stopped_at).total_seconds() > LEASE
     paused.signal(signal.SIGCONT)
