@@ -281,6 +281,7 @@ class StatisticsKeeper:
         self.analyzed = self.skipped = self.failed = self.denied = self.events_analyzed = 0
         self._trigger = float(floor)  # from the last reltuples read
         self._misses = 0  # skips and failures in a row
+        self._events_have_statistics = False  # outbox_events analysed, by anyone, seen once
         self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
 
     def routed(self, jobs: int) -> AnalyzeOutcome:
@@ -306,11 +307,14 @@ class StatisticsKeeper:
                 conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
                 conn.execute(self.statements.job_table_analyze)
                 after = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                if not conn.execute(self.statements.event_table_analysed).scalar_one():
+                events_analyzed = not self._events_have_statistics and not conn.execute(
+                    self.statements.event_table_analysed).scalar_one()
+                if events_analyzed:
                     conn.execute(self.statements.event_table_analyze)
-                    self.events_analyzed += 1
         except SQLAlchemyError as exc:
             return self._missed(exc)
+        self._events_have_statistics = True  # analysed by someone, or just now: they keep them
+        self.events_analyzed += events_analyzed
         log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",
                   self.pending, before, after, (time.perf_counter() - started) * 1000)
         self.analyzed += 1
