@@ -326,3 +326,26 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
             [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
             conn.rollback()
         assert _jobs_read(plan["Plan"], 50) == [], plan
+
+
+def test_fenced_completion_finds_its_jobs_by_primary_key_in_the_generic_plan(engine):
+    """``job_complete_many`` as psycopg prepares it (a generic plan), 300 of 21,000 jobs running:
+    the lock step and the UPDATE probe ``pk_outbox_jobs``; through ``ix_outbox_jobs_lease``
+    they read every running job, once per completed job (performance notes, "Issue 14")."""
+    subscribe(engine, "t", CONSUMERS)
+    _publish(engine, 7000)
+    route_all(engine)
+    with engine.begin() as conn:
+        conn.execute(sa.text(
+            "UPDATE outbox_jobs SET status = 'running', attempts = 1, fence = nextval('outbox_fence_seq'),"
+            " lease_until = now() + interval '30 seconds' WHERE id IN (SELECT id FROM outbox_jobs ORDER BY id LIMIT 300)"))
+        conn.execute(sa.text("ANALYZE outbox_jobs"))
+    text = queries.in_schema("public").job_complete_many.text.replace(":ids", "$1").replace(":fences", "$2")
+    with engine.connect() as conn:
+        conn.execute(sa.text("SET plan_cache_mode = force_generic_plan"))
+        conn.exec_driver_sql(f"PREPARE complete_guard(bigint[], bigint[]) AS {text}")
+        plan = "\n".join(conn.exec_driver_sql(
+            "EXPLAIN EXECUTE complete_guard('{1,2,3}', '{1,2,3}')").scalars().all())
+        conn.rollback()
+    assert "pk_outbox_jobs" in plan, plan
+    assert "ix_outbox_jobs_lease" not in plan, plan
