@@ -5,6 +5,8 @@ in one line), write this registry's subscriptions, then start the threads:
 
 * ``outbox-router``: route events until none are left, then wait for ``NOTIFY
   outbox_events`` or ``poll_interval``;
+* ``outbox-statistics`` (with the router): ``ANALYZE outbox_jobs`` after bursts of routed
+  jobs (:class:`outbox.router.StatisticsKeeper`), beside the router rather than in its loop;
 * the job runner's threads (:mod:`outbox.worker`), woken by ``NOTIFY outbox_jobs`` or by
   the router of this process;
 * ``outbox-maintenance``: reaper and the ordered keys' promotion sweep every ``reap_interval``, pruner every ``prune_interval``;
@@ -119,7 +121,7 @@ class Relay:
                                   reconnect=self.reconnect, schema=self.schema) if listen_url else None)
         self._route = route
         self.upkeep = TableUpkeep(self.schema)  # may this role ANALYZE / VACUUM? (warns once if not)
-        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema,  # the router loop's ANALYZE after bursts
+        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema,  # ANALYZE after bursts, in its own thread
                                                upkeep=self.upkeep)
         self.unsubscribed_topics = UnsubscribedTopics()  # the router loop's warnings about topics with no subscriber
         # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
@@ -174,6 +176,7 @@ class Relay:
             self.listener.start()
         if self._route:
             self._spawn("outbox-router", self._router_loop)
+            self._spawn("outbox-statistics", lambda: self.job_statistics.run(self.stop_event))
         if self.runner:
             self.runner.start()
         if self._maintain:
@@ -188,6 +191,7 @@ class Relay:
         grace = self.settings.shutdown_grace if grace is None else grace
         self.stop_event.set()
         self.wake_router.set()
+        self.job_statistics.wake()
         if self.runner:
             self.runner.stop(grace, cut_short)
         for thread in self._threads:
@@ -254,7 +258,7 @@ class Relay:
                 continue
             if result.jobs:
                 self.wake_workers.set()
-            self.job_statistics.routed(result.jobs)  # never raises; 0 jobs lets a skipped ANALYZE retry
+            self.job_statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
             self.stats["events_routed"] += result.events
             self.stats["jobs_created"] += result.jobs
             if self.metrics is not None and result.events:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -247,6 +248,14 @@ class StatisticsKeeper:
     burst: thousands) it walks ``ix_outbox_events_unrouted`` in id order and stops at the
     batch (performance notes, "Issue 14"). ``events_analyzed`` counts those.
 
+    In a relay the keeper has a thread of its own (:meth:`run`): the router's loop only
+    counts (:meth:`count`, no query) and the ANALYZE runs beside it. Run inline, each
+    ANALYZE held up routing for its duration (tens of milliseconds at 100,000 jobs, up to
+    hundreds on a large table), once per 10 % of growth: during a steady stream, dozens of
+    stalls a minute, each one adding its length to the commit-to-handler latency of every
+    event published meanwhile (performance notes, "Issue 14", latency). :meth:`routed`
+    counts and analyses in the caller's thread: for tests and a caller without a thread.
+
     Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
     transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE
     UPDATE EXCLUSIVE lock, which conflicts with autovacuum and with another relay's
@@ -261,8 +270,9 @@ class StatisticsKeeper:
 
     The relay's role must own ``outbox_jobs`` (it does when it ran the migrations);
     otherwise (``upkeep``, :class:`outbox.maintenance.TableUpkeep`, says so once) the
-    ANALYZE is not sent and the statistics are left to autovacuum. Not thread-safe: one
-    keeper per router loop. ``analyzed``, ``skipped``, ``failed`` and ``denied`` (not
+    ANALYZE is not sent and the statistics are left to autovacuum. One keeper per router
+    loop: :meth:`count` may be called from the router's thread while :meth:`run` runs in
+    another; :meth:`routed` is not to be called while :meth:`run` runs. ``analyzed``, ``skipped``, ``failed`` and ``denied`` (not
     permitted) count the outcomes; ``pending`` is the jobs routed since the last ANALYZE.
     """
 
@@ -283,21 +293,50 @@ class StatisticsKeeper:
         self._misses = 0  # skips and failures in a row
         self._events_have_statistics = False  # outbox_events analysed, by anyone, seen once
         self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
+        self._lock = threading.Lock()  # pending: added to by the router's thread, taken by the keeper's
+        self._due = threading.Event()  # count() saw pending pass the trigger, or wake() was called
+
+    def count(self, jobs: int) -> None:
+        """Count ``jobs`` just created by the router; no query. When they take ``pending`` past
+        the trigger, :meth:`run` (in its own thread) wakes and runs the ANALYZE."""
+        with self._lock:
+            self.pending += jobs
+            due = self.pending > self._trigger
+        if due:
+            self._due.set()
+
+    def wake(self) -> None:
+        """Wake :meth:`run` now (the relay stopping: it then sees its ``stop`` event set)."""
+        self._due.set()
+
+    def run(self, stop: threading.Event, poll: float = 1.0) -> None:
+        """The keeper's thread: wait until :meth:`count` finds an ANALYZE due, or ``poll``
+        seconds (a skipped one is retried after its backoff even with no more jobs routed),
+        then ANALYZE if the rule says so; until ``stop`` is set (and :meth:`wake` called, or
+        ``poll`` passed). Never raises for database errors (see :meth:`routed`)."""
+        while not stop.is_set():
+            self._due.wait(poll)
+            self._due.clear()
+            if stop.is_set():
+                return
+            self.routed(0)
 
     def routed(self, jobs: int) -> AnalyzeOutcome:
         """Count ``jobs`` just created by the router and ANALYZE ``outbox_jobs`` if the rule
         says so. Call it after every routing round, also with 0: a skipped ANALYZE is
         retried on a later call even when no more jobs arrive. Never raises for database
         errors; returns what it did."""
-        self.pending += jobs
-        if self.pending <= self._trigger or time.monotonic() < self._retry_at:
+        with self._lock:
+            self.pending += jobs
+            taken = self.pending  # jobs counted while the ANALYZE runs count towards the next one
+        if taken <= self._trigger or time.monotonic() < self._retry_at:
             return AnalyzeOutcome.NOT_DUE
         started = time.perf_counter()
         try:
             with self.engine.begin() as conn:
                 before = conn.execute(self.statements.job_table_reltuples).scalar_one()
                 self._trigger = max(float(self.floor), self.fraction * before)
-                if self.pending <= self._trigger:  # analysed or vacuumed by someone else meanwhile
+                if taken <= self._trigger:  # analysed or vacuumed by someone else meanwhile
                     return AnalyzeOutcome.NOT_DUE
                 if not self.upkeep.permitted(conn):  # PostgreSQL would skip it with a warning of its own
                     self.denied += 1
@@ -316,9 +355,10 @@ class StatisticsKeeper:
         self._events_have_statistics = True  # analysed by someone, or just now: they keep them
         self.events_analyzed += events_analyzed
         log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",
-                  self.pending, before, after, (time.perf_counter() - started) * 1000)
+                  taken, before, after, (time.perf_counter() - started) * 1000)
         self.analyzed += 1
-        self.pending = 0
+        with self._lock:
+            self.pending -= taken
         self._trigger = max(float(self.floor), self.fraction * after)
         self._misses = 0
         self._retry_at = 0.0

@@ -108,7 +108,7 @@ class OutboxSettings(BaseSettings):
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
     schema_name: str = Field(default=DEFAULT_SCHEMA, validation_alias="outbox_schema", description="Environment variable OUTBOX_SCHEMA, flag --schema. PostgreSQL schema that holds outbox's tables, sequence, trigger function and version table (outbox_alembic_version), for migrate, the relay, publish and every command: a lowercase identifier of at most 49 characters; migrate creates it if missing. Default public.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
-    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 4 (one per worker, the dispatcher, the heartbeat, the router and maintenance). pool_size + pool_overflow must be at least concurrency + 4, so no thread ever waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
+    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 6 (one per worker, the dispatcher, the starter, the heartbeat, the router, the statistics keeper and maintenance; the scheduler, when schedules are declared, takes one more from the overflow). pool_size + pool_overflow must be at least concurrency + 6, so no thread waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
     pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
@@ -155,11 +155,11 @@ class OutboxSettings(BaseSettings):
     @model_validator(mode="after")
     def _pool_large_enough(self) -> OutboxSettings:
         size, overflow = self.pool_limits()
-        if size + overflow < self.concurrency + 4:
+        if size + overflow < self.concurrency + 6:
             raise ValueError(
-                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 4 "
-                f"({self.concurrency + 4}: one connection per worker, the dispatcher, the heartbeat, the router and "
-                "maintenance); lower concurrency to open fewer connections")
+                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 6 "
+                f"({self.concurrency + 6}: one connection per worker, the dispatcher, the starter, the heartbeat, the "
+                "router, the statistics keeper and maintenance); lower concurrency to open fewer connections")
         return self
 
     def url(self) -> str | None:
@@ -168,10 +168,10 @@ class OutboxSettings(BaseSettings):
 
     def pool_limits(self) -> tuple[int, int]:
         """(pool size, overflow) of the relay's engine: ``pool_size`` (default concurrency +
-        4) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
+        6) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
         through its pool, plus its LISTEN connection (:meth:`listen_target`) and, with async
         transactional handlers, one connection per worker thread that runs them."""
-        size = self.pool_size if self.pool_size is not None else self.concurrency + 4
+        size = self.pool_size if self.pool_size is not None else self.concurrency + 6
         return size, self.pool_overflow if self.pool_overflow is not None else size
 
     def listen_target(self) -> str | None:

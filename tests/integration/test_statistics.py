@@ -229,6 +229,42 @@ def test_analyze_is_skipped_while_another_session_holds_a_conflicting_lock(engin
     assert relay.job_statistics.pending == 0
 
 
+def test_routing_goes_on_while_the_keepers_analyze_waits_for_its_lock(engine, settings):
+    """The ANALYZE runs in the keeper's own thread: while it waits for its lock (held here by
+    another session for as long as the keeper's lock_timeout allows), the router routes on.
+    Run inline in the router's loop, as before, the first ANALYZE due held routing up for
+    the whole wait: 1,000 of 3,000 events routed, the rest waiting on the ANALYZE."""
+    ob = subscribe(engine, "t", ["a"])
+    _no_autovacuum(engine)
+    holder = engine.connect()
+    holder.begin()
+    holder.execute(sa.text("LOCK TABLE outbox_jobs IN SHARE UPDATE EXCLUSIVE MODE"))
+    relay = Relay(ob, settings(route_batch=1000), work=False, maintain=False)
+    relay.job_statistics = StatisticsKeeper(relay.engine, floor=500, lock_timeout=60.0)
+    try:
+        _publish(engine, 3000)
+        relay.start()
+
+        def analyze_waiting() -> bool:
+            with engine.connect() as conn:
+                return conn.execute(sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND query ILIKE 'ANALYZE%' AND wait_event_type = 'Lock'")).scalar_one() == 1
+
+        wait_for(analyze_waiting, timeout=30, what="the keeper's ANALYZE waiting for its lock")
+        wait_for(lambda: _unrouted(engine) == 0, timeout=30, what="every event routed while the ANALYZE waits")
+        assert analyze_waiting() and relay.job_statistics.analyzed == 0
+        assert relay.stats["jobs_created"] == 3000
+        holder.rollback()  # the lock goes: the waiting ANALYZE runs
+        # (A second one may follow: the jobs routed while the first waited count again.)
+        wait_for(lambda: _reltuples(engine) == 3000 and relay.job_statistics.pending == 0, timeout=30,
+                 what="the ANALYZE once the lock went")
+    finally:
+        holder.close()
+        relay.stop()
+    assert relay.job_statistics.analyzed >= 1 and relay.job_statistics.failed == 0
+
+
 def test_keeper_reports_a_lock_timeout_as_skipped_and_waits_before_retrying(engine):
     subscribe(engine, "t", ["a"])
     _no_autovacuum(engine)

@@ -126,21 +126,22 @@ def test_cli_flag_values_are_validated_like_the_environment(monkeypatch):
 
 
 def test_pool_defaults_follow_concurrency_and_can_be_set(monkeypatch):
-    assert OutboxSettings().pool_limits() == (12, 12)  # concurrency 8: 8 + 4, overflow = pool size
-    assert OutboxSettings(concurrency=16).pool_limits() == (20, 20)
-    monkeypatch.setenv("OUTBOX_POOL_SIZE", "10")
+    assert OutboxSettings().pool_limits() == (14, 14)  # concurrency 8: 8 + 6, overflow = pool size
+    assert OutboxSettings(concurrency=16).pool_limits() == (22, 22)
+    monkeypatch.setenv("OUTBOX_POOL_SIZE", "12")
     monkeypatch.setenv("OUTBOX_POOL_OVERFLOW", "2")
-    assert OutboxSettings().pool_limits() == (10, 2)
-    s = _settings(build_parser().parse_args(["run", "--pool-size", "5", "--pool-overflow", "7"]))
-    assert s.pool_limits() == (5, 7)
+    assert OutboxSettings().pool_limits() == (12, 2)
+    s = _settings(build_parser().parse_args(["run", "--pool-size", "5", "--pool-overflow", "9"]))
+    assert s.pool_limits() == (5, 9)
 
 
 def test_a_pool_too_small_for_the_relays_threads_is_refused():
-    """A worker each, the dispatcher, the heartbeat, the router and maintenance may hold a
-    connection at once: fewer would make them wait for one another."""
-    assert OutboxSettings(concurrency=8, pool_size=12, pool_overflow=0).pool_limits() == (12, 0)
-    with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 5\) must be at least concurrency \+ 4 \(12"):
-        OutboxSettings(concurrency=8, pool_size=6, pool_overflow=5)
+    """A worker each, the dispatcher, the starter, the heartbeat, the router, the statistics
+    keeper and maintenance may hold a connection at once: fewer would make them wait for one
+    another."""
+    assert OutboxSettings(concurrency=8, pool_size=14, pool_overflow=0).pool_limits() == (14, 0)
+    with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 7\) must be at least concurrency \+ 6 \(14"):
+        OutboxSettings(concurrency=8, pool_size=6, pool_overflow=7)
 
 
 def test_listen_target_behind_a_transaction_pooler(monkeypatch):
