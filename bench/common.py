@@ -57,13 +57,13 @@ class Size:
     e2e_cap: float = 40.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
     # (workers, claim_batch) of awa's sweep on 3 x sweep_events jobs, each on a fresh database
-    awa_sweep: tuple[tuple[int, int], ...] = ((256, 512), (1024, 64), (1024, 512), (2048, 512))
+    awa_sweep: tuple[tuple[int, int], ...] = ((256, 512), (1024, 512))  # 1024/64 and 2048/512 were slower
     awa_cap: float = 300.0               # seconds an awa drain may take before it is stopped
     # 4 publish cost
     publish_txns: int = 1_000
     publish_many_txns: int = 10
     # 5 latency
-    latency_seconds: float = 30.0
+    latency_seconds: float = 15.0
     latency_rate: float = 1_000.0         # events/s (issue 14's target: p99 <= 50 ms at 1,000 events/s)
     # 6 scale
     scale_rows: int = 1_000_000
@@ -71,8 +71,8 @@ class Size:
     # 7 soak
     soak_seconds: float = 60.0
     soak_rate: float = 200.0
-    snapshot_seconds: float = 30.0
-    after_seconds: float = 20.0
+    snapshot_seconds: float = 15.0
+    after_seconds: float = 10.0
     retention: float = 10.0              # retention_done during the soak, seconds
     # 8 ordered delivery
     ordered_events: int = 20_000         # events of one consumer, ordered and not
@@ -84,12 +84,14 @@ class Size:
     # 9 forwarding
     forward_events: int = 20_000         # events forwarded per throughput run (and re-sent raw)
     forward_sweep_events: int = 5_000    # events per configuration of the forwarding sweep
-    forward_latency_seconds: float = 20.0
+    forward_latency_seconds: float = 10.0
     forward_rate: float = 200.0
     claim_seconds: float = 1.5
     # 11 ceiling: the leanest-SQL pipeline
-    lean_seconds: float = 10.0           # each of its pgbench runs
+    lean_seconds: float = 6.0            # each of its pgbench runs
     lean_pool: int = 400_000             # ready jobs preloaded before the first lean claim + complete run
+    # 10 metrics cost
+    metrics_events: int = 20_000         # events per run of each pair (jobs = 3x)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -102,14 +104,14 @@ SIZES = {
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
         forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
-        lean_pool=60_000),
+        lean_pool=60_000, metrics_events=1_000),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
         default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50, 50), (8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250), (64, 500, 500)),
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
-        scale_rows=10_000_000,
+        scale_rows=10_000_000, latency_seconds=30.0, metrics_events=50_000, forward_latency_seconds=20.0,
         lean_pool=800_000),
 }
 

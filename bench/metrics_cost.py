@@ -73,10 +73,10 @@ def run(dbs: Databases, size: Size, results: Path, best: dict[str, Any] | None =
     settings = dict(best or BEST)
     without, with_, ratios = [], [], []
     for rep in range(pairs or max(3, size.runs)):
-        off = one_run(dbs, size.events, settings, results, f"metrics-off-{rep}", cap=size.e2e_cap)
+        off = one_run(dbs, size.metrics_events, settings, results, f"metrics-off-{rep}", cap=size.e2e_cap)
         port = free_port()
         scraper = Scraper(port)
-        on = one_run(dbs, size.events, {**settings, "metrics_port": port, "metrics_interval": 1}, results,
+        on = one_run(dbs, size.metrics_events, {**settings, "metrics_port": port, "metrics_interval": 1}, results,
                      f"metrics-on-{rep}", cap=size.e2e_cap, hooks=scraper)
         on["scrapes"], on["scrape_bytes"] = scraper.scrapes, scraper.bytes
         without.append(off)
@@ -85,7 +85,7 @@ def run(dbs: Databases, size: Size, results: Path, best: dict[str, Any] | None =
         log(f"metrics pair {rep}: {off['jobs_per_s']:,.0f} -> {on['jobs_per_s']:,.0f} jobs/s "
             f"({ratios[-1]:+.1%} cost), {scraper.scrapes} scrapes of {scraper.bytes} bytes")
     return {
-        "settings": settings, "events": size.events,
+        "settings": settings, "events": size.metrics_events,
         "without": [r["jobs_per_s"] for r in without], "with": [r["jobs_per_s"] for r in with_],
         "cost": median(ratios), "costs": ratios,
         "relay_cpu_us_per_job": {"without": median([r["relay_cpu_us_per_job"] or 0 for r in without]),

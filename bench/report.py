@@ -86,7 +86,7 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("3 peers", f"PgQueuer {peers['versions']['pgqueuer']} drain, {peers['jobs']:,} jobs "
                     f"(driver {p['driver']}, batch {p['batch']}, {p['dequeue']} dequeuers)", f"{_n(p['jobs_per_s'])} jobs/s", "", ""))
         cap = f", stopped after {r['cap_seconds']:.0f} s" if r["capped"] else ""
-        out.append(("3 peers", f"procrastinate {peers['versions']['procrastinate']}, concurrency 8{cap}",
+        out.append(("3 peers", f"procrastinate {peers['versions']['procrastinate']}, concurrency 8{cap} (one run)",
                     f"{_n(r['jobs_per_s'])} jobs/s", "", ""))
         a = peers.get("awa")  # absent from results written before awa-pg joined the peers
         if a:
@@ -134,7 +134,8 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             m = lat[key]
             target = "p50 <= 10, p99 <= 50 ms" if key == "listen" else ""
             met = _ok(m["p50_ms"] <= 10 and m["p99_ms"] <= 50) if key == "listen" else ""
-            out.append(("5 latency", f"commit to handler start, {lat['rate']:.0f} events/s x 3 consumers, {label}",
+            out.append(("5 latency", f"commit to handler start, {lat['rate']:.0f} events/s x 3 consumers (achieved "
+                        f"{m['rate']:,.0f}), {label}",
                         f"p50 {m['p50_ms']:.1f} / p95 {m['p95_ms']:.1f} / p99 {m['p99_ms']:.1f} ms", target, met))
     sc = data.get("scale")
     if sc:
