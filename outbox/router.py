@@ -228,14 +228,19 @@ class StatisticsKeeper:
     what the table held at its last analyze, so the claim's plan follows bursts.
 
     Rule: ANALYZE once the jobs routed since this keeper's last ANALYZE exceed
-    ``max(floor, fraction * reltuples)``, where ``reltuples`` is ``pg_class.reltuples`` of
-    ``outbox_jobs`` (the row count at the last ANALYZE or VACUUM by anyone; a table never
-    analysed counts as 0). ``floor`` (jobs, default 1,000) spares a nearly empty table an
-    ANALYZE every round; ``fraction`` (default 0.1, autovacuum's own default analyze scale
-    factor) scales the trigger with the table: ANALYZE reads a sample of at most 30,000
-    rows at the default statistics target, so it costs milliseconds on a small table and
-    tens of them (more when the sample is not cached) on a large one, and a table of done
-    jobs kept for a day is not analysed for every small burst. ``reltuples`` is read only
+    ``max(floor, min(fraction * reltuples, at_most))``, where ``reltuples`` is
+    ``pg_class.reltuples`` of ``outbox_jobs`` (the row count at the last ANALYZE or VACUUM
+    by anyone; a table never analysed counts as 0). ``floor`` (jobs, default 1,000) spares a
+    nearly empty table an ANALYZE every round; ``fraction`` (default 1.0: once the table
+    may have doubled) scales the trigger with the table, and ``at_most`` (jobs, default
+    100,000) caps it, so a table of done jobs kept for a day still gets an ANALYZE after
+    every 100,000 new ready jobs. What the claim's plan needs is only that the statistics
+    do not say "almost no ready jobs" while a burst has put many there: a count off by
+    half picks the same plan. ANALYZE reads every page below 3,000 pages and a sample of
+    30,000 rows above (default statistics target), so it costs in proportion to the table
+    up to tens of milliseconds: with autovacuum's fraction of 0.1 a burst of 150,000 jobs
+    into an empty table ran about 40 of them, 15 % of the database's CPU per job; doubling,
+    7 (performance notes, "Issue 14": +14 % end to end). ``reltuples`` is read only
     when the count passes the trigger computed from the previous read, so a round that is
     not due costs no query. With several relays each counts the jobs it routed itself; an
     ANALYZE by any of them, or by autovacuum, raises ``reltuples`` and so the others' trigger.
@@ -251,8 +256,8 @@ class StatisticsKeeper:
     In a relay the keeper has a thread of its own (:meth:`run`): the router's loop only
     counts (:meth:`count`, no query) and the ANALYZE runs beside it. Run inline, each
     ANALYZE held up routing for its duration (tens of milliseconds at 100,000 jobs, up to
-    hundreds on a large table), once per 10 % of growth: during a steady stream, dozens of
-    stalls a minute, each one adding its length to the commit-to-handler latency of every
+    hundreds on a large table), then once per 10 % of growth: during a steady stream, dozens
+    of stalls a minute, each one adding its length to the commit-to-handler latency of every
     event published meanwhile (performance notes, "Issue 14", latency). :meth:`routed`
     counts and analyses in the caller's thread: for tests and a caller without a thread.
 
@@ -272,18 +277,20 @@ class StatisticsKeeper:
     otherwise (``upkeep``, :class:`outbox.maintenance.TableUpkeep`, says so once) the
     ANALYZE is not sent and the statistics are left to autovacuum. One keeper per router
     loop: :meth:`count` may be called from the router's thread while :meth:`run` runs in
-    another; :meth:`routed` is not to be called while :meth:`run` runs. ``analyzed``, ``skipped``, ``failed`` and ``denied`` (not
-    permitted) count the outcomes; ``pending`` is the jobs routed since the last ANALYZE.
+    another; :meth:`routed` is not to be called while :meth:`run` runs. ``analyzed``,
+    ``skipped``, ``failed`` and ``denied`` (not permitted) count the outcomes; ``pending``
+    is the jobs routed since the last ANALYZE.
     """
 
-    def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 0.1, lock_timeout: float = 0.1,
-                 retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None,
+    def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 1.0, at_most: int = 100_000,
+                 lock_timeout: float = 0.1, retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None,
                  upkeep: TableUpkeep | None = None) -> None:
         self.engine = engine
         self.statements = queries.in_schema(schema)  # outbox_jobs of this schema
         self.upkeep = upkeep if upkeep is not None else TableUpkeep(schema)
         self.floor = floor
         self.fraction = fraction
+        self.at_most = at_most
         self.lock_timeout = lock_timeout
         self.retry_base = retry_base
         self.retry_cap = retry_cap
@@ -335,7 +342,7 @@ class StatisticsKeeper:
         try:
             with self.engine.begin() as conn:
                 before = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                self._trigger = max(float(self.floor), self.fraction * before)
+                self._trigger = self._trigger_for(before)
                 if taken <= self._trigger:  # analysed or vacuumed by someone else meanwhile
                     return AnalyzeOutcome.NOT_DUE
                 if not self.upkeep.permitted(conn):  # PostgreSQL would skip it with a warning of its own
@@ -359,10 +366,14 @@ class StatisticsKeeper:
         self.analyzed += 1
         with self._lock:
             self.pending -= taken
-        self._trigger = max(float(self.floor), self.fraction * after)
+        self._trigger = self._trigger_for(after)
         self._misses = 0
         self._retry_at = 0.0
         return AnalyzeOutcome.ANALYZED
+
+    def _trigger_for(self, reltuples: float) -> float:
+        """Jobs routed after which the next ANALYZE is due, for a table of ``reltuples`` rows."""
+        return max(float(self.floor), min(self.fraction * reltuples, float(self.at_most)))
 
     def _missed(self, exc: SQLAlchemyError) -> AnalyzeOutcome:
         self._misses += 1
