@@ -12,8 +12,8 @@ migrated database of its own.
 ``OUTBOX_DATABASE_URL``, else an embedded PostgreSQL (extra ``embedded``) started in a
 temporary folder. :func:`temporary_database` creates a uniquely named database (from a
 template, when given) and drops it afterwards, so tests never touch data they did not
-create; :class:`DatabaseCopies` makes such databases ahead of need and drops them on a
-thread of its own, so a suite of many tests does not wait for each creation and drop.
+create; :class:`DatabaseCopies` makes such databases ahead of need on a thread of its
+own, so a suite of many tests does not wait for each creation.
 
 Drain's rounds: each round routes every unrouted event (the registry's subscriptions
 written first, as a relay does at start), then claims and runs the due jobs of the chosen
@@ -417,18 +417,18 @@ class DatabaseCopies:
     """Throw-away databases made ahead of need, for a test suite that gives each test a
     database of its own: a thread of its own keeps ``ahead`` (default 2) fresh databases
     ready on ``server`` (``<prefix>_<random>``, copies of the database named ``template``,
-    or empty ones when it is None, as :func:`create_database` makes them) and drops the
-    ones handed back, so the tests do not each wait for ``CREATE DATABASE`` and ``DROP
-    DATABASE`` (a few tenths of a second apiece on a busy server).
+    or empty ones when it is None, as :func:`create_database` makes them), so a test does
+    not wait for its ``CREATE DATABASE`` (a few tenths of a second on a busy server).
 
     :meth:`take` hands out a ready database, or creates one at once when none is ready (its
     errors then raise there; a creation that failed on the thread, as while the server
     restarts, is not reported and stops the making ahead until the next :meth:`take`).
-    :meth:`give_back` queues a database for dropping; :meth:`close` drops the databases made
-    ahead and those given back, waits for that, and stops the thread, raising the error of a
-    drop that fails again (a database taken and not given back stays the caller's). The template must not change while copies exist (a copy made
-    ahead is the template as it was then) and no session may be connected to it
-    (``CREATE DATABASE`` refuses a template in use)."""
+    :meth:`give_back` drops a database at once, in the caller's thread, so whatever runs
+    after it (a fixture dropping a role that had privileges there) finds it gone.
+    :meth:`close` stops the thread and drops the databases made ahead and not taken. The
+    template must not change while copies are made (a copy made ahead is the template as
+    it was then) and no session may be connected to it (``CREATE DATABASE`` refuses a
+    template in use)."""
 
     def __init__(self, server: URL, template: str | None = None, prefix: str = "outbox_test", ahead: int = 2) -> None:
         if type(ahead) is not int or ahead < 0:
@@ -438,8 +438,6 @@ class DatabaseCopies:
         self._prefix = prefix
         self._ahead = ahead
         self._ready: list[URL] = []
-        self._to_drop: list[URL] = []
-        self._failed_drops: list[URL] = []
         self._stalled = False  # a creation on the thread failed: none ahead until the next take
         self._closed = False
         self._changed = threading.Condition()
@@ -459,49 +457,28 @@ class DatabaseCopies:
         return url if url is not None else create_database(self._server, self._prefix, self._template)
 
     def give_back(self, url: URL) -> None:
-        """Drop the database of ``url`` (from :meth:`take`), terminating its sessions: soon, on
-        the thread; at once, in the caller's thread, after :meth:`close` (its errors then
-        propagate)."""
-        with self._changed:
-            closed = self._closed
-            if not closed:
-                self._to_drop.append(url)
-                self._changed.notify_all()
-        if closed:
-            drop_database(url)
+        """Drop the database of ``url`` (from :meth:`take`) now, terminating its sessions
+        (:func:`drop_database`; its errors propagate)."""
+        drop_database(url)
 
     def close(self) -> None:
-        """Drop the databases made ahead and those given back, wait for it and stop the
-        thread; a drop that failed on the thread is tried once more here, and its error
-        propagates."""
+        """Stop the thread (after the creation it may be in) and drop the databases made
+        ahead and not taken; the first drop error propagates."""
         with self._changed:
             self._closed = True
-            self._to_drop.extend(self._ready)
-            self._ready.clear()
             self._changed.notify_all()
         self._thread.join()
-        failed, self._failed_drops = self._failed_drops, []
-        for url in failed:
+        ready, self._ready = self._ready, []
+        for url in ready:
             drop_database(url)
 
     def _run(self) -> None:
         while True:
             with self._changed:
-                while not self._to_drop and (self._stalled or len(self._ready) >= self._ahead) and not self._closed:
+                while not self._closed and (self._stalled or len(self._ready) >= self._ahead):
                     self._changed.wait()
-                if self._to_drop:
-                    dropping: URL | None = self._to_drop.pop(0)
-                elif self._closed:
+                if self._closed:
                     return
-                else:
-                    dropping = None
-            if dropping is not None:
-                try:
-                    drop_database(dropping)
-                except Exception:  # noqa: BLE001 - tried again by close(), which raises its error
-                    with self._changed:
-                        self._failed_drops.append(dropping)
-                continue
             try:
                 made = create_database(self._server, self._prefix, self._template)
             except Exception:  # noqa: BLE001 - take() creates one itself and raises its error
@@ -509,7 +486,7 @@ class DatabaseCopies:
                     self._stalled = True
                 continue
             with self._changed:
-                (self._to_drop if self._closed else self._ready).append(made)
+                self._ready.append(made)  # close() drops it, if it came first
 
 
 def migrated_template(server: URL) -> URL:

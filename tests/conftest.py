@@ -1,8 +1,9 @@
 """Fixtures: a real PostgreSQL (OUTBOX_TEST_DATABASE_URL / OUTBOX_DATABASE_URL, else the
 embedded one), one migrated template database per run, and a fresh copy of it per test,
-dropped afterwards. The copies (and the empty databases) are made ahead and dropped on a
-thread of their own (outbox.testing.DatabaseCopies): a test does not wait for its
-database's CREATE DATABASE nor for its predecessor's DROP DATABASE."""
+dropped afterwards. The copies (and the empty databases) are made ahead on a thread of
+their own (outbox.testing.DatabaseCopies): a test does not wait for its CREATE DATABASE.
+They are dropped at the end of the test, before the teardown of the fixtures it asked for
+first (a role with privileges in the database is dropped after it)."""
 
 from __future__ import annotations
 
