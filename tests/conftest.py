@@ -1,6 +1,9 @@
 """Fixtures: a real PostgreSQL (OUTBOX_TEST_DATABASE_URL / OUTBOX_DATABASE_URL, else the
 embedded one), one migrated template database per run, and a fresh copy of it per test,
-dropped afterwards."""
+dropped afterwards. The copies (and the empty databases) are made ahead on a thread of
+their own (outbox.testing.DatabaseCopies): a test does not wait for its CREATE DATABASE.
+They are dropped at the end of the test, before the teardown of the fixtures it asked for
+first (a role with privileges in the database is dropped after it)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from sqlalchemy.engine import URL
 
 from outbox.db.engine import make_engine
 from outbox.settings import OutboxSettings
-from outbox.testing import drop_database, migrated_template, server_url, temporary_database
+from outbox.testing import DatabaseCopies, drop_database, migrated_template, server_url
 
 
 @pytest.fixture(scope="session")
@@ -32,18 +35,34 @@ def template(server: tuple[URL, bool]) -> Iterator[URL]:
     drop_database(url)
 
 
+@pytest.fixture(scope="session")
+def template_copies(server: tuple[URL, bool], template: URL) -> Iterator[DatabaseCopies]:
+    copies = DatabaseCopies(server[0], template=template.database)
+    yield copies
+    copies.close()
+
+
+@pytest.fixture(scope="session")
+def empty_databases(server: tuple[URL, bool]) -> Iterator[DatabaseCopies]:
+    copies = DatabaseCopies(server[0], ahead=1)
+    yield copies
+    copies.close()
+
+
 @pytest.fixture
-def db_url(server: tuple[URL, bool], template: URL) -> Iterator[URL]:
+def db_url(template_copies: DatabaseCopies) -> Iterator[URL]:
     """A migrated database of this test's own."""
-    with temporary_database(server[0], template=template.database) as url:
-        yield url
+    url = template_copies.take()
+    yield url
+    template_copies.give_back(url)
 
 
 @pytest.fixture
-def empty_db_url(server: tuple[URL, bool]) -> Iterator[URL]:
+def empty_db_url(empty_databases: DatabaseCopies) -> Iterator[URL]:
     """A database of this test's own with no tables at all."""
-    with temporary_database(server[0]) as url:
-        yield url
+    url = empty_databases.take()
+    yield url
+    empty_databases.give_back(url)
 
 
 @pytest.fixture

@@ -529,7 +529,7 @@ def test_sigterm_under_heavy_load(scenario: Scenario) -> None:
     hold_ns = sorted(n for n in holds if n in publisher.result.committed)
     second = fleet.start("--concurrency", "4", "--default-lease", str(lease), env={"WL_WORK_MS": "30"})
 
-    def holding() -> list[Any]:
+    def state() -> tuple[list[Any], int, int]:
         held = scenario.held(first)
         with scenario.engine.connect() as c:
             holding_ns = c.execute(sa.text(
@@ -537,9 +537,19 @@ def test_sigterm_under_heavy_load(scenario: Scenario) -> None:
                 " WHERE j.consumer = 'ledger' AND j.status = 'running' AND j.locked_by LIKE :p"
                 " AND (e.payload->>'n')::int = ANY(:ns)"), {"p": f"%:{first.pid}:%", "ns": hold_ns}).scalar_one()
             backlog = c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = 'ready'")).scalar_one()
+        return held, holding_ns, backlog
+
+    def holding() -> list[Any]:
+        held, holding_ns, backlog = state()
         return held if holding_ns >= 3 and len(held) >= 8 and backlog >= 100 else []
 
-    wait_for(holding, timeout=30, interval=0.02, what="the first relay to hold jobs, long ones among them")
+    try:
+        wait_for(holding, timeout=30, interval=0.02, what="the first relay to hold jobs, long ones among them")
+    except AssertionError as exc:  # say which part of the condition was missing
+        held, holding_ns, backlog = state()
+        raise AssertionError(f"{exc}: it holds {len(held)} jobs (wanted 8), {holding_ns} of the long ledger runs "
+                             f"(wanted 3; long ones committed: {hold_ns}), {backlog} ready (wanted 100); "
+                             f"{workload.progress(scenario.engine)}\n{fleet.logs()[-4000:]}") from None
     held = {h.id: h for h in scenario.held(first)}
     sigterm_at = scenario.now()
     t0 = time.monotonic()
