@@ -47,25 +47,27 @@ CLAIM_BATCH = 50
 
 
 def publish_keyed(eng: Any, n: int, keys: int, hot_share: float = 0.0, per_txn: int = 500,
-                  without_hot: bool = False) -> int:
+                  without_hot: bool = False) -> tuple[int, int]:
     """Publish ``n`` events over ``keys`` keys; with ``hot_share`` > 0 that share of them
     (every other event at 0.5) goes to :data:`HOT_KEY` instead, or, ``without_hot``, is left
-    out (the other keys' events alone, for the baseline). Returns how many were published."""
+    out (the other keys' events alone, for the baseline). Returns how many were published,
+    and how many of them on the hot key."""
     from outbox import publish_many
 
     every = round(1 / hot_share) if hot_share else 0
-    done = published = 0
+    done = published = on_hot = 0
     while done < n:
         items = []
         for i in range(done, min(n, done + per_txn)):
             hot = bool(every) and i % every == 0
             if not (hot and without_hot):
+                on_hot += hot
                 items.append({"topic": TOPIC, "payload": {"n": i}, "key": HOT_KEY if hot else f"k{i % keys}"})
         with eng.begin() as conn:
             publish_many(conn, items)
         done += per_txn
         published += len(items)
-    return published
+    return published, on_hot
 
 
 def relay_run(dbs: Databases, size: Size, results: Path, tag: str, *, ordered: bool,
@@ -84,16 +86,15 @@ def relay_run(dbs: Databases, size: Size, results: Path, tag: str, *, ordered: b
                 flow_command(url, "pause")
             eng = engine(url)
             with psycopg.connect(conninfo(url), autocommit=True) as mon:
-                events = publish_keyed(eng, events, size.ordered_keys, hot_share, without_hot=without_hot)
+                events, on_hot = publish_keyed(eng, events, size.ordered_keys, hot_share, without_hot=without_hot)
                 start = "(SELECT min(created_at) FROM outbox_events)"
                 if backlog:
                     wait_routed(mon, timeout=size.e2e_cap * 3)
                     resumed_at = mon.execute("SELECT now()").fetchone()[0]
                     flow_command(url, "resume")
                     start = "CAST(%(resumed_at)s AS timestamptz)"
-                if hot_share and not without_hot:  # the other keys' jobs are what is measured
-                    others_expected = events - len(range(0, size.ordered_events, round(1 / hot_share)))
-                    drained = wait_others_done(mon, others_expected, timeout=size.e2e_cap * 3)
+                if on_hot:  # the other keys' jobs are what is measured
+                    drained = wait_others_done(mon, events - on_hot, timeout=size.e2e_cap * 3)
                 else:
                     drained = wait_drained(mon, expected_jobs=events, timeout=size.e2e_cap * 3, raise_on_timeout=False)
                 t0, t1, jobs, others, others_t1 = mon.execute(
