@@ -52,8 +52,11 @@ class Size:
     events: int = 50_000                 # events published at the best settings; jobs = 3x
     default_events: int = 6_000          # events published at the relay's defaults (slower)
     sweep_events: int = 6_000            # events per configuration of the short sweep
-    # (concurrency, claim_batch, prefetch) of the relay; the first is its defaults
-    sweep: tuple[tuple[int, int, int], ...] = ((8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250))
+    # (concurrency, claim_batch, prefetch, dispatchers) of the relay; the first is its defaults.
+    # (8, 200, 200) and (16, 100, 100) never led; many workers without a prefetch buffer (no
+    # starter round trip per hand-over) and a second dispatcher did (issue 14, levers 13-14).
+    sweep: tuple[tuple[int, int, int, int], ...] = ((8, 50, 50, 1), (32, 250, 250, 1), (512, 500, 0, 1),
+                                                    (512, 250, 0, 2))
     e2e_cap: float = 40.0                # seconds an end-to-end run may take (half in the sweep)
     procrastinate_cap: float = 10.0      # seconds procrastinate drains before it is stopped
     # (workers, claim_batch) of awa's sweep on 3 x sweep_events jobs, each on a fresh database
@@ -98,7 +101,7 @@ class Size:
 SIZES = {
     "quick": Size(
         name="quick", pgbench_seconds=0, pgbench_pool=10_000, loop_seconds=0.5, events=1_000,
-        default_events=500, sweep_events=500, sweep=((8, 50, 50), (16, 100, 100)), procrastinate_cap=2.0,
+        default_events=500, sweep_events=500, sweep=((8, 50, 50, 1), (64, 100, 0, 2)), procrastinate_cap=2.0,
         awa_sweep=((64, 64), (256, 512)),
         publish_txns=100, publish_many_txns=2, latency_seconds=4.0, latency_rate=200.0, scale_rows=10_000, scale_events=300,
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
@@ -108,7 +111,8 @@ SIZES = {
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
-        default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50, 50), (8, 50, 50), (8, 200, 200), (16, 100, 100), (32, 250, 250), (64, 500, 500)),
+        default_events=50_000, sweep_events=20_000, e2e_cap=600.0, sweep=((4, 50, 50, 1), (8, 50, 50, 1), (8, 200, 200, 1), (16, 100, 100, 1), (32, 250, 250, 1), (64, 500, 500, 1),
+               (256, 250, 0, 1), (512, 500, 0, 1), (256, 250, 0, 2), (512, 250, 0, 2), (512, 250, 0, 3)),
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
         scale_rows=10_000_000, latency_seconds=30.0, metrics_events=50_000, forward_latency_seconds=20.0,

@@ -6,7 +6,7 @@ is started on a fresh database and waits; then the harness publishes N events wi
 job is done. Jobs/s is ``3 N / (last finished_at - first event created_at)``, both read
 from the database clock, so it spans first publish to last job done, routing included.
 
-A short sweep over (concurrency, claim_batch, prefetch) on fewer events (one run each) picks the
+A short sweep over (concurrency, claim_batch, prefetch, dispatchers) on fewer events (one run each) picks the
 best settings; then the best settings (N events) and the relay's defaults
 (``default_events``, fewer, since they are slower) run ``runs`` times each, interleaved.
 The best settings also run a third time per repetition while the harness runs ``ANALYZE
@@ -142,9 +142,12 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     sweep = []
-    for concurrency, claim_batch, prefetch in size.sweep:
+    for concurrency, claim_batch, prefetch, dispatchers in size.sweep:
         settings = {"concurrency": concurrency, "claim_batch": claim_batch, "prefetch": prefetch}
-        sweep.append(one_run(dbs, size.sweep_events, settings, results, f"sweep-c{concurrency}-b{claim_batch}-p{prefetch}",
+        if dispatchers != 1:
+            settings["dispatchers"] = dispatchers
+        tag = f"sweep-c{concurrency}-b{claim_batch}-p{prefetch}-d{dispatchers}"
+        sweep.append(one_run(dbs, size.sweep_events, settings, results, tag,
                              cap=size.e2e_cap / 2))
     best_settings = max(sweep, key=lambda r: r["jobs_per_s"])["settings"]
     from .raw import probe

@@ -57,10 +57,11 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             a = e2e["best_analyzed"]
             out.append(("2 e2e", f"same, statistics kept current (harness runs ANALYZE outbox_jobs every "
                         f"{a['analyze_every']:.0f} s)", f"{_n(a['jobs_per_s'])} jobs/s{cut(a)}", "", ""))
-        sw = " / ".join("/".join(str(s["settings"].get(k, "-")) for k in ("concurrency", "claim_batch", "prefetch"))
+        sw = " / ".join("/".join(str(s["settings"].get(k, 1 if k == "dispatchers" else "-"))
+                                 for k in ("concurrency", "claim_batch", "prefetch", "dispatchers"))
                         + f": {_n(s['jobs_per_s'])}" + ("*" if s.get("capped") else "") for s in e2e["sweep"])
         out.append(("2 e2e", f"sweep, one run each on {e2e['sweep'][0]['events']:,} events: "
-                    "concurrency/claim_batch/prefetch: jobs/s",
+                    "concurrency/claim_batch/prefetch/dispatchers: jobs/s",
                     sw, "", ""))
         pl = e2e.get("paired_limit") or {}
         if pl.get("best_ratio"):

@@ -11,6 +11,9 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``buffer``: claimed jobs whose handler has not started, in claim order; ``buffered``
   holds their fences until the starter's statement has unlisted them from the relay's row
   of ``outbox_relays`` (``stop()`` leaves those to the dispatcher);
+* ``expected``: jobs asked for by claims in flight (a runner with several dispatchers
+  has several), counted as taken until each claim has handed its jobs over, so two
+  claims never both fill the same room;
 * ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
   (a hung one included, after its timeout), plus slots reserved by a claim in flight that
   will hand jobs over, so none is over-issued;
@@ -40,13 +43,12 @@ from .job import Job
 class Signals:
     """How the runner's threads are told to stop, in order: ``stop_claiming`` (claim no
     more), ``draining`` (release buffered claims, start no handler), ``stopped`` (every
-    loop ends). ``claims_closed`` is set by the dispatcher between two rounds once it has
-    seen ``stop_claiming``: no claim is in flight after that."""
+    loop ends). Each dispatcher says when it has no claim in flight any more
+    (:attr:`outbox.dispatcher.Dispatcher.closed`)."""
 
     stop_claiming: threading.Event = field(default_factory=threading.Event)
     draining: threading.Event = field(default_factory=threading.Event)
     stopped: threading.Event = field(default_factory=threading.Event)
-    claims_closed: threading.Event = field(default_factory=threading.Event)
 
 
 class HeldClaims:
@@ -66,6 +68,7 @@ class HeldClaims:
         self.buffer: collections.deque[Job] = collections.deque()
         self.buffered: set[int] = set()
         self.issued = 0
+        self.expected = 0
         self.hung = 0
         self.finishing: set[int] = set()
         self.released: set[int] = set()
@@ -76,10 +79,25 @@ class HeldClaims:
             return len(self.inflight)
 
     def taken(self) -> int:
-        """Slots taken, forwarded jobs in flight and jobs buffered: what counts against
-        ``concurrency + window + prefetch``."""
+        """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims
+        in flight: what counts against ``concurrency + window + prefetch``."""
         with self.lock:
-            return self.issued + self.forward_issued + len(self.buffer)
+            return self.issued + self.forward_issued + len(self.buffer) + self.expected
+
+    def expect(self, want: int, limit: int) -> int:
+        """A claim of up to ``want`` jobs is about to be sent, with at most ``limit`` held in
+        all: returns how many it may ask for (``want``, or less when other claims in flight
+        took the room meanwhile), counted as taken until :meth:`unexpect`."""
+        with self.lock:
+            taken = self.issued + self.forward_issued + len(self.buffer) + self.expected
+            n = max(0, min(want, limit - taken))
+            self.expected += n
+            return n
+
+    def unexpect(self, n: int) -> None:
+        """The claim that :meth:`expect` counted ``n`` for has handed its jobs over (or failed)."""
+        with self.lock:
+            self.expected -= n
 
     def has_idle_worker(self) -> bool:
         """Whether more workers (and places in the forwarding window) are idle than buffered

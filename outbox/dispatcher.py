@@ -27,9 +27,12 @@ outlives the relay unreleased.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import psycopg
@@ -54,57 +57,125 @@ log = logging.getLogger("outbox.worker")
 RELAY_SEEN_INTERVAL = 30.0
 
 
-class RelayConnection:
-    """The dispatcher's psycopg connection from ``engine`` (autocommit: every statement
-    it runs is atomic by itself) and relay ``worker_id``'s row of ``outbox_relays``, which
-    lists the buffered fences of ``claims`` and, from ``info``, what the relay runs."""
+class RelayRow:
+    """Relay ``worker_id``'s row of ``outbox_relays``, shared by the relay's dispatchers: it
+    lists the buffered fences of ``claims`` and, from ``info``, what the relay runs.
 
-    def __init__(self, engine: Engine, claims: HeldClaims, worker_id: str, schema: str,
+    Claims add fences to the list and the starter removes them (each changes the list, so
+    statements of several dispatchers and the starter may interleave); ``relay_seen``
+    rewrites it from ``claims.buffer_fences()`` and the jobs running under the relay, which
+    would drop the fences of a claim that committed after that statement's snapshot but
+    before its jobs were held. So a rewrite (:meth:`rewriting`) waits until no claim of this
+    relay is in flight, and claims (:meth:`claiming`) wait while a rewrite is running or
+    waiting: a rewrite comes once per ``RELAY_SEEN_INTERVAL`` or new connection, so claims
+    wait for it rarely. With one dispatcher the two never overlap anyway.
+
+    The row is removed (:meth:`leave`) when the last dispatcher stops, unless one of them
+    could not release its buffered claims: then the row stays for the reaper."""
+
+    def __init__(self, claims: HeldClaims, worker_id: str, schema: str, dispatchers: int = 1,
                  info: RelayInfo | None = None) -> None:
-        self.engine = engine
-        self.info = info  # written with the row (the relay registry)
         self.claims = claims
         self.worker_id = worker_id
         self.schema = schema
+        self.info = info  # written with the row (the relay registry)
+        self.seen_at = 0.0  # time.monotonic() of the last write of the row
+        self._cond = threading.Condition(threading.Lock())
+        self._claiming = 0  # claims in flight
+        self._rewrites = 0  # rewrites running or waiting
+        self._left = dispatchers  # dispatchers still running
+        self._abandoned = False
+
+    @contextlib.contextmanager
+    def claiming(self) -> Iterator[None]:
+        """Around a dispatcher's round, whose claims list their buffered fences in the row."""
+        with self._cond:
+            while self._rewrites:
+                self._cond.wait()
+            self._claiming += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._claiming -= 1
+                if not self._claiming:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def rewriting(self) -> Iterator[None]:
+        """Around ``relay_seen``, which rewrites the list: no claim of this relay in flight."""
+        with self._cond:
+            self._rewrites += 1
+            while self._claiming:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._rewrites -= 1
+                self._cond.notify_all()
+
+    def write(self, conn: psycopg.Connection[Any]) -> None:
+        """Insert or refresh the row on ``conn`` (``relay_seen``), as a rewrite."""
+        with self.rewriting():
+            relay_seen(conn, self.worker_id, self.claims.buffer_fences(), info=self.info, schema=self.schema)
+            self.seen_at = time.monotonic()
+
+    def due(self) -> bool:
+        """Whether the row was last written ``RELAY_SEEN_INTERVAL`` seconds ago or more."""
+        return time.monotonic() - self.seen_at >= RELAY_SEEN_INTERVAL
+
+    def leave(self, conn: Callable[[], psycopg.Connection[Any]], abandoned: bool) -> None:
+        """A dispatcher stops (``abandoned``: its buffered claims could not be released); the
+        last one removes the row on ``conn()`` unless any abandoned."""
+        with self._cond:
+            self._left -= 1
+            self._abandoned = self._abandoned or abandoned
+            if self._left or self._abandoned:
+                return
+        try:
+            relay_delete(conn(), self.worker_id, schema=self.schema)
+        except (DBAPIError, psycopg.Error) as exc:
+            log.info("could not remove this relay's row of outbox_relays (%s); pruning will", describe(exc))
+
+
+class RelayConnection:
+    """A dispatcher's psycopg connection from ``engine`` (autocommit: every statement it
+    runs is atomic by itself); a new one first writes the relay's ``row``."""
+
+    def __init__(self, engine: Engine, row: RelayRow) -> None:
+        self.engine = engine
+        self.row = row
         self._conn: Any = None  # a PoolProxiedConnection
-        self._seen_at = 0.0  # time.monotonic() of the last write of this relay's row
 
     def get(self) -> psycopg.Connection[Any]:
-        """The connection, checked out once and kept; a new one writes the relay's row first."""
+        """The connection, checked out once and kept; a new one writes the relay's row first
+        (call it outside :meth:`RelayRow.claiming`)."""
         if self._conn is None:
             raw = self.engine.raw_connection()
             driver = cast(psycopg.Connection[Any], raw.driver_connection)  # the engine's driver is psycopg
             driver.autocommit = True
             try:
-                relay_seen(driver, self.worker_id, self.claims.buffer_fences(), info=self.info, schema=self.schema)
+                self.row.write(driver)
             except BaseException:
                 raw.invalidate()
                 raise
             self._conn = raw
-            self._seen_at = time.monotonic()
         return cast(psycopg.Connection[Any], self._conn.driver_connection)
 
     def mark_seen(self) -> None:
         """Refresh the relay's row every ``RELAY_SEEN_INTERVAL`` seconds, busy or idle, so
         pruning never takes it for a dead relay's, and drop stale fences from its list.
         Errors are left to the next round."""
-        if time.monotonic() - self._seen_at < RELAY_SEEN_INTERVAL:
+        if not self.row.due():
             return
         try:
             fresh = self._conn is None
             conn = self.get()  # a new connection writes the row itself
             if not fresh:
-                relay_seen(conn, self.worker_id, self.claims.buffer_fences(), info=self.info, schema=self.schema)
-            self._seen_at = time.monotonic()
+                self.row.write(conn)
         except (DBAPIError, psycopg.Error) as exc:
             self.drop(exc)
-
-    def unregister(self) -> None:
-        """A clean stop: every claim is finished or released, so the relay's row goes."""
-        try:
-            relay_delete(self.get(), self.worker_id, schema=self.schema)
-        except (DBAPIError, psycopg.Error) as exc:
-            log.info("could not remove this relay's row of outbox_relays (%s); pruning will", describe(exc))
 
     def drop(self, exc: BaseException) -> None:
         """After an error: a broken connection is thrown away (the next round checks out a
@@ -131,8 +202,10 @@ class RelayConnection:
 
 class Dispatcher:
     """Runs the rounds of a runner (see the module notes) in its own thread (:meth:`run`):
-    outcomes from ``outcomes`` (a ``None`` marker: closing), claims by ``producer``,
-    outcome statements by ``completer``, all on ``connection``."""
+    outcomes from ``outcomes`` (a ``None`` marker: closing; each dispatcher takes one),
+    claims by ``producer``, outcome statements by ``completer``, all on ``connection``.
+    :attr:`closed` is set between two rounds once it has seen ``stop_claiming``: no claim of
+    this dispatcher is in flight after that."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, producer: Producer, completer: Completer,
                  connection: RelayConnection, outcomes: queue.SimpleQueue[tuple[Job, Any] | None],
@@ -147,6 +220,7 @@ class Dispatcher:
         self.signals = signals
         self.reconnect = reconnect
         self.abandoned = False  # closing, buffered claims could not be released
+        self.closed = threading.Event()
 
     def run(self) -> None:
         failures = 0
@@ -156,7 +230,7 @@ class Dispatcher:
         signals = self.signals
         while True:
             if signals.stop_claiming.is_set():
-                signals.claims_closed.set()  # between rounds: no claim is in flight any more
+                self.closed.set()  # between rounds: no claim is in flight any more
             elif not failures:
                 self.connection.mark_seen()
             batch = carry + self._take_outcomes()
@@ -183,7 +257,9 @@ class Dispatcher:
                     drained_until = 0.0
                 continue
             try:
-                claimed, from_head = self.round(batch, want if claim else 0, limited)
+                self.connection.get()  # a new connection rewrites the relay's row: not inside claiming()
+                with self.connection.row.claiming():
+                    drained = self.round(batch, want if claim else 0, limited)
                 failures = self.reconnect.recovered(failures, "claim and completion")
                 carry = []
             except (DBAPIError, psycopg.Error, poison.SystemicError) as exc:
@@ -209,12 +285,13 @@ class Dispatcher:
                 failures = self.reconnect.backoff(failures, "claim and completion", RuntimeError("unexpected"),
                                                   signals.stopped, log_failure=False)
                 continue
-            if claim and claimed < want and from_head:
+            if claim and drained:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
                 drained_until = 0.0
-        if not self.abandoned:  # a relay that could not release its buffer keeps its row, for the reaper
-            self.connection.unregister()
+        # The last dispatcher to stop removes the relay's row, unless one could not release
+        # its buffer: then the row stays, for the reaper.
+        self.connection.row.leave(self.connection.get, self.abandoned)
         self.connection.close()
 
     def _buffer_to_release(self) -> bool:
@@ -232,19 +309,24 @@ class Dispatcher:
         self.abandoned = True
 
     def _take_outcomes(self) -> list[Any]:
+        """Up to 1,000 posted outcomes, ending at the first closing marker: each dispatcher
+        takes one marker, so every one of them sees its own."""
         batch: list[Any] = []
         while len(batch) < 1000:
             try:
-                batch.append(self.outcomes.get_nowait())
+                item = self.outcomes.get_nowait()
             except queue.Empty:
+                break
+            batch.append(item)
+            if item is None:
                 break
         return batch
 
-    def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> tuple[int, bool]:
+    def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> bool:
         """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and, after the
         outcomes, up to ``limited`` of the capped or rate-limited consumers on their own path,
-        :meth:`Producer.claim_limited`); returns how many were claimed by the main claim and
-        whether it started at the head of the ready jobs. While
+        :meth:`Producer.claim_limited`); returns whether the main claim found the table
+        drained (:meth:`Producer.claim`). While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
         finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
@@ -252,9 +334,9 @@ class Dispatcher:
         release += self.claims.take_buffer() if self._buffer_to_release() else []
         # Off the buffer now: carried like any outcome if a statement below fails.
         pending[:] = [(j, Outcome.DONE) for j in done] + failed + snoozed + [(j, Outcome.RELEASE) for j in release]
-        claimed, from_head = 0, True
+        drained = False
         if done or want:
-            completed, buried, claimed, from_head = self.producer.claim(self.connection.get(), done, want)
+            completed, buried, drained = self.producer.claim(self.connection.get(), done, want)
             self.completer.completed(done, completed, buried)
             del pending[:len(done)]
         if failed:
@@ -270,4 +352,4 @@ class Dispatcher:
             pending[:] = []
         if limited:  # flow control: capped and rate-limited consumers, a claim of their own, after the outcomes
             self.producer.claim_limited(self.connection.get(), limited)
-        return claimed, from_head
+        return drained

@@ -43,19 +43,34 @@ class Wakeup:
     reaper took some back); :meth:`poke` says a worker has an outcome to write. The
     dispatcher only polls the jobs table on the first reason (or after ``poll_interval``),
     but writes outcomes at once on the second. ``set`` has the meaning of
-    ``threading.Event.set``, so a Wakeup goes wherever an event of "jobs ready" did."""
+    ``threading.Event.set``, so a Wakeup goes wherever an event of "jobs ready" did.
+
+    A runner with several dispatchers gives each a :meth:`branch`: every ``set``, ``rewind``
+    and ``poke`` of this Wakeup reaches every branch, and each branch is waited on (and
+    cleared) by its own dispatcher alone, so no dispatcher takes another's wake-up."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._jobs = False
         self._poked = False
         self._rewind = False
+        self._branches: tuple[Wakeup, ...] = ()
+
+    def branch(self) -> Wakeup:
+        """A new Wakeup that receives every wake-up of this one from now on (for one
+        dispatcher of several; :meth:`wait` on this one is then never called)."""
+        child = Wakeup()
+        with self._cond:
+            self._branches = (*self._branches, child)
+        return child
 
     def set(self) -> None:
         """Due jobs may be waiting."""
         with self._cond:
             self._jobs = True
             self._cond.notify_all()
+        for child in self._branches:
+            child.set()
 
     def rewind(self) -> None:
         """Due jobs may be waiting that sort before the key the dispatcher last claimed
@@ -64,6 +79,8 @@ class Wakeup:
         with self._cond:
             self._rewind = self._jobs = True
             self._cond.notify_all()
+        for child in self._branches:
+            child.rewind()
 
     def take_rewind(self) -> bool:
         """Whether :meth:`rewind` was called since the last call; clears it."""
@@ -73,6 +90,8 @@ class Wakeup:
 
     def poke(self) -> None:
         """An outcome (or a stop) wants the dispatcher's attention."""
+        for child in self._branches:
+            child.poke()
         if self._poked:  # already pending: the dispatcher takes every queued outcome when it wakes
             return
         with self._cond:

@@ -31,6 +31,7 @@ backoff as before.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -141,26 +142,30 @@ def try_record(write: Callable[[], bool]) -> bool | None:
 class Quarantine:
     """Ids one loop skips because even recording their poison failed, each until
     ``QUARANTINE_SECONDS`` after it was added. ``what`` names the rows in the log ("job",
-    "event"). Not thread-safe: one per loop."""
+    "event"). Thread-safe: the dispatchers of one job runner share one."""
 
     def __init__(self, what: str, seconds: float = QUARANTINE_SECONDS) -> None:
         self.what = what
         self.seconds = seconds
         self._until: dict[int, float] = {}
+        self._lock = threading.Lock()
 
     def add(self, row_id: int, exc: BaseException, doing: str) -> None:
         """Skip ``row_id`` for a while; logs the database error once per quarantine."""
-        if row_id not in self._until:
+        with self._lock:
+            new = row_id not in self._until
+            self._until[row_id] = time.monotonic() + self.seconds
+        if new:
             log.error("%s %s quarantined: %s fails for it alone (%s); it stays as it is, skipped for %.0fs, "
                       "then tried again", self.what, row_id, doing, describe_error(exc), self.seconds)
-        self._until[row_id] = time.monotonic() + self.seconds
 
     def ids(self) -> list[int]:
         """The ids to skip now (expired ones are dropped)."""
         now = time.monotonic()
-        for row_id in [i for i, until in self._until.items() if until <= now]:
-            del self._until[row_id]
-        return list(self._until)
+        with self._lock:
+            for row_id in [i for i, until in self._until.items() if until <= now]:
+                del self._until[row_id]
+            return list(self._until)
 
     def __len__(self) -> int:
         return len(self._until)

@@ -33,6 +33,7 @@ connection of its own: one small statement unlists all it hands over at once
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -71,6 +72,34 @@ log = logging.getLogger("outbox.worker")
 HINT_SECONDS = 1.0
 
 
+class ClaimHint:
+    """The claim-order key ``(priority, run_at, id)`` claims start after, shared by the
+    producers of one runner (one per dispatcher): each claims after the furthest key any of
+    them claimed, so none walks the index entries of jobs another one just claimed. Valid
+    for ``HINT_SECONDS`` after the last claim from the head (module notes)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[int, Any, int] | None = None
+        self._until = 0.0
+
+    def get(self) -> tuple[int, Any, int] | None:
+        """The key to claim after, or None: claim from the head."""
+        with self._lock:
+            return self._key if time.monotonic() < self._until else None
+
+    def claimed(self, hinted: bool, short: bool, last: tuple[int, Any, int] | None) -> None:
+        """A claim returned: it started after the hint (``hinted``) or at the head, came back
+        ``short`` (fewer than asked), and ``last`` is the key of its last job (None: none)."""
+        with self._lock:
+            if not hinted:
+                self._until = time.monotonic() + HINT_SECONDS
+            if (hinted and short) or last is None:
+                self._key = None  # there may be ready jobs before the hint: the next claim starts at the head
+            elif self._key is None or last > self._key:
+                self._key = last  # the furthest claimed: jobs before it were claimed (or are locked by a claim)
+
+
 class Producer:
     """Claims jobs of ``leases``' consumers (consumer -> lease seconds) for the runner
     holding ``claims``; jobs for idle slots go to ``start`` (the workers' queue, or the
@@ -80,7 +109,8 @@ class Producer:
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
                  stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None,
-                 metrics: RelayMetrics | None = None) -> None:
+                 metrics: RelayMetrics | None = None, hint: ClaimHint | None = None,
+                 quarantine: poison.Quarantine | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.claims = claims
@@ -93,10 +123,9 @@ class Producer:
         self.schema = settings.schema_name
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
         # it, until HINT_SECONDS after the last claim from the head.
-        self.hint: tuple[int, Any, int] | None = None
-        self.hint_until = 0.0
+        self.hint = hint if hint is not None else ClaimHint()
         # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
-        self.quarantine = poison.Quarantine("job")
+        self.quarantine = quarantine if quarantine is not None else poison.Quarantine("job")  # shared: see JobRunner
         self.claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
         self.claims_paused_until = 0.0
         # Flow control (architecture notes, "Flow control"): capped and rate-limited consumers
@@ -126,8 +155,12 @@ class Producer:
         room is the same)."""
         if time.monotonic() < self.claims_paused_until or self.claims.all_hung():
             return 0
-        limit = self.settings.concurrency + self.claims.window + self.settings.prefetch
-        return max(0, min(self.settings.claim_batch, limit - self.claims.taken()))
+        return max(0, min(self.settings.claim_batch, self.limit() - self.claims.taken()))
+
+    def limit(self) -> int:
+        """Most claims the runner holds whose handlers have not returned (or whose broker has
+        not answered): ``concurrency`` + the forwarding window + ``prefetch``."""
+        return self.settings.concurrency + self.claims.window + self.settings.prefetch
 
     def worth_claiming(self, want: int) -> bool:
         """A claim of its own (no completions to carry it) is worth its round trip when it
@@ -135,23 +168,32 @@ class Producer:
         return self.claims.has_idle_worker() or want >= max(
             1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
 
-    def claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], int, bool]:
-        """Complete ``done`` (fenced) and claim up to ``want`` jobs on ``conn``; returns (ids
-        completed, ids of ``done`` dead-lettered, how many were claimed, whether the claim
-        started at the head of the ready jobs: a short claim after the hint does not mean
-        the table is drained). Claimed jobs go to idle workers at once (their slots were
-        reserved before the statement, so they were never listed as buffered) and the rest
-        into the buffer, listed by the same statement."""
+    def claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], bool]:
+        """Complete ``done`` (fenced) and claim up to ``want`` jobs on ``conn`` (fewer when
+        another dispatcher's claim in flight took the room meanwhile: :meth:`HeldClaims.expect`);
+        returns (ids completed, ids of ``done`` dead-lettered, whether the table is drained:
+        a claim from the head of the ready jobs found fewer than it asked for; a short claim
+        after the hint says nothing). Claimed jobs go to idle workers at once (their slots
+        were reserved before the statement, so they were never listed as buffered) and the
+        rest into the buffer, listed by the same statement."""
+        want = self.claims.expect(want, self.limit())
+        try:
+            return self._claim(conn, done, want)
+        finally:
+            self.claims.unexpect(want)
+
+    def _claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], bool]:
         start_now = self.claims.reserve(want)
         sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
         rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
-        hinted = want > 0 and self.hint is not None and time.monotonic() < self.hint_until and not rewound
+        after = self.hint.get() if want > 0 and not rewound else None
+        hinted = after is not None
         mark = BufferMark(self.worker_id, start_now)
         buried: set[int] = set()
         try:
             try:
                 completed, claimed, last = complete_and_claim_after(
-                    conn, done, self.claim_leases(), want, self.worker_id, self.hint if hinted else None,
+                    conn, done, self.claim_leases(), want, self.worker_id, after,
                     buffer=mark, skip=self.quarantine.ids(), schema=self.schema)
             except psycopg.Error as exc:
                 if not poison.is_data_error(exc):
@@ -168,16 +210,12 @@ class Producer:
             raise
         if self.metrics is not None:
             self.metrics.claim_round_trip(time.monotonic() - sent)
-        from_head = True
         if want:
-            if not hinted:
-                self.hint_until = time.monotonic() + HINT_SECONDS
             # Found fewer than asked after the hint: there may be ready jobs before it
             # (released, retried early, more urgent); the next claim starts at the head.
-            self.hint = None if hinted and len(claimed) < want else last
-            from_head = not hinted
+            self.hint.claimed(hinted, len(claimed) < want, last)
         self._hand_over(claimed, start_now, sent)
-        return completed, buried, len(claimed), from_head
+        return completed, buried, want > 0 and len(claimed) < want and not hinted
 
     def _hand_over(self, claimed: list[Job], start_now: int, sent: float) -> None:
         """Jobs just claimed (a statement sent at ``sent``, monotonic): the first
@@ -202,18 +240,24 @@ class Producer:
         (:class:`outbox.flow.FlowControl`: a transaction that locks their rows first), handed
         over like any claim: idle workers first, the rest buffered (listed by the same
         transaction). Returns how many were claimed."""
-        start_now = self.claims.reserve(room)
-        sent = time.monotonic()
+        room = self.claims.expect(room, self.limit())
         try:
-            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
-        except BaseException:
-            self.claims.unreserve(start_now)
-            raise
-        if self.metrics is not None:
-            self.metrics.claim_round_trip(time.monotonic() - sent)
-        claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
-        self._hand_over(claimed, start_now, sent)
-        return len(claimed)
+            if not room:
+                return 0
+            start_now = self.claims.reserve(room)
+            sent = time.monotonic()
+            try:
+                rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
+            except BaseException:
+                self.claims.unreserve(start_now)
+                raise
+            if self.metrics is not None:
+                self.metrics.claim_round_trip(time.monotonic() - sent)
+            claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
+            self._hand_over(claimed, start_now, sent)
+            return len(claimed)
+        finally:
+            self.claims.unexpect(room)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
                          mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:

@@ -49,11 +49,11 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from . import transaction
+from . import poison, transaction
 from .claims import HeldClaims, Signals
 from .completer import Completer
 from .db.engine import describe, make_async_engine
-from .dispatcher import Dispatcher, RelayConnection
+from .dispatcher import Dispatcher, RelayConnection, RelayRow
 from .errors import HandlerTimeoutError
 from .forwarder import Forwarder
 from .heartbeat import Heartbeater
@@ -61,7 +61,7 @@ from .job import Job
 from .logs import job_fields
 from .metrics import RelayMetrics
 from .notify import Wakeup
-from .producer import Producer, Starter
+from .producer import ClaimHint, Producer, Starter
 from .reconnect import Reconnector
 from .registry import Outbox, Subscriber
 from .settings import OutboxSettings
@@ -126,14 +126,14 @@ class JobRunner:
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
-        connection = RelayConnection(engine, self.claims, worker_id, self.schema, RelayInfo(
+        hint = ClaimHint()  # shared: each dispatcher claims after the furthest job any of them claimed
+        self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
+        row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
             package_version(), tuple(registry.consumers), settings.concurrency))
-        self.completer = Completer(self.claims, connection.get, self.stats, self.schema,
-                                   subscribers=self.subscribers, wake=wake, metrics=metrics)
-        self.producer = Producer(settings, self.claims, self.leases, worker_id, wake, self._start, self.completer,
-                                 self.stats, subscribers=self.subscribers, metrics=metrics)
-        self.dispatcher = Dispatcher(settings, self.claims, self.producer, self.completer, connection,
-                                     self._outcomes, wake, self.signals, self.reconnect)
+        self.dispatchers = [self._dispatcher(engine, row, hint, wake if settings.dispatchers == 1 else wake.branch())
+                            for _ in range(settings.dispatchers)]
+        self.dispatcher = self.dispatchers[0]
+        self.producer, self.completer = self.dispatcher.producer, self.dispatcher.completer
         self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,
                                self.signals, self.reconnect)
         self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
@@ -148,8 +148,21 @@ class JobRunner:
         self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
                                    wake.poke, self.stats, metrics=metrics) if forwarders else None
         if self.forwarder is not None:
-            self.producer.exclude(self.forwarder.unavailable)
+            for dispatcher in self.dispatchers:
+                dispatcher.producer.exclude(self.forwarder.unavailable)
         self._threads: list[threading.Thread] = []
+
+    def _dispatcher(self, engine: Engine, row: RelayRow, hint: ClaimHint, wake: Wakeup) -> Dispatcher:
+        """One dispatcher with a connection, a producer and a completer of its own; what the
+        dispatchers share is the runner's claims, the relay's row and the outcomes queue."""
+        connection = RelayConnection(engine, row)
+        completer = Completer(self.claims, connection.get, self.stats, self.schema,
+                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics)
+        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, completer,
+                            self.stats, subscribers=self.subscribers, metrics=self.metrics, hint=hint,
+                            quarantine=self.quarantine)
+        return Dispatcher(self.settings, self.claims, producer, completer, connection, self._outcomes, wake,
+                          self.signals, self.reconnect)
 
     # ------------------------------------------------------------- lifecycle
 
@@ -158,7 +171,8 @@ class JobRunner:
         handler stuck past the shutdown grace period cannot keep the process alive)."""
         if not self.subscribers:
             return
-        self._spawn("outbox-dispatcher", self.dispatcher.run)
+        for n, dispatcher in enumerate(self.dispatchers):
+            self._spawn("outbox-dispatcher" + (f"-{n}" if n else ""), dispatcher.run)
         self._spawn("outbox-starter", self.starter.run)
         if self.forwarder is not None:
             self._spawn("outbox-forwarder", self.forwarder.run)
@@ -194,7 +208,8 @@ class JobRunner:
         self.wake.poke()
         deadline = time.monotonic() + grace
         cut = cut_short or threading.Event()
-        while not signals.claims_closed.wait(0.02) and time.monotonic() < deadline and not cut.is_set():
+        while (not all(d.closed.wait(0.02) for d in self.dispatchers) and time.monotonic() < deadline
+               and not cut.is_set()):
             pass
         while self.in_flight() and time.monotonic() < deadline and not cut.is_set():
             time.sleep(0.02)
@@ -205,14 +220,15 @@ class JobRunner:
             self._release_now(left)
         for _ in range(self.settings.concurrency):
             self._todo.put(None)
-        self._outcomes.put(None)
+        for _ in self.dispatchers:
+            self._outcomes.put(None)  # one closing marker for each dispatcher
         signals.stopped.set()
         if self.watchdog is not None:
             self.watchdog.stop()
         self.wake.poke()
         self.claims.wake_all()
         for thread in self._threads:
-            if thread.name in ("outbox-dispatcher", "outbox-starter", "outbox-forwarder"):
+            if thread.name.startswith("outbox-dispatcher") or thread.name in ("outbox-starter", "outbox-forwarder"):
                 # Past the grace period only while a round is still out (a claim that returns
                 # late must still have its jobs released before the process exits).
                 thread.join(timeout=max(0.5, deadline - time.monotonic()) + STOP_ROUND_WAIT)

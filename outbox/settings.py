@@ -90,6 +90,7 @@ class OutboxSettings(BaseSettings):
         "the tests then start an embedded PostgreSQL (extra 'embedded').",
     )
     concurrency: int = Field(default=8, ge=1, le=512, description="Worker threads per relay. Default 8.")
+    dispatchers: int = Field(default=1, ge=1, le=16, description="Dispatcher threads per relay, each on a connection of its own: how many claim-and-complete statements the relay has in flight at once. One round trip at a time bounds a relay near 1 / (database + Python time per job) whatever the cores; a second dispatcher lets one statement run on the server while the relay handles the other's rows (docs/performance.md, lever 13). Each takes one more pool connection. Default 1.")
     claim_batch: int = Field(default=50, ge=1, le=10_000, description="Most jobs claimed per round trip. Default 50.")
     prefetch: int = Field(default=50, ge=0, le=10_000, description="Jobs claimed ahead of free workers and held in a local buffer, so claims come in batches; their leases run from the claim and are heartbeated, and SIGTERM releases them at once (a killed relay's buffer waits out the lease). 0 claims only for idle workers. Default 50.")
     forward_window: int = Field(default=500, ge=1, le=100_000, description="Messages a relay's forwarders have sent to their brokers and not yet seen acknowledged, at most, all forwarders together; a forwarder's batch is at most this. Counted apart from concurrency (forwarded jobs take no worker thread). Default 500.")
@@ -108,7 +109,7 @@ class OutboxSettings(BaseSettings):
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
     schema_name: str = Field(default=DEFAULT_SCHEMA, validation_alias="outbox_schema", description="Environment variable OUTBOX_SCHEMA, flag --schema. PostgreSQL schema that holds outbox's tables, sequence, trigger function and version table (outbox_alembic_version), for migrate, the relay, publish and every command: a lowercase identifier of at most 49 characters; migrate creates it if missing. Default public.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
-    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 6 (one per worker, the dispatcher, the starter, the heartbeat, the router, the statistics keeper and maintenance; the scheduler, when schedules are declared, takes one more from the overflow). pool_size + pool_overflow must be at least concurrency + 6, so no thread waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
+    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 6, plus one per dispatcher beyond the first (one per worker, each dispatcher, the starter, the heartbeat, the router, the statistics keeper and maintenance; the scheduler, when schedules are declared, takes one more from the overflow). pool_size + pool_overflow must be at least that, so no thread waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
     pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
@@ -155,23 +156,30 @@ class OutboxSettings(BaseSettings):
     @model_validator(mode="after")
     def _pool_large_enough(self) -> OutboxSettings:
         size, overflow = self.pool_limits()
-        if size + overflow < self.concurrency + 6:
+        if size + overflow < self.pool_needed():
+            extra = f" + dispatchers - 1 ({self.pool_needed()}" if self.dispatchers > 1 else f" ({self.pool_needed()}"
             raise ValueError(
-                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 6 "
-                f"({self.concurrency + 6}: one connection per worker, the dispatcher, the starter, the heartbeat, the "
-                "router, the statistics keeper and maintenance); lower concurrency to open fewer connections")
+                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 6{extra}: one "
+                "connection per worker, each dispatcher, the starter, the heartbeat, the router, the statistics "
+                "keeper and maintenance); lower concurrency to open fewer connections")
         return self
+
+    def pool_needed(self) -> int:
+        """Connections the relay's threads hold at once: one per worker, one per dispatcher,
+        and the starter, heartbeat, router, statistics keeper and maintenance: concurrency + 6
+        with one dispatcher."""
+        return self.concurrency + self.dispatchers + 5
 
     def url(self) -> str | None:
         """The database URL in clear text, or None when none is configured."""
         return self.database_url.get_secret_value() if self.database_url else None
 
     def pool_limits(self) -> tuple[int, int]:
-        """(pool size, overflow) of the relay's engine: ``pool_size`` (default concurrency +
-        6) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
+        """(pool size, overflow) of the relay's engine: ``pool_size`` (default
+        :meth:`pool_needed`: concurrency + 6 with one dispatcher) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
         through its pool, plus its LISTEN connection (:meth:`listen_target`) and, with async
         transactional handlers, one connection per worker thread that runs them."""
-        size = self.pool_size if self.pool_size is not None else self.concurrency + 6
+        size = self.pool_size if self.pool_size is not None else self.pool_needed()
         return size, self.pool_overflow if self.pool_overflow is not None else size
 
     def listen_target(self) -> str | None:

@@ -142,6 +142,11 @@ def test_a_pool_too_small_for_the_relays_threads_is_refused():
     assert OutboxSettings(concurrency=8, pool_size=14, pool_overflow=0).pool_limits() == (14, 0)
     with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 7\) must be at least concurrency \+ 6 \(14"):
         OutboxSettings(concurrency=8, pool_size=6, pool_overflow=7)
+    # Each dispatcher beyond the first holds one more.
+    assert OutboxSettings(concurrency=8, dispatchers=3).pool_limits() == (16, 16)
+    assert OutboxSettings(concurrency=8, dispatchers=2, pool_size=15, pool_overflow=0).pool_limits() == (15, 0)
+    with pytest.raises(ValidationError, match=r"at least concurrency \+ 6 \+ dispatchers - 1 \(15"):
+        OutboxSettings(concurrency=8, dispatchers=2, pool_size=14, pool_overflow=0)
 
 
 def test_listen_target_behind_a_transaction_pooler(monkeypatch):

@@ -1,0 +1,87 @@
+"""What several dispatchers of one relay share (outbox/dispatcher.py, outbox/notify.py): the
+relay's row, whose rewrite waits for the claims in flight and holds new ones back, and
+the wake-ups, which reach every dispatcher. No database: the rules are in Python."""
+
+from __future__ import annotations
+
+import threading
+
+from outbox.claims import HeldClaims
+from outbox.dispatcher import RelayRow
+from outbox.notify import Wakeup
+
+WAIT = 5.0  # seconds a thread gets to reach a point it must reach
+BLOCKED = 0.3  # seconds a thread that must stay blocked is watched
+
+
+def _in_thread(target: object) -> tuple[threading.Thread, threading.Event]:
+    """Run ``target`` (a callable taking the 'entered' event) in a daemon thread."""
+    entered = threading.Event()
+    thread = threading.Thread(target=target, args=(entered,), daemon=True)  # type: ignore[arg-type]
+    thread.start()
+    return thread, entered
+
+
+def test_a_rewrite_of_the_row_waits_for_the_claims_in_flight_and_holds_new_ones_back():
+    row = RelayRow(HeldClaims(4), "host:1:x", "public", dispatchers=2)
+    first_done = threading.Event()
+    rewrite_done = threading.Event()
+
+    def first_claim(entered: threading.Event) -> None:
+        with row.claiming():
+            entered.set()
+            first_done.wait(WAIT)
+
+    def rewrite(entered: threading.Event) -> None:
+        with row.rewriting():
+            entered.set()
+            rewrite_done.wait(WAIT)
+
+    def second_claim(entered: threading.Event) -> None:
+        with row.claiming():
+            entered.set()
+
+    claim1, claim1_in = _in_thread(first_claim)
+    assert claim1_in.wait(WAIT)
+    writer, writer_in = _in_thread(rewrite)
+    assert not writer_in.wait(BLOCKED)  # a claim is in flight: the rewrite waits for it
+    claim2, claim2_in = _in_thread(second_claim)
+    assert not claim2_in.wait(BLOCKED)  # a rewrite is waiting: a new claim waits behind it
+    first_done.set()
+    assert writer_in.wait(WAIT)  # the claim ended: the rewrite runs
+    assert not claim2_in.wait(BLOCKED)  # and no claim runs beside it
+    rewrite_done.set()
+    assert claim2_in.wait(WAIT)
+    for thread in (claim1, writer, claim2):
+        thread.join(WAIT)
+
+
+def test_claims_of_several_dispatchers_run_side_by_side():
+    row = RelayRow(HeldClaims(4), "host:1:x", "public", dispatchers=2)
+    release = threading.Event()
+
+    def claim(entered: threading.Event) -> None:
+        with row.claiming():
+            entered.set()
+            release.wait(WAIT)
+
+    threads = [_in_thread(claim) for _ in range(2)]
+    assert all(entered.wait(WAIT) for _, entered in threads)  # both inside at once
+    release.set()
+    for thread, _ in threads:
+        thread.join(WAIT)
+
+
+def test_every_branch_of_a_wakeup_gets_each_wakeup_and_clears_only_its_own():
+    wake = Wakeup()
+    a, b = wake.branch(), wake.branch()
+    wake.set()
+    assert a.wait(0) == (True, False)
+    assert a.wait(0) == (False, False)  # cleared for a
+    assert b.wait(0) == (True, False)  # not taken from b
+    wake.poke()
+    wake.poke()  # a second poke before anyone waited still reaches both
+    assert (a.wait(0), b.wait(0)) == ((False, True), (False, True))
+    wake.rewind()
+    assert a.take_rewind() and b.take_rewind()
+    assert not a.take_rewind()
