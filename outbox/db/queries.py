@@ -417,8 +417,8 @@ _LOCK_BY_ID = """
     locked AS (
         SELECT j.id
         FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
         WHERE j.id = ANY (ARRAY(SELECT id FROM args))
-          AND j.fence = ANY (ARRAY(SELECT fence FROM args))
           AND (j.status = 'running') IS TRUE
         ORDER BY j.id
         FOR UPDATE OF j

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
@@ -132,16 +133,21 @@ def test_complete_and_claim_never_claims_the_rows_it_completes(engine):
 # ------------------------------------------------------------- prefetch buffer
 
 
-def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_on_stop(engine, settings):
+@pytest.mark.parametrize("dispatchers", [1, 2])
+def test_runner_holds_at_most_concurrency_plus_prefetch_and_releases_the_buffer_on_stop(engine, settings, dispatchers):
+    """With two dispatchers as with one: their claims share the room (each counts what the
+    other's claim in flight asked for), so the relay holds 7 claims, not 7 each."""
     ob, gate, running = _blocking_app()
     publish_events(engine, "t", [{"n": i} for i in range(40)])
-    relay = Relay(ob, settings(concurrency=2, prefetch=5, claim_batch=50, shutdown_grace=0.5))
+    relay = Relay(ob, settings(concurrency=2, prefetch=5, claim_batch=50, shutdown_grace=0.5, dispatchers=dispatchers))
     relay.start()
     try:
         wait_for(lambda: len(running) == 2, timeout=TIMEOUT, what="both workers busy")
         wait_for(lambda: list(_statuses(engine).values()).count("running") == 7, timeout=TIMEOUT,
                  what="2 running + 5 buffered claims")
         assert relay.runner.in_flight() == 7
+        with pytest.raises(AssertionError):  # no claim beyond the room comes back (polls every 0.2 s)
+            wait_for(lambda: list(_statuses(engine).values()).count("running") > 7, timeout=0.6, what="an over-claim")
         with engine.connect() as c:
             buffered = list(c.execute(sa.text(
                 "SELECT id FROM outbox_jobs WHERE status = 'running' AND id <> ALL(:ids)"),
@@ -396,6 +402,50 @@ def _claim_waiting_on_a_lock(engine: sa.Engine) -> bool:
         return bool(c.execute(sa.text(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
             " AND application_name = 'outbox-relay'")).scalar_one())
+
+
+def test_two_dispatchers_run_every_job_once_both_claiming_and_stop_clean(engine, settings):
+    """``dispatchers=2``: both dispatchers claim and complete (each round of one runs while
+    the other's rows are handled), every job runs once and ends done at its first attempt,
+    the relay never holds more than concurrency + prefetch claims, and a clean stop removes
+    the relay's row (the last dispatcher to stop removes it)."""
+    ob = Outbox()
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    @ob.subscriber("t", consumer="a")
+    def handler(job: Job) -> None:
+        with lock:
+            ran.append(job.id)
+
+    subscribe(engine, "t", ["a"])
+    relay = Relay(ob, settings(concurrency=8, prefetch=40, claim_batch=20, dispatchers=2))
+    claims_by: list[list[int]] = [[], []]
+    for n, dispatcher in enumerate(relay.runner.dispatchers):  # counts what each one's claims return
+        real = dispatcher.producer._hand_over
+
+        def counted(claimed: list[Job], start_now: int, sent: float, real: Any = real, n: int = n) -> None:
+            claims_by[n].append(len(claimed))
+            real(claimed, start_now, sent)
+
+        dispatcher.producer._hand_over = counted  # type: ignore[method-assign]
+    relay.start()
+    held: list[int] = []
+    try:
+        for _ in range(10):
+            publish_events(engine, "t", [{"n": i} for i in range(300)])
+            held.append(relay.runner.in_flight())
+        wait_for(lambda: len(ran) >= 3000 and relay.runner.in_flight() == 0, timeout=60, what="3,000 jobs run")
+        held.append(relay.runner.in_flight())
+    finally:
+        relay.stop()
+    assert len(ran) == len(set(ran)) == 3000  # each job once
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT status, attempts, count(*) FROM outbox_jobs GROUP BY 1, 2")).all()
+        assert [tuple(r) for r in rows] == [("done", 1, 3000)]
+        assert c.execute(sa.text("SELECT count(*) FROM outbox_relays")).scalar_one() == 0
+    assert all(sum(claims) > 0 for claims in claims_by), claims_by  # both dispatchers claimed jobs
+    assert max(held) <= 48
 
 
 # ------------------------------------------------------- the relay's buffer list
