@@ -233,7 +233,7 @@ class Dispatcher:
                 self.closed.set()  # between rounds: no claim is in flight any more
             elif not failures:
                 self.connection.mark_seen()
-            batch = carry + self._take_outcomes()
+            batch = carry + self._take_outcomes(closing)
             if any(item is None for item in batch):
                 closing = True
                 batch = [item for item in batch if item is not None]
@@ -308,18 +308,24 @@ class Dispatcher:
                         "when their leases expire", n)
         self.abandoned = True
 
-    def _take_outcomes(self) -> list[Any]:
+    def _take_outcomes(self, closing: bool) -> list[Any]:
         """Up to 1,000 posted outcomes, ending at the first closing marker: each dispatcher
-        takes one marker, so every one of them sees its own."""
+        takes one marker, so every one of them sees its own. One that is ``closing`` (it
+        has its marker) puts any other marker it meets back, for a dispatcher still
+        without one (it takes it within its next wait, ``poll_interval`` at most)."""
         batch: list[Any] = []
         while len(batch) < 1000:
             try:
                 item = self.outcomes.get_nowait()
             except queue.Empty:
                 break
-            batch.append(item)
             if item is None:
+                if closing:
+                    self.outcomes.put(None)
+                else:
+                    batch.append(item)
                 break
+            batch.append(item)
         return batch
 
     def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> bool:

@@ -85,3 +85,28 @@ def test_every_branch_of_a_wakeup_gets_each_wakeup_and_clears_only_its_own():
     wake.rewind()
     assert a.take_rewind() and b.take_rewind()
     assert not a.take_rewind()
+
+
+def test_each_dispatcher_takes_one_closing_marker_and_puts_back_another_it_meets():
+    """stop() queues one closing marker per dispatcher. A dispatcher that has its marker and
+    takes late outcomes must leave the other's marker in the queue: without it the other
+    would never stop (and the last to stop would never remove the relay's row)."""
+    import sqlalchemy as sa
+
+    from outbox import Outbox
+    from outbox.runner import JobRunner
+    from outbox.settings import OutboxSettings
+    from outbox.worker import Outcome
+
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    engine = sa.create_engine("postgresql+psycopg://nobody@127.0.0.1:1/none")  # never connected
+    runner = JobRunner(engine, ob, OutboxSettings(_env_file=None, dispatchers=2), "host:1:x", Wakeup())
+    first, second = runner.dispatchers
+    late = ("job", Outcome.DONE)
+    for item in (late, None, late, None):
+        runner._outcomes.put(item)  # type: ignore[arg-type]
+    assert first._take_outcomes(closing=False) == [late, None]  # up to its marker
+    assert first._take_outcomes(closing=True) == [late]  # a late outcome, and the other marker put back
+    assert second._take_outcomes(closing=False) == [None]
+    assert first._take_outcomes(closing=True) == []
