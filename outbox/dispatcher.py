@@ -20,9 +20,16 @@ error a broken connection is thrown away and the outcomes the round could not wr
 carried to the next one (fenced, so writing one twice changes nothing).
 
 **Stopping.** Once it sees ``stop_claiming`` it claims no more and says so
-(``claims_closed``); while draining it releases every buffered claim; it exits when
+(:attr:`Dispatcher.closed`); while draining it releases every buffered claim; it exits when
 ``stop()`` has queued its marker and every outcome is written, so no claim it holds
 outlives the relay unreleased.
+
+**Several dispatchers** (setting ``dispatchers``): each runs these rounds on its own
+connection, so one's statement runs on the server while another's rows are handled. They
+take outcomes from one queue and share the relay's row (:class:`RelayRow`: how its list of
+buffered fences stays exact with claims in flight on several connections) and, through the
+runner, the room, the claim-order hint, the quarantine and the wake-ups (architecture
+notes, "Several dispatchers").
 """
 
 from __future__ import annotations
