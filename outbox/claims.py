@@ -82,15 +82,18 @@ class HeldClaims:
         """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims
         in flight: what counts against ``concurrency + window + prefetch``."""
         with self.lock:
-            return self.issued + self.forward_issued + len(self.buffer) + self.expected
+            return self._taken()
+
+    def _taken(self) -> int:
+        """(Caller holds the lock.) What :meth:`taken` says."""
+        return self.issued + self.forward_issued + len(self.buffer) + self.expected
 
     def expect(self, want: int, limit: int) -> int:
         """A claim of up to ``want`` jobs is about to be sent, with at most ``limit`` held in
         all: returns how many it may ask for (``want``, or less when other claims in flight
         took the room meanwhile), counted as taken until :meth:`unexpect`."""
         with self.lock:
-            taken = self.issued + self.forward_issued + len(self.buffer) + self.expected
-            n = max(0, min(want, limit - taken))
+            n = max(0, min(want, limit - self._taken()))
             self.expected += n
             return n
 

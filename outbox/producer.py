@@ -104,13 +104,15 @@ class Producer:
     """Claims jobs of ``leases``' consumers (consumer -> lease seconds) for the runner
     holding ``claims``; jobs for idle slots go to ``start`` (the workers' queue, or the
     forwarder for a forwarder's jobs), the rest
-    to the buffer. ``wake`` carries the ``head`` rewind; claims are counted in ``stats``."""
+    to the buffer. ``wake`` carries the ``head`` rewind; claims are counted in ``stats``.
+    ``hint`` and ``quarantine`` are shared by the producers of one runner (one per
+    dispatcher): each claims after the furthest job any of them claimed and skips the rows
+    any of them quarantined."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
-                 stats: dict[str, int], subscribers: Mapping[str, Subscriber] | None = None,
-                 metrics: RelayMetrics | None = None, hint: ClaimHint | None = None,
-                 quarantine: poison.Quarantine | None = None) -> None:
+                 stats: dict[str, int], *, hint: ClaimHint, quarantine: poison.Quarantine,
+                 subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
         self.claims = claims
@@ -123,9 +125,9 @@ class Producer:
         self.schema = settings.schema_name
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
         # it, until HINT_SECONDS after the last claim from the head.
-        self.hint = hint if hint is not None else ClaimHint()
+        self.hint = hint  # shared by the runner's producers, as is the quarantine
         # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
-        self.quarantine = quarantine if quarantine is not None else poison.Quarantine("job")  # shared: see JobRunner
+        self.quarantine = quarantine
         self.claim_failures = 0  # claims in a row that failed for every job (poison.SystemicError)
         self.claims_paused_until = 0.0
         # Flow control (architecture notes, "Flow control"): capped and rate-limited consumers
@@ -242,22 +244,23 @@ class Producer:
         transaction). Returns how many were claimed."""
         room = self.claims.expect(room, self.limit())
         try:
-            if not room:
-                return 0
-            start_now = self.claims.reserve(room)
-            sent = time.monotonic()
-            try:
-                rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
-            except BaseException:
-                self.claims.unreserve(start_now)
-                raise
-            if self.metrics is not None:
-                self.metrics.claim_round_trip(time.monotonic() - sent)
-            claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
-            self._hand_over(claimed, start_now, sent)
-            return len(claimed)
+            return self._claim_limited(conn, room) if room else 0
         finally:
             self.claims.unexpect(room)
+
+    def _claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
+        start_now = self.claims.reserve(room)
+        sent = time.monotonic()
+        try:
+            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
+        except BaseException:
+            self.claims.unreserve(start_now)
+            raise
+        if self.metrics is not None:
+            self.metrics.claim_round_trip(time.monotonic() - sent)
+        claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
+        self._hand_over(claimed, start_now, sent)
+        return len(claimed)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
                          mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
