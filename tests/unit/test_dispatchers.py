@@ -66,8 +66,10 @@ def test_claims_of_several_dispatchers_run_side_by_side():
             release.wait(WAIT)
 
     threads = [_in_thread(claim) for _ in range(2)]
-    assert all(entered.wait(WAIT) for _, entered in threads)  # both inside at once
-    release.set()
+    try:  # both inside at once: neither leaves before release, which comes after the check
+        assert all(entered.wait(WAIT / 2) for _, entered in threads)
+    finally:
+        release.set()
     for thread, _ in threads:
         thread.join(WAIT)
 
