@@ -74,9 +74,16 @@ HINT_SECONDS = 1.0
 
 class ClaimHint:
     """The claim-order key ``(priority, run_at, id)`` claims start after, shared by the
-    producers of one runner (one per dispatcher): each claims after the furthest key any of
-    them claimed, so none walks the index entries of jobs another one just claimed. Valid
-    for ``HINT_SECONDS`` after the last claim from the head (module notes)."""
+    producers of one runner (one per dispatcher): each claims after the key of the last job
+    the latest claim of any of them returned, so none walks far through the index entries
+    of jobs another one just claimed. Valid for ``HINT_SECONDS`` after the last claim from
+    the head (module notes).
+
+    Always the latest claim's key, never the furthest seen: a claim from the head (after a
+    rewind: jobs handed back keep their early place) may take only part of what sorts before
+    the old key, and the next claim must go on from where it stopped, not jump back past the
+    rest (kept at the furthest key, handed-back jobs waited a second per claim's worth,
+    test_sigterm_under_heavy_load)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -94,10 +101,8 @@ class ClaimHint:
         with self._lock:
             if not hinted:
                 self._until = time.monotonic() + HINT_SECONDS
-            if (hinted and short) or last is None:
-                self._key = None  # there may be ready jobs before the hint: the next claim starts at the head
-            elif self._key is None or last > self._key:
-                self._key = last  # the furthest claimed: jobs before it were claimed (or are locked by a claim)
+            # Short after the hint: there may be ready jobs before it; the next claim starts at the head.
+            self._key = None if (hinted and short) else last
 
 
 class Producer:
@@ -106,7 +111,7 @@ class Producer:
     forwarder for a forwarder's jobs), the rest
     to the buffer. ``wake`` carries the ``head`` rewind; claims are counted in ``stats``.
     ``hint`` and ``quarantine`` are shared by the producers of one runner (one per
-    dispatcher): each claims after the furthest job any of them claimed and skips the rows
+    dispatcher): each claims after the last job the latest of their claims took and skips the rows
     any of them quarantined."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,

@@ -126,7 +126,7 @@ class JobRunner:
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
-        hint = ClaimHint()  # shared: each dispatcher claims after the furthest job any of them claimed
+        hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
         self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
         row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
             package_version(), tuple(registry.consumers), settings.concurrency))

@@ -112,3 +112,22 @@ def test_each_dispatcher_takes_one_closing_marker_and_puts_back_another_it_meets
     assert first._take_outcomes(closing=True) == [late]  # a late outcome, and the other marker put back
     assert second._take_outcomes(closing=False) == [None]
     assert first._take_outcomes(closing=True) == []
+
+
+def test_the_shared_hint_is_where_the_latest_claim_stopped_even_before_an_earlier_one():
+    """After a rewind a claim from the head may take only part of the jobs handed back
+    (they keep their early place); the next claim must go on from where it stopped, not
+    jump past the rest to the furthest key any claim reached (they would wait a second per
+    claim's worth, for the next claim from the head)."""
+    from datetime import datetime, timezone
+
+    from outbox.producer import ClaimHint
+
+    at = datetime(2026, 12, 2, tzinfo=timezone.utc)
+    hint = ClaimHint()
+    hint.claimed(hinted=False, short=False, last=(0, at, 900))
+    assert hint.get() == (0, at, 900)
+    hint.claimed(hinted=False, short=False, last=(0, at, 40))  # from the head again, after a rewind
+    assert hint.get() == (0, at, 40)
+    hint.claimed(hinted=True, short=True, last=(0, at, 60))  # short after the hint: back to the head
+    assert hint.get() is None
