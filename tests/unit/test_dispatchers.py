@@ -119,11 +119,11 @@ def test_the_shared_hint_is_where_the_latest_claim_stopped_even_before_an_earlie
     (they keep their early place); the next claim must go on from where it stopped, not
     jump past the rest to the furthest key any claim reached (they would wait a second per
     claim's worth, for the next claim from the head)."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     from outbox.producer import ClaimHint
 
-    at = datetime(2026, 12, 2, tzinfo=timezone.utc)
+    at = datetime(2026, 12, 2, tzinfo=UTC)
     hint = ClaimHint()
     hint.claimed(hinted=False, short=False, last=(0, at, 900))
     assert hint.get() == (0, at, 900)
