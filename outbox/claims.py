@@ -78,6 +78,12 @@ class HeldClaims:
         with self.lock:
             return len(self.inflight)
 
+    def count_unfinished(self) -> int:
+        """Claims held whose handler has not returned: buffered or running (:meth:`count`
+        without the ones whose outcome is being written)."""
+        with self.lock:
+            return len(self.inflight) - len(self.finishing)
+
     def taken(self) -> int:
         """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims
         in flight: what counts against ``concurrency + window + prefetch``."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import copy as _copy
 import json
 import threading
-from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -13,7 +13,10 @@ from .errors import LeaseLostError
 _EVENT_LOCK = threading.Lock()
 
 
-@dataclass(slots=True, eq=False)
+#: The value of a payload or headers slot that still holds only the stored JSON text.
+_UNDECODED: Any = object()
+
+
 class Job:
     """One claimed job.
 
@@ -23,43 +26,126 @@ class Job:
     fence handed out before it, for any job; pass it to :func:`outbox.fenced_write`.
     ``idempotency_key`` is the same on every attempt of this job (``consumer:event_id``):
     give it to external systems that deduplicate (payment APIs, mailers, brokers).
+
+    A job the relay claimed decodes ``payload`` and ``headers`` from the JSON text the claim
+    returned on first use (``json.loads``, in the handler's thread): a handler or forwarder
+    that never reads them (a forwarder sends ``payload_json``) does not pay for decoding,
+    which was a fifth of the dispatcher's time at 250 jobs a claim (performance notes, lever
+    17). Two threads reading an undecoded payload at once may each decode it; both get
+    equal values.
     """
 
-    id: int
-    event_id: int
-    consumer: str
-    topic: str
-    key: str | None
-    payload: Any
-    headers: dict[str, Any]
-    attempt: int
-    max_attempts: int
-    fence: int
-    lease_seconds: float
-    event_created_at: datetime | None = None
-    _lost: bool = field(default=False, init=False, repr=False)
-    # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event per
-    # claimed job was a measurable share of the relay's time (performance notes).
-    _lost_event: threading.Event | None = field(default=None, init=False, repr=False)
-    # time.monotonic() by which the lease has surely expired, if no heartbeat renewed it:
-    # the relay's own conservative bound, used only to not start a buffered job whose lease
-    # ran out while the process was paused; never to write anything.
-    _lease_bound: float = field(default=float("inf"), init=False, repr=False)
-    # (priority, run_at, id): where the claim found the job in the queue. The relay's buffer
-    # keeps this order, so a job claimed late that sorts early (released by a relay that
-    # stopped, reaped) starts before the buffered backlog, as it would have in the table.
-    _claim_order: tuple[Any, ...] = field(default=(), init=False, repr=False)
-    # The payload's JSON text as PostgreSQL stores it, when the job was claimed from it.
-    _payload_json: str | None = field(default=None, init=False, repr=False)
-    # Timings for the relay's metrics (outbox.metrics): the claim's lease_until (database
-    # clock) and time.monotonic() when the claim was sent; when the handler started (0: not
-    # started, or already accounted for) and how long it ran, seconds.
-    _lease_until: datetime | None = field(default=None, init=False, repr=False)
-    _claim_sent: float = field(default=0.0, init=False, repr=False)
-    _started: float = field(default=0.0, init=False, repr=False)
-    _ran: float = field(default=0.0, init=False, repr=False)
-    # Set by the heartbeat when an operator asked to cancel this job (``outbox-relay cancel``).
-    _cancel_requested: bool = field(default=False, init=False, repr=False)
+    __slots__ = ("id", "event_id", "consumer", "topic", "key", "_payload", "_headers", "attempt", "max_attempts",
+                 "fence", "lease_seconds", "event_created_at", "_lost", "_lost_event", "_lease_bound",
+                 "_claim_order", "_payload_json", "_headers_json", "_lease_until", "_claim_sent", "_started",
+                 "_ran", "_cancel_requested")
+
+    def __init__(self, id: int, event_id: int, consumer: str, topic: str, key: str | None, payload: Any,
+                 headers: dict[str, Any], attempt: int, max_attempts: int, fence: int, lease_seconds: float,
+                 event_created_at: datetime | None = None) -> None:
+        self.id = id
+        self.event_id = event_id
+        self.consumer = consumer
+        self.topic = topic
+        self.key = key
+        self._payload = payload
+        self._headers = headers
+        self.attempt = attempt
+        self.max_attempts = max_attempts
+        self.fence = fence
+        self.lease_seconds = lease_seconds
+        self.event_created_at = event_created_at
+        self._lost = False
+        # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event
+        # per claimed job was a measurable share of the relay's time (performance notes).
+        self._lost_event: threading.Event | None = None
+        # time.monotonic() by which the lease has surely expired, if no heartbeat renewed
+        # it: the relay's own conservative bound, used only to not start a buffered job
+        # whose lease ran out while the process was paused; never to write anything.
+        self._lease_bound = float("inf")
+        # (priority, run_at, id): where the claim found the job in the queue. The relay's
+        # buffer keeps this order, so a job claimed late that sorts early (released by a
+        # relay that stopped, reaped) starts before the buffered backlog, as it would have
+        # in the table.
+        self._claim_order: tuple[Any, ...] = ()
+        # The payload's and the headers' JSON text as PostgreSQL stores them, when the job
+        # was claimed from them (None: built from Python values).
+        self._payload_json: str | None = None
+        self._headers_json: str | None = None
+        # Timings for the relay's metrics (outbox.metrics): the claim's lease_until
+        # (database clock) and time.monotonic() when the claim was sent; when the handler
+        # started (0: not started, or already accounted for) and how long it ran, seconds.
+        self._lease_until: datetime | None = None
+        self._claim_sent = 0.0
+        self._started = 0.0
+        self._ran = 0.0
+        # Set by the heartbeat when an operator asked to cancel this job (``outbox-relay cancel``).
+        self._cancel_requested = False
+
+    @classmethod
+    def from_json(cls, id: int, event_id: int, consumer: str, topic: str, key: str | None, payload_json: str,
+                  headers_json: str | None, attempt: int, max_attempts: int, fence: int, lease_seconds: float,
+                  event_created_at: datetime | None = None) -> Job:
+        """A job whose payload and headers are the JSON texts PostgreSQL returned for the
+        event's ``jsonb`` columns (``headers_json`` None: no headers, read as ``{}``),
+        decoded on first use. The texts are not checked here: they must be what the server
+        wrote for a ``jsonb`` value, which always decodes."""
+        job = cls(id, event_id, consumer, topic, key, _UNDECODED, _UNDECODED if headers_json is not None else {},
+                  attempt, max_attempts, fence, lease_seconds, event_created_at)
+        job._payload_json = payload_json
+        job._headers_json = headers_json
+        return job
+
+    #: What :meth:`replace` may change: the constructor's arguments.
+    FIELDS = ("id", "event_id", "consumer", "topic", "key", "payload", "headers", "attempt", "max_attempts", "fence",
+              "lease_seconds", "event_created_at")
+
+    def replace(self, **changes: Any) -> Job:
+        """A copy of this job with the constructor arguments ``changes`` names set (as
+        ``dataclasses.replace`` did when ``Job`` was a dataclass); the copy's relay state
+        (lease lost, cancel requested) starts afresh. Raises ``TypeError`` for a name that
+        is not one of :attr:`FIELDS`."""
+        unknown = sorted(set(changes) - set(self.FIELDS))
+        if unknown:
+            raise TypeError(f"Job.replace: unknown field(s) {', '.join(unknown)}; known: {', '.join(self.FIELDS)}")
+        copy = _copy.copy(self)
+        copy._lost, copy._lost_event, copy._cancel_requested = False, None, False
+        for name, value in changes.items():
+            setattr(copy, name, value)
+        if "payload" in changes:
+            copy._payload_json = None
+        if "headers" in changes:
+            copy._headers_json = None
+        return copy
+
+    def __repr__(self) -> str:
+        return (f"Job(id={self.id!r}, event_id={self.event_id!r}, consumer={self.consumer!r}, topic={self.topic!r},"
+                f" key={self.key!r}, attempt={self.attempt!r}, max_attempts={self.max_attempts!r},"
+                f" fence={self.fence!r})")
+
+    @property
+    def payload(self) -> Any:
+        """The event's payload, as ``json.loads`` gives it (dict, list, str, number, bool or None)."""
+        payload = self._payload
+        if payload is _UNDECODED:
+            payload = self._payload = json.loads(self._payload_json)  # type: ignore[arg-type]
+        return payload
+
+    @payload.setter
+    def payload(self, value: Any) -> None:
+        self._payload = value
+
+    @property
+    def headers(self) -> dict[str, Any]:
+        """The event's headers (``{}`` when it has none)."""
+        headers = self._headers
+        if headers is _UNDECODED:
+            headers = self._headers = json.loads(self._headers_json)  # type: ignore[arg-type]
+        return headers
+
+    @headers.setter
+    def headers(self, value: dict[str, Any]) -> None:
+        self._headers = value
 
     @property
     def idempotency_key(self) -> str:

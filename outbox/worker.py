@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
-import json
 import logging
 import threading
 import traceback
@@ -137,10 +136,9 @@ def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> i
 
 def job_from_row(row: Any, lease_seconds: float) -> Job:
     """A :class:`Job` from a row of ``job_claim_many`` (columns in its ``RETURNING`` order;
-    the payload comes as its stored JSON text, decoded here and kept as ``payload_json``)."""
-    job = Job(row[0], row[1], row[2], row[7], row[8], json.loads(row[9]), row[10] or {}, row[3], row[4], row[5],
-              lease_seconds, row[11])
-    job._payload_json = row[9]
+    payload and headers come as their stored JSON texts, which the job decodes on first use)."""
+    job = Job.from_json(row[0], row[1], row[2], row[7], row[8], row[9], row[10], row[3], row[4], row[5],
+                        lease_seconds, row[11])
     job._lease_until = row[6]
     return job
 

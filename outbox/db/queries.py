@@ -352,11 +352,13 @@ _CONSUMERS_HELD_BACK = """consumer NOT IN (
 # ``consumer <> ALL (ARRAY(SELECT ...))`` was rated at a thousandth of the rows, and with
 # 13,000 ready jobs the planner then sorted a sequential scan of the table instead.
 
-# The payload as the text PostgreSQL stores (the job decodes it: the same json.loads the
-# driver's jsonb loader runs), so a forwarder can send those exact bytes.
+# The payload and headers as the text PostgreSQL stores: the job decodes them on first use
+# (the same json.loads the driver's jsonb loader runs), so a forwarder can send the
+# payload's exact bytes and a handler that never reads them does not decode them.
 _JOB_COLUMNS = """
     j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
-    e.topic, e.key, CAST(e.payload AS text) AS payload, e.headers, e.created_at AS event_created_at
+    e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
+    e.created_at AS event_created_at
 """
 
 _CLAIM_PICK_TEMPLATE = """

@@ -18,7 +18,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -344,7 +343,7 @@ class _Actors:
         # for a paused handler, tested on its own). This test is about locks, so the actor's
         # transaction idles as a handler's with a longer lease would.
         with conn.begin() as tx:
-            if not _transactional_complete(conn, replace(job, lease_seconds=max(job.lease_seconds, 10.0))):
+            if not _transactional_complete(conn, job.replace(lease_seconds=max(job.lease_seconds, 10.0))):
                 tx.rollback()
         return True
 

@@ -157,7 +157,7 @@ def test_heartbeat_extends_the_lease_and_reports_only_owned_jobs(engine):
     before = {j.id: job_row(engine, j.id) for j in (stale, finished)}
     with engine.begin() as conn:
         now = db_now(conn)
-        alive = heartbeat_jobs(conn, [owned, stale, finished, dataclasses.replace(owned, fence=owned.fence - 1)])
+        alive = heartbeat_jobs(conn, [owned, stale, finished, owned.replace(fence=owned.fence - 1)])
     assert alive == {owned.fence}  # the claims still owned, by fence
     assert job_row(engine, owned.id)["lease_until"] == now + dt.timedelta(seconds=5)
     # The stale fence (now the re-claimed job's) and the done job are untouched.
