@@ -13,10 +13,6 @@ from .errors import LeaseLostError
 _EVENT_LOCK = threading.Lock()
 
 
-#: The value of a payload or headers slot that still holds only the stored JSON text.
-_UNDECODED: Any = object()
-
-
 class Job:
     """One claimed job.
 
@@ -37,8 +33,8 @@ class Job:
 
     __slots__ = ("id", "event_id", "consumer", "topic", "key", "_payload", "_headers", "attempt", "max_attempts",
                  "fence", "lease_seconds", "event_created_at", "_lost", "_lost_event", "_lease_bound",
-                 "_claim_order", "_payload_json", "_headers_json", "_lease_until", "_claim_sent", "_started",
-                 "_ran", "_cancel_requested")
+                 "_claim_order", "_payload_json", "_headers_json", "_payload_undecoded", "_headers_undecoded",
+                 "_lease_until", "_claim_sent", "_started", "_ran", "_cancel_requested")
 
     def __init__(self, id: int, event_id: int, consumer: str, topic: str, key: str | None, payload: Any,
                  headers: dict[str, Any], attempt: int, max_attempts: int, fence: int, lease_seconds: float,
@@ -69,9 +65,13 @@ class Job:
         # in the table.
         self._claim_order: tuple[Any, ...] = ()
         # The payload's and the headers' JSON text as PostgreSQL stores them, when the job
-        # was claimed from them (None: built from Python values).
+        # was claimed from them (None: built from Python values); the flags say whether
+        # _payload and _headers still wait to be decoded from them (flags rather than a
+        # sentinel value, so that a copied or pickled job keeps its meaning).
         self._payload_json: str | None = None
         self._headers_json: str | None = None
+        self._payload_undecoded = False
+        self._headers_undecoded = False
         # Timings for the relay's metrics (outbox.metrics): the claim's lease_until
         # (database clock) and time.monotonic() when the claim was sent; when the handler
         # started (0: not started, or already accounted for) and how long it ran, seconds.
@@ -90,10 +90,12 @@ class Job:
         event's ``jsonb`` columns (``headers_json`` None: no headers, read as ``{}``),
         decoded on first use. The texts are not checked here: they must be what the server
         wrote for a ``jsonb`` value, which always decodes."""
-        job = cls(id, event_id, consumer, topic, key, _UNDECODED, _UNDECODED if headers_json is not None else {},
-                  attempt, max_attempts, fence, lease_seconds, event_created_at)
+        job = cls(id, event_id, consumer, topic, key, None, {}, attempt, max_attempts, fence, lease_seconds,
+                  event_created_at)
         job._payload_json = payload_json
         job._headers_json = headers_json
+        job._payload_undecoded = True
+        job._headers_undecoded = headers_json is not None and headers_json != "{}"
         return job
 
     #: What :meth:`replace` may change: the constructor's arguments.
@@ -112,10 +114,6 @@ class Job:
         copy._lost, copy._lost_event, copy._cancel_requested = False, None, False
         for name, value in changes.items():
             setattr(copy, name, value)
-        if "payload" in changes:
-            copy._payload_json = None
-        if "headers" in changes:
-            copy._headers_json = None
         return copy
 
     def __repr__(self) -> str:
@@ -126,26 +124,29 @@ class Job:
     @property
     def payload(self) -> Any:
         """The event's payload, as ``json.loads`` gives it (dict, list, str, number, bool or None)."""
-        payload = self._payload
-        if payload is _UNDECODED:
-            payload = self._payload = json.loads(self._payload_json)  # type: ignore[arg-type]
-        return payload
+        if self._payload_undecoded:
+            self._payload = json.loads(self._payload_json)  # type: ignore[arg-type]
+            self._payload_undecoded = False
+        return self._payload
 
     @payload.setter
     def payload(self, value: Any) -> None:
         self._payload = value
+        self._payload_undecoded = False
+        self._payload_json = None  # payload_json follows the new value
 
     @property
     def headers(self) -> dict[str, Any]:
         """The event's headers (``{}`` when it has none)."""
-        headers = self._headers
-        if headers is _UNDECODED:
-            headers = self._headers = json.loads(self._headers_json)  # type: ignore[arg-type]
-        return headers
+        if self._headers_undecoded:
+            self._headers = json.loads(self._headers_json)  # type: ignore[arg-type]
+            self._headers_undecoded = False
+        return self._headers
 
     @headers.setter
     def headers(self, value: dict[str, Any]) -> None:
         self._headers = value
+        self._headers_undecoded = False
 
     @property
     def idempotency_key(self) -> str:

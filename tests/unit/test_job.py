@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
 from outbox import Job
@@ -54,3 +57,24 @@ def test_replace_payload_drops_the_stored_text():
 def test_replace_refuses_unknown_names():
     with pytest.raises(TypeError, match="unknown field.*_lost"):
         claimed().replace(_lost=True)
+
+
+def test_reading_headers_leaves_the_payload_undecoded():
+    """A forwarder reads the headers and sends payload_json: the payload is never decoded
+    (a text that is not JSON shows it: only reading the payload fails)."""
+    job = claimed(payload_json="not json", headers_json='{"h": "1"}')
+    assert job.headers == {"h": "1"} and job.payload_json == "not json"
+    with pytest.raises(ValueError):
+        _ = job.payload
+
+
+def test_a_copied_or_pickled_job_still_decodes():
+    for twin in (copy.copy(claimed()), pickle.loads(pickle.dumps(claimed()))):
+        assert twin.payload == {"order_id": 4, "items": [1, 2]} and twin.headers == {"trace": "x"}
+
+
+def test_assigning_the_payload_replaces_the_stored_one():
+    job = claimed()
+    job.payload = {"other": 1}
+    assert job.payload == {"other": 1}
+    assert job.payload_json == '{"other": 1}'
