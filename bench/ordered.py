@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
-from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, log, median, wait_drained
+from .common import ROOT, TOPIC, Databases, RelayProcess, Size, conninfo, engine, log, median, wait_drained
 
 HOT_KEY = "hot"
 BLOCKED_KEY = "blocked"
@@ -117,9 +118,11 @@ def relay_run(dbs: Databases, size: Size, results: Path, tag: str, *, ordered: b
 
 
 def flow_command(url: Any, command: str) -> None:
-    """``outbox-relay pause c1`` or ``resume c1`` on the database at ``url``, as an operator runs it."""
+    """``outbox-relay pause c1`` or ``resume c1`` on the database at ``url``, as an operator runs it
+    (the command of the Python running the bench, as the relays are: its virtualenv need not be on PATH)."""
     env = dict(os.environ, OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False))
-    subprocess.run(["outbox-relay", command, "c1"], env=env, check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "outbox.cli", command, "c1"], env=env, check=True, capture_output=True,
+                   cwd=ROOT)
 
 
 def wait_others_done(conn: psycopg.Connection, expected: int, timeout: float, interval: float = 0.25) -> bool:
