@@ -82,7 +82,7 @@ class HeldClaims:
         """Claims held whose handler has not returned: buffered or running (:meth:`count`
         without the ones whose outcome is being written)."""
         with self.lock:
-            return len(self.inflight) - len(self.finishing)
+            return len(self.inflight.keys() - self.finishing)
 
     def taken(self) -> int:
         """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims

@@ -37,6 +37,7 @@ import psycopg
 
 from . import ordering, poison
 from .claims import HeldClaims
+from .counters import Counters
 from .job import Job
 from .logs import job_fields
 from .metrics import RelayMetrics
@@ -64,7 +65,7 @@ class Completer:
     written, with the handlers' timings). At DEBUG it logs one line per finished job."""
 
     def __init__(self, claims: HeldClaims, connection: Callable[[], psycopg.Connection[Any]],
-                 stats: dict[str, int], schema: str, *, subscribers: Mapping[str, Subscriber] | None = None,
+                 stats: Counters, schema: str, *, subscribers: Mapping[str, Subscriber] | None = None,
                  wake: Wakeup | None = None, metrics: RelayMetrics | None = None) -> None:
         self.claims = claims
         self.metrics = metrics
@@ -99,7 +100,7 @@ class Completer:
                 failed.append(item)
         if unwritten:
             committed = [j for j, o in unwritten if o is Outcome.COMMITTED]
-            self.stats["completed"] += len(committed)
+            self.stats.add("completed", len(committed))
             self._finished("done", committed)
             self.stale([j for j, o in unwritten if o is not Outcome.COMMITTED])
             self.claims.forget(j for j, _ in unwritten)
@@ -108,7 +109,7 @@ class Completer:
     def completed(self, done: list[Job], completed: set[int], buried: set[int]) -> None:
         """The claim statement completed the ids ``completed`` of ``done`` (and the
         by-halves fallback dead-lettered ``buried``); the rest were stale."""
-        self.stats["completed"] += len(completed)
+        self.stats.add("completed", len(completed))
         if self.metrics is not None or log.isEnabledFor(logging.DEBUG):
             self._finished("done", [j for j in done if j.id in completed])
         if len(completed) + len(buried) < len(done):
@@ -133,7 +134,7 @@ class Completer:
         (``job_snooze_many``, by halves on a data error)."""
         changed, buried = self.by_halves("snoozing", snoozed, lambda part: snooze_jobs(
             self.connection(), list(part), schema=self.schema), job_of=lambda item: item[0])
-        self.stats["snoozed"] += len(changed)
+        self.stats.add("snoozed", len(changed))
         for job, snooze in snoozed:
             if job.id in changed:
                 log.info("job %s (%s) snoozed for %gs (attempt %s not counted)", job.id, job.consumer,
@@ -149,7 +150,7 @@ class Completer:
         tell every relay to claim from the head (``jobs_notify_head``)."""
         released, buried = self.by_halves("releasing", release, lambda part: release_jobs(
             self.connection(), list(part), schema=self.schema))
-        self.stats["released"] += len(released)
+        self.stats.add("released", len(released))
         self._finished("released", [j for j in release if j.id in released])
         if released:
             notify_head(self.connection(), schema=self.schema)
@@ -166,7 +167,7 @@ class Completer:
         relay that stops before this runs leaves the keys to the reaper's sweep."""
         promoted = ordering.promote_finished(self.connection(), jobs, self.subscribers, schema=self.schema)
         if promoted and self.wake is not None:
-            self.stats["promoted"] = self.stats.get("promoted", 0) + len(promoted)
+            self.stats.add("promoted", len(promoted))
             self.wake.set()  # an UPDATE sends no NOTIFY: claim the promoted jobs in the next round
 
     def by_halves(self, doing: str, items: list[Any], run: Callable[[Any], Any],
@@ -194,7 +195,7 @@ class Completer:
                 log.error("job %s (%s) fence %s: %s, and so did dead-lettering it; left to its lease",
                           job.id, job.consumer, job.fence, error, extra=job_fields(job, error=error))
             elif buried:
-                self.stats["dead"] += 1
+                self.stats.add("dead")
                 buried_ids.add(job.id)
                 if self.metrics is not None:
                     self.metrics.jobs("dead", [job.consumer])
@@ -210,7 +211,7 @@ class Completer:
                 log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer,
                          extra=job_fields(job, outcome="released"))
             else:
-                self.stats["stale"] += 1
+                self.stats.add("stale")
                 stale.append(job.consumer)
                 log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job",
                             job.id, job.consumer, job.fence, extra=job_fields(job, outcome="stale"))
@@ -223,14 +224,14 @@ class Completer:
         for job, failure in failed:
             status = statuses.get(job.id)
             if status == "dead":
-                self.stats["dead"] += 1
+                self.stats.add("dead")
                 dead.append(job.consumer)
                 error = failure.error.splitlines()[0][:300]
                 log.error("dead-lettered job %s (%s, event %s) after attempt %s/%s: %s", job.id, job.consumer,
                           job.event_id, job.attempt, job.max_attempts, error,
                           extra=job_fields(job, outcome="dead", error=error))
             elif status == "ready":
-                self.stats["retried"] += 1
+                self.stats.add("retried")
                 retried.append(job.consumer)
                 error = failure.error.splitlines()[0][:200]
                 log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", job.id, job.consumer, job.attempt,

@@ -48,6 +48,7 @@ from typing import Any
 
 from . import backoff, tracing
 from .claims import HeldClaims, Signals
+from .counters import Counters
 from .errors import ForwardingError, UndeliverableError
 from .job import Job
 from .metrics import FORWARD_RESULTS, RelayMetrics
@@ -84,7 +85,7 @@ class Forwarder:
 
     def __init__(self, forwarders: Mapping[str, Subscriber], claims: HeldClaims,
                  post: Callable[[Job, Any], None], failure: Callable[[Job, BaseException], Any],
-                 signals: Signals, wake: Callable[[], None], stats: dict[str, int], *,
+                 signals: Signals, wake: Callable[[], None], stats: Counters, *,
                  metrics: RelayMetrics | None = None) -> None:
         self.forwarders = dict(forwarders)
         self.metrics = metrics
@@ -217,9 +218,9 @@ class Forwarder:
             job._ran = ran
             if isinstance(result, Delivered):
                 tally["duplicate" if result.duplicate else "delivered"] += 1
-                self.stats["forwarded"] = self.stats.get("forwarded", 0) + 1
+                self.stats.add("forwarded")
                 if result.duplicate:
-                    self.stats["forward_duplicates"] = self.stats.get("forward_duplicates", 0) + 1
+                    self.stats.add("forward_duplicates")
                 self.post(job, Outcome.DONE)
             elif isinstance(result, Unavailable):
                 lost = True

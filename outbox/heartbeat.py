@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError
 
 from . import poison
 from .claims import HeldClaims, Signals
+from .counters import Counters
 from .job import Job
 from .logs import job_fields
 from .metrics import RelayMetrics
@@ -40,7 +41,7 @@ class Heartbeater:
     leases in ``stats["lease_lost"]``. Runs in its own thread (:meth:`run`)."""
 
     def __init__(self, engine: Engine, claims: HeldClaims, interval: float, signals: Signals,
-                 reconnect: Reconnector, stats: dict[str, int], schema: str, *,
+                 reconnect: Reconnector, stats: Counters, schema: str, *,
                  metrics: RelayMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -71,7 +72,7 @@ class Heartbeater:
             lost = self.claims.lost(jobs, owned)
             for job in lost:
                 job.mark_lease_lost()
-                self.stats["lease_lost"] += 1
+                self.stats.add("lease_lost")
                 log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
                             job.id, job.consumer, job.fence, extra=job_fields(job, outcome="lease_lost"))
             if self.metrics is not None and lost:

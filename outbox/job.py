@@ -103,10 +103,11 @@ class Job:
               "lease_seconds", "event_created_at")
 
     def replace(self, **changes: Any) -> Job:
-        """A copy of this job with the constructor arguments ``changes`` names set (as
-        ``dataclasses.replace`` did when ``Job`` was a dataclass); the copy's relay state
-        (lease lost, cancel requested) starts afresh. Raises ``TypeError`` for a name that
-        is not one of :attr:`FIELDS`."""
+        """A copy of this job with the constructor arguments ``changes`` names set (what
+        ``dataclasses.replace`` was used for when ``Job`` was a dataclass). The copy keeps the
+        claim's bookkeeping (the stored JSON texts, the claim order, the lease's timings);
+        its lease-lost and cancel-requested marks start clear. Raises ``TypeError`` for a name
+        that is not one of :attr:`FIELDS`."""
         unknown = sorted(set(changes) - set(self.FIELDS))
         if unknown:
             raise TypeError(f"Job.replace: unknown field(s) {', '.join(unknown)}; known: {', '.join(self.FIELDS)}")
@@ -137,9 +138,10 @@ class Job:
 
     @property
     def headers(self) -> dict[str, Any]:
-        """The event's headers (``{}`` when it has none)."""
+        """The event's headers (``{}`` when it has none: a column that SQL set to JSON
+        ``null`` or another empty value reads as ``{}`` too, as it did before decoding moved here)."""
         if self._headers_undecoded:
-            self._headers = json.loads(self._headers_json)  # type: ignore[arg-type]
+            self._headers = json.loads(self._headers_json) or {}  # type: ignore[arg-type]
             self._headers_undecoded = False
         return self._headers
 

@@ -45,6 +45,7 @@ from sqlalchemy.exc import DBAPIError
 from . import backoff, flow, poison
 from .claims import HeldClaims, Signals
 from .completer import Completer
+from .counters import Counters
 from .db.engine import is_disconnect
 from .job import Job
 from .logs import job_fields
@@ -116,7 +117,7 @@ class Producer:
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
-                 stats: dict[str, int], *, hint: ClaimHint, quarantine: poison.Quarantine,
+                 stats: Counters, *, hint: ClaimHint, quarantine: poison.Quarantine,
                  subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -231,7 +232,7 @@ class Producer:
             job._lease_bound = sent + job.lease_seconds
             job._claim_sent = sent
         self.claims.unreserve(start_now - min(start_now, len(claimed)))
-        self.stats["claimed"] += len(claimed)
+        self.stats.add("claimed", len(claimed))
         if self.metrics is not None and claimed:
             self.metrics.jobs("claimed", [job.consumer for job in claimed])
         first = claimed[:start_now]
@@ -308,7 +309,7 @@ class Producer:
             if dead is None:
                 self.quarantine.add(job_id, failure, "claiming")
             elif dead:
-                self.stats["dead"] += 1
+                self.stats.add("dead")
                 log.error("dead-lettered job %s: %s", job_id, error,
                           extra={"job_id": job_id, "outcome": "dead", "error": error})
         return completed, buried, claimed

@@ -38,6 +38,7 @@ from types import FrameType
 
 from sqlalchemy.exc import DBAPIError
 
+from .counters import Counters
 from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import TableUpkeep, autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
@@ -134,10 +135,9 @@ class Relay:
                                     schema=self.settings.schema_name)
                           if schedule and registry.schedules else None)
         self._threads: list[threading.Thread] = []
-        self.stats: dict[str, int] = {"events_routed": 0, "jobs_created": 0, "events_unsubscribed": 0,
-                                      "reaped": 0, "reaped_dead": 0, "reaped_unstarted": 0,
-                                      "pruned_jobs": 0, "pruned_events": 0,
-                                      "vacuums": 0, "vacuums_skipped": 0, "promoted": 0}
+        self.stats = Counters(("events_routed", "jobs_created", "events_unsubscribed", "reaped", "reaped_dead",
+                               "reaped_unstarted", "pruned_jobs", "pruned_events", "vacuums", "vacuums_skipped",
+                               "promoted"))
         self._warned_autovacuum = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -259,12 +259,12 @@ class Relay:
             if result.jobs:
                 self.wake_workers.set()
             self.job_statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
-            self.stats["events_routed"] += result.events
-            self.stats["jobs_created"] += result.jobs
+            self.stats.add("events_routed", result.events)
+            self.stats.add("jobs_created", result.jobs)
             if self.metrics is not None and result.events:
                 self.metrics.routed(result.events, result.unsubscribed)
             if result.unsubscribed:
-                self.stats["events_unsubscribed"] += result.unsubscribed
+                self.stats.add("events_unsubscribed", result.unsubscribed)
                 self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
             if result.events < limit:
                 # Events held back behind another router's batch (architecture notes, "Ordering")
@@ -283,10 +283,10 @@ class Relay:
                 log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
                             "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
             if not self.upkeep.permitted(conn):
-                self.stats["vacuums_skipped"] += 1
+                self.stats.add("vacuums_skipped")
                 return
             vacuum_tables(conn, schema=self.schema)
-        self.stats["vacuums"] += 1
+        self.stats.add("vacuums")
 
     def _maintenance_loop(self) -> None:
         failures = 0
@@ -300,11 +300,11 @@ class Relay:
                 with self.engine.begin() as conn:  # after the reaping committed (outbox.ordering, "Sweep")
                     promoted = self.head_sweeper.sweep(conn, schema=self.schema)
                 if promoted:
-                    self.stats["promoted"] += len(promoted)
+                    self.stats.add("promoted", len(promoted))
                     self.wake_workers.set()
-                self.stats["reaped"] += reaped.retried + reaped.dead + reaped.unstarted
-                self.stats["reaped_dead"] += reaped.dead
-                self.stats["reaped_unstarted"] += reaped.unstarted
+                self.stats.add("reaped", reaped.retried + reaped.dead + reaped.unstarted)
+                self.stats.add("reaped_dead", reaped.dead)
+                self.stats.add("reaped_unstarted", reaped.unstarted)
                 if reaped.retried or reaped.unstarted:
                     self.wake_workers.rewind()
                 if time.monotonic() >= next_prune:
@@ -312,8 +312,8 @@ class Relay:
                         jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,
                                              quarantine=self.prune_quarantine, schema=self.schema)
                         prune_relays(conn, schema=self.schema)
-                    self.stats["pruned_jobs"] += jobs
-                    self.stats["pruned_events"] += events
+                    self.stats.add("pruned_jobs", jobs)
+                    self.stats.add("pruned_events", events)
                     if jobs or events:
                         log.info("pruned %d done jobs and %d finished events", jobs, events)
                     self._vacuum_if_autovacuum_is_off()

@@ -52,6 +52,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from . import poison, transaction
 from .claims import HeldClaims, Signals
 from .completer import Completer
+from .counters import Counters
 from .db.engine import describe, make_async_engine
 from .dispatcher import Dispatcher, RelayConnection, RelayRow
 from .errors import HandlerTimeoutError
@@ -113,9 +114,8 @@ class JobRunner:
         self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
-        self.stats: dict[str, int] = {k: 0 for k in (
-            "claimed", "completed", "retried", "dead", "stale", "lease_lost", "released", "retried_in_place",
-            "snoozed", "timed_out")}
+        self.stats = Counters(("claimed", "completed", "retried", "dead", "stale", "lease_lost", "released",
+                               "retried_in_place", "snoozed", "timed_out"))
         # Handlers run in the worker threads through one executor; an async transactional
         # handler's thread makes an async engine of one connection on first use.
         self._async_engine = async_engine or (lambda: make_async_engine(
@@ -246,7 +246,7 @@ class JobRunner:
         except DBAPIError as exc:
             log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
             return
-        self.stats["released"] += len(released)
+        self.stats.add("released", len(released))
         if self.metrics is not None:
             self.metrics.jobs("released", (j.consumer for j in jobs if j.id in released))
         log.info("released %d jobs still running after the grace period", len(released),
@@ -304,7 +304,7 @@ class JobRunner:
         """The watchdog fired: ``job``'s handler ran past its timeout. Its attempt fails
         (counted, fenced; backoff, or dead when out of attempts) and the job goes back so
         any relay can run it; the thread keeps its worker slot until it returns."""
-        self.stats["timed_out"] += 1
+        self.stats.add("timed_out")
         if self.metrics is not None:
             self.metrics.jobs("timed_out", [job.consumer])
         # The subscriber's timeout, not the watchdog's: an async handler is watched one second

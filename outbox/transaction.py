@@ -65,6 +65,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from . import backoff
+from .counters import Counters
 from .db import queries
 from .db.engine import describe
 from .errors import TransactionEndedError
@@ -165,7 +166,7 @@ class HandlerConnections:
     def __init__(self, engine: Engine, reconnect_max: float) -> None:
         self.engine = engine.execution_options(isolation_level=ISOLATION_LEVEL)
         self.cap = max(CONNECT_RETRY_BASE, min(CONNECT_RETRY_CAP, reconnect_max))
-        self.stats: dict[str, int] = {"connect_failures": 0, "connect_episodes": 0, "released_no_connection": 0}
+        self.stats = Counters(("connect_failures", "connect_episodes", "released_no_connection"))
         self._lock = threading.Lock()
         self._waiting = 0  # workers between their first failed try and a connection (or giving up)
         self._episode = False
@@ -207,13 +208,13 @@ class HandlerConnections:
 
     def _failed(self, exc: BaseException, first: bool) -> None:
         with self._lock:
-            self.stats["connect_failures"] += 1
+            self.stats.add("connect_failures")
             if first:
                 self._waiting += 1
             if self._episode:
                 return
             self._episode = True
-            self.stats["connect_episodes"] += 1
+            self.stats.add("connect_episodes")
             now = time.monotonic()
             self._logged = now - self._warned_at >= EPISODE_LOG_INTERVAL
             if not self._logged:
@@ -227,7 +228,7 @@ class HandlerConnections:
             if waited:
                 self._waiting -= 1
             if not recovered:
-                self.stats["released_no_connection"] += 1
+                self.stats.add("released_no_connection")
             end = recovered and self._episode and self._waiting == 0
             if end:
                 self._episode = False

@@ -49,6 +49,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import backoff, tracing, transaction
+from .counters import Counters
 from .db import queries
 from .db.engine import describe
 from .db.tables import JOBS_CHANNEL, notify_channel
@@ -523,7 +524,7 @@ class JobExecutor:
                  held: Callable[[Job], bool], stopping: threading.Event,
                  completing: Callable[[Job], None] = lambda job: None,
                  abandoned: Callable[[Job], None] = lambda job: None,
-                 stats: dict[str, int] | None = None, reraise_interrupts: bool = False,
+                 stats: Counters | None = None, reraise_interrupts: bool = False,
                  watchdog: Watchdog | None = None) -> None:
         self.reraise_interrupts = reraise_interrupts
         self.watchdog = watchdog
@@ -533,7 +534,7 @@ class JobExecutor:
         self.stopping = stopping
         self.completing = completing
         self.abandoned = abandoned
-        self.stats = stats if stats is not None else {"retried_in_place": 0}
+        self.stats = stats if stats is not None else Counters(("retried_in_place",))
         self._warned_return: set[str] = set()  # consumers whose handler returned a value (warned once)
 
     def run(self, job: Job, sub: Subscriber, context: WorkerContext) -> Outcome | Failure | Snoozed:
@@ -620,7 +621,7 @@ class JobExecutor:
                 if retries >= transaction.IN_PLACE_RETRIES or not self.held(job):
                     return self.failure(job, outcome.exc)
                 retries += 1
-                self.stats["retried_in_place"] += 1
+                self.stats.add("retried_in_place")
                 log.info("job %s (%s): %s in its transaction (%s); running it again in place (%d/%d, attempt %s "
                          "not counted again)", job.id, job.consumer, transaction.RETRY_SQLSTATES[outcome.sqlstate],
                          describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt,

@@ -78,3 +78,10 @@ def test_assigning_the_payload_replaces_the_stored_one():
     job.payload = {"other": 1}
     assert job.payload == {"other": 1}
     assert job.payload_json == '{"other": 1}'
+
+
+@pytest.mark.parametrize("stored", ["null", "[]", '""'])
+def test_empty_stored_headers_read_as_an_empty_dict(stored):
+    """publish always writes an object; a row SQL wrote with an empty value reads as ``{}``,
+    as the driver's loader with ``or {}`` gave it (tracing iterates the headers)."""
+    assert claimed(headers_json=stored).headers == {}
