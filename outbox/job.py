@@ -117,6 +117,20 @@ class Job:
             setattr(copy, name, value)
         return copy
 
+    def restore_input(self) -> None:
+        """Forget the decoded payload and headers, so that the next read decodes the claim's
+        stored texts afresh: a transactional handler run again in place (after a
+        serialization failure or deadlock) sees the input its first run saw, whatever that
+        run changed in ``job.payload`` or ``job.headers``. A job built from Python values
+        (:func:`outbox.testing.make_job`, or after assigning ``payload``) has no stored text
+        for what was assigned, and keeps it."""
+        if self._payload_json is not None:
+            self._payload_undecoded = True
+        if self._headers_json is not None:
+            self._headers_undecoded = self._headers_json != "{}"
+            if not self._headers_undecoded:
+                self._headers = {}
+
     def __repr__(self) -> str:
         return (f"Job(id={self.id!r}, event_id={self.event_id!r}, consumer={self.consumer!r}, topic={self.topic!r},"
                 f" key={self.key!r}, attempt={self.attempt!r}, max_attempts={self.max_attempts!r},"

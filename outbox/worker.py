@@ -627,6 +627,7 @@ class JobExecutor:
                          describe(outcome.exc), retries, transaction.IN_PLACE_RETRIES, job.attempt,
                          extra=job_fields(job, outcome="retried_in_place", sqlstate=outcome.sqlstate))
                 self.stopping.wait(transaction.retry_pause(retries))
+                job.restore_input()  # the rerun sees the payload the first run saw, not what it changed
         finally:
             try:
                 if sub.is_async:

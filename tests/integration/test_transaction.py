@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
-from outbox import Job, Outbox
+from outbox import Job, Outbox, publish
 from outbox.relay import Relay
 from outbox.testing import wait_for
 
@@ -184,6 +184,36 @@ def test_serialization_failures_that_persist_count_one_attempt_after_the_in_plac
     assert "forced conflict" in job.last_error
     assert runs == [1, 1, 1, 1, 2, 2, 2, 2]
     assert effects() == {}
+
+
+def test_a_rerun_in_place_sees_the_input_the_first_run_saw(engine, settings, effects):
+    """A handler that changes ``job.payload`` and ``job.headers`` and then meets a 40001:
+    its rerun in place reads the stored payload and headers again, not what the failed run
+    left in them (before, the rerun found the key popped, failed with KeyError and was
+    charged an attempt; found by an adversarial run)."""
+    ob = Outbox()
+    seen: list[tuple[dict, dict]] = []
+
+    @ob.subscriber("t", consumer="tx", transactional=True, max_attempts=1)
+    def handler(job: Job, session: Session) -> None:
+        seen.append((dict(job.payload), dict(job.headers)))
+        job.payload.pop("n")
+        job.headers["seen"] = True
+        _write_effect(session, job)
+        if len(seen) == 1:
+            session.execute(sa.text("DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = 'serialization_failure';"
+                                    " END $$"))
+
+    with engine.begin() as c:
+        publish(c, "t", {"n": 1}, headers={"h": "v"})
+    relay = Relay(ob, settings(concurrency=1))
+    relay.start()
+    try:
+        wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
+    finally:
+        relay.stop()
+    assert seen == [({"n": 1}, {"h": "v"})] * 2
+    _all_done_once(engine, effects)
 
 
 def test_transaction_limits_are_set_in_the_handlers_transaction_only(engine, settings):

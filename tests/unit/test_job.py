@@ -85,3 +85,16 @@ def test_empty_stored_headers_read_as_an_empty_dict(stored):
     """publish always writes an object; a row SQL wrote with an empty value reads as ``{}``,
     as the driver's loader with ``or {}`` gave it (tracing iterates the headers)."""
     assert claimed(headers_json=stored).headers == {}
+
+
+def test_restore_input_gives_back_the_stored_payload_and_headers():
+    """A transactional handler run again in place must see the input its first run saw."""
+    job = claimed()
+    job.payload.pop("order_id")
+    job.headers["seen"] = True
+    job.restore_input()
+    assert job.payload == {"order_id": 4, "items": [1, 2]} and job.headers == {"trace": "x"}
+    empty = claimed(headers_json="{}")
+    empty.headers["seen"] = True
+    empty.restore_input()
+    assert empty.headers == {}
