@@ -148,9 +148,8 @@ def _check_text(value: str, where: str) -> None:
 
 
 def _check_json(value: Any, where: str, depth: int = 0) -> None:
-    if depth > MAX_DEPTH:  # the path's first steps name the place; 64 of them say nothing more
-        shown = where if len(where) <= 80 else where[:80] + "..."
-        raise InvalidEventError(shown, f"nests deeper than {MAX_DEPTH} levels")
+    if depth > MAX_DEPTH:
+        raise InvalidEventError(where, f"nests deeper than {MAX_DEPTH} levels")
     if value is None or value is True or value is False:
         return
     kind = type(value)
