@@ -55,6 +55,15 @@ def _write_effect(session: Session, job: Job) -> None:
     session.execute(sa.text("INSERT INTO effects (job_id, fence) VALUES (:j, :f)"), {"j": job.id, "f": job.fence})
 
 
+def _run_one_job(engine: sa.Engine, relay: Relay) -> None:
+    """Run ``relay`` until its one job is done or dead, then stop it."""
+    relay.start()
+    try:
+        wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
+    finally:
+        relay.stop()
+
+
 def _all_done_once(engine: sa.Engine, effects) -> None:
     jobs = _jobs(engine)
     assert [(j.status, j.attempts, j.last_error) for j in jobs] == [("done", 1, None)] * len(jobs), \
@@ -173,12 +182,7 @@ def test_serialization_failures_that_persist_count_one_attempt_after_the_in_plac
                                 " END $$"))
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1))
-    relay.start()
-    try:
-        wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
-    finally:
-        relay.stop()
+    _run_one_job(engine, Relay(ob, settings(concurrency=1)))
     [job] = _jobs(engine)
     assert (job.status, job.attempts) == ("dead", 2)
     assert "forced conflict" in job.last_error
@@ -206,12 +210,7 @@ def test_a_rerun_in_place_sees_the_input_the_first_run_saw(engine, settings, eff
 
     with engine.begin() as c:
         publish(c, "t", {"n": 1}, headers={"h": "v"})
-    relay = Relay(ob, settings(concurrency=1))
-    relay.start()
-    try:
-        wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
-    finally:
-        relay.stop()
+    _run_one_job(engine, Relay(ob, settings(concurrency=1)))
     assert seen == [({"n": 1}, {"h": "v"})] * 2
     _all_done_once(engine, effects)
 
@@ -260,12 +259,7 @@ def test_transactional_handler_idle_past_its_own_lease_has_its_session_ended(eng
         job.wait_lease_lost(1.8)  # idle inside the transaction past its lease
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1, default_lease=1))
-    relay.start()
-    try:
-        wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
-    finally:
-        relay.stop()
+    _run_one_job(engine, Relay(ob, settings(concurrency=1, default_lease=1)))
     [job] = _jobs(engine)
     assert (job.status, job.attempts, runs) == ("dead", 2, [1, 2])
     assert "idle-in-transaction timeout" in job.last_error
