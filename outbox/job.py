@@ -94,8 +94,7 @@ class Job:
                   event_created_at)
         job._payload_json = payload_json
         job._headers_json = headers_json
-        job._payload_undecoded = True
-        job._headers_undecoded = headers_json is not None and headers_json != "{}"
+        job.restore_input()
         return job
 
     #: What :meth:`replace` may change: the constructor's arguments.
