@@ -35,7 +35,10 @@ claimed 28 jobs per claim of 50.) The rate is the jobs finished per second on th
 clock between 20 % and 90 % of the run (warm-up and stop left out); the database backends'
 CPU is read at both ends of that window. One more run without UNIQUE (event_id, consumer),
 right after the first, says what outbox's exactly-once routing guard costs (throughput and
-database CPU per job against that first run). Not in the pipeline: pruning, the
+database CPU per job against that first run). Each repetition also runs the pipeline with a
+completion that deletes the jobs (the same fence and status test) beside outbox's runs with
+``retention_done = 0`` (scenario 2): its jobs are the fences drawn in the window, since no
+``finished_at`` is left. Not in the pipeline: pruning, the
 reaper, heartbeats, NOTIFY, retries and dead letters, flow control, ordering, outbox's
 relay bookkeeping.
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -85,6 +89,32 @@ def create_schema(conn: psycopg.Connection, unique: bool = True) -> None:
     conn.execute("INSERT INTO subscriptions (topic, consumer) SELECT %s, unnest(%s::text[])", (TOPIC, list(CONSUMERS)))
     if not unique:
         conn.execute("ALTER TABLE jobs DROP CONSTRAINT jobs_event_consumer")
+
+
+#: The lean completion, and what replaces it when done jobs are deleted at completion (as
+#: outbox does with ``retention_done = 0``): the same fence and status test.
+LEAN_COMPLETE = """UPDATE jobs j
+SET status = 'done',
+    finished_at = now()
+FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+WHERE"""
+LEAN_DELETE = """DELETE FROM jobs j
+USING unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+WHERE"""
+
+
+def work_script(deleting: bool) -> Path:
+    """The claim + complete script: ``lean_claim_complete.sql``, or (``deleting``) a copy
+    in a temporary directory whose completion deletes the jobs instead."""
+    script = SCRIPTS / "lean_claim_complete.sql"
+    if not deleting:
+        return script
+    text = script.read_text()
+    if LEAN_COMPLETE not in text:
+        raise RuntimeError(f"{script.name} no longer holds the completion the deleting variant replaces")
+    copy = Path(tempfile.mkdtemp(prefix="outbox-bench-")) / "lean_claim_delete.sql"
+    copy.write_text(text.replace(LEAN_COMPLETE, LEAN_DELETE))
+    return copy
 
 
 def work_defines() -> dict[str, Any]:
@@ -137,16 +167,18 @@ def claim_complete(dbs: Databases, size: Size) -> dict[str, Any]:
             "drained": any(r["drained"] for r in runs), "runs": runs}
 
 
-def pipeline(dbs: Databases, size: Size, tag: str, unique: bool = True) -> dict[str, Any]:
+def pipeline(dbs: Databases, size: Size, tag: str, unique: bool = True, deleting: bool = False) -> dict[str, Any]:
     """Figure 2: publish, route and claim + complete at once on a fresh database; completed
-    jobs/s in the steady-state window (see the module notes)."""
+    jobs/s in the steady-state window (see the module notes). ``deleting``: the completion
+    deletes the jobs (no ``finished_at`` is left, so the window's jobs are the fences the
+    claims drew in it: each claimed job is completed by the same client's next statement)."""
     seconds = size.lean_seconds
     payloads = json.dumps([{"n": i} for i in range(PUBLISH_BATCH)], separators=(",", ":"))
     stages = {
         "publish": (SCRIPTS / "lean_publish.sql", 1,
                     {"topic": TOPIC, "payloads": payloads, "fanout": len(CONSUMERS), "bound": BOUND}),
         "route": (SCRIPTS / "lean_route.sql", 1, {"route_limit": ROUTE_LIMIT}),
-        "work": (SCRIPTS / "lean_claim_complete.sql", WORKERS, work_defines()),
+        "work": (work_script(deleting), WORKERS, work_defines()),
     }
     with dbs.fresh(migrated=False) as url, psycopg.connect(conninfo(url), autocommit=True) as mon:
         create_schema(mon, unique=unique)
@@ -160,7 +192,8 @@ def pipeline(dbs: Databases, size: Size, tag: str, unique: bool = True) -> dict[
         for share in WINDOW:  # CPU of the backends and the pgbench clients at both ends of the window
             time.sleep(max(0.0, started + share * seconds - time.monotonic()))
             clients = sum(c for c in (proc_cpu(p.pid) for p in procs.values()) if c is not None)
-            marks.append((backends_cpu(mon, url.database), clients, machine_busy(), len(backend_pids(mon, url.database))))
+            marks.append((backends_cpu(mon, url.database), clients, machine_busy(), len(backend_pids(mon, url.database)),
+                          mon.execute("SELECT last_value FROM fence_seq").fetchone()[0]))
         outs = {name: p.communicate() for name, p in procs.items()}
         stages_out = {name: pgbench_result(procs[name].returncode, *outs[name]) for name in stages}
         deadline = time.monotonic() + 5.0  # the backends write their statistics as they exit
@@ -179,15 +212,17 @@ def pipeline(dbs: Databases, size: Size, tag: str, unique: bool = True) -> dict[
             " (SELECT count(*) FROM jobs WHERE status = 'ready'), (SELECT count(*) FROM events WHERE routed_at IS NULL),"
             " (SELECT count(*) FROM jobs WHERE status = 'running')",
             {"w0": w0, "m": mid, "w1": w1}).fetchone()
-    if jobs != len(CONSUMERS) * routed:
+    if deleting:
+        first = second = (marks[1][4] - marks[0][4]) / 2  # fences drawn in the window, each a job completed
+    elif jobs != len(CONSUMERS) * routed:
         raise RuntimeError(f"lean pipeline {tag}: {jobs} jobs for {routed} routed events (expected {len(CONSUMERS)} each)")
     window = w1 - w0
     done = first + second
-    (db0, cl0, busy0, _), (db1, cl1, busy1, backends) = marks
+    (db0, cl0, busy0, _, _), (db1, cl1, busy1, backends, _) = marks
     out = {
         "jobs_per_s": done / window, "first_half_jobs_per_s": first / (window / 2),
         "second_half_jobs_per_s": second / (window / 2), "published_events_per_s": published / window,
-        "window_seconds": window, "unique": unique, "backends": backends,
+        "window_seconds": window, "unique": unique, "deleting": deleting, "backends": backends,
         "db_cpu_us_per_job": (db1 - db0) / max(1, done) * 1e6, "clients_cpu_us_per_job": (cl1 - cl0) / max(1, done) * 1e6,
         "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
         "end": {"ready": ready, "unrouted": unrouted, "running": running, "jobs": jobs},
@@ -207,9 +242,10 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     if find_binary("pgbench") is None:
         raise RuntimeError("the ceiling needs pgbench (install the PostgreSQL client tools)")
     alone = claim_complete(dbs, size)
-    runs, without = [], None
+    runs, deleting, without = [], [], None
     for rep in range(size.runs):
         runs.append(pipeline(dbs, size, f"run {rep}"))
+        deleting.append(pipeline(dbs, size, f"deleting, run {rep}", deleting=True))
         if rep == 0:  # beside the first run, not minutes after the last
             without = pipeline(dbs, size, "without UNIQUE (event_id, consumer)", unique=False)
     keys = ("jobs_per_s", "published_events_per_s", "db_cpu_us_per_job", "clients_cpu_us_per_job", "machine_busy")
@@ -220,6 +256,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                      "publish_batch": PUBLISH_BATCH, "route_limit": ROUTE_LIMIT, "claim_limit": CLAIM_LIMIT,
                      "runs": runs},
         "pipeline_without_unique": without,
+        "pipeline_deleting": {**{k: median([r[k] for r in deleting]) for k in keys}, "runs": deleting},
         # against the run right beside it: on a shared machine a lone run pairs better than a median
         "unique_cost": 1 - runs[0]["jobs_per_s"] / without["jobs_per_s"] if without else None,
         "limit_jobs_per_s": summary["jobs_per_s"],

@@ -9,7 +9,12 @@ from the database clock, so it spans first publish to last job done, routing inc
 A short sweep over (concurrency, claim_batch, prefetch, dispatchers) on fewer events (one run each) picks the
 best settings; then the best settings (N events) and the relay's defaults
 (``default_events``, fewer, since they are slower) run ``runs`` times each, interleaved.
-The best settings also run a third time per repetition while the harness runs ``ANALYZE
+The best settings also run with ``retention_done = 0`` per repetition: each completion
+deletes its job instead of marking it done (the fastest setting, as graphile-worker and
+PgQueuer do). Those runs leave no ``finished_at`` to read, so their end is the database
+clock when the harness sees the drain (checked every 20 ms; the rate can only come out
+lower than by ``finished_at``), and their jobs are the routed events times the consumers
+less the rows left. The best settings also run a fourth time per repetition while the harness runs ``ANALYZE
 outbox_jobs`` every 2 s: a burst of N events puts 3 N ready jobs into a table whose
 statistics (none yet, or from a quiet time) say it holds almost none; until autovacuum's
 analyze catches up, the planner may claim through a bitmap scan and sort of every ready
@@ -55,6 +60,14 @@ from .common import (
 
 CONSUMERS = 3
 ANALYZE_EVERY = 2.0
+#: Seconds between drain checks of a run whose completions delete the jobs (its end is read
+#: when the drain is seen, so the check comes often; each is a few EXISTS probes).
+DELETING_POLL = 0.02
+#: Jobs done: rows marked done, or (done jobs deleted at completion) the jobs the routed
+#: events made, ``consumers`` each, less the rows left (ready, running, pending or dead).
+DONE_COUNT = "(SELECT count(*) FROM outbox_jobs WHERE status = 'done')"
+DELETED_COUNT = ("(SELECT count(*) * %(consumers)s FROM outbox_events WHERE routed_at IS NOT NULL)"
+                 " - (SELECT count(*) FROM outbox_jobs)")
 
 
 def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path, tag: str,
@@ -64,7 +77,10 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
     or for ``cap`` seconds (then the rate is the jobs done so far over the time taken).
     ``hooks`` (optional) has ``started(pid)`` and ``drained(pid)``, called around the load.
     ``analyze_every`` (seconds): the harness runs ``ANALYZE outbox_jobs`` that often while
-    the run lasts, keeping the planner's statistics current (see the module notes)."""
+    the run lasts, keeping the planner's statistics current (see the module notes).
+    ``settings`` with ``retention_done`` 0 (done jobs deleted at completion) leave no
+    ``finished_at`` to read: the end is when the drain is seen (module notes)."""
+    deleting = settings.get("retention_done") == 0
     with dbs.fresh() as url:
         relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", settings,
                              env={"BENCH_CONSUMERS": str(consumers)})
@@ -78,7 +94,8 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 started = time.monotonic()
                 analyzer = Analyzer(url, analyze_every) if analyze_every else None
                 publish_seconds = publish_events(eng, events)
-                drained = wait_drained(mon, expected_jobs=events * consumers, raise_on_timeout=False, interval=0.5,
+                drained = wait_drained(mon, expected_jobs=None if deleting else events * consumers,
+                                       raise_on_timeout=False, interval=DELETING_POLL if deleting else 0.5,
                                        timeout=max(1.0, cap - (time.monotonic() - started)))
                 cpu1, busy1 = proc_cpu(relay.pid), machine_busy()
                 if analyzer:
@@ -89,8 +106,8 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 rss = proc_rss_mb(relay.pid)
                 t0, t1, jobs = mon.execute(
                     "SELECT (SELECT min(created_at) FROM outbox_events),"
-                    f" {'(SELECT max(finished_at) FROM outbox_jobs)' if drained else 'clock_timestamp()'},"
-                    " (SELECT count(*) FROM outbox_jobs WHERE status = 'done')").fetchone()
+                    f" {'(SELECT max(finished_at) FROM outbox_jobs)' if drained and not deleting else 'clock_timestamp()'},"
+                    f" {DELETED_COUNT if deleting else DONE_COUNT}", {"consumers": consumers}).fetchone()
             eng.dispose()
         finally:
             code = relay.stop()
@@ -152,13 +169,15 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     best_settings = max(sweep, key=lambda r: r["jobs_per_s"])["settings"]
     from .raw import probe
 
-    default_runs, best_runs, analyzed_runs, limits = [], [], [], []
+    default_runs, best_runs, analyzed_runs, deleting_runs, limits = [], [], [], [], []
     for rep in range(size.runs):
         limits.append(probe(dbs, size))
         default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}", cap=size.e2e_cap))
         best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}", cap=size.e2e_cap))
         analyzed_runs.append(one_run(dbs, size.events, best_settings, results, f"best-analyzed-{rep}",
                                      cap=size.e2e_cap, analyze_every=ANALYZE_EVERY))
+        deleting_runs.append(one_run(dbs, size.events, best_settings | {"retention_done": 0}, results,
+                                     f"best-deleting-{rep}", cap=size.e2e_cap))
     return {
         "events": size.events, "consumers": CONSUMERS,
         "sweep": [{"settings": r["settings"], "jobs_per_s": r["jobs_per_s"], "events": r["events"],
@@ -167,6 +186,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         "default": summary(default_runs),
         "best": summary(best_runs),
         "best_analyzed": summary(analyzed_runs) | {"analyze_every": ANALYZE_EVERY},
+        "best_deleting": summary(deleting_runs),
         "paired_limit": {
             "jobs_per_s": median([l for l in limits if l]) if any(limits) else None, "runs": limits,
             "best_ratio": median([r["jobs_per_s"] / l for r, l in zip(best_runs, limits) if l]) if any(limits) else None,

@@ -62,7 +62,8 @@ def run_pgbench(url: Any, script: Path, clients: int, batch: int, seconds: float
     """One pgbench run: ``-T seconds``, or ``-t 20`` per client when ``seconds`` is 0 (smoke size)."""
     return common.run_pgbench(common.pgbench_command(
         url, [script], clients, seconds=seconds if seconds >= 1 else None, transactions=20,
-        defines={"consumers": "{c1,c2,c3}", "leases": "{30,30,30}", "worker": "pgbench", "limit": batch}))
+        defines={"consumers": "{c1,c2,c3}", "leases": "{30,30,30}", "worker": "pgbench", "limit": batch,
+                 "keep_done": "true"}))
 
 
 def psycopg_loop(url: Any, seconds: float, batch: int = 50) -> dict[str, float]:
@@ -80,7 +81,7 @@ def psycopg_loop(url: Any, seconds: float, batch: int = 50) -> dict[str, float]:
                 raise RuntimeError("psycopg loop ran out of ready jobs")
             ids = [r[0] for r in rows]
             fences = [r[5] for r in rows]
-            conn.execute(complete, {"ids": ids, "fences": fences}, prepare=True).fetchall()
+            conn.execute(complete, {"ids": ids, "fences": fences, "keep_done": True}, prepare=True).fetchall()
             jobs += len(rows)
             rounds += 1
         elapsed = time.perf_counter() - start

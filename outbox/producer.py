@@ -202,7 +202,8 @@ class Producer:
             try:
                 completed, claimed, last = complete_and_claim_after(
                     conn, done, self.claim_leases(), want, self.worker_id, after,
-                    buffer=mark, skip=self.quarantine.ids(), schema=self.schema)
+                    buffer=mark, skip=self.quarantine.ids(), keep_done=self.settings.keep_done,
+                    schema=self.schema)
             except psycopg.Error as exc:
                 if not poison.is_data_error(exc):
                     raise
@@ -276,7 +277,8 @@ class Producer:
         alone is dead-lettered naming the error (or quarantined); the others go on.
         Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
         completed, buried = self.completer.by_halves(
-            "completing", done, lambda part: complete_jobs(conn, list(part), schema=self.schema))
+            "completing", done, lambda part: complete_jobs(conn, list(part), keep_done=self.settings.keep_done,
+                                                    schema=self.schema))
         start_left = mark.start_now
         claimed: list[Job] = []
         leases = self.claim_leases()

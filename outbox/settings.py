@@ -103,7 +103,7 @@ class OutboxSettings(BaseSettings):
     backoff_base: float = Field(default=1.0, gt=0, le=86_400, description="First retry delay, seconds. Default 1.")
     backoff_cap: float = Field(default=3600.0, gt=0, le=30 * 86_400, description="Longest retry delay, seconds. Default 3600.")
     backoff_jitter: float = Field(default=0.25, ge=0, le=1, description="Share of each delay that is random. Default 0.25.")
-    retention_done: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION, description="How long done jobs are kept, seconds (at most 100 years). Default 1 day.")
+    retention_done: float = Field(default=86_400.0, ge=0, le=MAX_RETENTION, description="How long done jobs are kept, seconds (at most 100 years); 0 deletes a job in the statement that completes it, so no done row is written and none pruned (the fastest setting, as graphile-worker does; `status`, the dashboard and job lookups then show no done jobs; a job cancelled while it ran is still kept as cancelled). Default 1 day.")
     retention_events: float = Field(default=7 * 86_400.0, ge=0, le=MAX_RETENTION, description="How long fully finished events are kept, seconds (at most 100 years). Default 7 days.")
     prune_interval: float = Field(default=60.0, gt=0, description="Seconds between pruning runs. Default 60.")
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
@@ -169,6 +169,13 @@ class OutboxSettings(BaseSettings):
         and the starter, heartbeat, router, statistics keeper and maintenance: concurrency + 6
         with one dispatcher."""
         return self.concurrency + self.dispatchers + 5
+
+    @property
+    def keep_done(self) -> bool:
+        """Whether a completed job's row stays, ``done``, until the pruner deletes it
+        (``retention_done`` > 0), or is deleted by the statement that completes it
+        (``retention_done`` = 0)."""
+        return self.retention_done > 0
 
     def url(self) -> str | None:
         """The database URL in clear text, or None when none is configured."""

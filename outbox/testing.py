@@ -288,7 +288,7 @@ def drain(
                     with _autocommit(engine) as conn:
                         release_jobs(conn, [job], schema=schema)
                     raise
-                result = _record(engine, job, outcome, schema)
+                result = _record(engine, job, outcome, schema, keep_done=settings.keep_done)
                 if ordering.promotion_params([job], subscribers) is not None:  # its key's next job may go
                     with _autocommit(engine) as conn:
                         ordering.promote_finished(conn, [job], subscribers, schema=schema)
@@ -343,15 +343,17 @@ def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], sche
         return job
 
 
-def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, schema: str) -> DrainResult:
-    """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements (in ``schema``)."""
+def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, schema: str, *,
+            keep_done: bool) -> DrainResult:
+    """Write ``outcome`` of ``job``'s attempt with the relay's fenced statements (in ``schema``;
+    a done job deleted unless ``keep_done``)."""
     error = None
     ended: DrainOutcome
     with _autocommit(engine) as conn:
         if outcome is Outcome.COMMITTED:
             ended = "done"
         elif outcome is Outcome.DONE:
-            ended = "done" if job.id in complete_jobs(conn, [job], schema=schema) else "stale"
+            ended = "done" if job.id in complete_jobs(conn, [job], keep_done=keep_done, schema=schema) else "stale"
         elif outcome is Outcome.RELEASE:
             ended = "released" if job.id in release_jobs(conn, [job], schema=schema) else "stale"
         elif isinstance(outcome, Snoozed):

@@ -130,7 +130,7 @@ def begin(session: Session, lease_seconds: float, fence: int) -> None:
 
 
 def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None], *,
-             schema: str | None = None) -> bool:
+             keep_done: bool = True, schema: str | None = None) -> bool:
     """End the handler's transaction on ``session``: flush the handler's writes, call
     ``completing()`` (the runner's mark that this claim's outcome is being written), run the
     fenced :data:`~outbox.db.queries.job_complete` and commit. Returns False, without
@@ -139,11 +139,13 @@ def complete(session: Session, job_id: int, fence: int, completing: Callable[[],
     :class:`~outbox.errors.TransactionEndedError` (a permanent failure; the caller rolls back)
     when the handler ended the transaction :func:`begin` started (a raw ``COMMIT`` or
     ``ROLLBACK``, a closed session): its writes did not, or did not only, commit with the
-    completion. ``schema``: the schema of outbox's tables (None: the process default).
+    completion. ``keep_done`` false deletes the job's row instead of marking it done
+    (``retention_done = 0``). ``schema``: the schema of outbox's tables (None: the process default).
     Database errors propagate."""
     session.flush()
     completing()
-    row = session.execute(queries.in_schema(schema).job_complete, {"id": job_id, "fence": fence}).one()
+    row = session.execute(queries.in_schema(schema).job_complete,
+                          {"id": job_id, "fence": fence, "keep_done": keep_done}).one()
     if not row.same_transaction:
         raise TransactionEndedError(
             f"the handler of job {job_id} ended its transaction itself (COMMIT, ROLLBACK or closing its session); "

@@ -170,18 +170,21 @@ HEAD_KEY: tuple[int, Any, int] = (-32768, "-infinity", 0)
 
 
 def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
-                            worker_id: str, *, schema: str | None = None) -> tuple[set[int], list[Job]]:
-    """Mark ``done`` completed (fenced) and claim up to ``limit`` due jobs, in one statement
+                            worker_id: str, *, keep_done: bool = True,
+                            schema: str | None = None) -> tuple[set[int], list[Job]]:
+    """Mark ``done`` completed (fenced; deleted instead when ``keep_done`` is false, see
+    :func:`complete_jobs`) and claim up to ``limit`` due jobs, in one statement
     (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
     missing from the ids was a stale report and changed nothing."""
-    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None, schema=schema)
+    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None,
+                                                     keep_done=keep_done, schema=schema)
     return completed, claimed
 
 
 def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
                              worker_id: str, after: tuple[int, Any, int] | None, *,
                              buffer: BufferMark | None = None, skip: list[int] | None = None,
-                             only: list[int] | None = None, schema: str | None = None,
+                             only: list[int] | None = None, keep_done: bool = True, schema: str | None = None,
                              ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
     """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
     (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
@@ -195,7 +198,7 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     key = after or HEAD_KEY
     mark = buffer or BufferMark(None, 0)
     rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
-        **_ids_fences(done), **_claim_params(leases, limit, worker_id),
+        **_ids_fences(done), **_claim_params(leases, limit, worker_id), "keep_done": keep_done,
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
         "relay": mark.relay, "start_now": mark.start_now,
         "skip": skip or [], "only": only})
@@ -311,11 +314,15 @@ def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None
     return {r[1] for r in rows}
 
 
-def complete_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
-    """Mark ``jobs`` done (fenced); returns the ids that changed."""
+def complete_jobs(conn: Executor, jobs: list[Job], *, keep_done: bool = True, schema: str | None = None) -> set[int]:
+    """Mark ``jobs`` done (fenced); returns the ids that changed. With ``keep_done`` false a
+    done job's row is deleted instead (``retention_done = 0``,
+    :attr:`~outbox.settings.OutboxSettings.keep_done`); one an operator asked to cancel
+    is still kept, ``cancelled``."""
     if not jobs:
         return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_complete_many, _ids_fences(jobs))}
+    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_complete_many,
+                                {**_ids_fences(jobs), "keep_done": keep_done})}
 
 
 def release_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
@@ -647,7 +654,7 @@ class JobExecutor:
                 result = sub.handler(job, session)
                 check_returned(sub, result)  # before the completion: a misuse rolls the writes back
                 committed = transaction.complete(session, job.id, job.fence, lambda: self._completing(job),
-                                                 schema=self.settings.schema_name)
+                                                 keep_done=self.settings.keep_done, schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)
@@ -664,7 +671,8 @@ class JobExecutor:
                 result = await bounded(sub.handler(job, session), sub.timeout)
                 check_returned(sub, result)
                 committed = await session.run_sync(transaction.complete, job.id, job.fence,
-                                                   lambda: self._completing(job), schema=self.settings.schema_name)
+                                                   lambda: self._completing(job), keep_done=self.settings.keep_done,
+                                                   schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
         return self._transaction_ended(job, sub, committed, result)

@@ -3,7 +3,8 @@
 -- are outbox's own: the harness puts the text of job_claim_many and job_complete_many
 -- from outbox/db/queries.py in place of the @ lines below (bench/raw.py, pgbench_script).
 -- The claim is wrapped only to carry its ids and fences into pgbench variables.
--- Variables (-D): consumers, leases, worker, limit (the batch: 1 or 50). Run with -M prepared.
+-- Variables (-D): consumers, leases, worker, limit (the batch: 1 or 50), keep_done (true:
+-- done rows stay, as with the default retention). Run with -M prepared.
 WITH claimed AS (
 -- @job_claim_many
 )

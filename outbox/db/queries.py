@@ -417,7 +417,7 @@ whose snapshot is taken after it committed."""
 
 _LOCK_BY_ID = """
     locked AS (
-        SELECT j.id
+        SELECT j.id, j.cancel_requested
         FROM outbox_jobs j
         JOIN args a ON a.id = j.id AND a.fence = j.fence
         WHERE j.id = ANY (ARRAY(SELECT id FROM args))
@@ -426,7 +426,8 @@ _LOCK_BY_ID = """
         FOR UPDATE OF j
     )
 """
-# The running jobs given by (id, fence), locked in id order. Found by primary key, whatever
+# The running jobs given by (id, fence), locked in id order, with ``cancel_requested`` as the
+# lock read it (the row's newest version, which nobody changes while the lock is held). Found by primary key, whatever
 # the statistics: ``j.id = ANY (ARRAY(...))`` is an InitPlan probed through
 # ``pk_outbox_jobs``, and ``(j.status = 'running') IS TRUE`` (status is NOT NULL: the same
 # test) is a condition the planner cannot match to the partial index ``ix_outbox_jobs_lease``
@@ -456,14 +457,34 @@ from the result has lost its lease (reaped, re-claimed or released): its worker 
 ``cancel_requested`` says an operator asked to cancel the job (``job_cancel_many``): the
 handler is told through ``job.cancel_requested``."""
 
-_COMPLETE_SET = """
-    UPDATE outbox_jobs j
-    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
-        lease_until = NULL, finished_at = now(), updated_at = now()
-    FROM locked l, args a
-    WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
-    RETURNING j.id
+_COMPLETE = """
+    kept AS (
+        UPDATE outbox_jobs j
+        SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
+            lease_until = NULL, finished_at = now(), updated_at = now()
+        FROM locked l, args a
+        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
+          AND (CAST(:keep_done AS boolean) OR l.cancel_requested)
+        RETURNING j.id
+    ), deleted AS (
+        DELETE FROM outbox_jobs j
+        USING locked l, args a
+        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
+          AND NOT CAST(:keep_done AS boolean) AND NOT l.cancel_requested
+        RETURNING j.id
+    ), completed AS (
+        SELECT id FROM kept UNION ALL SELECT id FROM deleted
+    )
 """
+# The completion, as CTEs after ``args`` and ``locked``, named ``completed`` at the end: each
+# job (id, fence) still running under that fence becomes ``done`` (``cancelled`` when an
+# operator asked to cancel it while it ran), or with ``:keep_done`` false is deleted instead
+# (``retention_done = 0``: no done row is written, so none is pruned later; a cancelled one is
+# still kept). Both parts lock nothing new and touch disjoint rows: ``locked`` holds every
+# row first and read its ``cancel_requested``, which the two parts split on. With
+# ``:keep_done`` a parameter, a prepared generic plan turns the delete into a one-time filter
+# when done jobs are kept; when they are not, the update's test falls on ``locked`` alone,
+# so the update probes no row unless one was cancelled.
 
 _ARGS_IDS_FENCES = """
     args AS (
@@ -471,10 +492,11 @@ _ARGS_IDS_FENCES = """
     )
 """
 
-job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID} {_COMPLETE_SET}")
+job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, {_COMPLETE} SELECT id FROM completed")
 """Mark many jobs done, each only if it still holds the given fence and is running
-(``cancelled`` instead when an operator asked to cancel it while it ran). Jobs missing from
-the result were stale reports and changed nothing."""
+(``cancelled`` instead when an operator asked to cancel it while it ran); with
+``:keep_done`` false a done job is deleted instead of kept (``retention_done = 0``). Jobs
+missing from the result were stale reports and changed nothing."""
 
 
 # The combined statement's pick also leaves out the jobs it completes (none of them is ready,
@@ -491,7 +513,7 @@ _CLAIM_PICK_AFTER_COMPLETION = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_
 
 job_complete_claim_many: TextClause = text(
     f"""
-    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, completed AS ({_COMPLETE_SET}), {_CLAIM_PICK_AFTER_COMPLETION},
+    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, {_COMPLETE}, {_CLAIM_PICK_AFTER_COMPLETION},
     claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
     marked AS (
         UPDATE outbox_relays r
@@ -506,8 +528,8 @@ job_complete_claim_many: TextClause = text(
     SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
     """
 )
-"""``job_complete_many`` and ``job_claim_many`` in one statement, so a runner that has
-finished jobs and wants more pays one round trip and one commit for both. Returns the
+"""``job_complete_many`` (``:keep_done`` as there) and ``job_claim_many`` in one statement,
+so a runner that has finished jobs and wants more pays one round trip and one commit for both. Returns the
 claimed jobs (``completed`` false, columns as ``job_claim_many``) and one row per job
 completed (``completed`` true, only ``id`` set); claimed rows also carry ``priority`` and
 ``run_at``: with ``id``, the claim-order key. The claim starts after the key
@@ -609,22 +631,30 @@ job_complete: TextClause = text(
         SELECT current_setting('outbox.handler_fence', true) IS NOT DISTINCT FROM CAST(:fence AS text)
             AS same_transaction
     ), locked AS (
-        SELECT id FROM outbox_jobs
+        SELECT id, cancel_requested FROM outbox_jobs
         WHERE id = :id AND fence = :fence AND status = 'running' AND (SELECT same_transaction FROM handler)
         FOR UPDATE
-    ), completed AS (
+    ), kept AS (
         UPDATE outbox_jobs
         SET status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'done' END,
             lease_until = NULL, finished_at = now(), updated_at = now()
-        WHERE id IN (SELECT id FROM locked) AND fence = :fence AND status = 'running'
+        WHERE id IN (SELECT id FROM locked WHERE CAST(:keep_done AS boolean) OR cancel_requested)
+          AND fence = :fence AND status = 'running'
         RETURNING id
+    ), deleted AS (
+        DELETE FROM outbox_jobs
+        WHERE id IN (SELECT id FROM locked WHERE NOT CAST(:keep_done AS boolean) AND NOT cancel_requested)
+          AND fence = :fence AND status = 'running'
+        RETURNING id
+    ), completed AS (
+        SELECT id FROM kept UNION ALL SELECT id FROM deleted
     )
     SELECT (SELECT same_transaction FROM handler) AS same_transaction,
            (SELECT count(*) FROM completed) AS completed
     """
 )
-"""Mark one job done if it still holds ``:fence``, inside a transactional handler's
-transaction: ``completed`` 0 (the claim is no longer this worker's) rolls the handler's
+"""Mark one job done (``:keep_done`` false: delete it; ``job_complete_many`` says how) if
+it still holds ``:fence``, inside a transactional handler's transaction: ``completed`` 0 (the claim is no longer this worker's) rolls the handler's
 writes back. ``same_transaction`` says whether this is still the transaction the handler's
 first statement (``job_transaction_limits_set_local``) began: that statement set
 ``outbox.handler_fence`` to the fence for the transaction only, so a handler that ended its

@@ -52,7 +52,8 @@ def _transactional_complete(conn: sa.Connection, job: Job) -> bool:
     completion; a completion matching no row means the caller rolls everything back."""
     transaction.set_limits(conn, job.lease_seconds, job.fence)  # the first statement, as a handler's
     fenced_write(conn, effects, key={"job_id": job.id}, values={}, fence=job.fence)
-    return conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).one().completed == 1
+    return conn.execute(queries.job_complete,
+                        {"id": job.id, "fence": job.fence, "keep_done": True}).one().completed == 1
 
 
 #: name -> (statement run by the job's worker, returns whether it changed the job)

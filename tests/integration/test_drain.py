@@ -48,6 +48,26 @@ def test_drain_runs_a_handler_that_succeeds(engine):
     assert drain(engine, ob, settings=_settings()) == []  # nothing due any more
 
 
+def test_drain_with_retention_done_zero_deletes_each_job_it_completes(engine, invoices):
+    """``retention_done = 0`` in drain's settings: its completions delete the jobs, as the
+    relay's do, lease mode and transactional alike (the fenced write commits with it)."""
+    ob = Outbox()
+
+    @ob.subscriber("t", consumer="lease")
+    def lease(job: Job) -> None: ...
+
+    @ob.subscriber("t", consumer="tx", transactional=True)
+    def tx(job: Job, session: Session) -> None:
+        fenced_write(session, invoices, key={"order_id": job.payload["n"]}, values={"total_cents": 1}, fence=job.fence)
+
+    publish_events(engine, "t", [{"n": 1}, {"n": 2}])
+    results = drain(engine, ob, settings=_settings(retention_done=0))
+    assert sorted((r.consumer, r.outcome) for r in results) == [("lease", "done")] * 2 + [("tx", "done")] * 2
+    assert _jobs(engine) == []
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT count(*) FROM invoices")).scalar_one() == 2
+
+
 def test_drain_retries_only_when_asked(engine):
     ob = Outbox()
     calls: list[int] = []

@@ -21,6 +21,7 @@ from outbox.worker import (
     MAX_ERROR_CHARS,
     Failure,
     claim_jobs,
+    complete_and_claim_jobs,
     complete_jobs,
     fail_jobs,
     format_error,
@@ -192,6 +193,37 @@ def test_complete_fail_release_with_a_stale_fence_change_nothing(engine, how):
         assert release_jobs(conn, [old]) == set()
         assert heartbeat_jobs(conn, [old]) == set()
     assert job_row(engine, job_id) == before
+
+
+def test_completion_deletes_the_job_when_done_jobs_are_not_kept(engine):
+    """``keep_done=False`` (``retention_done = 0``): a fenced completion deletes the job's
+    row in the same statement, by both completion statements; a job an operator asked to
+    cancel while it ran is kept, ``cancelled``; every later report of a deleted job's claim
+    (complete, fail, release, heartbeat) changes nothing; the event, with no job left, is
+    pruned as a finished one."""
+    ids = routed_jobs(engine, "t", ["a"], n=4, max_attempts=5)
+    claimed = {j.id: j for j in _claim(engine)}
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE outbox_jobs SET cancel_requested = true WHERE id = :id"), {"id": ids[1]})
+    rest = job_row(engine, ids[3])
+    with engine.begin() as conn:
+        assert complete_jobs(conn, [claimed[i] for i in ids[:2]], keep_done=False) == set(ids[:2])
+        done, more = complete_and_claim_jobs(conn, [claimed[ids[2]]], LEASES, 5, "w1", keep_done=False)
+    assert (done, more) == ({ids[2]}, [])
+    assert _status(engine) == {ids[1]: "cancelled", ids[3]: "running"}
+    assert job_row(engine, ids[1])["finished_at"] is not None
+    assert job_row(engine, ids[3]) == rest
+    gone = claimed[ids[0]]
+    with engine.begin() as conn:
+        assert complete_jobs(conn, [gone], keep_done=False) == set()
+        assert complete_jobs(conn, [gone]) == set()
+        assert fail_jobs(conn, [(gone, Failure(delay=0, permanent=True, error="late"))]) == {}
+        assert release_jobs(conn, [gone]) == set()
+        assert heartbeat_jobs(conn, [gone]) == set()
+    assert _status(engine) == {ids[1]: "cancelled", ids[3]: "running"}
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_events SET routed_at = now() - interval '2 hours'"))
+        assert prune(conn, done_older_than=3600, events_older_than=3600) == (0, 2)  # ids[0] and ids[2]'s events
 
 
 def test_fail_retries_after_the_delay_then_dead_letters_at_max_attempts(engine):

@@ -63,7 +63,12 @@ statement; no two jobs carry one fence); ``0 <= attempts <= max_attempts``; stat
 known set; running rows, and only they, have a lease; done and dead rows, and only they,
 have ``finished_at``.
 
-Settings: ``max_examples=200``, ``stateful_step_count=40``, ``deadline=None`` (database
+The same machine runs a second time with ``retention_done = 0`` (``keep_done`` false): each
+completion deletes the job's row in the statement that completes it, and the model drops the
+job; stale claims of deleted jobs stay with their workers, and their reports must change
+nothing.
+
+Settings: ``max_examples=200`` (60 for the second run), ``stateful_step_count=40``, ``deadline=None`` (database
 round trips vary), ``database=None`` (no example database is written, so nothing lands in
 the repository; a failure prints its steps). One database per test run (the ``engine``
 fixture); each example empties the tables and restarts the identities and the fence
@@ -188,6 +193,7 @@ class JobLifecycle(RuleBasedStateMachine):
     """Workers, reaper, redrive and router against the model; see the module docstring."""
 
     engine: sa.Engine  # set by the test
+    keep_done: bool  # set by the test: False runs with retention_done = 0 (a completion deletes the job)
 
     def __init__(self) -> None:
         super().__init__()
@@ -202,6 +208,7 @@ class JobLifecycle(RuleBasedStateMachine):
         self.subs: dict[str, tuple[int, int]] = {}  # consumer -> (max_attempts, priority)
         self.held: dict[str, list[Job]] = {w: [] for w in WORKERS}  # claims each worker holds
         self.frozen: dict[int, dict[str, Any]] = {}  # done and dead rows as they must stay
+        self.deleted: set[int] = set()  # jobs whose completion deleted them (keep_done False)
         self.max_fence = 0  # highest fence handed out so far
         self.fence_seen: dict[int, int] = {}
         self.errors = 0
@@ -234,15 +241,15 @@ class JobLifecycle(RuleBasedStateMachine):
         """Rows outside ``changed`` are identical before and after; ``stale`` (ids named
         only by stale claims) get their own message."""
         changed, stale = set(changed), set(stale)
-        assert set(after) >= set(before), f"{what}: rows disappeared"
+        assert set(before) - set(after) <= changed & self.deleted, f"{what}: rows disappeared"
         for job_id, row in before.items():
             if job_id not in changed:
                 how = " with a stale fence" if job_id in stale else ""
                 assert after[job_id] == row, f"{what}{how} changed job {job_id}: {row} -> {after[job_id]}"
 
     def valid(self, job: Job) -> bool:
-        m = self.jobs[job.id]
-        return m.status == "running" and m.fence == job.fence
+        m = self.jobs.get(job.id)  # None: its completion deleted it
+        return m is not None and m.status == "running" and m.fence == job.fence
 
     def pick(self, data: st.DataObject, worker: str, min_size: int = 1) -> list[Job]:
         """A subset of ``worker``'s claims (non-empty unless ``min_size`` is 0), which it
@@ -260,7 +267,8 @@ class JobLifecycle(RuleBasedStateMachine):
 
     def freeze(self, after: dict, ids: Iterable[int]) -> None:
         for job_id in ids:
-            self.frozen[job_id] = after[job_id]
+            if job_id not in self.deleted:
+                self.frozen[job_id] = after[job_id]
 
     def open_work(self) -> int:
         """Unrouted events plus ready and running jobs (with nothing open, publish is
@@ -430,7 +438,7 @@ class JobLifecycle(RuleBasedStateMachine):
         worker = data.draw(st.sampled_from(self.holding()), label="worker")
         batch = self.pick(data, worker)
         stale = self.stale_ids(batch)
-        done, now, before, after = self.run(lambda conn, now: complete_jobs(conn, batch))
+        done, now, before, after = self.run(lambda conn, now: complete_jobs(conn, batch, keep_done=self.keep_done))
         expected = self.expect_complete(batch)
         assert done == expected, f"complete of {worker}"
         self.mark_done(expected, now)
@@ -442,7 +450,12 @@ class JobLifecycle(RuleBasedStateMachine):
         return {j.id for j in batch if self.valid(j)}
 
     def mark_done(self, ids: Iterable[int], now: dt.datetime) -> None:
+        """The jobs ``ids`` completed at ``now``: done, or gone when done jobs are not kept."""
         for job_id in ids:
+            if not self.keep_done:
+                del self.jobs[job_id]
+                self.deleted.add(job_id)
+                continue
             m = self.jobs[job_id]
             m.status, m.lease_until, m.finished_at, m.updated_at = "done", None, now, now
 
@@ -461,7 +474,7 @@ class JobLifecycle(RuleBasedStateMachine):
 
         def op(conn: sa.Connection, now: dt.datetime) -> tuple[tuple[set[int], list[Job]], int]:
             next_fence = self.next_fence(conn)
-            return complete_and_claim_jobs(conn, batch, leases, limit, worker), next_fence
+            return complete_and_claim_jobs(conn, batch, leases, limit, worker, keep_done=self.keep_done), next_fence
 
         ((done, jobs), next_fence), now, before, after = self.run(op)
         expected_done = self.expect_complete(batch)
@@ -490,7 +503,8 @@ class JobLifecycle(RuleBasedStateMachine):
             tx = conn.begin()
             now = db_now(conn)
             transaction.set_limits(conn, job.lease_seconds, job.fence)  # the handler transaction's first statement
-            count = conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence}).one().completed
+            count = conn.execute(queries.job_complete, {"id": job.id, "fence": job.fence,
+                                                        "keep_done": self.keep_done}).one().completed
             if count == 1:
                 tx.commit()
             else:
@@ -499,8 +513,7 @@ class JobLifecycle(RuleBasedStateMachine):
         after = self.rows()
         assert count == (1 if valid else 0), f"job_complete of {worker} for job {job.id} fence {job.fence}"
         if valid:
-            m = self.jobs[job.id]
-            m.status, m.lease_until, m.finished_at, m.updated_at = "done", None, now, now
+            self.mark_done([job.id], now)
         self.assert_only_changed(before, after, {job.id} if valid else (), "job_complete",
                                  () if valid else {job.id})
         if valid:
@@ -659,8 +672,8 @@ class JobLifecycle(RuleBasedStateMachine):
         for worker, claims in self.held.items():
             assert len({_claim_key(j) for j in claims}) == len(claims), f"{worker} holds a claim twice"
             for job in claims:
-                row = rows[job.id]
-                if row["status"] == "running" and row["fence"] == job.fence:
+                row = rows.get(job.id)  # None: a stale claim of a job another worker's completion deleted
+                if row is not None and row["status"] == "running" and row["fence"] == job.fence:
                     holders[job.id].append(worker)
         for job_id, row in rows.items():
             if row["status"] == "running":
@@ -694,5 +707,14 @@ class JobLifecycle(RuleBasedStateMachine):
 
 
 def test_job_lifecycle_matches_the_model(engine):
-    machine = type("JobLifecycleOnThisDatabase", (JobLifecycle,), {"engine": engine})
+    machine = type("JobLifecycleOnThisDatabase", (JobLifecycle,), {"engine": engine, "keep_done": True})
     run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+def test_job_lifecycle_deleting_done_jobs_matches_the_model(engine):
+    """``retention_done = 0``: every completion deletes the job's row in the statement that
+    completes it (the model drops the job), and every other guarantee holds as with done
+    rows kept; a stale completion of a deleted job changes nothing. Fewer examples: the
+    rules are the same, only the completions differ."""
+    machine = type("JobLifecycleDeletingDone", (JobLifecycle,), {"engine": engine, "keep_done": False})
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=60))

@@ -45,7 +45,9 @@ whose shape depends on what the database returned, so a replayed example draws t
 Rate limits are left out: a token bucket refills on the database clock, which would make
 claims depend on elapsed time (tests/integration/test_flow_control.py covers them).
 
-Settings: ``max_examples=150``, ``stateful_step_count=40``, ``deadline=None``,
+A second run repeats it with ``retention_done = 0``: each completion deletes its job.
+
+Settings: ``max_examples=150`` (40 for the second run), ``stateful_step_count=40``, ``deadline=None``,
 ``database=None`` (no example database lands in the repository).
 """
 
@@ -99,6 +101,7 @@ class OrderingFlow(RuleBasedStateMachine):
     """Two relays, routing, both claim paths, outcomes and operators; see the module notes."""
 
     engine: sa.Engine  # set by the test
+    keep_done: bool = True  # False: retention_done = 0, a completion deletes its job
 
     def __init__(self) -> None:
         super().__init__()
@@ -187,7 +190,7 @@ class OrderingFlow(RuleBasedStateMachine):
         job = self._pick(relay, index)
         with self.engine.begin() as conn:
             if how == "done":
-                changed = bool(complete_jobs(conn, [job]))
+                changed = bool(complete_jobs(conn, [job], keep_done=self.keep_done))
             elif how == "snooze":
                 changed = bool(snooze_jobs(conn, [(job, Snoozed(0.0))]))
             else:
@@ -279,5 +282,13 @@ class OrderingFlow(RuleBasedStateMachine):
 
 
 def test_ordering_and_flow_control_model(engine: sa.Engine) -> None:
-    OrderingFlow.engine = engine
-    run_state_machine_as_test(OrderingFlow, settings=SETTINGS)
+    machine = type("OrderingFlowOnThisDatabase", (OrderingFlow,), {"engine": engine})
+    run_state_machine_as_test(machine, settings=SETTINGS)
+
+
+def test_ordering_and_flow_control_model_deleting_done_jobs(engine: sa.Engine) -> None:
+    """The same with ``retention_done = 0``: a completed job's row is deleted at once, so a
+    finished head leaves no row behind, and every invariant must hold as before (fewer
+    examples: only the completions differ)."""
+    machine = type("OrderingFlowDeletingDone", (OrderingFlow,), {"engine": engine, "keep_done": False})
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=40))

@@ -316,7 +316,7 @@ def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, se
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     _publish(engine, 2000)
-    relay = Relay(ob, settings(retention_done=0, prune_interval=0.5))
+    relay = Relay(ob, settings(retention_done=0.001, prune_interval=0.5))  # 0 would delete at completion
     caplog.set_level("WARNING", logger="outbox.relay")
     relay.start()
     try:
@@ -372,7 +372,7 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
         assert len(redrive(conn, consumer="x")) == 20_000
     claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
     combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
-                "after_id": 0, "relay": None, "start_now": 0, "skip": [], "only": None}
+                "after_id": 0, "relay": None, "start_now": 0, "skip": [], "only": None, "keep_done": True}
     public = queries.in_schema("public")
     for statement, params in ((public.job_claim_many, claim), (public.job_complete_claim_many, combined)):
         with engine.connect() as conn:
@@ -383,7 +383,7 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
 
 def test_fenced_completion_finds_its_jobs_by_primary_key_in_the_generic_plan(engine):
     """``job_complete_many`` as psycopg prepares it (a generic plan), 300 of 21,000 jobs running:
-    the lock step and the UPDATE probe ``pk_outbox_jobs``; through ``ix_outbox_jobs_lease``
+    the lock step, the UPDATE and the DELETE (``retention_done = 0``) probe ``pk_outbox_jobs``; through ``ix_outbox_jobs_lease``
     they read every running job, once per completed job (performance notes, "Issue 14")."""
     subscribe(engine, "t", CONSUMERS)
     _publish(engine, 7000)
@@ -394,11 +394,12 @@ def test_fenced_completion_finds_its_jobs_by_primary_key_in_the_generic_plan(eng
             " lease_until = now() + interval '30 seconds' WHERE id IN (SELECT id FROM outbox_jobs ORDER BY id LIMIT 300)"))
         conn.execute(sa.text("ANALYZE outbox_jobs"))
     text = queries.in_schema("public").job_complete_many.text.replace(":ids", "$1").replace(":fences", "$2")
+    text = text.replace(":keep_done", "$3")
     with engine.connect() as conn:
         conn.execute(sa.text("SET plan_cache_mode = force_generic_plan"))
-        conn.exec_driver_sql(f"PREPARE complete_guard(bigint[], bigint[]) AS {text}")
+        conn.exec_driver_sql(f"PREPARE complete_guard(bigint[], bigint[], boolean) AS {text}")
         plan = "\n".join(conn.exec_driver_sql(
-            "EXPLAIN EXECUTE complete_guard('{1,2,3}', '{1,2,3}')").scalars().all())
+            "EXPLAIN EXECUTE complete_guard('{1,2,3}', '{1,2,3}', true)").scalars().all())
         conn.rollback()
     assert "pk_outbox_jobs" in plan, plan
     assert "ix_outbox_jobs_lease" not in plan, plan

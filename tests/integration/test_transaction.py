@@ -325,3 +325,54 @@ def test_transactional_jobs_wait_for_a_connection_under_a_role_connection_limit(
     marks = ["start" if "cannot get" in m else "end" for m in lines if "cannot get" in m or "again" in m]
     assert marks == ["start", "end"] * len(episodes), marks
     assert len(episodes) < 20, len(episodes)
+
+
+# ------------------------------------------------------------ done jobs not kept
+
+
+def test_a_relay_with_retention_done_zero_deletes_each_job_as_it_completes(engine, settings, effects):
+    """``retention_done = 0``: every completion path deletes the job it completes (the
+    combined claim-and-complete round, a transactional handler's completion, sync and
+    async): each job ran once, each transactional job's write committed with its
+    completion, and no job row is left, while a failing job still retries and ends dead.
+    (Two relays' worth of work through one relay with two dispatchers.)"""
+    ob = Outbox()
+    ran: list[int] = []
+    lock = threading.Lock()
+
+    @ob.subscriber("t", consumer="lease")
+    def lease_handler(job: Job) -> None:
+        with lock:
+            ran.append(job.id)
+
+    @ob.subscriber("t", consumer="async_lease")
+    async def async_handler(job: Job) -> None:
+        with lock:
+            ran.append(job.id)
+
+    @ob.subscriber("t", consumer="tx", transactional=True)
+    def tx_handler(job: Job, session: Session) -> None:
+        _write_effect(session, job)
+
+    @ob.subscriber("t", consumer="failing", max_attempts=2)
+    def failing(job: Job) -> None:
+        raise RuntimeError("always")
+
+    publish_events(engine, "t", [{"n": i} for i in range(200)])
+    relay = Relay(ob, settings(retention_done=0, concurrency=4, dispatchers=2, prefetch=20))
+    assert not relay.settings.keep_done
+
+    def left() -> list[tuple[str, str]]:
+        with engine.connect() as c:
+            return [tuple(r) for r in c.execute(sa.text("SELECT consumer, status FROM outbox_jobs GROUP BY 1, 2"))]
+
+    relay.start()
+    try:
+        wait_for(lambda: left() == [("failing", "dead")], timeout=60, what="every job deleted but the dead ones")
+    finally:
+        relay.stop()
+    assert relay.stats["pruned_jobs"] == 0  # deleted by their completions, none left done for the pruner
+    assert len(ran) == len(set(ran)) == 400  # lease and async_lease: each job once
+    assert len(effects()) == 200  # one committed write per transactional job
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT count(*), min(attempts) FROM outbox_jobs")).one() == (200, 2)
