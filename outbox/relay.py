@@ -315,7 +315,7 @@ class Relay:
                     self.stats.add("pruned_jobs", jobs)
                     self.stats.add("pruned_events", events)
                     if jobs or events:
-                        log.info("pruned %d done jobs and %d finished events", jobs, events)
+                        log.info("pruned %d done or cancelled jobs and %d finished events", jobs, events)
                     self._vacuum_if_autovacuum_is_off()
                     next_prune = time.monotonic() + self.settings.prune_interval
                 failures = self.reconnect.recovered(failures, "maintenance")

@@ -63,6 +63,8 @@ CUSTOMERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi",
              "mallory", "niaj", "olivia", "peggy", "rupert", "sybil", "trent", "victor", "walter")
 CONSUMERS = ("send_receipt", "create_invoice", "sync_crm")
 DB_NAME_RE = re.compile(r"^outbox_demo[a-z0-9_]*$")
+#: Seconds the demo's relays keep done jobs (the default's day): its checks read them.
+DEMO_RETENTION_DONE = 86_400
 
 
 # ---------------------------------------------------------------------- arguments
@@ -479,6 +481,9 @@ class Demo:
             "OUTBOX_DATABASE_URL": self.url.render_as_string(hide_password=False),
             "OUTBOX_LOG_LEVEL": "INFO",
             "OUTBOX_SCHEMA": self.settings.schema_name,
+            # The checks read the done jobs (one per event and consumer, the invoice's fence
+            # against its job's): kept whatever OUTBOX_RETENTION_DONE says (0 deletes them).
+            "OUTBOX_RETENTION_DONE": str(DEMO_RETENTION_DONE),
             "OUTBOX_DEMO_WORK_MS": str(cfg.work_ms),
             "OUTBOX_DEMO_FAIL_SHARE": str(cfg.fail_share),
             "OUTBOX_DEMO_SLOW_SHARE": str(cfg.slow_share),
