@@ -12,9 +12,9 @@ best settings; then the best settings (N events) and the relay's defaults
 The best settings also run with ``retention_done = 0`` per repetition: each completion
 deletes its job instead of marking it done (the fastest setting, as graphile-worker and
 PgQueuer do). Those runs leave no ``finished_at`` to read, so their end is the database
-clock when the harness sees the drain (checked every 20 ms; the rate can only come out
-lower than by ``finished_at``), and their jobs are the routed events times the consumers
-less the rows left. The best settings also run a fourth time per repetition while the harness runs ``ANALYZE
+clock when the harness sees the drain (:func:`wait_deleted`: within 5 ms; the rate can only
+come out lower than by ``finished_at``), and their jobs are the routed events times the
+consumers less the rows left. The best settings also run a fourth time per repetition while the harness runs ``ANALYZE
 outbox_jobs`` every 2 s: a burst of N events puts 3 N ready jobs into a table whose
 statistics (none yet, or from a quiet time) say it holds almost none; until autovacuum's
 analyze catches up, the planner may claim through a bitmap scan and sort of every ready
@@ -60,9 +60,9 @@ from .common import (
 
 CONSUMERS = 3
 ANALYZE_EVERY = 2.0
-#: Seconds between drain checks of a run whose completions delete the jobs (its end is read
-#: when the drain is seen, so the check comes often; each is a few EXISTS probes).
-DELETING_POLL = 0.02
+#: Seconds between the checks of a run whose completions delete the jobs (its end is read
+#: when the drain is seen): the fence sequence while claims go on, then the last running jobs.
+FENCES_POLL, LAST_JOBS_POLL = 0.05, 0.005
 #: Jobs done: rows marked done, or (done jobs deleted at completion) the jobs the routed
 #: events made, ``consumers`` each, less the rows left (ready, running, pending or dead).
 DONE_COUNT = "(SELECT count(*) FROM outbox_jobs WHERE status = 'done')"
@@ -94,9 +94,10 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
                 started = time.monotonic()
                 analyzer = Analyzer(url, analyze_every) if analyze_every else None
                 publish_seconds = publish_events(eng, events)
-                drained = wait_drained(mon, expected_jobs=None if deleting else events * consumers,
-                                       raise_on_timeout=False, interval=DELETING_POLL if deleting else 0.5,
-                                       timeout=max(1.0, cap - (time.monotonic() - started)))
+                left = max(1.0, cap - (time.monotonic() - started))
+                drained = (wait_deleted(mon, events * consumers, left) if deleting else
+                           wait_drained(mon, expected_jobs=events * consumers, raise_on_timeout=False, interval=0.5,
+                                        timeout=left))
                 cpu1, busy1 = proc_cpu(relay.pid), machine_busy()
                 if analyzer:
                     analyzer.stop()
@@ -126,6 +127,25 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
         f" {out['relay_cpu_us_per_job'] or 0:.0f} us/job, db CPU {out['db_cpu_us_per_job']:.0f} us/job,"
         f" machine {busy:.0%} busy)")
     return out
+
+
+def wait_deleted(conn: psycopg.Connection, jobs: int, timeout: float) -> bool:
+    """Wait until ``jobs`` jobs were claimed and none is ready or running, for a run whose
+    completions delete the jobs; False after ``timeout`` seconds. While claims go on it
+    reads only the fence sequence (one fence per claim); then it looks for the last jobs
+    every 5 ms, so the end is seen within that (each look is two probes of small partial
+    indexes; looking that often from the start cost the relay up to a tenth of its rate)."""
+    deadline = time.monotonic() + timeout
+    while conn.execute("SELECT last_value FROM outbox_fence_seq").fetchone()[0] < jobs:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(FENCES_POLL)
+    while conn.execute("SELECT EXISTS (SELECT 1 FROM outbox_jobs WHERE status = 'running')"
+                       " OR EXISTS (SELECT 1 FROM outbox_jobs WHERE status = 'ready')").fetchone()[0]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(LAST_JOBS_POLL)
+    return True
 
 
 class Analyzer:
