@@ -72,29 +72,29 @@ class Size:
     scale_rows: int = 1_000_000
     scale_events: int = 3_000            # unrouted events routed per measurement
     # 7 soak
-    soak_seconds: float = 60.0
+    soak_seconds: float = 40.0
     soak_rate: float = 200.0
-    snapshot_seconds: float = 15.0
+    snapshot_seconds: float = 10.0
     after_seconds: float = 10.0
     retention: float = 10.0              # retention_done during the soak, seconds
     # 8 ordered delivery
-    ordered_events: int = 20_000         # events of one consumer, ordered and not
+    ordered_events: int = 10_000         # events of one consumer, ordered and not
     ordered_keys: int = 1_000
     ordered_settings: dict[str, Any] = field(default_factory=lambda: {"concurrency": 16, "claim_batch": 100,
                                                                       "prefetch": 100})
     claim_ready: int = 30_000            # ready jobs the claim-cost loop may claim
     blocked_jobs: int = 100_000          # pending jobs behind the blocked key
     # 9 forwarding
-    forward_events: int = 20_000         # events forwarded per throughput run (and re-sent raw)
+    forward_events: int = 10_000         # events forwarded per throughput run (and re-sent raw)
     forward_sweep_events: int = 5_000    # events per configuration of the forwarding sweep
-    forward_latency_seconds: float = 10.0
+    forward_latency_seconds: float = 6.0
     forward_rate: float = 200.0
     claim_seconds: float = 1.5
     # 11 ceiling: the leanest-SQL pipeline
     lean_seconds: float = 6.0            # each of its pgbench runs
     lean_pool: int = 400_000             # ready jobs preloaded before the first lean claim + complete run
     # 10 metrics cost
-    metrics_events: int = 20_000         # events per run of each pair (jobs = 3x)
+    metrics_events: int = 10_000         # events per run of each pair (jobs = 3x)
     notes: tuple[str, ...] = field(default=())
 
 
@@ -116,7 +116,7 @@ SIZES = {
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
         scale_rows=10_000_000, latency_seconds=30.0, metrics_events=50_000, forward_latency_seconds=20.0,
-        lean_pool=800_000),
+        lean_pool=800_000, ordered_events=20_000, forward_events=20_000),
 }
 
 

@@ -59,6 +59,7 @@ NOTHING_MATCHED = 1
 #: run flags -> settings fields
 _RUN_FLAGS = {
     "concurrency": int, "dispatchers": int, "claim_batch": int, "prefetch": int, "route_batch": int, "poll_interval": float,
+    "wake_cooldown": float,
     "default_lease": float, "reap_interval": float, "shutdown_grace": float,
     "retention_done": float, "retention_events": float, "prune_interval": float,
     "backoff_base": float, "backoff_cap": float, "backoff_jitter": float, "reconnect_max": float,

@@ -26,6 +26,7 @@ return exit status 0. A second signal skips the rest of the grace period.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import Callable
 from types import FrameType
 
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 
 from .counters import Counters
@@ -247,13 +249,26 @@ class Relay:
     def _router_loop(self) -> None:
         failures = 0
         limit = self.settings.route_batch
+        cooldown = self.settings.wake_cooldown
+        round_started = 0.0  # time.monotonic() when the last round began
+        conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
         while not self.stop_event.is_set():
+            pause = round_started + cooldown - time.monotonic()
+            if pause > 0:
+                self.stop_event.wait(pause)  # NOTIFYs closer than the cooldown share a round
+            round_started = time.monotonic()
             try:
-                # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
-                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                    result = route_round(conn, limit, self.route_quarantine, schema=self.schema)
+                if conn is None:
+                    # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
+                    conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                result = route_round(conn, limit, self.route_quarantine, schema=self.schema)
                 failures = self.reconnect.recovered(failures, "router")
             except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
+                if conn is not None:
+                    with contextlib.suppress(Exception):  # it is being thrown away
+                        conn.invalidate()  # whatever broke, the next round starts on a fresh connection
+                        conn.close()
+                    conn = None
                 failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
                 continue
             if result.jobs:
@@ -266,12 +281,16 @@ class Relay:
             if result.unsubscribed:
                 self.stats.add("events_unsubscribed", result.unsubscribed)
                 self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
-            if result.events < limit:
+            if result.events >= limit:
+                round_started = 0.0  # a full batch: more events may be waiting, no cooldown
+            else:
                 # Events held back behind another router's batch (architecture notes, "Ordering")
                 # go once it commits, which sends no NOTIFY: look again soon.
                 self.wake_router.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
                                       else self.settings.poll_interval)
                 self.wake_router.clear()
+        if conn is not None:
+            conn.close()
 
     def _vacuum_if_autovacuum_is_off(self) -> None:
         """Vacuum the queue's tables when autovacuum will not (see :mod:`outbox.maintenance`)."""

@@ -96,6 +96,7 @@ class OutboxSettings(BaseSettings):
     forward_window: int = Field(default=500, ge=1, le=100_000, description="Messages a relay's forwarders have sent to their brokers and not yet seen acknowledged, at most, all forwarders together; a forwarder's batch is at most this. Counted apart from concurrency (forwarded jobs take no worker thread). Default 500.")
     route_batch: int = Field(default=500, ge=1, le=100_000, description="Most events routed per transaction. Default 500.")
     poll_interval: float = Field(default=1.0, gt=0, le=3600, description="Seconds between polls when no NOTIFY arrives. Default 1.0.")
+    wake_cooldown: float = Field(default=0.005, ge=0, le=1, description="Shortest time between the starts of two rounds of the router, and of two rounds of one dispatcher, seconds: wake-ups (a NOTIFY per published event, a finished job) that come closer together are handled in one round, so a steady stream of events is claimed, routed and completed in batches rather than one transaction each (River's FetchCooldown, 100 ms there). A round that found a full batch is followed at once. It delays a job by at most twice this; 0 runs a round per wake-up. Default 0.005 (5 ms).")
     listen: bool = Field(default=True, description="Use LISTEN/NOTIFY wake-ups (polling stays on). Default true.")
     default_lease: float = Field(default=30.0, gt=0, le=86_400, description="Lease of a job whose subscriber sets none, seconds. Default 30.")
     reap_interval: float = Field(default=2.0, gt=0, le=3600, description="Seconds between reaper runs. Default 2.")

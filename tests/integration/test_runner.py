@@ -309,6 +309,56 @@ def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, s
     assert any(f"fence {buffered.fence} not started" in r.getMessage() for r in caplog.records)
 
 
+# ------------------------------------------------------------- wake-up cooldown
+
+
+def test_wake_ups_closer_than_the_cooldown_share_a_routing_round(engine, settings):
+    """Ten events committed one by one about 20 ms apart, each with its NOTIFY, are routed
+    in at most three rounds when the cooldown is half a second (a round's events share its
+    ``routed_at``); without a cooldown each NOTIFY started a round of its own."""
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    relay = Relay(ob, settings(wake_cooldown=0.5, poll_interval=5.0))
+    relay.start()
+    try:
+        ids = []
+        for i in range(10):
+            ids += publish_events(engine, "t", [{"n": i}])
+            time.sleep(0.02)  # a stream of commits, not a wait for a condition
+        with engine.connect() as c:
+            def routed() -> bool:
+                return c.execute(sa.text("SELECT count(*) FROM outbox_events WHERE routed_at IS NOT NULL"
+                                         " AND id = ANY(:ids)"), {"ids": ids}).scalar_one() == 10
+            wait_for(routed, timeout=TIMEOUT, what="the ten events routed")
+            rounds = c.execute(sa.text("SELECT count(DISTINCT routed_at) FROM outbox_events WHERE id = ANY(:ids)"),
+                               {"ids": ids}).scalar_one()
+    finally:
+        relay.stop()
+    assert 1 <= rounds <= 3
+
+
+def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
+    """A backlog is routed and claimed in full batches back to back: 300 events in batches
+    of 20 (15 routing rounds, 45 claims of 20 jobs) with a cooldown of 1 s would need a
+    minute of pauses if the cooldown applied to full batches; only a claim that comes back
+    short (it caught up with the router) is followed by one."""
+    ob = Outbox()
+    for consumer in ("a", "b", "c"):
+        ob.subscriber("t", consumer=consumer)(lambda job: None)
+    publish_events(engine, "t", [{"n": i} for i in range(300)])
+    relay = Relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0))
+
+    def all_done() -> bool:
+        statuses = _statuses(engine)
+        return len(statuses) == 900 and set(statuses.values()) == {"done"}
+
+    relay.start()
+    try:
+        wait_for(all_done, timeout=15, what="the backlog done without a cooldown between full batches")
+    finally:
+        relay.stop()
+
+
 # ------------------------------------------------------------- claim-order hint
 
 
