@@ -141,8 +141,9 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     if lat:
         for key, label in (("listen", "LISTEN/NOTIFY on"), ("poll", "polling only")):
             m = lat[key]
-            target = "p50 <= 10, p99 <= 50 ms" if key == "listen" else ""
-            met = _ok(m["p50_ms"] <= 10 and m["p99_ms"] <= 50) if key == "listen" else ""
+            # Issue 14's target, at 1,000 events/s; issue 4's (p50 <= 10 ms too) was at 200 events/s.
+            target = "p99 <= 50 ms (issue 14)" if key == "listen" else ""
+            met = _ok(m["p99_ms"] <= 50) if key == "listen" else ""
             out.append(("5 latency", f"commit to handler start, {lat['rate']:.0f} events/s x 3 consumers (achieved "
                         f"{m['rate']:,.0f}), {label}",
                         f"p50 {m['p50_ms']:.1f} / p95 {m['p95_ms']:.1f} / p99 {m['p99_ms']:.1f} ms", target, met))
