@@ -332,8 +332,11 @@ def test_a_handler_that_kills_its_process_is_charged_each_start_and_ends_dead(en
     for _ in range(6):
         if _all(engine, "suicide", "dead", 1):
             break
+        # No wake-up cooldown: with one, the outcome of the job that finished just before the
+        # killing one starts may still wait its few milliseconds when the process dies, and
+        # that job then runs again (at-least-once; README, OUTBOX_WAKE_COOLDOWN).
         relay = relays("--concurrency", "1", "--prefetch", "5", "--claim-batch", "6", "--default-lease", "1.5",
-                       wait=False)
+                       "--wake-cooldown", "0", wait=False)
         wait_for(lambda: relay.proc.poll() is not None or _all(engine, "suicide", "dead", 1), timeout=30,
                  what="the relay to die or the suicide job to be dead")
         relay.kill()
