@@ -55,7 +55,7 @@ from .claims import HeldClaims, Signals
 from .completer import Completer
 from .db.engine import describe, is_disconnect
 from .job import Job
-from .notify import Wakeup
+from .notify import Cooldown, Wakeup
 from .producer import Producer
 from .reconnect import Reconnector
 from .settings import OutboxSettings
@@ -239,12 +239,9 @@ class Dispatcher:
         carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
         closing = False
         signals = self.signals
-        cooldown = self.settings.wake_cooldown
-        round_started = 0.0  # time.monotonic() when the last round began
+        cooldown = Cooldown(self.settings.wake_cooldown)
         while True:
-            pause = round_started + cooldown - time.monotonic()
-            if pause > 0 and not signals.stop_claiming.is_set():
-                signals.stop_claiming.wait(pause)  # wake-ups closer than the cooldown share a round
+            cooldown.wait(signals.stop_claiming)  # wake-ups closer than the cooldown share a round
             if signals.stop_claiming.is_set():
                 self.closed.set()  # between rounds: no claim is in flight any more
             elif not failures:
@@ -272,7 +269,7 @@ class Dispatcher:
                 if jobs_hint or time.monotonic() >= drained_until:
                     drained_until = 0.0
                 continue
-            round_started = time.monotonic()
+            cooldown.started()
             try:
                 self.connection.get()  # a new connection rewrites the relay's row: not inside claiming()
                 with self.connection.row.claiming():
@@ -306,7 +303,7 @@ class Dispatcher:
                 drained_until = time.monotonic() + self.settings.poll_interval
             elif claim:
                 drained_until = 0.0
-                round_started = 0.0  # the claim came back full: more jobs may be waiting, no cooldown
+                cooldown.skip()  # the claim came back full: more jobs may be waiting
         # The last dispatcher to stop removes the relay's row, unless one could not release
         # its buffer: then the row stays, for the reaper.
         self.connection.row.leave(self.connection.get, self.abandoned)

@@ -109,6 +109,32 @@ class Wakeup:
             return woke
 
 
+class Cooldown:
+    """The shortest time between the starts of two rounds of one loop (the router, a
+    dispatcher), setting ``wake_cooldown`` in seconds: wake-ups that come closer together
+    share the next round. A loop calls :meth:`wait` before a round, :meth:`started` as the
+    round begins and :meth:`skip` after a round whose batch came back full (more work may be
+    waiting: the next round starts at once). Not thread-safe: one per loop."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._next = 0.0  # time.monotonic() before which no round starts
+
+    def wait(self, stop: threading.Event) -> None:
+        """Sleep until the cooldown since the last round's start has passed, or ``stop`` is set."""
+        pause = self._next - time.monotonic()
+        if pause > 0 and not stop.is_set():
+            stop.wait(pause)
+
+    def started(self) -> None:
+        """A round begins now."""
+        self._next = time.monotonic() + self.seconds
+
+    def skip(self) -> None:
+        """The round's batch came back full: no cooldown before the next one."""
+        self._next = 0.0
+
+
 class Listener:
     """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
     ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL; ``reconnect`` is

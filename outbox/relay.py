@@ -45,7 +45,7 @@ from .db.engine import make_engine, parse_url, redact, translate_errors
 from .db.migrate import check_schema
 from .maintenance import TableUpkeep, autovacuum_enabled, prune, prune_relays, reap_expired, vacuum_tables
 from .metrics import GaugeGatherer, MetricsServer, RelayMetrics, check_metrics_available
-from .notify import Listener, Wakeup
+from .notify import Cooldown, Listener, Wakeup
 from .ordering import HeadSweeper
 from .poison import Quarantine, SystemicError
 from .reconnect import Reconnector
@@ -249,14 +249,11 @@ class Relay:
     def _router_loop(self) -> None:
         failures = 0
         limit = self.settings.route_batch
-        cooldown = self.settings.wake_cooldown
-        round_started = 0.0  # time.monotonic() when the last round began
+        cooldown = Cooldown(self.settings.wake_cooldown)
         conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
         while not self.stop_event.is_set():
-            pause = round_started + cooldown - time.monotonic()
-            if pause > 0:
-                self.stop_event.wait(pause)  # NOTIFYs closer than the cooldown share a round
-            round_started = time.monotonic()
+            cooldown.wait(self.stop_event)  # NOTIFYs closer than the cooldown share a round
+            cooldown.started()
             try:
                 if conn is None:
                     # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
@@ -282,7 +279,7 @@ class Relay:
                 self.stats.add("events_unsubscribed", result.unsubscribed)
                 self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
             if result.events >= limit:
-                round_started = 0.0  # a full batch: more events may be waiting, no cooldown
+                cooldown.skip()  # a full batch: more events may be waiting
             else:
                 # Events held back behind another router's batch (architecture notes, "Ordering")
                 # go once it commits, which sends no NOTIFY: look again soon.
