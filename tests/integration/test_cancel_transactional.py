@@ -27,12 +27,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import Job, Outbox, admin
+from outbox import Job, Outbox, admin, publish
 from outbox.cli import main
 from outbox.db import queries
 from outbox.db.engine import make_engine
 from outbox.relay import Relay
-from outbox.testing import wait_for
+from outbox.testing import drain, wait_for
 
 from .helpers import job_row, publish_events
 
@@ -216,6 +216,50 @@ def test_cancel_waiting_on_the_completions_row_lock_finds_the_job_done_and_says_
     capsys.readouterr()
     assert main(["cancel", str(job.id), *_url(db_url)]) == 1
     assert f"no job cancelled: job {job.id} is done" in capsys.readouterr().err
+
+
+def test_a_cancelled_ordered_head_rolls_back_and_lets_the_next_job_of_its_key_run(engine, effects, relay_of):
+    """An ordered transactional consumer: the head of key ``k`` cancelled while its handler
+    runs ends ``cancelled`` with nothing committed, and the key's next job then runs and is
+    ``done`` with its write (the cancelled head no longer holds the key)."""
+    ob = Outbox()
+    first = threading.Event()
+
+    @ob.subscriber("t", consumer="tx", transactional=True, ordered=True, lease=1.5)
+    def handler(job: Job, session: Session) -> None:
+        session.execute(sa.text("INSERT INTO effects (job_id) VALUES (:j)"), {"j": job.id})
+        if job.payload["n"] == 1:
+            first.set()
+            end = time.monotonic() + TIMEOUT
+            while not job.cancel_requested and time.monotonic() < end:
+                time.sleep(0.02)
+
+    with Session(engine) as s, s.begin():
+        for n in (1, 2):
+            publish(s, "t", {"n": n}, key="k")
+    relay_of(ob)
+    assert first.wait(TIMEOUT)
+    with engine.connect() as c:
+        head, second = c.execute(sa.text("SELECT id FROM outbox_jobs ORDER BY id")).scalars().all()
+    assert admin.cancel(engine, [head]).requested == [head]
+    wait_for(lambda: job_row(engine, second)["status"] == "done", timeout=TIMEOUT, what="the key's next job done")
+    assert job_row(engine, head)["status"] == "cancelled" and effects() == {second: 1}
+
+
+def test_drain_reports_a_transactional_job_cancelled_while_it_ran_and_commits_nothing(engine, effects, settings):
+    """``outbox.testing.drain`` runs the relay's executor: a transactional job cancelled while
+    its handler runs is rolled back, recorded ``cancelled`` and reported so."""
+    ob = Outbox()
+
+    @ob.subscriber("t", consumer="tx", transactional=True)
+    def handler(job: Job, session: Session) -> None:
+        session.execute(sa.text("INSERT INTO effects (job_id) VALUES (:j)"), {"j": job.id})
+        assert admin.cancel(engine, [job.id]).requested == [job.id]  # an operator, on another connection
+
+    publish_events(engine, "t", [{"n": 1}])
+    [result] = drain(engine, ob, settings=settings())
+    assert result.outcome == "cancelled"
+    assert (job_row(engine, result.job_id)["status"], effects()) == ("cancelled", {})
 
 
 def test_a_hundred_cancels_racing_their_handlers_end_each_job_truthfully(engine, effects, settings):
