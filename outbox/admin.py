@@ -16,7 +16,9 @@ what was wrong, before anything is written.
 ``cancel_requested``; the worker's own fenced statement that records the attempt (completion,
 failure, snooze, release, or the reaper's) then records ``cancelled``, so a stale worker's
 report afterwards matches no row (its fence or the status no longer match) and changes
-nothing. ``retry`` touches ready jobs that are not due (never claimed); ``purge`` skips
+nothing. A transactional handler's transaction is rolled back for it first, so a
+``cancelled`` job committed nothing of its handler's; one whose transaction committed before
+the cancel took its row is ``done``, and the cancel reports it so (``unchanged``). ``retry`` touches ready jobs that are not due (never claimed); ``purge`` skips
 running ones.
 
 **Cost with millions of rows** (``status``): ready, running, dead, pending and cancelled jobs
@@ -239,11 +241,16 @@ class CancelResult:
     """``cancelled``: ids now ``cancelled`` (they were ready or pending); ``requested``: ids
     of running jobs asked to stop (recorded ``cancelled`` when their attempt ends);
     ``promoted``: ordered jobs that became ready because a cancelled job no longer holds
-    their key back."""
+    their key back; ``unchanged``: of the ids asked for by id, those that exist and were
+    left alone, with their status (``done``: the job finished first, e.g. its handler's
+    transaction committed before the cancel could take its row; ``dead``; ``cancelled``; a
+    status left out of ``statuses``; ``running`` when already asked to stop). An id in none
+    of these is no job (never created, or pruned)."""
 
     cancelled: list[int] = field(default_factory=list)
     requested: list[int] = field(default_factory=list)
     promoted: list[int] = field(default_factory=list)
+    unchanged: dict[int, str] = field(default_factory=dict)
 
 
 def _one_target(ids: Sequence[int] | None, consumer: str | None, command: str) -> list[int] | None:
@@ -271,7 +278,8 @@ def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | Non
     :data:`CANCELLABLE`): ready and pending ones become ``cancelled`` at once, running ones
     get ``cancel_requested`` (see the module notes). ``batch`` jobs per transaction; then the
     ordered keys the cancelled jobs held are promoted. Jobs in other statuses (done, dead,
-    already cancelled) are left alone. Raises :class:`AdminError` for neither ``ids`` nor
+    already cancelled) are left alone, and when given by id reported with their status
+    (:attr:`CancelResult.unchanged`). Raises :class:`AdminError` for neither ``ids`` nor
     ``consumer``, or an unknown status."""
     target = _one_target(ids, consumer, "cancel")
     unknown = sorted(set(statuses) - set(CANCELLABLE))
@@ -295,6 +303,10 @@ def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | Non
             result.promoted.extend(ordering.promote(conn, keys, schema=schema))
             if result.promoted:
                 notify_head(conn, schema=schema)
+    left = sorted(set(target or ()) - set(result.cancelled) - set(result.requested))
+    if left:
+        with engine.connect() as conn:
+            result.unchanged.update({r.id: r.status for r in conn.execute(statements.job_status_many, {"ids": left})})
     result.cancelled.sort()
     result.requested.sort()
     return result

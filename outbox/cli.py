@@ -602,9 +602,13 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
     if command == "cancel":
         result = admin.cancel(engine, args.ids or None, args.consumer, statuses=args.status or admin.CANCELLABLE,
                               schema=schema)
+        finished = [f"job {i} is {s}" for i, s in sorted(result.unchanged.items())[:20]]
+        missing = sorted(set(args.ids) - set(result.cancelled) - set(result.requested) - set(result.unchanged))
         if not result.cancelled and not result.requested:
-            return _nothing("no job cancelled: " + (f"none of {args.ids[:20]} is ready, pending or running"
-                                                    if args.ids else f"consumer {args.consumer} has no such job"))
+            if not args.ids:
+                return _nothing(f"no job cancelled: consumer {args.consumer} has no such job")
+            return _nothing("no job cancelled: " + "; ".join(
+                finished + ([f"no such job, or finished: {missing[:20]}"] if missing else [])))
         text = [f"cancelled {len(result.cancelled)} job{'s' if len(result.cancelled) != 1 else ''}"
                 + (f": {result.cancelled[:20]}" if result.cancelled else "")]
         if result.requested:
@@ -612,7 +616,8 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
                         f"stop (cancelled when the attempt ends): {result.requested[:20]}")
         if result.promoted:
             text.append(f"{len(result.promoted)} ordered jobs behind them now ready: {result.promoted[:20]}")
-        missing = sorted(set(args.ids) - set(result.cancelled) - set(result.requested))
+        if finished:
+            text.append(f"not cancelled: {', '.join(finished)}")
         if missing:
             text.append(f"not cancelled (no such job, or finished): {missing[:20]}")
         out(result, "\n".join(text))

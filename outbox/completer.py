@@ -15,7 +15,8 @@ Workers post how each handler ended (:class:`outbox.worker.Outcome` or
   claims while draining, a lease that ran out in the buffer) go to ``job_release_many``
   (attempt not counted) and a ``head`` NOTIFY, so every relay claims them at once;
 * outcomes with nothing to write: ``COMMITTED`` (the handler's transaction completed the
-  job), ``STALE`` and any result of a claim whose lease was lost.
+  job), ``CANCELLED`` (the handler's transaction rolled back for an operator's cancel, which
+  its worker recorded), ``STALE`` and any result of a claim whose lease was lost.
 
 Every statement is fenced (``WHERE id AND fence AND status = 'running'``) and returns the
 rows it changed; a job missing from them was a stale report: dropped and logged, nothing
@@ -88,7 +89,7 @@ class Completer:
             self.metrics.handlers_finished(job for job, _ in pending)
         for item in pending:
             job, outcome = item
-            if job.lease_lost or outcome is Outcome.STALE or outcome is Outcome.COMMITTED:
+            if job.lease_lost or outcome is Outcome.STALE or outcome is Outcome.COMMITTED or outcome is Outcome.CANCELLED:
                 unwritten.append(item)
             elif outcome is Outcome.DONE:
                 done.append(job)
@@ -102,7 +103,14 @@ class Completer:
             committed = [j for j, o in unwritten if o is Outcome.COMMITTED]
             self.stats.add("completed", len(committed))
             self._finished("done", committed)
-            self.stale([j for j, o in unwritten if o is not Outcome.COMMITTED])
+            cancelled = [j for j, o in unwritten if o is Outcome.CANCELLED]
+            self.stats.add("cancelled", len(cancelled))
+            self._finished("cancelled", cancelled)
+            for job in cancelled:
+                log.info("job %s (%s) cancelled: an operator cancelled it while it ran, so its handler's transaction "
+                         "was rolled back (nothing of it committed)", job.id, job.consumer,
+                         extra=job_fields(job, outcome="cancelled"))
+            self.stale([j for j, o in unwritten if o is not Outcome.COMMITTED and o is not Outcome.CANCELLED])
             self.claims.forget(j for j, _ in unwritten)
         return done, failed, snoozed, release
 

@@ -114,8 +114,8 @@ class JobRunner:
         self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
-        self.stats = Counters(("claimed", "completed", "retried", "dead", "stale", "lease_lost", "released",
-                               "retried_in_place", "snoozed", "timed_out"))
+        self.stats = Counters(("claimed", "completed", "cancelled", "retried", "dead", "stale", "lease_lost",
+                               "released", "retried_in_place", "snoozed", "timed_out"))
         # Handlers run in the worker threads through one executor; an async transactional
         # handler's thread makes an async engine of one connection on first use.
         self._async_engine = async_engine or (lambda: make_async_engine(

@@ -150,7 +150,7 @@ def make_job(
 #: ``locked_by`` of the jobs :func:`drain` claims.
 DRAIN_WORKER_ID = "outbox.testing.drain"
 
-DrainOutcome = Literal["done", "retried", "dead", "released", "snoozed", "stale"]
+DrainOutcome = Literal["done", "retried", "dead", "released", "snoozed", "cancelled", "stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +163,9 @@ class DrainResult:
     without counting the attempt: no database connection for a transactional handler, or
     its connection broke), ``"snoozed"`` (the handler raised :class:`~outbox.Snooze`: back to
     ``ready`` after the delay, the attempt not counted; like a retried job, run again only
-    with ``run_retries``, once due) or ``"stale"`` (the claim was no longer drain's: another worker
+    with ``run_retries``, once due), ``"cancelled"`` (a transactional handler's job an
+    operator cancelled while it ran: its transaction rolled back, nothing of it committed) or
+    ``"stale"`` (the claim was no longer drain's: another worker
     took the job, nothing was written). ``error`` is the job's ``last_error`` text for
     ``retried`` and ``dead`` (type, message, traceback), else None. ``attempt`` counts from 1."""
 
@@ -352,6 +354,8 @@ def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, s
     with _autocommit(engine) as conn:
         if outcome is Outcome.COMMITTED:
             ended = "done"
+        elif outcome is Outcome.CANCELLED:
+            ended = "cancelled"
         elif outcome is Outcome.DONE:
             ended = "done" if job.id in complete_jobs(conn, [job], keep_done=keep_done, schema=schema) else "stale"
         elif outcome is Outcome.RELEASE:

@@ -42,6 +42,17 @@ the same attempt, up to :data:`IN_PLACE_RETRIES` times after a short jittered pa
 (:func:`retry_pause`), and only while the lease is still held. After that the error
 counts as one failed attempt like any other.
 
+Cancel: an operator's cancel of a running job (``cancel_requested``, set by
+``job_cancel_many``) is read by the completion itself, under the job's row lock. When it is
+set, nothing of the handler's transaction commits: :func:`complete` returns
+:attr:`Completion.CANCEL_REQUESTED`, the caller rolls the transaction back and then records
+``cancelled`` in a short transaction of its own (:func:`record_cancel`, fenced). When the
+completion took the row first, its commit makes the job ``done``, and the cancel, which
+waits for the row, finds it no longer running. Whichever order the two come in, and whether
+the handler watched ``job.cancel_requested`` or not, ``cancelled`` means the handler's
+writes were not committed and ``done`` means they were. (A lease-mode handler's effects are
+outside the database: its completion records ``cancelled`` after whatever it did.)
+
 Sync and async: a plain ``def`` handler gets a :class:`~sqlalchemy.orm.Session`, an
 ``async def`` one an :class:`~sqlalchemy.ext.asyncio.AsyncSession` on a connection of the
 worker thread's own :class:`~sqlalchemy.ext.asyncio.AsyncEngine` (one event loop per
@@ -53,6 +64,7 @@ rules above are written once.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -129,14 +141,27 @@ def begin(session: Session, lease_seconds: float, fence: int) -> None:
     set_limits(session.connection(), lease_seconds, fence)
 
 
+class Completion(enum.Enum):
+    """How :func:`complete` ended the handler's transaction."""
+
+    #: The fenced completion committed with the handler's writes: the job is ``done``.
+    COMMITTED = "committed"
+    #: The claim is no longer this worker's: nothing committed; the caller rolls back.
+    STALE = "stale"
+    #: An operator asked to cancel the job: nothing committed; the caller rolls back, then
+    #: records ``cancelled`` in a transaction of its own (:func:`record_cancel`).
+    CANCEL_REQUESTED = "cancel requested"
+
+
 def complete(session: Session, job_id: int, fence: int, completing: Callable[[], None], *,
-             keep_done: bool = True, schema: str | None = None) -> bool:
+             keep_done: bool = True, schema: str | None = None) -> Completion:
     """End the handler's transaction on ``session``: flush the handler's writes, call
     ``completing()`` (the runner's mark that this claim's outcome is being written), run the
-    fenced :data:`~outbox.db.queries.job_complete` and commit. Returns False, without
-    committing, when the completion matched no row (the claim is no longer this worker's):
-    the caller rolls back, the handler's writes with it. Raises
-    :class:`~outbox.errors.TransactionEndedError` (a permanent failure; the caller rolls back)
+    fenced :data:`~outbox.db.queries.job_complete` and commit (:attr:`Completion.COMMITTED`).
+    Without committing: :attr:`Completion.STALE` when the completion matched no row (the
+    claim is no longer this worker's), :attr:`Completion.CANCEL_REQUESTED` when an operator
+    asked to cancel the job; either way the caller rolls back, the handler's writes with it.
+    Raises :class:`~outbox.errors.TransactionEndedError` (a permanent failure; the caller rolls back)
     when the handler ended the transaction :func:`begin` started (a raw ``COMMIT`` or
     ``ROLLBACK``, a closed session): its writes did not, or did not only, commit with the
     completion. ``keep_done`` false deletes the job's row instead of marking it done
@@ -151,10 +176,23 @@ def complete(session: Session, job_id: int, fence: int, completing: Callable[[],
             f"the handler of job {job_id} ended its transaction itself (COMMIT, ROLLBACK or closing its session); "
             "a transactional handler's writes must commit with the job's completion, so outbox commits it: "
             "dead-lettered, since it would do the same on every attempt")
+    if row.cancel_requested:
+        return Completion.CANCEL_REQUESTED
     if row.completed != 1:
-        return False
+        return Completion.STALE
     Session.commit(session)  # the base class's: a handler's session refuses commit() from the handler
-    return True
+    return Completion.COMMITTED
+
+
+def record_cancel(conn: Connection, job_id: int, fence: int, *, schema: str | None = None) -> bool:
+    """Record ``cancelled`` for job ``job_id`` under claim ``fence`` in a short transaction
+    of its own on ``conn`` (:data:`~outbox.db.queries.job_cancel_claimed`, fenced), after
+    :func:`complete` returned :attr:`Completion.CANCEL_REQUESTED` and the handler's
+    transaction was rolled back. Returns whether the row changed (False: the claim was lost
+    meanwhile). Database errors propagate."""
+    with conn.begin():
+        rows = conn.execute(queries.in_schema(schema).job_cancel_claimed, {"id": job_id, "fence": fence}).all()
+    return len(rows) == 1
 
 
 class HandlerConnections:

@@ -17,7 +17,9 @@ raises, and the handler's result is dropped.
 
 Transactional mode: the handler runs as ``handler(job, session)`` inside a transaction that
 ends with the fenced completion; if the fence no longer matches, the whole transaction,
-handler writes included, rolls back. Its connection is checked out first, its isolation is
+handler writes included, rolls back; if an operator cancelled the job meanwhile, it rolls
+back too and the job is then recorded ``cancelled`` in a transaction of its own
+(:attr:`Outcome.CANCELLED`). Its connection is checked out first, its isolation is
 READ COMMITTED, and a serialization failure or deadlock is retried in place
 (:mod:`outbox.transaction`). An ``async def`` transactional handler gets an
 ``AsyncSession`` on a connection of its worker thread's own async engine (made on first
@@ -38,7 +40,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 from sqlalchemy import TextClause
@@ -390,15 +392,22 @@ class Outcome(enum.Enum):
     #: Nothing to write: the handler ran past its timeout and the watchdog already failed
     #: the attempt; what the handler did is dropped. Its worker slot is free again.
     TIMED_OUT = "timed out"
+    #: Transactional mode: an operator cancelled the job while it ran; the handler's
+    #: transaction was rolled back and ``cancelled`` recorded (fenced) in a transaction of
+    #: its own. Nothing to write.
+    CANCELLED = "cancelled"
 
 
 _DONE = Outcome.DONE
 _COMMITTED = Outcome.COMMITTED
 _STALE = Outcome.STALE
 _RELEASE = Outcome.RELEASE
+_CANCELLED = Outcome.CANCELLED
+#: What a transaction rolled back for an operator's cancel returns, the cancel still to record.
+_CancelRequested = Literal[transaction.Completion.CANCEL_REQUESTED]
 #: ``outbox.job.outcome`` of a span whose run ended with an Outcome (:mod:`outbox.tracing`).
 _SPAN_OUTCOMES = {Outcome.DONE: "done", Outcome.COMMITTED: "committed", Outcome.STALE: "stale",
-                  Outcome.RELEASE: "released", Outcome.TIMED_OUT: "timed_out"}
+                  Outcome.RELEASE: "released", Outcome.TIMED_OUT: "timed_out", Outcome.CANCELLED: "cancelled"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,6 +632,8 @@ class JobExecutor:
                     outcome = context.loop.run_until_complete(self._async_transaction_once(job, sub, conn))
                 else:
                     outcome = self._transaction_once(job, sub, conn)
+                if outcome is transaction.Completion.CANCEL_REQUESTED:
+                    return self._record_cancel(job, sub, conn, context)
                 if not isinstance(outcome, _RetryInPlace):
                     return outcome
                 if retries >= transaction.IN_PLACE_RETRIES or not self.held(job):
@@ -644,23 +655,43 @@ class JobExecutor:
             except Exception as exc:  # noqa: BLE001 - a broken connection; the pool replaces it
                 log.debug("closing job %s's transaction connection failed: %s", job.id, describe(exc))
 
+    def _record_cancel(self, job: Job, sub: Subscriber, conn: Any, context: WorkerContext) -> Outcome:
+        """The handler's transaction was rolled back because an operator cancelled the job:
+        record ``cancelled`` (fenced) in a transaction of its own on ``conn``. If that
+        statement fails (the connection broke), the job is released instead, whose fenced
+        statement records ``cancelled`` too (``job_release_many``)."""
+        try:
+            if sub.is_async:
+                recorded = context.loop.run_until_complete(conn.run_sync(
+                    transaction.record_cancel, job.id, job.fence, schema=self.settings.schema_name))
+            else:
+                recorded = transaction.record_cancel(conn, job.id, job.fence, schema=self.settings.schema_name)
+        except DBAPIError as exc:
+            log.warning("job %s (%s): its handler's transaction was rolled back for a cancel, but recording the "
+                        "cancel failed (%s); releasing it, which records cancelled", job.id, job.consumer,
+                        describe(exc), extra=job_fields(job, outcome="released"))
+            return _RELEASE
+        return _CANCELLED if recorded else _STALE
+
     def _transaction_once(self, job: Job, sub: Subscriber, conn: Connection,
-                          ) -> Outcome | Failure | Snoozed | _RetryInPlace:
-        """One transaction on ``conn``: begin (limits), handler, complete (fenced), commit."""
+                          ) -> Outcome | Failure | Snoozed | _RetryInPlace | _CancelRequested:
+        """One transaction on ``conn``: begin (limits), handler, complete (fenced), commit;
+        :attr:`~outbox.transaction.Completion.CANCEL_REQUESTED` when it was rolled back
+        because an operator cancelled the job (the cancel is still to record)."""
         session = HandlerSession(bind=conn)
         try:
             with session:
                 transaction.begin(session, job.lease_seconds, job.fence)
                 result = sub.handler(job, session)
                 check_returned(sub, result)  # before the completion: a misuse rolls the writes back
-                committed = transaction.complete(session, job.id, job.fence, lambda: self._completing(job),
-                                                 keep_done=self.settings.keep_done, schema=self.settings.schema_name)
+                completion = transaction.complete(session, job.id, job.fence, lambda: self._completing(job),
+                                                  keep_done=self.settings.keep_done, schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
-        return self._transaction_ended(job, sub, committed, result)
+        return self._transaction_ended(job, sub, completion, result)
 
     async def _async_transaction_once(self, job: Job, sub: Subscriber, conn: AsyncConnection,
-                                      ) -> Outcome | Failure | Snoozed | _RetryInPlace:
+                                      ) -> Outcome | Failure | Snoozed | _RetryInPlace | _CancelRequested:
         """:meth:`_transaction_once` for an ``async def`` handler: the same steps on an
         ``AsyncSession`` (its sync session runs :func:`outbox.transaction.begin` and
         :func:`outbox.transaction.complete` through ``run_sync``)."""
@@ -670,15 +701,20 @@ class JobExecutor:
                 await session.run_sync(transaction.begin, job.lease_seconds, job.fence)
                 result = await bounded(sub.handler(job, session), sub.timeout)
                 check_returned(sub, result)
-                committed = await session.run_sync(transaction.complete, job.id, job.fence,
-                                                   lambda: self._completing(job), keep_done=self.settings.keep_done,
-                                                   schema=self.settings.schema_name)
+                completion = await session.run_sync(transaction.complete, job.id, job.fence,
+                                                    lambda: self._completing(job), keep_done=self.settings.keep_done,
+                                                    schema=self.settings.schema_name)
         except BaseException as exc:  # noqa: BLE001
             return self._transaction_failed(job, exc)
-        return self._transaction_ended(job, sub, committed, result)
+        return self._transaction_ended(job, sub, completion, result)
 
-    def _transaction_ended(self, job: Job, sub: Subscriber, committed: bool, result: Any) -> Outcome:
-        if not committed:  # the session's close rolled the handler's writes back
+    def _transaction_ended(self, job: Job, sub: Subscriber, completion: transaction.Completion,
+                           result: Any) -> Outcome | _CancelRequested:
+        """The outcome of a handler's transaction that :func:`outbox.transaction.complete`
+        ended; unless it committed, the session's close has rolled the handler's writes back."""
+        if completion is transaction.Completion.CANCEL_REQUESTED:
+            return completion
+        if completion is transaction.Completion.STALE:
             return _STALE
         self._warn_return(sub, result)
         return _COMMITTED

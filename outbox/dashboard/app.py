@@ -435,6 +435,8 @@ def _perform(dash: Dashboard, action: str, consumer: str, job: int | None) -> st
         if result.requested:
             return f"asked running job {job} to stop (it is recorded cancelled when its attempt ends)"
         _check_owner(dash, consumer, job)
+        if job in result.unchanged:
+            return f"job {job} not cancelled: it is {result.unchanged[job]}"
         return f"job {job} not cancelled: it is not ready, pending or running"
     with dash.connect() as conn:
         if action == "redrive":

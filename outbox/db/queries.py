@@ -636,9 +636,8 @@ job_complete: TextClause = text(
         FOR UPDATE
     ), kept AS (
         UPDATE outbox_jobs
-        SET status = CASE WHEN cancel_requested THEN 'cancelled' ELSE 'done' END,
-            lease_until = NULL, finished_at = now(), updated_at = now()
-        WHERE id IN (SELECT id FROM locked WHERE CAST(:keep_done AS boolean) OR cancel_requested)
+        SET status = 'done', lease_until = NULL, finished_at = now(), updated_at = now()
+        WHERE id IN (SELECT id FROM locked WHERE CAST(:keep_done AS boolean) AND NOT cancel_requested)
           AND fence = :fence AND status = 'running'
         RETURNING id
     ), deleted AS (
@@ -650,7 +649,8 @@ job_complete: TextClause = text(
         SELECT id FROM kept UNION ALL SELECT id FROM deleted
     )
     SELECT (SELECT same_transaction FROM handler) AS same_transaction,
-           (SELECT count(*) FROM completed) AS completed
+           (SELECT count(*) FROM completed) AS completed,
+           coalesce((SELECT cancel_requested FROM locked), false) AS cancel_requested
     """
 )
 """Mark one job done (``:keep_done`` false: delete it; ``job_complete_many`` says how) if
@@ -659,7 +659,31 @@ writes back. ``same_transaction`` says whether this is still the transaction the
 first statement (``job_transaction_limits_set_local``) began: that statement set
 ``outbox.handler_fence`` to the fence for the transaction only, so a handler that ended its
 transaction itself (a raw ``COMMIT`` or ``ROLLBACK``, closing its session) is caught here,
-before the completion could commit in a transaction of its own; then nothing is marked."""
+before the completion could commit in a transaction of its own; then nothing is marked.
+
+``cancel_requested`` true (and ``completed`` 0) says an operator asked to cancel the job
+(``job_cancel_many``): nothing is marked, the caller rolls the handler's transaction back
+and records the cancel in a transaction of its own (``job_cancel_claimed``), so a
+``cancelled`` job never committed its handler's writes (architecture notes, "The handler's
+transaction"). The row lock decides the race with the cancel: ``locked`` reads
+``cancel_requested`` on the row's newest version once it holds the row, so a cancel that
+committed first is seen (READ COMMITTED re-reads a row it waited for), and a cancel that
+comes while this transaction holds the row waits for its commit and finds the job ``done``
+(or gone), no longer ``running``."""
+
+job_cancel_claimed: TextClause = text(
+    """
+    UPDATE outbox_jobs
+    SET status = 'cancelled', lease_until = NULL, finished_at = now(), updated_at = now()
+    WHERE id = :id AND fence = :fence AND status = 'running' AND cancel_requested
+    RETURNING id
+    """
+)
+"""Record ``cancelled`` for one claimed job (fenced) an operator asked to cancel, whose
+transactional handler's transaction was just rolled back because of it (``job_complete``
+returned ``cancel_requested``): its own short transaction, after the rollback, so nothing of
+the handler's is committed with it. Attempts and ``last_error`` stay as they are. No row:
+the claim was lost meanwhile (reaped, which records ``cancelled`` itself)."""
 
 job_fail_many: TextClause = text(
     f"""
@@ -1750,6 +1774,9 @@ claim holds these rows. Returns the ids changed."""
 
 job_consumer_get: TextClause = text("SELECT consumer FROM outbox_jobs WHERE id = :id")
 """The consumer job ``:id`` belongs to (no row: no such job, or pruned)."""
+
+job_status_many: TextClause = text("SELECT id, status FROM outbox_jobs WHERE id = ANY (CAST(:ids AS bigint[]))")
+"""The status of each job of ``:ids`` that exists (no row: no such job, or pruned)."""
 
 job_purge_many: TextClause = text(
     """
