@@ -121,13 +121,13 @@ class Dashboard:
     guard, the templates."""
 
     def __init__(self, engine: Engine, settings: OutboxSettings, *, read_only: bool, auth: DashboardAuth | None,
-                 hosts: HostPolicy, refresh_seconds: float) -> None:
+                 hosts: HostPolicy, throttle: LoginThrottle, refresh_seconds: float) -> None:
         self.engine = engine
         self.schema = settings.schema_name
         self.read_only = read_only
         self.auth = auth
         self.hosts = hosts
-        self.throttle = LoginThrottle()
+        self.throttle = throttle
         self.refresh_seconds = refresh_seconds
         self.csrf = CsrfGuard()
         self.templates = _environment()
@@ -262,7 +262,8 @@ def _secured(send: Send, new_session: str | None) -> Send:
 
 
 def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = False,
-               auth: DashboardAuth | None = None, refresh_seconds: float = REFRESH_SECONDS) -> Starlette:
+               auth: DashboardAuth | None = None, refresh_seconds: float = REFRESH_SECONDS,
+               throttle: LoginThrottle | None = None) -> Starlette:
     """The dashboard as an ASGI application on ``engine``'s database, the outbox in
     ``settings.schema_name``. ``read_only``: no action is shown, and every action is refused
     (403). ``auth``: the credentials every request must carry (None: none; only for a
@@ -270,9 +271,12 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
     come from ``settings.dashboard_allowed_hosts`` and ``auth``
     (:class:`~outbox.dashboard.origin.HostPolicy`; raises
     :class:`~outbox.errors.ConfigurationError` for an entry it refuses). ``refresh_seconds``:
-    how often the overview refreshes itself."""
+    how often the overview refreshes itself. ``throttle``: the hold on wrong credentials
+    (default :class:`~outbox.dashboard.throttle.LoginThrottle` with its defaults; tests give
+    one a clock of their own)."""
     hosts = HostPolicy.from_settings(settings, authenticated=auth is not None)
-    dash = Dashboard(engine, settings, read_only=read_only, auth=auth, hosts=hosts, refresh_seconds=refresh_seconds)
+    dash = Dashboard(engine, settings, read_only=read_only, auth=auth, hosts=hosts,
+                     throttle=throttle or LoginThrottle(), refresh_seconds=refresh_seconds)
 
     def page(handler: Callable[[Request], Response]) -> Callable[[Request], Response]:
         """Turn the exceptions of ``handler`` into pages (see the module notes)."""
