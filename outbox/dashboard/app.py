@@ -11,7 +11,9 @@ Failures: the database unreachable (or outbox's tables missing) answers 503 with
 readable line (the page reloads itself and recovers when the database is back; the
 overview's refresh keeps polling); bad input (a non-numeric id, an unknown status) answers
 400, an unknown consumer or event 404, an action in read-only mode or without a valid CSRF
-token 403, an unexpected error 500: always a page, never a traceback.
+token 403, an unexpected error 500: always a page, never a traceback. Before any route
+(:class:`Guard`): a Host the dashboard does not answer 400, a POST from another origin 403,
+missing or wrong credentials 401, and 429 while wrong ones hold the client.
 """
 
 from __future__ import annotations
@@ -198,10 +200,12 @@ class Guard:
             new_session = CsrfGuard.new_session()
             scope["outbox.session"] = new_session
         path = scope["path"]
-        denied = None
         if self.dashboard.auth is not None and path != "/login" and not path.startswith("/static/"):
             denied = self.authenticate(request)
-        await (denied or self.app)(scope, receive, _secured(send, new_session))
+            if denied is not None:
+                await denied(scope, receive, _secured(send, new_session))
+                return
+        await self.app(scope, receive, _secured(send, new_session))
 
     def refusal(self, request: Request) -> Response | None:
         """The answer to a request from or to the wrong address, None for the others."""
