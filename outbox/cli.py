@@ -189,11 +189,16 @@ def build_parser() -> argparse.ArgumentParser:
                                  "resume, each confirmed. Any --host but a loopback address (127.0.0.1, ::1; a name "
                                  "such as localhost is not one) needs OUTBOX_DASHBOARD_TOKEN (16 characters or more) "
                                  "or OUTBOX_DASHBOARD_USER and OUTBOX_DASHBOARD_PASSWORD (not blank), and is "
-                                 "refused without.")
+                                 "refused without. Without credentials only localhost and loopback addresses on its "
+                                 "port are answered as Host (400 otherwise, against DNS rebinding).")
     dashboard.add_argument("--host", default="127.0.0.1", help="address or name to listen on; an IPv6 address "
                                                                 "bare or in brackets (default 127.0.0.1)")
     dashboard.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000)")
     dashboard.add_argument("--read-only", action="store_true", help="show no action and refuse every one (403)")
+    dashboard.add_argument("--allowed-hosts", dest="dashboard_allowed_hosts", metavar="HOSTS",
+                           help="Host values answered besides localhost and loopback addresses on its port, "
+                                "comma-separated, name or name:port (OUTBOX_DASHBOARD_ALLOWED_HOSTS; without "
+                                "credentials loopback names only)")
     psql = add("psql", "Open psql on the configured database, or on the embedded server's when none is configured; "
                        "other arguments go to psql (outbox-relay psql -c 'select 1').")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
@@ -311,6 +316,8 @@ def _settings(args: argparse.Namespace) -> OutboxSettings:
             overrides[flag] = value
     if getattr(args, "no_listen", False):
         overrides["listen"] = False
+    if getattr(args, "dashboard_allowed_hosts", None) is not None:
+        overrides["dashboard_allowed_hosts"] = args.dashboard_allowed_hosts
     return OutboxSettings(**overrides)
 
 

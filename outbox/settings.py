@@ -122,6 +122,7 @@ class OutboxSettings(BaseSettings):
     dashboard_token: SecretStr | None = Field(default=None, description="Bearer token of `outbox-relay dashboard` (Authorization: Bearer, or typed once into its sign-in page, which keeps a cookie derived from it); required, or dashboard_user and dashboard_password, for a bind to any address but loopback. Never logged. Default: none.")
     dashboard_user: str | None = Field(default=None, description="User name of the dashboard's HTTP basic auth, with dashboard_password. Default: none.")
     dashboard_password: SecretStr | None = Field(default=None, description="Password of the dashboard's HTTP basic auth, with dashboard_user. Never logged. Default: none.")
+    dashboard_allowed_hosts: str = Field(default="", description="Host header values the dashboard answers besides localhost and loopback addresses on its own port, comma-separated: `name` (any port) or `name:port`, an IPv6 address in brackets. Without credentials only loopback names may be listed (an SSH tunnel's other port: localhost:9000). With credentials, empty means every Host is answered; set it behind a proxy or on a public address (dash.example.com). Any other Host is answered 400 (DNS rebinding). Default: empty.")
 
     @field_validator("schema_name")
     @classmethod

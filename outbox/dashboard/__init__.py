@@ -14,8 +14,13 @@ Safety (:func:`serve`): binds 127.0.0.1 unless told otherwise; any address but a
 loopback one (127.0.0.0/8, ``::1``; a name such as ``localhost`` is not one) needs
 credentials (``OUTBOX_DASHBOARD_TOKEN``, or ``OUTBOX_DASHBOARD_USER`` and
 ``OUTBOX_DASHBOARD_PASSWORD``) and is refused without them, as are a token shorter than 16 characters and a blank user or
-password; secrets are never logged. Every
-action is a POST carrying a CSRF token bound to the browser's session; every value is
+password; secrets are never logged. Only the Host values no other site can send are
+answered (without credentials: ``localhost`` and loopback addresses on the dashboard's port,
+plus ``OUTBOX_DASHBOARD_ALLOWED_HOSTS``; 400 otherwise, against DNS rebinding;
+:mod:`.origin`). Every action is a POST from the dashboard's own origin (``Origin`` or
+``Referer``; 403 otherwise) carrying a CSRF token bound to the browser's session; wrong
+credentials hold their client address for a doubling time (:mod:`.throttle`); the access log
+writes no query parameter but the dashboard's own (:mod:`.accesslog`); every value is
 escaped by Jinja2's autoescape, and a Content-Security-Policy allows scripts from the
 dashboard only; ``read_only`` hides and refuses (403) every action. Request input reaches
 SQL only as bound parameters of the statements :mod:`outbox.admin` runs.
@@ -28,8 +33,10 @@ import socket
 
 from ..errors import ConfigurationError
 from ..settings import OutboxSettings
+from .accesslog import redact_access_log
 from .app import create_app
 from .auth import DashboardAuth, bind_address, is_loopback
+from .origin import HostPolicy
 
 __all__ = ["DashboardAuth", "bind_address", "create_app", "is_loopback", "check_bind", "listen", "serve"]
 
@@ -70,8 +77,9 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000, read_only: bool = False) -> int:
     """Run the dashboard on ``host``:``port`` until interrupted (uvicorn), on the database of
-    ``settings``; returns 0 after a clean stop. Checks the bind first (:func:`check_bind`),
-    so nothing listens when it refuses. A database that is down at start or later makes
+    ``settings``; returns 0 after a clean stop. Checks the bind (:func:`check_bind`) and
+    the allowed hosts (:class:`~outbox.dashboard.origin.HostPolicy`) first, so nothing
+    listens when it refuses. A database that is down at start or later makes
     pages answer 503; the server stays up and recovers with the database."""
     import uvicorn
 
@@ -79,6 +87,7 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
 
     auth = DashboardAuth.from_settings(settings)
     check_bind(host, auth)
+    HostPolicy.from_settings(settings, authenticated=auth is not None)  # refused entries fail before listening
     url = settings.url()
     if url is None:
         raise ConfigurationError("no database configured: set OUTBOX_DATABASE_URL or pass --database-url")
@@ -89,6 +98,7 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
     shown = f"[{address}]" if ":" in address else address
     log.info("dashboard on http://%s:%d for %s, schema %s%s; auth: %s", shown, port, redact(url),
              settings.schema_name, " (read-only)" if read_only else "", auth.describe() if auth else "none (loopback)")
+    redact_access_log()
     server = uvicorn.Server(uvicorn.Config(app, host=address, port=port, log_config=None, server_header=False))
     try:
         server.run(sockets=[sock])

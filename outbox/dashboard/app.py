@@ -11,7 +11,9 @@ Failures: the database unreachable (or outbox's tables missing) answers 503 with
 readable line (the page reloads itself and recovers when the database is back; the
 overview's refresh keeps polling); bad input (a non-numeric id, an unknown status) answers
 400, an unknown consumer or event 404, an action in read-only mode or without a valid CSRF
-token 403, an unexpected error 500: always a page, never a traceback.
+token 403, an unexpected error 500: always a page, never a traceback. Before any route
+(:class:`Guard`): a Host the dashboard does not answer 400, a POST from another origin 403,
+missing or wrong credentials 401, and 429 while wrong ones hold the client.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from ..db.engine import translate_errors
 from ..errors import AdminError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
 from ..settings import OutboxSettings
 from .auth import AUTH_COOKIE, SESSION_COOKIE, CsrfGuard, DashboardAuth
+from .origin import HostPolicy, same_origin
+from .throttle import LoginThrottle, client_key, retry_after
 
 log = logging.getLogger("outbox.dashboard")
 
@@ -60,15 +64,19 @@ ACTIONS: dict[str, tuple[str, bool, bool]] = {
     "resume": ("Resume", False, True),
 }
 #: Headers of every response: no script, style or frame from anywhere but the dashboard itself
-#: (a second wall behind the escaping of every value), no referrer, no MIME sniffing.
+#: (a second wall behind the escaping of every value), no referrer to other sites (``same-origin``:
+#: with ``no-referrer`` a browser sends ``Origin: null`` with the dashboard's own forms, which the
+#: Origin check refuses), no MIME sniffing.
 SECURITY_HEADERS = {
     "content-security-policy": "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
                                "frame-ancestors 'none'; base-uri 'none'; form-action 'self'",
     "x-content-type-options": "nosniff",
-    "referrer-policy": "no-referrer",
+    "referrer-policy": "same-origin",
     "x-frame-options": "DENY",
     "cache-control": "no-store",
 }
+#: Methods that change nothing, so they need no Origin check (RFC 9110, "Safe Methods").
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def _environment() -> jinja2.Environment:
@@ -111,14 +119,17 @@ def bars(counts: list[int], width: int = 150, height: int = 28) -> list[dict[str
 
 class Dashboard:
     """The state the endpoints share: the engine, the schema, read-only or not, the
-    credentials and CSRF guard, the templates."""
+    credentials, the Host values answered, the throttle of wrong credentials and the CSRF
+    guard, the templates."""
 
     def __init__(self, engine: Engine, settings: OutboxSettings, *, read_only: bool, auth: DashboardAuth | None,
-                 refresh_seconds: float) -> None:
+                 hosts: HostPolicy, throttle: LoginThrottle, refresh_seconds: float) -> None:
         self.engine = engine
         self.schema = settings.schema_name
         self.read_only = read_only
         self.auth = auth
+        self.hosts = hosts
+        self.throttle = throttle
         self.refresh_seconds = refresh_seconds
         self.csrf = CsrfGuard()
         self.templates = _environment()
@@ -134,24 +145,42 @@ class Dashboard:
             except PoolTimeoutError as exc:
                 raise DatabaseUnavailableError(f"no database connection free: {exc}") from exc
 
-    def render(self, request: Request, template: str, status_code: int = 200, **context: Any) -> HTMLResponse:
-        """``template`` rendered with ``context`` plus what every page uses."""
-        session = request.cookies.get(SESSION_COOKIE) or request.scope.get("outbox.session") or ""
+    def render(self, request: Request, template: str, status_code: int = 200, *, session: bool = True,
+               **context: Any) -> HTMLResponse:
+        """``template`` rendered with ``context`` plus what every page uses; ``session``
+        False: with no CSRF token in it (an answer to a refused Host or Origin)."""
+        session_id = request.cookies.get(SESSION_COOKIE) or request.scope.get("outbox.session") or ""
         html = self.templates.get_template(template).render(
             request=request, read_only=self.read_only, signed_in=self.auth is not None and self.auth.token is not None,
-            csrf=self.csrf.token(session) if session else "", refresh=self.refresh_seconds, **context)
+            csrf=self.csrf.token(session_id) if session and session_id else "", refresh=self.refresh_seconds,
+            **context)
         return HTMLResponse(html, status_code=status_code)
 
-    def error(self, request: Request, status_code: int, title: str, message: str) -> HTMLResponse:
+    def error(self, request: Request, status_code: int, title: str, message: str, *,
+              session: bool = True) -> HTMLResponse:
         """The error page: a heading and one readable line; a 503 page reloads itself."""
-        return self.render(request, "error.html", status_code, title=title, message=message,
+        return self.render(request, "error.html", status_code, session=session, title=title, message=message,
                            reload=status_code == 503)
+
+    def sign_in(self, request: Request, status_code: int, *, wrong: bool = False, wait: float = 0.0) -> HTMLResponse:
+        """The sign-in page: 401 (``wrong``: after a wrong token typed into it), or 429 with
+        ``Retry-After`` while the client is held for ``wait`` more seconds."""
+        assert self.auth is not None
+        response = self.render(request, "login.html", status_code, wrong=wrong, basic=self.auth.user is not None,
+                               token=self.auth.token is not None, wait=retry_after(wait) if wait > 0 else None)
+        if wait > 0:
+            response.headers["retry-after"] = retry_after(wait)
+        return response
 
 
 class Guard:
-    """ASGI middleware before every route: the credentials check (401 with a sign-in page, or
-    a basic-auth challenge), the session cookie the CSRF token is bound to, and the security
-    headers on every response."""
+    """ASGI middleware before every route, in this order: the ``Host`` check (400 for a Host
+    the dashboard does not answer: DNS rebinding, :mod:`outbox.dashboard.origin`), the
+    ``Origin`` check of every request but GET, HEAD and OPTIONS (403 from another origin), the
+    credentials check (401 with a sign-in page, or a basic-auth challenge; 429 while the
+    client is held for wrong ones, :mod:`outbox.dashboard.throttle`), the session cookie the
+    CSRF token is bound to, and the security headers on every response. A refused Host or
+    Origin gets no session cookie."""
 
     def __init__(self, app: ASGIApp, dashboard: Dashboard) -> None:
         self.app = app
@@ -162,42 +191,96 @@ class Guard:
             await self.app(scope, receive, send)
             return
         request = Request(scope)
+        refusal = self.refusal(request)
+        if refusal is not None:
+            await refusal(scope, receive, _secured(send, None))
+            return
         new_session = None
         if not request.cookies.get(SESSION_COOKIE):
             new_session = CsrfGuard.new_session()
             scope["outbox.session"] = new_session
-
-        async def send_with_headers(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                headers = list(message.get("headers", []))
-                headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
-                if new_session is not None:
-                    headers.append((b"set-cookie", f"{SESSION_COOKIE}={new_session}; HttpOnly; SameSite=Strict; "
-                                                   "Path=/".encode()))
-                message["headers"] = headers
-            await send(message)
-
-        auth = self.dashboard.auth
         path = scope["path"]
-        if auth is not None and path != "/login" and not path.startswith("/static/") and not auth.allows(
-                request.headers.get("authorization"), request.cookies.get(AUTH_COOKIE)):
-            response = self.dashboard.render(request, "login.html", 401, wrong=False, basic=auth.user is not None,
-                                             token=auth.token is not None)
-            if auth.user is not None:
-                response.headers["www-authenticate"] = 'Basic realm="outbox dashboard", charset="UTF-8"'
-            await response(scope, receive, send_with_headers)
-            return
-        await self.app(scope, receive, send_with_headers)
+        if self.dashboard.auth is not None and path != "/login" and not path.startswith("/static/"):
+            denied = self.authenticate(request)
+            if denied is not None:
+                await denied(scope, receive, _secured(send, new_session))
+                return
+        await self.app(scope, receive, _secured(send, new_session))
+
+    def refusal(self, request: Request) -> Response | None:
+        """The answer to a request from or to the wrong address, None for the others."""
+        dash = self.dashboard
+        host = request.headers.get("host")
+        server = request.scope.get("server")
+        port = server[1] if server else None
+        if not dash.hosts.allows(host, port):
+            return dash.error(request, 400, "Wrong address",
+                              f"this dashboard does not answer to the host name {(host or '')[:100]!r}: open it at "
+                              f"one of {dash.hosts.describe(port)} (or list the name in "
+                              "OUTBOX_DASHBOARD_ALLOWED_HOSTS)", session=False)
+        if request.method not in SAFE_METHODS and not same_origin(
+                request.headers.get("origin"), request.headers.get("referer"), host):
+            return dash.error(request, 403, "Refused",
+                              "this form was not sent from the dashboard's own pages (its Origin, or Referer, names "
+                              "another site or none): open the dashboard and confirm the action there", session=False)
+        return None
+
+    def authenticate(self, request: Request) -> Response | None:
+        """None when the request carries valid credentials; else the 401 (or 429) answer.
+        A valid sign-in cookie passes at once; an ``Authorization`` header is checked only
+        while its client is not held, and a wrong one counts against it."""
+        dash = self.dashboard
+        auth = dash.auth
+        assert auth is not None
+        if auth.cookie_matches(request.cookies.get(AUTH_COOKIE)):
+            return None
+        authorization = request.headers.get("authorization")
+        if authorization:
+            client = client_key(request.client.host if request.client else None)
+            wait = dash.throttle.wait(client)
+            if wait > 0:
+                return dash.sign_in(request, 429, wait=wait)
+            if auth.authorization_matches(authorization):
+                dash.throttle.succeeded(client)
+                return None
+            dash.throttle.failed(client)
+        response = dash.sign_in(request, 401)
+        if auth.user is not None:
+            response.headers["www-authenticate"] = 'Basic realm="outbox dashboard", charset="UTF-8"'
+        return response
+
+
+def _secured(send: Send, new_session: str | None) -> Send:
+    """``send`` with the security headers added to the response's start, and the cookie of a
+    ``new_session`` (None: none to set)."""
+    async def send_with_headers(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            headers += [(k.encode(), v.encode()) for k, v in SECURITY_HEADERS.items()]
+            if new_session is not None:
+                headers.append((b"set-cookie", f"{SESSION_COOKIE}={new_session}; HttpOnly; SameSite=Strict; "
+                                               "Path=/".encode()))
+            message["headers"] = headers
+        await send(message)
+    return send_with_headers
 
 
 def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = False,
-               auth: DashboardAuth | None = None, refresh_seconds: float = REFRESH_SECONDS) -> Starlette:
+               auth: DashboardAuth | None = None, refresh_seconds: float = REFRESH_SECONDS,
+               throttle: LoginThrottle | None = None) -> Starlette:
     """The dashboard as an ASGI application on ``engine``'s database, the outbox in
     ``settings.schema_name``. ``read_only``: no action is shown, and every action is refused
     (403). ``auth``: the credentials every request must carry (None: none; only for a
-    loopback bind, which :func:`outbox.dashboard.serve` enforces). ``refresh_seconds``: how
-    often the overview refreshes itself."""
-    dash = Dashboard(engine, settings, read_only=read_only, auth=auth, refresh_seconds=refresh_seconds)
+    loopback bind, which :func:`outbox.dashboard.serve` enforces). The Host values it answers
+    come from ``settings.dashboard_allowed_hosts`` and ``auth``
+    (:class:`~outbox.dashboard.origin.HostPolicy`; raises
+    :class:`~outbox.errors.ConfigurationError` for an entry it refuses). ``refresh_seconds``:
+    how often the overview refreshes itself. ``throttle``: the hold on wrong credentials
+    (default :class:`~outbox.dashboard.throttle.LoginThrottle` with its defaults; tests give
+    one a clock of their own)."""
+    hosts = HostPolicy.from_settings(settings, authenticated=auth is not None)
+    dash = Dashboard(engine, settings, read_only=read_only, auth=auth, hosts=hosts,
+                     throttle=throttle or LoginThrottle(), refresh_seconds=refresh_seconds)
 
     def page(handler: Callable[[Request], Response]) -> Callable[[Request], Response]:
         """Turn the exceptions of ``handler`` into pages (see the module notes)."""
@@ -308,14 +391,18 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
         if request.method == "GET" or auth is None:
             if auth is None:
                 return RedirectResponse("/", status_code=303)
-            return dash.render(request, "login.html", wrong=False, basic=auth.user is not None,
-                               token=auth.token is not None)
+            return dash.sign_in(request, 200)
+        client = client_key(request.client.host if request.client else None)
+        wait = dash.throttle.wait(client)
+        if wait > 0:  # held: the token is not even read, right or wrong (module notes of .throttle)
+            return dash.sign_in(request, 429, wait=wait)
         form = await request.form()
         token = form.get("token")
         cookie = auth.cookie_value()
         if not isinstance(token, str) or cookie is None or not auth.token_matches(token.strip()):
-            return dash.render(request, "login.html", 401, wrong=True, basic=auth.user is not None,
-                               token=auth.token is not None)
+            dash.throttle.failed(client)
+            return dash.sign_in(request, 401, wrong=True)
+        dash.throttle.succeeded(client)
         response = RedirectResponse("/", status_code=303)
         response.set_cookie(AUTH_COOKIE, cookie, httponly=True, samesite="strict")
         return response
@@ -363,7 +450,7 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
 
 
 _TITLES = {400: "Bad request", 401: "Sign in", 403: "Refused", 404: "Not found", 405: "Not allowed",
-           503: "Database unavailable"}
+           429: "Too many attempts", 503: "Database unavailable"}
 
 
 def _quote(name: str) -> str:

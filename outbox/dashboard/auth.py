@@ -96,17 +96,27 @@ class DashboardAuth:
     def allows(self, authorization: str | None, cookie: str | None) -> bool:
         """Whether a request with this ``Authorization`` header and sign-in ``cookie`` may
         pass: a matching bearer token, basic user and password, or sign-in cookie."""
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            if scheme.lower() == "bearer" and self.token_matches(value.strip()):
-                return True
-            if scheme.lower() == "basic" and self.user is not None and self.password is not None:
-                try:
-                    user, sep, password = base64.b64decode(value.strip(), validate=True).decode().partition(":")
-                except (binascii.Error, UnicodeDecodeError):
-                    return False
-                return bool(sep) and hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
-                    password.encode(), self.password.get_secret_value().encode())
+        return self.authorization_matches(authorization) or self.cookie_matches(cookie)
+
+    def authorization_matches(self, authorization: str | None) -> bool:
+        """Whether the ``Authorization`` header holds the bearer token, or the basic-auth user
+        and password (constant time; False for a header that is missing or malformed)."""
+        if not authorization:
+            return False
+        scheme, _, value = authorization.partition(" ")
+        if scheme.lower() == "bearer":
+            return self.token_matches(value.strip())
+        if scheme.lower() == "basic" and self.user is not None and self.password is not None:
+            try:
+                user, sep, password = base64.b64decode(value.strip(), validate=True).decode().partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                return False
+            return bool(sep) and hmac.compare_digest(user.encode(), self.user.encode()) & hmac.compare_digest(
+                password.encode(), self.password.get_secret_value().encode())
+        return False
+
+    def cookie_matches(self, cookie: str | None) -> bool:
+        """Whether ``cookie`` is the sign-in cookie (:meth:`cookie_value`; constant time)."""
         expected = self.cookie_value()
         return expected is not None and cookie is not None and hmac.compare_digest(cookie.encode(), expected.encode())
 

@@ -90,6 +90,17 @@ def paused(engine: sa.Engine, consumer: str) -> bool:
                          {"c": consumer}).scalar() is True
 
 
+class Clock:
+    """A monotonic clock the test moves by hand (``clock.now += 1``), for the dashboard's hold
+    on wrong credentials (``create_app(throttle=LoginThrottle(clock=clock))``)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @contextmanager
 def served(engine: sa.Engine, **options: object) -> Iterator[str]:
     """The dashboard (``create_app(engine, settings, **options)``) served by uvicorn in a

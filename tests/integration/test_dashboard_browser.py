@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from outbox.db.engine import make_engine
 from tests.acceptance.proxy import TcpProxy
 
-from .dashboard_helpers import HOSTILE, paused, seed, served, statuses
+from .dashboard_helpers import HOSTILE, Clock, paused, seed, served, statuses
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (extra dev)")
 pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] is not installed")
@@ -29,6 +29,8 @@ CHROMIUM = os.environ.get("OUTBOX_CHROMIUM") or shutil.which("chromium") or shut
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium; .ci/run "
                                                          "installs it), or set OUTBOX_CHROMIUM")
 SHOTS = Path(__file__).resolve().parents[2] / "docs" / "img"
+#: A name the browser resolves to 127.0.0.1, as a DNS-rebinding site's name does once re-pointed.
+REBIND = "rebind.attacker.example"
 #: Longest wait for anything the page shows, milliseconds (a deadline, not a pause).
 WAIT_MS = 15_000
 
@@ -38,6 +40,7 @@ def browser():
     playwright_sync.expect.set_options(timeout=WAIT_MS)
     with playwright_sync.sync_playwright() as p:
         args = ["--no-sandbox"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []  # root has no sandbox
+        args.append(f"--host-resolver-rules=MAP {REBIND} 127.0.0.1")
         chromium = p.chromium.launch(executable_path=CHROMIUM, args=args)
         yield chromium
         chromium.close()
@@ -261,3 +264,99 @@ def test_the_overview_says_the_database_is_down_and_recovers(db_url, page):
     finally:
         proxy.stop()
         engine.dispose()
+
+
+def test_a_rebinding_name_gets_the_wrong_address_page(engine, page):
+    """Issue 26, item 4: a site whose name resolves to 127.0.0.1 (here by the browser's
+    resolver rules) got the dashboard's pages, cookie and CSRF token, and could act. Now its
+    pages are a 400 "Wrong address" page with no cookie, and its script's POST is refused."""
+    s = seed(engine)
+    job = s.jobs["bill"]["ready"][0]
+    with served(engine) as base:
+        port = base.rsplit(":", 1)[1]
+        attacker = f"http://{REBIND}:{port}"
+        answer = page.goto(f"{attacker}/confirm?action=cancel&consumer=bill&job={job}")
+        assert answer is not None and answer.status == 400
+        expect(page.locator("h1")).to_have_text("Wrong address")
+        expect(page.locator("#error")).to_contain_text(f"127.0.0.1:{port}")
+        assert page.locator("input[name=csrf]").count() == 0
+        assert page.context.cookies(attacker) == []
+        answer = page.goto(f"{attacker}/events/{s.events[0]}")
+        assert answer is not None and answer.status == 400
+        expect(page.locator("main")).not_to_contain_text("total_cents")
+        status = page.evaluate(f"""async () => (await fetch('/actions/cancel', {{method: 'POST',
+            body: new URLSearchParams({{consumer: 'bill', job: '{job}'}})}})).status""")
+        assert status == 400
+        assert statuses(engine, [job]) == ["ready"]
+        page.goto(base + "/")  # the dashboard's own address still serves
+        expect(page.locator("h1")).to_have_text("Overview")
+    assert page.dialogs == []
+
+
+def test_a_form_posted_from_another_origin_is_refused(engine, page):
+    """A page of another origin on the same site (another port of 127.0.0.1: the session
+    cookie, SameSite=Strict, goes along), holding a valid CSRF token as a rebinding attack
+    would have read it, posts the pause form: 403, nothing paused. The same form from the
+    dashboard's own page works (the browser sends its Origin; ``Referrer-Policy:
+    same-origin``, as ``no-referrer`` made it send ``Origin: null``)."""
+    seed(engine)
+    with served(engine) as base:
+        page.goto(base + "/confirm?action=pause&consumer=bill")
+        token = page.locator("#confirm-form input[name=csrf]").get_attribute("value")
+        other = "http://127.0.0.1:9/attack"  # never listened on: the test's route answers it
+        page.route(other, lambda route: route.fulfill(content_type="text/html", body=f"""<!doctype html>
+            <form method="post" action="{base}/actions/pause"><input type="hidden" name="consumer" value="bill">
+            <input type="hidden" name="csrf" value="{token}"><button id="go">win a prize</button></form>"""))
+        page.goto(other)
+        with page.expect_response(lambda r: r.url == f"{base}/actions/pause") as answer:
+            page.locator("#go").click()
+        assert answer.value.status == 403
+        expect(page.locator("#error")).to_contain_text("was not sent from the dashboard")
+        assert not paused(engine, "bill")
+        page.goto(base + "/confirm?action=pause&consumer=bill")
+        page.locator("#confirm").click()
+        expect(page.locator("#pause-state .tag.paused")).to_contain_text("paused since")
+        assert paused(engine, "bill")
+
+
+def test_wrong_tokens_hold_the_sign_in_then_the_right_one_signs_in(engine, page):
+    """With a token: six wrong ones typed into the sign-in page are refused, the next
+    attempt, and then the right token, are held ("Too many wrong sign-ins", no cookie); once
+    the hold is over (the test moves the hold's clock) the right token signs in, and actions
+    (same-origin POSTs) and sign-out work."""
+    from pydantic import SecretStr
+
+    from outbox.dashboard import DashboardAuth
+    from outbox.dashboard.throttle import LoginThrottle
+
+    seed(engine)
+    secret = "0123456789abcdef-browser"
+    clock = Clock()
+    with served(engine, auth=DashboardAuth(token=SecretStr(secret)), throttle=LoginThrottle(clock=clock)) as base:
+        page.goto(base + "/")
+        for i in range(6):
+            page.fill("#login input[name=token]", f"wrong-{i}-0123456789abcdef")
+            with page.expect_response(lambda r: r.url == f"{base}/login" and r.request.method == "POST") as answer:
+                page.locator("#login button").click()
+            assert answer.value.status == 401
+            expect(page.locator("#wrong")).to_be_visible()
+        page.fill("#login input[name=token]", "wrong-7-0123456789abcdef")
+        page.locator("#login button").click()
+        expect(page.locator("#held")).to_contain_text("Too many wrong sign-ins from your address: try again in 1 s")
+        page.fill("#login input[name=token]", secret)
+        with page.expect_response(lambda r: r.url == f"{base}/login" and r.request.method == "POST") as answer:
+            page.locator("#login button").click()
+        assert answer.value.status == 429
+        expect(page.locator("#held")).to_be_visible()
+        assert [c for c in page.context.cookies(base) if c["name"] == "outbox_auth"] == []
+        clock.now += 1
+        page.fill("#login input[name=token]", secret)
+        page.locator("#login button").click()
+        expect(page.locator("h1")).to_have_text("Overview")
+        page.goto(base + "/confirm?action=pause&consumer=ship")
+        page.locator("#confirm").click()
+        expect(page.locator("#pause-state .tag.paused")).to_contain_text("paused since")
+        assert paused(engine, "ship")
+        page.locator("header form.logout button").click()
+        expect(page.locator("#login")).to_be_visible()
+        assert page.goto(base + "/relays").status == 401

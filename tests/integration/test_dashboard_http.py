@@ -6,11 +6,14 @@ and the :mod:`outbox.admin` queries the dashboard reads through, on a seeded dat
 from __future__ import annotations
 
 import base64
+import http.client
+import math
 import os
 import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -26,7 +29,7 @@ from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 from tests.acceptance.proxy import TcpProxy
 
-from .dashboard_helpers import HOSTILE, paused, seed, statuses
+from .dashboard_helpers import HOSTILE, Clock, paused, seed, statuses
 from .helpers import subscribe
 
 pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] (starlette) is not installed")
@@ -36,11 +39,18 @@ from pydantic import SecretStr  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
 from outbox.dashboard import DashboardAuth, check_bind, create_app  # noqa: E402
+from outbox.dashboard.throttle import LoginThrottle  # noqa: E402
 from outbox.errors import AdminError, ConfigurationError  # noqa: E402
 
+#: Where the TestClient's requests go (its Host header and port), and the Origin its POSTs carry.
+BASE = "http://127.0.0.1:8000"
 
-def _client(engine: sa.Engine, **options) -> TestClient:
-    return TestClient(create_app(engine, OutboxSettings(_env_file=None), **options), follow_redirects=False)
+
+def _client(engine: sa.Engine, settings: OutboxSettings | None = None, **options) -> TestClient:
+    """A TestClient of the dashboard at :data:`BASE`, sending ``Origin: BASE`` as a browser
+    does from the dashboard's own pages."""
+    app = create_app(engine, settings or OutboxSettings(_env_file=None), **options)
+    return TestClient(app, base_url=BASE, headers={"origin": BASE}, follow_redirects=False)
 
 
 def _csrf(client: TestClient, query: str) -> str:
@@ -199,7 +209,8 @@ def test_dashboard_process_on_all_interfaces_wants_the_token_and_never_logs_it(d
     base = f"http://127.0.0.1:{port}"
 
     def get(path: str, headers: dict[str, str] | None = None, data: bytes | None = None) -> tuple[int, str, object]:
-        request = urllib.request.Request(base + path, headers=headers or {}, data=data)
+        origin = {"Origin": base} if data is not None else {}
+        request = urllib.request.Request(base + path, headers={**origin, **(headers or {})}, data=data)
         try:
             with urllib.request.build_opener(_NoRedirect).open(request, timeout=10) as response:
                 return response.status, response.read().decode(), response.headers
@@ -251,6 +262,271 @@ def test_basic_auth_wrong_password_is_401_with_a_challenge(engine):
     assert client.get("/", headers={"Authorization": "Basic !!!"}).status_code == 401
     right = "Basic " + base64.b64encode(b"ops:pw").decode()
     assert client.get("/", headers={"Authorization": right}).status_code == 200
+
+
+# ---------------------------------- Host, Origin, wrong credentials, access log (issue 26)
+
+REBIND = "rebind.attacker.example:8000"
+
+
+def test_a_rebinding_host_gets_a_400_page_and_nothing_else(engine):
+    """Issue 26, item 4: a site whose name points to 127.0.0.1 (DNS rebinding) got the
+    confirmation page with a session cookie and its CSRF token, an event's payload, and
+    cancelled a job with them. Without credentials only loopback Host values on the
+    dashboard's port are answered; anything else is a short 400 page with no cookie."""
+    s = seed(engine)
+    job = s.jobs["bill"]["ready"][0]
+    client = _client(engine)
+    attacker = {"host": REBIND, "origin": f"http://{REBIND}"}
+    confirm = client.get(f"/confirm?action=cancel&consumer=bill&job={job}", headers=attacker)
+    assert confirm.status_code == 400, confirm.text
+    assert "set-cookie" not in confirm.headers and 'name="csrf"' not in confirm.text
+    assert "Wrong address" in confirm.text and "rebind.attacker.example" in confirm.text
+    assert confirm.headers["content-security-policy"].startswith("default-src 'self'")
+    event = client.get(f"/events/{s.events[0]}", headers=attacker)
+    assert event.status_code == 400 and "total_cents" not in event.text
+    token = _csrf(client, f"action=cancel&consumer=bill&job={job}")  # even with a real session and token
+    cancel = client.post("/actions/cancel", data={"consumer": "bill", "job": str(job), "csrf": token}, headers=attacker)
+    assert cancel.status_code == 400 and statuses(engine, [job]) == ["ready"]
+    for host in ("rebind.attacker.example", "127.0.0.1.nip.io:8000", "localhost.:8000", "127.0.0.1:8001",
+                 "0.0.0.0:8000"):
+        assert client.get("/relays", headers={"host": host}).status_code == 400, host
+    for host in ("127.0.0.1:8000", "localhost:8000", "LOCALHOST:8000", "[::1]:8000", "127.0.0.2:8000"):
+        assert client.get("/relays", headers={"host": host}).status_code == 200, host
+    cancelled = client.post("/actions/cancel", data={"consumer": "bill", "job": str(job), "csrf": token})
+    assert cancelled.status_code == 303 and statuses(engine, [job]) == ["cancelled"]
+
+
+@pytest.mark.parametrize("headers", [
+    {"origin": f"http://{REBIND}"},
+    {"origin": "http://127.0.0.1:8001"},        # same site (another port): the session cookie goes along
+    {"origin": "http://localhost:8000"},
+    {"origin": "null"},                         # a sandboxed frame, a data: page
+    {"origin": "null", "referer": f"{BASE}/confirm"},
+    {"origin": "", "referer": "http://evil.example/attack"},
+    {"origin": ""},                             # neither header
+], ids=["rebind", "other-port", "other-name", "null", "null-with-referer", "other-referer", "none"])
+def test_a_post_from_another_origin_is_refused(engine, headers):
+    """Every POST needs an Origin (or, without one, a Referer) naming the dashboard itself:
+    another origin is refused (403) even with the right session cookie and CSRF token."""
+    seed(engine)
+    client = _client(engine)
+    token = _csrf(client, "action=pause&consumer=bill")
+    if headers.get("origin") == "":
+        client.headers.pop("origin")
+        headers = {k: v for k, v in headers.items() if k != "origin"}
+    refused = client.post("/actions/pause", data={"consumer": "bill", "csrf": token}, headers=headers)
+    assert refused.status_code == 403 and "was not sent from the dashboard" in refused.text
+    assert "set-cookie" not in refused.headers
+    assert not paused(engine, "bill")
+    client.headers.pop("origin", None)
+    same = client.post("/actions/pause", data={"consumer": "bill", "csrf": token}, headers={"referer": f"{BASE}/confirm"})
+    assert same.status_code == 303 and paused(engine, "bill")
+
+
+def test_sign_in_and_sign_out_from_another_origin_are_refused(engine):
+    secret = "0123456789abcdef-sign-in"
+    client = _client(engine, auth=DashboardAuth(token=SecretStr(secret)))
+    evil = {"origin": "http://evil.example"}
+    refused = client.post("/login", data={"token": secret}, headers=evil)
+    assert refused.status_code == 403 and "set-cookie" not in refused.headers
+    signed_in = client.post("/login", data={"token": secret})
+    assert signed_in.status_code == 303 and "outbox_auth=" in signed_in.headers["set-cookie"]
+    page = client.get("/relays")
+    token = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text).group(1)
+    assert client.post("/logout", data={"csrf": token}, headers=evil).status_code == 403
+    assert client.get("/relays").status_code == 200  # still signed in
+    assert client.post("/logout", data={"csrf": token}).status_code == 303
+
+
+def test_allowed_hosts_behind_a_proxy(engine):
+    """With credentials, OUTBOX_DASHBOARD_ALLOWED_HOSTS names the Host values answered (a
+    proxy's public name): others get 400; a form posted from https://<name> through a proxy
+    that ends TLS passes the Origin check. With credentials and no entries, any Host."""
+    s = seed(engine)
+    secret = "0123456789abcdef-proxy"
+    auth = DashboardAuth(token=SecretStr(secret))
+    bearer = {"authorization": f"Bearer {secret}"}
+    settings = OutboxSettings(_env_file=None, dashboard_allowed_hosts="dash.example.com, ops.example.com:8443")
+    client = _client(engine, settings, auth=auth)
+    public = {**bearer, "host": "dash.example.com", "origin": "https://dash.example.com"}
+    page = client.get("/confirm?action=pause&consumer=ship", headers=public)
+    assert page.status_code == 200
+    token = re.search(r'name="csrf" value="([0-9a-f]+)"', page.text).group(1)
+    assert client.post("/actions/pause", data={"consumer": "ship", "csrf": token}, headers=public).status_code == 303
+    assert paused(engine, "ship")
+    assert client.get("/relays", headers={**bearer, "host": "ops.example.com:8443"}).status_code == 200
+    assert client.get("/relays", headers={**bearer, "host": "ops.example.com"}).status_code == 400
+    assert client.get("/relays", headers={**bearer, "host": REBIND}).status_code == 400
+    assert client.get("/relays", headers=bearer).status_code == 200  # 127.0.0.1:8000, always answered
+    anywhere = _client(engine, auth=auth)
+    assert anywhere.get(f"/events/{s.events[0]}", headers={**bearer, "host": "any.example"}).status_code == 200
+
+
+def test_a_non_loopback_allowed_host_without_credentials_refuses_to_start(db_url, capsys, monkeypatch):
+    for name in [n for n in os.environ if n.startswith("OUTBOX_DASHBOARD_")]:
+        monkeypatch.delenv(name)
+    port = _free_port()
+    code = main(["dashboard", "--port", str(port), "--allowed-hosts", "localhost:9000,outbox.local",
+                 "--database-url", db_url.render_as_string(hide_password=False)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "'outbox.local', which is not a loopback name" in err and "DNS rebinding" in err
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_wrong_tokens_are_held_and_the_right_one_waits_out_the_hold(engine):
+    """200 wrong tokens in a row from one address (before: 200 x 401, and the right one let
+    in at once): the first 6 get 401, the rest 429 with Retry-After; the right token, typed
+    or as a bearer, waits out the hold too; a signed-in browser's cookie is not held; once
+    the hold is over the right token signs in and clears the failures. The hold's clock is
+    the test's (it does not move during the burst, however slow the machine)."""
+    secret = "0123456789abcdef-throttle"
+    clock = Clock()
+    app_client = _client(engine, auth=DashboardAuth(token=SecretStr(secret)), throttle=LoginThrottle(clock=clock))
+    assert app_client.post("/login", data={"token": secret}).status_code == 303  # signed in before the burst
+    client = TestClient(app_client.app, base_url=BASE, headers={"origin": BASE}, follow_redirects=False)
+    answers = [client.post("/login", data={"token": f"wrong-{i:04d}-0123456789"}) for i in range(200)]
+    assert [a.status_code for a in answers] == [401] * 6 + [429] * 194
+    assert "Too many wrong sign-ins" in answers[-1].text and answers[-1].headers["retry-after"] == "1"
+    right = client.post("/login", data={"token": secret})
+    assert right.status_code == 429 and "set-cookie" not in right.headers
+    assert client.get("/relays", headers={"authorization": f"Bearer {secret}"}).status_code == 429
+    assert app_client.get("/relays").status_code == 200  # the sign-in cookie passes
+    clock.now += 0.9
+    assert client.post("/login", data={"token": secret}).status_code == 429
+    clock.now += 0.1
+    assert client.post("/login", data={"token": secret}).status_code == 303
+    assert client.post("/login", data={"token": "wrong-again-0123456789"}).status_code == 401  # failures cleared
+
+
+def test_wrong_bearer_and_basic_credentials_are_held_too(engine):
+    clock = Clock()
+    auth = DashboardAuth(token=SecretStr("0123456789abcdef-bearer"), user="ops", password=SecretStr("pw-1"))
+    client = _client(engine, auth=auth, throttle=LoginThrottle(clock=clock))
+    wrong_basic = {"authorization": "Basic " + base64.b64encode(b"ops:nope").decode()}
+    right_basic = {"authorization": "Basic " + base64.b64encode(b"ops:pw-1").decode()}
+    codes = [client.get("/relays", headers=wrong_basic).status_code for _ in range(4)]
+    codes += [client.get("/relays", headers={"authorization": "Bearer nope"}).status_code for _ in range(4)]
+    assert codes == [401] * 6 + [429] * 2
+    held = client.get("/relays", headers=right_basic)
+    assert held.status_code == 429 and "www-authenticate" not in held.headers and held.headers["retry-after"] == "1"
+    assert client.get("/relays").status_code == 401  # no credentials presented: the sign-in page, not held
+    clock.now += 1
+    assert client.get("/relays", headers=right_basic).status_code == 200
+
+
+def test_the_dashboard_process_holds_wrong_tokens_in_real_time(db_url, tmp_path):
+    """A real ``outbox-relay dashboard`` with a token, on the real clock: a burst of 200 wrong
+    tokens gets 401 for the first 6 and 429 (with Retry-After) for nearly all the rest (a
+    401 only where a hold had ended: at most one per doubling of the burst's duration); the
+    right token signs in once the hold is over; the log says so without the token."""
+    port = _free_port()
+    secret = "0123456789abcdef-" + os.urandom(6).hex()
+    process, log = _serve(["--port", str(port)], db_url, tmp_path, {"OUTBOX_DASHBOARD_TOKEN": secret})
+    base = f"http://127.0.0.1:{port}"
+
+    def sign_in(token: str) -> tuple[int, str | None]:
+        request = urllib.request.Request(base + "/login", data=f"token={token}".encode(), headers={"Origin": base})
+        try:
+            with urllib.request.build_opener(_NoRedirect).open(request, timeout=10) as response:
+                return response.status, None
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get("retry-after")
+
+    def up() -> bool:
+        assert process.poll() is None, log.read_text()
+        try:
+            return _http(port, "/static/style.css", f"127.0.0.1:{port}") == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="the dashboard process to answer")
+        started = time.monotonic()
+        answers = [sign_in(f"wrong-{i:04d}-0123456789") for i in range(200)]
+        elapsed = time.monotonic() - started
+        codes = [code for code, _ in answers]
+        assert codes[:6] == [401] * 6 and set(codes) == {401, 429}, codes
+        assert codes.count(401) - 6 <= math.log2(elapsed + 1) + 1, (codes.count(401), elapsed)
+        assert all(after is not None and int(after) >= 1 for code, after in answers if code == 429)
+        wait_for(lambda: sign_in(secret)[0] == 303, timeout=30, interval=0.1, what="the right token to sign in")
+    finally:
+        process.terminate()
+        process.wait(20)
+    text = log.read_text()
+    assert "6 wrong credentials in a row from 127.0.0.1; its sign-ins wait 1 s" in text
+    assert secret not in text
+
+
+def _http(port: int, path: str, host: str, method: str = "GET") -> int:
+    """The status of ``method path`` sent to 127.0.0.1:``port`` with this ``Host`` header."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(method, path, headers={"Host": host})
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_the_dashboard_process_refuses_a_rebinding_host(db_url, tmp_path):
+    """A real ``outbox-relay dashboard`` without credentials (the issue's case): a request
+    naming another host gets 400, one naming a loopback name and its port 200."""
+    port = _free_port()
+    process, log = _serve(["--port", str(port)], db_url, tmp_path)
+
+    def up() -> bool:
+        assert process.poll() is None, log.read_text()
+        try:
+            return _http(port, "/relays", f"127.0.0.1:{port}") == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="the dashboard process to answer")
+        assert _http(port, "/relays", f"rebind.attacker.example:{port}") == 400
+        assert _http(port, "/confirm?action=pause&consumer=x", f"rebind.attacker.example:{port}") == 400
+        assert _http(port, "/relays", f"localhost:{port}") == 200
+        assert _http(port, "/actions/pause", f"127.0.0.1:{port}", "POST") == 403  # no Origin, no Referer
+    finally:
+        process.terminate()
+        process.wait(20)
+
+
+@pytest.mark.parametrize("credentials", [False, True], ids=["loopback", "token"])
+def test_a_token_in_the_query_string_is_not_in_the_access_log(db_url, tmp_path, credentials):
+    """The dashboard takes no credentials from a URL (401 with credentials configured), and
+    its access log writes the line with every query parameter but its own as ``***``
+    (before: ``"GET /?token=<the token> HTTP/1.1" 401`` in the log)."""
+    port = _free_port()
+    secret = "s3cret-in-a-url-" + os.urandom(6).hex()
+    env = {"OUTBOX_DASHBOARD_TOKEN": secret} if credentials else {}
+    process, log = _serve(["--port", str(port)], db_url, tmp_path, env)
+    host = f"127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert process.poll() is None, log.read_text()
+        try:
+            return _http(port, "/static/style.css", host) == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, timeout=30, what="the dashboard process to answer")
+        expected = 401 if credentials else 200
+        assert _http(port, f"/?token={secret}", host) == expected
+        assert _http(port, f"/consumers/mail?status=dead&access_token={secret}&before=5", host) in (expected, 404)
+        assert _http(port, f"/relays?{secret}", host) == expected
+        wait_for(lambda: log.read_text().count("uvicorn.access") >= 4, timeout=10, what="the access lines")
+    finally:
+        process.terminate()
+        process.wait(20)
+    text = log.read_text()
+    assert secret not in text
+    assert f'"GET /?*** HTTP/1.1" {expected}' in text
+    assert '"GET /consumers/mail?status=dead&***&before=5 HTTP/1.1"' in text
+    assert '"GET /relays?*** HTTP/1.1"' in text
 
 
 # ----------------------------------------------------------------------- CSRF, read-only
