@@ -14,6 +14,13 @@ with ``extra=job_fields(job, ...)``: ``job_id``, ``event_id``, ``consumer``, ``t
 when it ran) and what the line adds (``outcome``, ``delay_seconds``, ``error``). Other
 lines carry what they name (``topic`` and ``events`` for a topic with no subscriber). The
 text format shows the message only; the fields are for JSON.
+
+One line per state change (issue 26, item 10). Where one fault changes many jobs at once (a
+relay paused past its lease loses every claim it held), the part that notices writes one
+summary line per round (:func:`job_summary`: the count, the count per consumer and the first
+:data:`SUMMARY_IDS` ids; fields ``count``, ``consumers``, ``job_ids``, ``outcome``) and each
+job's own line at DEBUG; a job is summarised once, by the first part that notices
+(:meth:`outbox.claims.HeldClaims.first_reports`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections import Counter
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +38,9 @@ if TYPE_CHECKING:
 
 #: The text format's layout.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+
+#: How many job ids a summary line names (:func:`job_summary`).
+SUMMARY_IDS = 5
 
 # Attributes every LogRecord has: anything else on a record came from ``extra=``.
 _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -43,6 +55,20 @@ def job_fields(job: Job, **more: Any) -> dict[str, Any]:
         fields["duration_seconds"] = round(job._ran, 6)
     fields.update(more)
     return fields
+
+
+def job_summary(jobs: Sequence[Job], outcome: str) -> tuple[str, dict[str, Any]]:
+    """The text and the structured fields of one line about many ``jobs`` at once (one round's
+    lost leases, stale reports, ...): ``"3 jobs (send_receipt 2, ledger 1; ids 17, 18, 40)"``,
+    naming at most :data:`SUMMARY_IDS` ids (``"... and 95 more"``); fields ``count``,
+    ``consumers`` (jobs per consumer), ``job_ids`` (the ids named) and ``outcome``."""
+    per_consumer = Counter(job.consumer for job in jobs)
+    ids = [job.id for job in jobs[:SUMMARY_IDS]]
+    more = f" and {len(jobs) - len(ids)} more" if len(jobs) > len(ids) else ""
+    consumers = ", ".join(f"{consumer} {n}" for consumer, n in per_consumer.most_common())
+    text = (f"{len(jobs)} job{'' if len(jobs) == 1 else 's'} ({consumers}; "
+            f"id{'' if len(ids) == 1 else 's'} {', '.join(map(str, ids))}{more})")
+    return text, {"count": len(jobs), "consumers": dict(per_consumer), "job_ids": ids, "outcome": outcome}
 
 
 class JsonFormatter(logging.Formatter):

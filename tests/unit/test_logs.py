@@ -64,3 +64,17 @@ def test_unsubscribed_topics_remembered_are_bounded():
     for n in range(10):
         topics.routed({f"t{n}": 1})
     assert topics.warnings == 10 and len(topics._warned_at) == 3
+
+
+def test_a_summary_names_the_count_the_consumers_and_a_few_ids():
+    from outbox.logs import SUMMARY_IDS, job_summary
+
+    jobs = [make_job({}, consumer="a" if i % 3 else "b", id=100 + i) for i in range(12)]
+    text, fields = job_summary(jobs, "lease_lost")
+    assert text == "12 jobs (a 8, b 4; ids 100, 101, 102, 103, 104 and 7 more)"
+    assert fields == {"count": 12, "consumers": {"a": 8, "b": 4}, "job_ids": [100, 101, 102, 103, 104],
+                      "outcome": "lease_lost"}
+    assert len(fields["job_ids"]) == SUMMARY_IDS
+    assert job_summary(jobs[:1], "stale")[0] == "1 job (b 1; id 100)"
+    line = json.loads(JsonFormatter().format(_record("lease lost on %s", text, **fields)))
+    assert line["count"] == 12 and line["job_ids"] == [100, 101, 102, 103, 104]
