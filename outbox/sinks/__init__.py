@@ -157,6 +157,14 @@ class Sink(abc.ABC):
     def connected(self) -> bool:
         """Whether the connection is up now (a dropped one reports False until reconnected)."""
 
+    @property
+    def destination_problem(self) -> str | None:
+        """Why the broker takes no message now although the connection is up (RabbitMQ: the
+        exchange does not exist), as the last batch or connect found it; None when nothing
+        is known to stand in the way (the default). The forwarder reports its broker back
+        only once this is None."""
+        return None
+
     @abc.abstractmethod
     async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
         """Send ``messages`` without waiting for each acknowledgement in turn, then wait up

@@ -4,18 +4,26 @@ summarised per round, broker client noise below WARNING.
 Each test runs real relay processes (``python -m outbox.cli run``, the CLI's own logging at
 INFO, text format) and counts the lines of the relay's output written during the fault:
 
+* a RabbitMQ exchange deleted for 5 s under a steady stream of events: one "broker
+  unreachable" warning, one line when it is back, and no other WARNING or ERROR line (no
+  aiormq traceback, no second pair as the forwarder's pause runs out);
 * a relay SIGSTOPped past its lease while it holds 100 jobs or more, its jobs reaped and run
   by a second relay, then SIGCONTed: a few summary lines (a count and a few ids each), not a
   WARNING per job, and the counts in them add up to the jobs it lost.
+
+Skipped with the reason when RabbitMQ or aio-pika is missing (the first test only).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -25,7 +33,7 @@ from sqlalchemy.orm import Session
 from outbox import publish_many
 from outbox.testing import wait_for
 
-from . import brokers, slow_app
+from . import brokers, forward_app, slow_app
 from .relays import Fleet
 
 #: A line of the text format: ``time LEVEL logger [pid] message`` (outbox.logs.TEXT_FORMAT).
@@ -62,6 +70,79 @@ def _statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
     with engine.connect() as c:
         return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
                               {"c": consumer}).all())
+
+
+class Publisher(threading.Thread):
+    """Publishes ``per_batch`` events of ``topic`` every ``interval`` seconds until stopped."""
+
+    def __init__(self, engine: sa.Engine, topic: str, per_batch: int, interval: float) -> None:
+        super().__init__(daemon=True)
+        self.engine, self.topic, self.per_batch, self.interval = engine, topic, per_batch, interval
+        self.published = 0
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.wait(self.interval):
+            with Session(self.engine) as s, s.begin():
+                publish_many(s, [{"topic": self.topic, "payload": {"n": self.published + i}}
+                                 for i in range(self.per_batch)])
+            self.published += self.per_batch
+
+    def stop(self) -> int:
+        self.halt.set()
+        if self.is_alive():
+            self.join(10)
+        return self.published
+
+
+def _exchange(queue: brokers.BoundQueue, action: str) -> None:
+    """Delete the queue's exchange, or declare it again and bind the queue (``#``) as before."""
+    async def act(channel: Any) -> None:
+        if action == "delete":
+            await channel.exchange_delete(queue.exchange)
+            return
+        exchange = await channel.declare_exchange(queue.exchange, "topic", durable=False, auto_delete=False)
+        bound = await channel.declare_queue(queue.name, passive=True)
+        await bound.bind(exchange, "#")
+
+    asyncio.run(queue._call(act))
+
+
+def test_an_exchange_deleted_for_five_seconds_logs_one_warning_and_one_line_back(engine, fleet):
+    missing = brokers.rabbitmq_missing()
+    if missing:
+        pytest.skip(missing)
+    queue = brokers.BoundQueue()
+    publisher = Publisher(engine, forward_app.TOPIC, per_batch=20, interval=0.05)
+    try:
+        relay = fleet.start("--poll-interval", "0.2", env={"FA_SINK": "rabbitmq", "FA_EXCHANGE": queue.exchange})
+        publisher.start()
+        wait_for(lambda: _statuses(engine, forward_app.CONSUMER).get("done", 0) >= 200, timeout=TIMEOUT,
+                 what="the forwarder to deliver")
+        mark = len(relay.log)
+        _exchange(queue, "delete")
+        wait_for(lambda: "broker unreachable" in relay.log[mark:], timeout=TIMEOUT,
+                 what="the relay to notice the exchange is gone")
+        time.sleep(5.0)  # the outage lasts 5 s: its length, not a check (those wait on conditions)
+        _exchange(queue, "declare")
+        published = publisher.stop()
+        wait_for(lambda: _statuses(engine, forward_app.CONSUMER) == {"done": published}, timeout=TIMEOUT,
+                 what=f"all {published} forwarder jobs done")
+        assert fleet.terminate(relay, 20) == 0, relay.log[-3000:]
+        during = relay.log[mark:]
+    finally:
+        publisher.stop()
+        queue.delete()
+    records = _lines(during)
+    unreachable = [m.group(0) for m in records if "broker unreachable" in m.group("message")]
+    back = [m.group(0) for m in records if m.group("message").startswith(f"forwarder {forward_app.CONSUMER}: connected")]
+    loud = _loud(during)
+    print(f"{len(unreachable)} unreachable, {len(back)} back, {len(loud)} WARNING or ERROR lines in all:\n"
+          + "\n".join(loud))
+    assert len(unreachable) == 1, unreachable
+    assert len(back) == 1, back
+    assert loud == unreachable, loud
+    assert "Traceback" not in during, during[-3000:]
 
 
 def _stat(text: str, name: str) -> int:

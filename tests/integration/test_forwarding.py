@@ -8,6 +8,7 @@ deletes it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -240,11 +241,13 @@ def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
     assert stream.count() == 50
 
 
-def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
+def test_a_silent_broker_costs_no_attempt(engine, settings, stream, caplog):
     """The connection stays open but nothing comes back (a partition, a stalled server): no
     PubAck arrives for any message of a batch. That is an outage, not bad messages: the jobs
     are handed back uncounted, nothing is dead-lettered, and once the broker answers again
-    every event is stored once."""
+    every event is stored once. It is logged as one outage: one warning, one line back (the
+    pauses between batches that try again do not end it; issue 26, item 10)."""
+    caplog.set_level(logging.INFO, logger="outbox.forward")
     target = urlsplit(NATS_URL)
     proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
     proxy.start()
@@ -256,6 +259,7 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
     try:
         _publish(engine, "t", 20)
         wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="the first 20 done")
+        mark = len(caplog.records)
         proxy.freeze()
         _publish(engine, "t", 40, start=20)
         silent_until = time.monotonic() + 6.0  # many 0.5 s timeouts' worth of silence
@@ -272,3 +276,6 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
         proxy.stop()
     assert _statuses(engine, "fwd") == {"done": 60}
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 60 and stream.count() == 60
+    said = [r.getMessage() for r in caplog.records[mark:] if r.name == "outbox.forward"]
+    assert [m.split(" (")[0].split(" to ")[0] for m in said] == ["forwarder fwd: broker unreachable",
+                                                                 "forwarder fwd: connected"], said

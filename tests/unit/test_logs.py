@@ -78,3 +78,43 @@ def test_a_summary_names_the_count_the_consumers_and_a_few_ids():
     assert job_summary(jobs[:1], "stale")[0] == "1 job (b 1; id 100)"
     line = json.loads(JsonFormatter().format(_record("lease lost on %s", text, **fields)))
     assert line["count"] == 12 and line["job_ids"] == [100, 101, 102, 103, 104]
+
+
+def _client_record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+
+def test_broker_client_noise_is_written_at_debug_and_other_records_pass():
+    from outbox.logs import ClientNoise
+
+    noise = ClientNoise()
+    closed = _client_record("aiormq.connection", logging.ERROR, 'Unexpected connection close from remote "%s", '
+                            "Connection.Close(reply_code=%r, reply_text=%r)", "amqp://x", 504, "CHANNEL_ERROR")
+    reader = _client_record("aiormq.connection", logging.WARNING, "Cancelling cause reader exited abnormally")
+    blocked = _client_record("aiormq.connection", logging.WARNING, "Connection %r was blocked by: %r", "c", "memory")
+    ours = _client_record("outbox.forward", logging.WARNING, "Unexpected connection close from remote")
+    logging.getLogger("aiormq.connection").setLevel(logging.INFO)
+    try:
+        assert not noise.filter(closed) and not noise.filter(reader)  # below the logger's level: dropped
+        assert closed.levelno == reader.levelno == logging.DEBUG and closed.levelname == "DEBUG"
+        assert noise.filter(blocked) and blocked.levelno == logging.WARNING  # news outbox does not log
+        assert noise.filter(ours) and ours.levelno == logging.WARNING
+        logging.getLogger("aiormq.connection").setLevel(logging.DEBUG)
+        again = _client_record("aiormq.connection", logging.ERROR, "Unexpected connection close from remote")
+        assert noise.filter(again) and again.levelno == logging.DEBUG  # kept, at DEBUG, when DEBUG is on
+    finally:
+        logging.getLogger("aiormq.connection").setLevel(logging.NOTSET)
+
+
+def test_an_aio_pika_callback_error_is_noise_only_when_the_error_is_aiormqs():
+    from outbox.logs import ClientNoise
+
+    class ConnectionChannelError(Exception):  # as aiormq's, by module
+        __module__ = "aiormq.exceptions"
+
+    closed = _client_record("aio_pika.tools", logging.ERROR, "Callback %r error: %s: %s", "cb",
+                            "ConnectionChannelError", ConnectionChannelError("CHANNEL_ERROR"))
+    bug = _client_record("aio_pika.tools", logging.ERROR, "Callback %r error: %s: %s", "cb", "AttributeError",
+                         AttributeError("x"))
+    assert not ClientNoise().filter(closed) and closed.levelno == logging.DEBUG
+    assert ClientNoise().filter(bug) and bug.levelno == logging.ERROR
