@@ -25,7 +25,10 @@ read and changed under one lock, so each part sees one consistent picture:
   attempt already failed, their thread still running: :mod:`outbox.watchdog`);
 * ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
   does not take it for a lost lease); ``released``: fences released at shutdown while
-  their handler ran (their late result is expected to be stale).
+  their handler ran (their late result is expected to be stale);
+* ``reported``: fences whose loss a summary line has named (a lost lease, a buffered lease
+  run out, a stale report), so the parts that notice it later log it at DEBUG only
+  (:mod:`outbox.logs`, "One line per state change").
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class HeldClaims:
         self.hung = 0
         self.finishing: set[int] = set()
         self.released: set[int] = set()
+        self.reported: set[int] = set()
 
     def count(self) -> int:
         """Claims held: buffered, running, or waiting for their outcome to be written."""
@@ -295,6 +299,7 @@ class HeldClaims:
             for job in jobs:
                 self.inflight.pop(job.fence, None)
                 self.finishing.discard(job.fence)
+                self.reported.discard(job.fence)
 
     def renewable(self) -> list[Job]:
         """The claims a heartbeat should renew: every one held whose lease is not lost."""
@@ -307,6 +312,15 @@ class HeldClaims:
         with self.lock:
             return [j for j in jobs
                     if j.fence not in owned and j.fence in self.inflight and j.fence not in self.finishing]
+
+    def first_reports(self, jobs: Iterable[Job]) -> list[Job]:
+        """Of ``jobs``, whose claims this relay no longer owns, those no summary line has
+        named yet, now marked named (until forgotten): a job lost in one fault is summarised
+        once, by the first part that notices (heartbeat, starter or completer)."""
+        with self.lock:
+            first = [j for j in jobs if j.fence not in self.reported]
+            self.reported.update(j.fence for j in first)
+            return first
 
     def unfinished(self) -> list[Job]:
         """Claims neither buffered nor finishing: handlers still running (shutdown)."""

@@ -19,8 +19,9 @@ Workers post how each handler ended (:class:`outbox.worker.Outcome` or
   its worker recorded), ``STALE`` and any result of a claim whose lease was lost.
 
 Every statement is fenced (``WHERE id AND fence AND status = 'running'``) and returns the
-rows it changed; a job missing from them was a stale report: dropped and logged, nothing
-changed. A data error in a batch statement runs it by halves (:meth:`Completer.by_halves`,
+rows it changed; a job missing from them was a stale report: dropped, nothing changed, and
+logged once per round for all of them (:meth:`Completer.report`: count, consumers, a few
+ids; each at DEBUG), unless the heartbeat or the starter already named it. A data error in a batch statement runs it by halves (:meth:`Completer.by_halves`,
 :mod:`outbox.poison`) and dead-letters each job that fails alone, naming the error.
 
 After the outcomes of a round other than releases are written, :meth:`Completer.finished`
@@ -40,7 +41,7 @@ from . import ordering, poison
 from .claims import HeldClaims
 from .counters import Counters
 from .job import Job
-from .logs import job_fields
+from .logs import job_fields, job_summary
 from .metrics import RelayMetrics
 from .notify import Wakeup
 from .registry import Subscriber
@@ -75,6 +76,7 @@ class Completer:
         self.schema = schema
         self.subscribers = subscribers or {}
         self.wake = wake
+        self._unreported: list[Job] = []  # this round's stale reports for its summary line (report)
 
     def sort(self, pending: list[tuple[Job, Any]]) -> tuple[
             list[Job], list[tuple[Job, Failure]], list[tuple[Job, Snoozed]], list[Job]]:
@@ -212,19 +214,31 @@ class Completer:
         return merged, buried_ids
 
     def stale(self, jobs: list[Job]) -> None:
-        """Log and count reports that changed nothing because the claim was no longer owned."""
-        stale: list[str] = []
+        """Count reports that changed nothing because the claim was no longer owned, and log
+        each at DEBUG; those no summary has named yet (a lost lease the heartbeat reported
+        was) wait for the round's summary line, :meth:`report`."""
+        stale: list[Job] = []
         for job in jobs:
             if self.claims.was_released(job):
                 log.info("result of job %s (%s) dropped: the relay released it at shutdown", job.id, job.consumer,
                          extra=job_fields(job, outcome="released"))
             else:
                 self.stats.add("stale")
-                stale.append(job.consumer)
-                log.warning("stale report dropped: job %s (%s) fence %s no longer owns the job",
-                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="stale"))
+                stale.append(job)
+                log.debug("stale report dropped: job %s (%s) fence %s no longer owns the job",
+                          job.id, job.consumer, job.fence, extra=job_fields(job, outcome="stale"))
+        self._unreported += self.claims.first_reports(stale)  # before the jobs are forgotten
         if self.metrics is not None and stale:
-            self.metrics.jobs("stale", stale)
+            self.metrics.jobs("stale", (job.consumer for job in stale))
+
+    def report(self) -> None:
+        """Log the round's stale reports no other line has named in one WARNING line (count,
+        consumers, a few ids); called once at the end of each dispatcher round."""
+        jobs, self._unreported = self._unreported, []
+        if jobs:
+            text, fields = job_summary(jobs, "stale")
+            log.warning("stale reports dropped for %s: this relay no longer owns the claims (taken back while it "
+                        "held them); nothing was written", text, extra=fields)
 
     def log_failures(self, failed: list[tuple[Job, Failure]], statuses: dict[int, str]) -> None:
         dead: list[str] = []

@@ -350,6 +350,12 @@ class Dispatcher:
         drained (:meth:`Producer.claim`). While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
+        try:
+            return self._round(pending, want, limited)
+        finally:
+            self.completer.report()  # the round's stale reports, in one line
+
+    def _round(self, pending: list[tuple[Job, Any]], want: int, limited: int) -> bool:
         finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
         done, failed, snoozed, release = self.completer.sort(pending)
         release += self.claims.take_buffer() if self._buffer_to_release() else []

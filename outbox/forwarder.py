@@ -25,7 +25,11 @@ notes):
   for a growing pause (0.5 s doubling to 10 s). A keeper task per sink connects it, and reconnects it with backoff when its
   connection is down; meanwhile the forwarder is in :meth:`unavailable` and the producer
   claims none of its jobs (they wait, ready, in the table: an outage never costs an
-  attempt). It logs once when a broker becomes unreachable and once when it is back.
+  attempt). It logs once when a broker becomes unreachable and once when it is back: back
+  means a batch was delivered, or, after an outage of the connection itself, that the sink
+  has reconnected and knows of nothing in the way (:attr:`Sink.destination_problem`). A
+  pause running out is not "back": the next batch may find the same outage (a missing
+  exchange, a silent broker), which is no new state to log.
 
 Crash safety is the broker's message id: a relay killed after the broker stored a message
 and before the completion committed leaves the job running; the reaper hands it out again
@@ -98,6 +102,9 @@ class Forwarder:
         self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._down: set[str] = set(self.forwarders)  # until its sink first connects
         self._announced: dict[str, bool] = {}  # consumer -> the last state logged (True: up)
+        # Outages a batch found while the connection looked up (silent broker, missing
+        # exchange): only a delivered batch ends them, not a reconnect or a pause running out.
+        self._unconfirmed: set[str] = set()
         # Batches in a row that found the broker unavailable, and until when (monotonic) the
         # forwarder stays out of claims although its connection looks up.
         self._outages: dict[str, int] = {}
@@ -240,6 +247,7 @@ class Forwarder:
             self._mark_down(sub, next(r.error for r in results if isinstance(r, Unavailable)))
         elif tally["delivered"] or tally["duplicate"]:
             self._outages.pop(sub.consumer, None)
+            self._mark_delivered(sub)
 
     # ------------------------------------------------------------- connections
 
@@ -268,24 +276,51 @@ class Forwarder:
                 await asyncio.sleep(backoff.retry_delay(failures, base=0.5, cap=RECONNECT_CAP, jitter=0.25))
 
     def _mark_down(self, sub: Subscriber, why: str) -> None:
+        """No claims for ``sub``; logged when it was not already reported unreachable."""
+        sink = _sink(sub)
         with self._down_lock:
             self._down.add(sub.consumer)
+            if sink.connected:  # found by a batch on a connection that looks up
+                self._unconfirmed.add(sub.consumer)
             changed = self._announced.get(sub.consumer) is not False
             self._announced[sub.consumer] = False
         if changed:
-            log.warning("forwarder %s: broker unreachable (%s: %s); its jobs wait, and this relay claims none "
-                        "until it is back", sub.consumer, _sink(sub).describe(), why)
+            self._log_down(sub, why)
 
     def _mark_up(self, sub: Subscriber) -> None:
+        """Claims for ``sub`` again (the sink is connected, any pause over); logged as back
+        only when the outage was the connection's and the sink knows of nothing in the way,
+        else the next delivered batch says it (:meth:`_mark_delivered`)."""
+        problem = _sink(sub).destination_problem
         with self._down_lock:
             was_down = sub.consumer in self._down
-            self._down.discard(sub.consumer)
-            changed = self._announced.get(sub.consumer) is not True
-            self._announced[sub.consumer] = True
-        if changed:
+            self._down.discard(sub.consumer)  # a batch may check the broker again
+            if problem is not None:
+                self._unconfirmed.add(sub.consumer)
+            down = problem is not None and self._announced.get(sub.consumer) is not False
+            back = sub.consumer not in self._unconfirmed and self._announced.get(sub.consumer) is not True
+            if down or back:
+                self._announced[sub.consumer] = back
+        if down:
+            self._log_down(sub, problem or "")
+        if back:
             log.info("forwarder %s: connected to %s", sub.consumer, _sink(sub).describe())
         if was_down:
             self.wake()
+
+    def _mark_delivered(self, sub: Subscriber) -> None:
+        """A batch of ``sub`` was delivered: its broker is back, if it was reported unreachable."""
+        with self._down_lock:
+            self._unconfirmed.discard(sub.consumer)
+            back = self._announced.get(sub.consumer) is False
+            if back:
+                self._announced[sub.consumer] = True
+        if back:
+            log.info("forwarder %s: connected to %s", sub.consumer, _sink(sub).describe())
+
+    def _log_down(self, sub: Subscriber, why: str) -> None:
+        log.warning("forwarder %s: broker unreachable (%s: %s); its jobs wait, and this relay claims none "
+                    "until it is back", sub.consumer, _sink(sub).describe(), why)
 
 
 def _sink(sub: Subscriber) -> Sink:

@@ -5,7 +5,9 @@ Every lease/3 (of the shortest lease of its consumers) one statement,
 own lease (``WHERE id AND fence AND status = 'running'``). A claim whose row does not come
 back (reaped after a pause, released, re-claimed) has lost its lease: the job is told
 (``job.lease_lost``; ``job.check_lease()`` raises) and its result will be dropped, unless
-its outcome is being written at that moment (the completion itself took the row). A claim
+its outcome is being written at that moment (the completion itself took the row). The jobs
+one beat finds lost are logged in one WARNING line (count, consumers, a few ids), each at
+DEBUG. A claim
 that is renewed gets a new local bound (``sent + lease``), which the starter and the
 transactional executor check before they rely on the claim.
 
@@ -27,7 +29,7 @@ from . import poison
 from .claims import HeldClaims, Signals
 from .counters import Counters
 from .job import Job
-from .logs import job_fields
+from .logs import job_fields, job_summary
 from .metrics import RelayMetrics
 from .reconnect import Reconnector
 from .worker import bury_job, heartbeat_jobs
@@ -73,8 +75,14 @@ class Heartbeater:
             for job in lost:
                 job.mark_lease_lost()
                 self.stats.add("lease_lost")
-                log.warning("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
-                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="lease_lost"))
+                log.debug("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
+                          job.id, job.consumer, job.fence, extra=job_fields(job, outcome="lease_lost"))
+            first = self.claims.first_reports(lost)
+            if first:
+                text, fields = job_summary(first, "lease_lost")
+                log.warning("lease lost on %s: the claims were taken back (this relay paused, or cut off from its "
+                            "database, for longer than the lease); what their handlers report will be dropped",
+                            text, extra=fields)
             if self.metrics is not None and lost:
                 self.metrics.jobs("lease_lost", (job.consumer for job in lost))
 

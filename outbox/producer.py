@@ -48,7 +48,7 @@ from .completer import Completer
 from .counters import Counters
 from .db.engine import is_disconnect
 from .job import Job
-from .logs import job_fields
+from .logs import job_fields, job_summary
 from .metrics import RelayMetrics
 from .notify import Wakeup
 from .reconnect import Reconnector
@@ -353,7 +353,8 @@ class Starter:
         have started is never listed, and a worker that finishes waits one short round trip,
         shared by every worker that came free meanwhile, not for the dispatcher's claim. A
         buffered job whose lease ran out while it waited (the process was paused, or
-        starved) is released instead (fenced: a no-op if it was reaped or re-claimed)."""
+        starved) is released instead (fenced: a no-op if it was reaped or re-claimed); the
+        ones found together are logged in one WARNING line, each at DEBUG."""
         claims, signals = self.claims, self.signals
         failures = 0
         conn: Any = None
@@ -366,8 +367,14 @@ class Starter:
                 jobs, forwards, expired = claims.take_startable(time.monotonic())
                 jobs += forwards
             for job in expired:
-                log.warning("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                            job.id, job.consumer, job.fence, extra=job_fields(job, outcome="released"))
+                log.debug("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
+                          job.id, job.consumer, job.fence, extra=job_fields(job, outcome="released"))
+            first = claims.first_reports(expired)
+            if first:
+                text, fields = job_summary(first, "released")
+                log.warning("%s not started: the claims' leases ran out while they waited in the buffer (a pause, "
+                            "or a starved process); handing them back", text, extra=fields)
+            for job in expired:
                 claims.mark_finishing(job)
                 self.release(job, Outcome.RELEASE)
             if not jobs:

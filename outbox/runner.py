@@ -64,8 +64,9 @@ from .metrics import RelayMetrics
 from .notify import Wakeup
 from .producer import ClaimHint, Producer, Starter
 from .reconnect import Reconnector
-from .registry import Outbox, Subscriber
+from .registry import FORWARD_TIMEOUT, Outbox, Subscriber
 from .settings import OutboxSettings
+from .sinks import resend_span
 from .watchdog import Watchdog
 from .worker import (
     Failure,
@@ -122,6 +123,13 @@ class JobRunner:
             engine.url, pool_size=1, max_overflow=0, application_name="outbox-relay",
             prepared_statements=settings.pooler == "none"))
         forwarders = {c: s for c, s in self.subscribers.items() if s.sink is not None}
+        for consumer, sub in forwarders.items():  # before the forwarder connects them
+            within, why = resend_span(lease=self.leases[consumer], reap_interval=settings.reap_interval,
+                                      poll_interval=settings.poll_interval, timeout=sub.timeout or FORWARD_TIMEOUT,
+                                      max_attempts=sub.max_attempts, backoff_base=settings.backoff_base,
+                                      backoff_cap=settings.backoff_cap)
+            assert sub.sink is not None
+            sub.sink.expect_resends(within, f"forwarder {consumer}: {why}")
         self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()

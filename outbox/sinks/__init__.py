@@ -22,7 +22,10 @@ without waiting for one broker acknowledgement before the next send, then report
 
 A sink object is created when the forwarder is declared (in the application module, so a
 bad option is a :class:`~outbox.errors.ConfigurationError` at import time) and connected by
-the relay that runs it; one relay uses it from one thread and one event loop.
+the relay that runs it; one relay uses it from one thread and one event loop. Before it
+connects, the relay tells it how long after a send it may send the same message again
+(:meth:`Sink.expect_resends`, :func:`resend_span`), so a sink whose broker drops repeated
+ids within a window (JetStream) can say when that window is too short.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from ..backoff import retry_delay
 from ..errors import ConfigurationError, OutboxError
 
 #: Fields a subject or routing-key template may name.
@@ -157,6 +161,14 @@ class Sink(abc.ABC):
     def connected(self) -> bool:
         """Whether the connection is up now (a dropped one reports False until reconnected)."""
 
+    @property
+    def destination_problem(self) -> str | None:
+        """Why the broker takes no message now although the connection is up (RabbitMQ: the
+        exchange does not exist), as the last batch or connect found it; None when nothing
+        is known to stand in the way (the default). The forwarder reports its broker back
+        only once this is None."""
+        return None
+
     @abc.abstractmethod
     async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
         """Send ``messages`` without waiting for each acknowledgement in turn, then wait up
@@ -166,3 +178,39 @@ class Sink(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Close the connection; safe to call when it is not open."""
+
+    def expect_resends(self, within: float, why: str) -> None:
+        """Called by the relay before :meth:`connect`: a message this sink sends may be sent
+        again up to ``within`` seconds later (a crash, a lost acknowledgement; ``why`` names
+        the parts, as :func:`resend_span` gives them). A sink whose broker drops repeated
+        message ids within a window checks the window against it; the default ignores it."""
+        return None
+
+
+def resend_span(*, lease: float, reap_interval: float, poll_interval: float, timeout: float, max_attempts: int,
+                backoff_base: float, backoff_cap: float) -> tuple[float, str]:
+    """Seconds within which a relay may send a forwarder's message again after a send the
+    broker may have stored, and the parts it is made of (for a log line). A message is sent
+    again after one fault in two ways, and the span is the longer:
+
+    * the relay dies, pauses or loses its database after the send and before the completion
+      commits: the job stays ``running`` until its lease runs out (at most ``lease`` after
+      the send, the lease being renewed before it), the reaper hands it back within
+      ``reap_interval``, and a relay claims it within ``poll_interval`` (DESIGN 4 and 6);
+    * the acknowledgement does not come within the forwarder's ``timeout``: the attempt
+      fails and the job is sent again after its backoff, at most the delay after the
+      next-to-last attempt, :func:`outbox.backoff.retry_delay` without jitter (DESIGN 5);
+      the last attempt is not retried.
+
+    Faults in a row add up (a retry whose acknowledgement is lost too); an outage of the
+    broker itself (jobs handed back, no attempt counted) lasts as long as it lasts."""
+    crash = lease + reap_interval + poll_interval
+    why = (f"after a relay dies, lease {lease:g} s + reap interval {reap_interval:g} s + poll interval "
+           f"{poll_interval:g} s = {crash:g} s")
+    if max_attempts < 2:  # a failed attempt is the last one: never sent again
+        return crash, why
+    backoff = retry_delay(max_attempts - 1, base=backoff_base, cap=backoff_cap, jitter=0)
+    unacknowledged = timeout + backoff
+    return max(crash, unacknowledged), (
+        f"the longer of: {why}; after an acknowledgement that does not come, timeout {timeout:g} s + the retry "
+        f"delay after attempt {max_attempts - 1} of {max_attempts}, {backoff:g} s = {unacknowledged:g} s")

@@ -40,6 +40,23 @@ What each message gets:
 Publishes still unanswered when the batch ends are given up (the stream may yet store them:
 a re-send is deduplicated); an answer arriving later is dropped, so nothing of one batch
 lingers into the next (tokens are never reused on a connection).
+
+The duplicate window (issue 26, item 3). Deduplication holds only within the stream's
+``duplicate_window``, and the relay may send a message again up to the span it gives
+:meth:`~outbox.sinks.Sink.expect_resends` later (:func:`~outbox.sinks.resend_span`: the
+lease, reap and poll intervals after a crash, or the timeout and the longest retry delay
+after a lost PubAck). So the sink reads the window of every stream it publishes to (the
+``stream`` given, at connect; any other as soon as a PubAck names it) with the JetStream
+API's ``STREAM.INFO``, again after each reconnect and every :data:`WINDOW_CHECK_INTERVAL`
+seconds (a stream's config may change while the relay runs), and logs a WARNING when a
+window is shorter than the span, naming the stream, the window and the span with its parts:
+once per stream and window read (an INFO line when a later read finds it long enough). It
+warns and does not refuse: the window is the stream owner's setting, changeable at any time,
+so a check at start could not hold it anyway; a short one costs a second copy of a message
+only after a fault, which the stream's consumers can drop by ``Outbox-Idempotency-Key``,
+while refusing would stop all forwarding; and a small window can be a deliberate choice
+(the server keeps every id of the window in memory). A window that cannot be read (no
+permission for the API, no such stream) is said once at INFO and not checked.
 """
 
 from __future__ import annotations
@@ -48,15 +65,25 @@ import asyncio
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
 from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two readings of the duplicate windows of the streams a sink publishes to,
+#: while it sends (the module notes); each reconnect reads them at once.
+WINDOW_CHECK_INTERVAL = 300.0
+
+#: Most seconds one reading of a stream's config (a ``STREAM.INFO`` request) may take.
+WINDOW_CHECK_TIMEOUT = 5.0
 
 #: JetStream error codes (``err_code``) no retry can turn into a PubAck: the message is over
 #: the stream's ``max_msg_size`` (10054) or its headers over 64 KiB (10097); the subject
@@ -214,6 +241,11 @@ class JetStream(Sink):
         self._good_names: set[str] = set(OUTBOX_HEADERS)  # header names header_problem accepted
         self._up = False
         self._down = asyncio.Event()  # set while the connection is down; bound to a loop on first wait
+        self._resend: tuple[float, str] | None = None  # expect_resends: (seconds, its parts)
+        self._windows: dict[str, float | str | None] = {}  # stream -> its window last read, s (str: unreadable)
+        self._to_check: set[str] = set()  # streams whose window is to be read
+        self._checker: asyncio.Task[None] | None = None
+        self._checked_at = -math.inf  # loop time of the last reading
 
     def describe(self) -> str:
         """The servers (without credentials) and the subject template."""
@@ -225,6 +257,13 @@ class JetStream(Sink):
         """Whether the client is connected now (False from a disconnection until it has
         reconnected, and after :meth:`close`)."""
         return self._up and self._nc is not None and bool(self._nc.is_connected)
+
+    def expect_resends(self, within: float, why: str) -> None:
+        """The relay may send a message again up to ``within`` seconds after it sent it
+        (``why``: the parts of that span): every stream's ``duplicate_window`` is checked
+        against it (the module notes). Told by several forwarders, the longest counts."""
+        if self._resend is None or within > self._resend[0]:
+            self._resend = (within, why)
 
     async def connect(self) -> None:
         """Connect to the first server that answers within ``connect_timeout`` seconds and
@@ -246,6 +285,7 @@ class JetStream(Sink):
         async def reconnected() -> None:
             self._up = True
             self._down.clear()
+            self._check_soon(self._windows)  # a stream may have been changed meanwhile
 
         async def error(exc: Exception) -> None:
             return None  # reported through connected and each batch's results
@@ -267,11 +307,18 @@ class JetStream(Sink):
         self._inbox = inbox
         self._up = True
         self._down.clear()
+        if self.stream is not None:  # at start: the stream given is known now
+            self._windows.setdefault(self.stream, None)
+            await self._check_window(self.stream)
+        self._check_soon(s for s in self._windows if s != self.stream)
 
     async def close(self) -> None:
         """Flush what is buffered and close the connection; does nothing when not connected."""
         nc, self._nc, self._up = self._nc, None, False
         self._down.set()
+        checker, self._checker = self._checker, None
+        if checker is not None:
+            checker.cancel()
         if nc is not None:
             await _quietly_close(nc)
 
@@ -281,6 +328,8 @@ class JetStream(Sink):
         store one batch's messages in another order than given."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if loop.time() - self._checked_at >= WINDOW_CHECK_INTERVAL:
+            self._check_soon(self._windows)
         batch = _Batch(len(messages))
         nc = self._nc
         lost: str | None = None
@@ -339,9 +388,55 @@ class JetStream(Sink):
         index = batch.pending.pop(msg.subject[len(self._inbox):], None)
         if index is None:
             return
-        batch.results[index] = _pub_ack(msg, batch.subjects[index], self.stream)
+        batch.results[index], stream = _pub_ack(msg, batch.subjects[index], self.stream)
+        if stream is not None and stream not in self._windows:  # a stream not checked yet
+            self._windows[stream] = None
+            self._check_soon([stream])
         if len(batch.pending) < batch.wake_below:
             batch.answered.set()
+
+    def _check_soon(self, streams: Iterable[str]) -> None:
+        """Read the windows of ``streams`` in a task of their own (a batch never waits for it),
+        when the relay said how long its re-sends may take."""
+        if self._resend is None:
+            return
+        self._to_check.update(streams)
+        if self._to_check and (self._checker is None or self._checker.done()):
+            self._checker = asyncio.get_running_loop().create_task(self._check_windows())
+
+    async def _check_windows(self) -> None:
+        while self._to_check:
+            await self._check_window(self._to_check.pop())
+
+    async def _check_window(self, stream: str) -> None:
+        """Read ``stream``'s ``duplicate_window`` (``$JS.API.STREAM.INFO.<stream>``) and log
+        when it is shorter than the re-send span, or cannot be read, once per new reading."""
+        nc, resend = self._nc, self._resend
+        if nc is None or resend is None:
+            return
+        self._checked_at = asyncio.get_running_loop().time()
+        window: float | str
+        try:
+            reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", b"",
+                                     timeout=min(WINDOW_CHECK_TIMEOUT, self.connect_timeout))
+            window = _duplicate_window(reply.data)
+        except Exception as exc:  # noqa: BLE001 - unchecked, said once below; forwarding goes on
+            window = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        before, self._windows[stream] = self._windows.get(stream), window
+        if window == before:
+            return
+        within, why = resend
+        if isinstance(window, str):
+            log.info("JetStream stream %s: cannot read its duplicate_window (%s); not checked against the %g s "
+                     "within which a message may be sent again", stream, window, within)
+        elif window < within:
+            log.warning("JetStream stream %s: duplicate_window %g s is shorter than the %g s within which a message "
+                        "may be sent again (%s): a message sent again after the window is stored twice; set the "
+                        "stream's duplicate_window above %g s (forwarding notes, \"Guarantees\")",
+                        stream, window, within, why, within)
+        elif isinstance(before, float) and before < within:
+            log.info("JetStream stream %s: duplicate_window %g s now covers the %g s within which a message may be "
+                     "sent again", stream, window, within)
 
     def _addressed(self, message: Message) -> tuple[str, dict[str, str]] | Failed:
         """The subject and headers ``message`` is published with, or a permanent failure when
@@ -427,27 +522,46 @@ class _Batch:
         self.wake_below = 0
 
 
-def _pub_ack(msg: Any, subject: str, stream: str | None) -> SendResult:
-    """The result a reply to a publish to ``subject`` says: a PubAck (JSON ``{"stream",
-    "seq", "duplicate"}``), a JetStream API error (``{"error": {"code", "err_code",
-    "description"}}``), or the server's no-responders status (503, an empty message with a
-    ``Status`` header) when nothing binds the subject."""
+def _pub_ack(msg: Any, subject: str, stream: str | None) -> tuple[SendResult, str | None]:
+    """The result a reply to a publish to ``subject`` says, and the stream a PubAck names: a
+    PubAck (JSON ``{"stream", "seq", "duplicate"}``), a JetStream API error (``{"error":
+    {"code", "err_code", "description"}}``), or the server's no-responders status (503, an
+    empty message with a ``Status`` header) when nothing binds the subject."""
     status = msg.headers.get("Status") if msg.headers else None
     if status == "503":
-        return Failed(f"no JetStream stream binds subject {subject}", permanent=True)
+        return Failed(f"no JetStream stream binds subject {subject}", permanent=True), None
     try:
         answer = json.loads(msg.data) if msg.data else None
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        return Failed(f"NATS answered neither a PubAck nor an error (status {status}, {bytes(msg.data[:200])!r})")
+        return Failed(f"NATS answered neither a PubAck nor an error (status {status}, "
+                      f"{bytes(msg.data[:200])!r})"), None
     error = answer.get("error")
     if isinstance(error, dict):
         err_code = error.get("err_code")
         where = f" (expected stream {stream})" if err_code == 10060 and stream else ""
         return Failed(f"JetStream refused it: code {error.get('code')}, err_code {err_code}: "
-                      f"{error.get('description')}{where}", permanent=err_code in PERMANENT_ERROR_CODES)
-    return Delivered(duplicate=bool(answer.get("duplicate")))
+                      f"{error.get('description')}{where}", permanent=err_code in PERMANENT_ERROR_CODES), None
+    named = answer.get("stream")
+    return Delivered(duplicate=bool(answer.get("duplicate"))), named if isinstance(named, str) else None
+
+
+def _duplicate_window(data: bytes) -> float | str:
+    """The ``duplicate_window`` in seconds of a ``STREAM.INFO`` answer (the config gives
+    nanoseconds), or the API's error, or what was missing, as text."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return f"not a JetStream API answer: {bytes(data[:200])!r}"
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict):
+        return f"JetStream API error {error.get('err_code')}: {error.get('description')}"
+    config = answer.get("config") if isinstance(answer, dict) else None
+    window = config.get("duplicate_window") if isinstance(config, dict) else None
+    if isinstance(window, bool) or not isinstance(window, int | float):
+        return "the stream's config names no duplicate_window"
+    return window / 1e9
 
 
 def _refused(exc: Exception) -> SendResult:

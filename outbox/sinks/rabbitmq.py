@@ -30,6 +30,11 @@ sink waits up to the timeout, in all, for the broker's answers, and maps each:
 RabbitMQ gives at-least-once here: a crash or a lost confirm between the broker storing a
 message and the job completing sends it again, with the same ``message_id``; consumers drop
 duplicates by ``message_id``.
+
+Logs (issue 26, item 10): the forwarder reports its broker's state, once per change
+(unreachable, back); the sink adds one INFO line per lost connection, naming the cause, and
+logs a channel the broker closed and an exchange found missing at DEBUG only, since each
+message's result carries them (:attr:`destination_problem` tells the forwarder the second).
 """
 
 from __future__ import annotations
@@ -130,6 +135,12 @@ class RabbitMQ(Sink):
         return (connection is not None and channel is not None and not connection.is_closed
                 and connection.connected.is_set() and not channel.is_closed)
 
+    @property
+    def destination_problem(self) -> str | None:
+        """The broker's 404 while the exchange is known missing (found at connect, or by a
+        batch; each batch checks again), else None."""
+        return self._missing
+
     async def connect(self) -> None:
         """Connect (within ``connect_timeout``) and open a channel with publisher confirms;
         afterwards aio-pika reconnects by itself. Raises :class:`SinkUnavailableError` saying
@@ -165,9 +176,8 @@ class RabbitMQ(Sink):
             await self.close()
             raise SinkUnavailableError(f"RabbitMQ at {self.describe()}: checking the exchange failed: "
                                        f"{_describe(exc)}") from exc
-        if self._missing:
-            log.warning("RabbitMQ at %s: %s; its messages fail (and are retried) until it is declared",
-                        self.describe(), self._missing)
+        if self._missing:  # the forwarder reports it (destination_problem), once
+            log.debug("RabbitMQ at %s: %s; its messages wait until it is declared", self.describe(), self._missing)
 
     async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
         """Publish ``messages`` to the exchange, all before waiting for any confirm, then wait up
@@ -317,17 +327,20 @@ class RabbitMQ(Sink):
         return Failed(f"publish failed: {_describe(exc)}")
 
     def _on_connection_close(self, _: Any, exc: BaseException | None) -> None:
+        # INFO: the forwarder warns once if the broker stays unreachable; this line keeps the cause.
         if self._connection is not None and not self._connection.close_called:
-            log.warning("connection to RabbitMQ at %s lost (%s); reconnecting", self.describe(), _describe(exc))
+            log.info("connection to RabbitMQ at %s lost (%s); reconnecting", self.describe(), _describe(exc))
 
     def _on_reconnect(self, _: Any) -> None:
         log.info("reconnected to RabbitMQ at %s", self.describe())
 
     def _on_channel_close(self, _: Any, exc: BaseException | None) -> None:
+        # DEBUG: the messages' results carry the reply code and text (the forwarder's outage
+        # warning for a 404, the dead letter's or retry's line for the others).
         from aiormq.exceptions import ChannelClosed
 
         if isinstance(exc, ChannelClosed):
-            log.warning("RabbitMQ closed the publishing channel: %s; reopening", _reply(exc))
+            log.debug("RabbitMQ closed the publishing channel: %s; reopening", _reply(exc))
 
 
 def _after_close(closed: BaseException, message: Message) -> SendResult:

@@ -184,11 +184,11 @@ def test_relay_process_runs_events_end_to_end_and_logs_state_changes(engine, rel
         conn.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() - interval '1 second' WHERE id = :id"),
                      {"id": job["id"]})
         assert reap_expired(conn).retried == 1
-    wait_for(lambda: "lease lost: job" in relay.log, timeout=10, what="lease lost log line")
+    wait_for(lambda: f"lease lost on 1 job (sticky 1; id {job['id']})" in relay.log, timeout=10,
+             what="lease lost log line")
     wait_for(lambda: _all(engine, "sticky", "done", 1), timeout=10, what="sticky job done")
     [done] = _jobs(engine, "sticky")
     assert done["attempts"] == 2 and done["fence"] > job["fence"]
-    wait_for(lambda: "stale report dropped" in relay.log, timeout=10, what="stale report log line")
 
     assert relay.terminate(timeout=15) == 0, relay.log
     assert "Traceback" not in relay.log, relay.log

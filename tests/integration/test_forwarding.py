@@ -8,6 +8,7 @@ deletes it."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -88,6 +89,16 @@ class Stream:
                 await nc.close()
 
         self._run(delete())
+
+    def set_duplicate_window(self, seconds: float) -> None:
+        async def update() -> None:
+            nc, js = await self._connect()
+            try:
+                await js.update_stream(name=self.name, subjects=[f"{self.name}.>"], duplicate_window=seconds)
+            finally:
+                await nc.close()
+
+        self._run(update())
 
 
 @pytest.fixture
@@ -240,11 +251,13 @@ def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
     assert stream.count() == 50
 
 
-def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
+def test_a_silent_broker_costs_no_attempt(engine, settings, stream, caplog):
     """The connection stays open but nothing comes back (a partition, a stalled server): no
     PubAck arrives for any message of a batch. That is an outage, not bad messages: the jobs
     are handed back uncounted, nothing is dead-lettered, and once the broker answers again
-    every event is stored once."""
+    every event is stored once. It is logged as one outage: one warning, one line back (the
+    pauses between batches that try again do not end it; issue 26, item 10)."""
+    caplog.set_level(logging.INFO, logger="outbox.forward")
     target = urlsplit(NATS_URL)
     proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
     proxy.start()
@@ -256,6 +269,7 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
     try:
         _publish(engine, "t", 20)
         wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="the first 20 done")
+        mark = len(caplog.records)
         proxy.freeze()
         _publish(engine, "t", 40, start=20)
         silent_until = time.monotonic() + 6.0  # many 0.5 s timeouts' worth of silence
@@ -272,3 +286,105 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream):
         proxy.stop()
     assert _statuses(engine, "fwd") == {"done": 60}
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 60 and stream.count() == 60
+    said = [r.getMessage() for r in caplog.records[mark:] if r.name == "outbox.forward"]
+    assert [m.split(" (")[0].split(" to ")[0] for m in said] == ["forwarder fwd: broker unreachable",
+                                                                 "forwarder fwd: connected"], said
+
+
+# ------------------------------------------------- the duplicate window (issue 26, item 3)
+
+
+def _window_lines(caplog: pytest.LogCaptureFixture, stream: Stream, level: int = logging.WARNING) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "outbox.sinks.jetstream" and r.levelno == level and f"stream {stream.name}:" in r.getMessage()]
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["stream given", "stream learnt from the PubAck"])
+def test_a_duplicate_window_shorter_than_the_resend_span_is_warned_about_once(engine, settings, caplog, named):
+    """A stream with duplicate_window 2 s, a forwarder with lease 8 s: a relay that dies after
+    the stream stored a message sends it again some 8 s later, after the window, and the
+    stream stores it twice. The relay warns once, naming the stream, its window and the span
+    with its parts: at start when the stream is given, at the first PubAck otherwise."""
+    caplog.set_level(logging.INFO, logger="outbox.sinks.jetstream")
+    short = Stream(duplicate_window=2.0)
+    try:
+        ob = Outbox()
+        ob.forward("t", to=JetStream(NATS_URL, subject=short.name + ".{topic}", stream=short.name if named else None),
+                   consumer="fwd", lease=8, timeout=1)
+        relay = Relay(ob, settings(reap_interval=1.0, poll_interval=0.5))
+        relay.start()
+        try:
+            if named:  # at start, before anything is sent
+                wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning at start")
+                assert short.count() == 0
+            _publish(engine, "t", 10)
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
+            wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning")
+            _publish(engine, "t", 10, start=10)  # more batches, the same stream and window: no new line
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="20 done")
+        finally:
+            relay.stop()
+    finally:
+        short.delete()
+    [warning] = _window_lines(caplog, short)
+    print(warning)
+    assert warning.startswith(f"JetStream stream {short.name}: duplicate_window 2 s is shorter than the 9.5 s within "
+                              "which a message may be sent again (forwarder fwd: the longer of: after a relay dies, lease 8 s + "
+                              "reap interval 1 s + poll interval 0.5 s = 9.5 s; ")
+    assert "set the stream's duplicate_window above 9.5 s" in warning
+
+
+def test_a_duplicate_window_longer_than_the_resend_span_is_not_warned_about(engine, settings, caplog, stream):
+    caplog.set_level(logging.INFO, logger="outbox.sinks.jetstream")
+    ob = Outbox()
+    ob.forward("t", to=JetStream(NATS_URL, subject=stream.name + ".{topic}", stream=stream.name), consumer="fwd",
+               lease=8)
+    relay = Relay(ob, settings())
+    relay.start()
+    try:
+        _publish(engine, "t", 10)
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
+        sink = ob["fwd"].sink
+        wait_for(lambda: sink._windows.get(stream.name) == 120.0, timeout=TIMEOUT, what="the window read")
+    finally:
+        relay.stop()
+    assert [r.getMessage() for r in caplog.records if r.name == "outbox.sinks.jetstream"] == []
+
+
+def test_a_duplicate_window_changed_while_the_relay_runs_is_read_again(engine, settings, caplog, stream, monkeypatch):
+    """The window is the stream owner's and may change at any time: the sink reads it again
+    every WINDOW_CHECK_INTERVAL seconds while it sends (here 0.5 s) and after a reconnect;
+    shortened below the span it warns, lengthened again it says so."""
+    from outbox.sinks import jetstream
+
+    monkeypatch.setattr(jetstream, "WINDOW_CHECK_INTERVAL", 0.5)
+    caplog.set_level(logging.INFO, logger="outbox.sinks.jetstream")
+    ob = Outbox()
+    ob.forward("t", to=JetStream(NATS_URL, subject=stream.name + ".{topic}"), consumer="fwd", lease=8)
+    relay = Relay(ob, settings())
+    relay.start()
+    sent = 0
+
+    def publish_until(condition: Any, what: str) -> None:
+        def step() -> Any:
+            nonlocal sent
+            _publish(engine, "t", 1, start=sent)  # a batch: where the sink looks at the clock
+            sent += 1
+            return condition()
+
+        wait_for(step, timeout=TIMEOUT, interval=0.2, what=what)
+
+    try:
+        publish_until(lambda: ob["fwd"].sink._windows.get(stream.name) == 120.0, "the window read")
+        assert _window_lines(caplog, stream) == []
+        stream.set_duplicate_window(2.0)
+        publish_until(lambda: _window_lines(caplog, stream), "the warning about the shortened window")
+        stream.set_duplicate_window(60.0)
+        publish_until(lambda: _window_lines(caplog, stream, logging.INFO), "the line about the window long enough")
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == sent, timeout=TIMEOUT, what="all done")
+    finally:
+        relay.stop()
+    [warning] = _window_lines(caplog, stream)
+    assert f"stream {stream.name}: duplicate_window 2 s is shorter than the " in warning
+    [back] = _window_lines(caplog, stream, logging.INFO)
+    assert back.startswith(f"JetStream stream {stream.name}: duplicate_window 60 s now covers the ")

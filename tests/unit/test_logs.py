@@ -64,3 +64,57 @@ def test_unsubscribed_topics_remembered_are_bounded():
     for n in range(10):
         topics.routed({f"t{n}": 1})
     assert topics.warnings == 10 and len(topics._warned_at) == 3
+
+
+def test_a_summary_names_the_count_the_consumers_and_a_few_ids():
+    from outbox.logs import SUMMARY_IDS, job_summary
+
+    jobs = [make_job({}, consumer="a" if i % 3 else "b", id=100 + i) for i in range(12)]
+    text, fields = job_summary(jobs, "lease_lost")
+    assert text == "12 jobs (a 8, b 4; ids 100, 101, 102, 103, 104 and 7 more)"
+    assert fields == {"count": 12, "consumers": {"a": 8, "b": 4}, "job_ids": [100, 101, 102, 103, 104],
+                      "outcome": "lease_lost"}
+    assert len(fields["job_ids"]) == SUMMARY_IDS
+    assert job_summary(jobs[:1], "stale")[0] == "1 job (b 1; id 100)"
+    line = json.loads(JsonFormatter().format(_record("lease lost on %s", text, **fields)))
+    assert line["count"] == 12 and line["job_ids"] == [100, 101, 102, 103, 104]
+
+
+def _client_record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
+    return logging.LogRecord(name, level, __file__, 1, msg, args, None)
+
+
+def test_broker_client_noise_is_written_at_debug_and_other_records_pass():
+    from outbox.logs import ClientNoise
+
+    noise = ClientNoise()
+    closed = _client_record("aiormq.connection", logging.ERROR, 'Unexpected connection close from remote "%s", '
+                            "Connection.Close(reply_code=%r, reply_text=%r)", "amqp://x", 504, "CHANNEL_ERROR")
+    reader = _client_record("aiormq.connection", logging.WARNING, "Cancelling cause reader exited abnormally")
+    blocked = _client_record("aiormq.connection", logging.WARNING, "Connection %r was blocked by: %r", "c", "memory")
+    ours = _client_record("outbox.forward", logging.WARNING, "Unexpected connection close from remote")
+    logging.getLogger("aiormq.connection").setLevel(logging.INFO)
+    try:
+        assert not noise.filter(closed) and not noise.filter(reader)  # below the logger's level: dropped
+        assert closed.levelno == reader.levelno == logging.DEBUG and closed.levelname == "DEBUG"
+        assert noise.filter(blocked) and blocked.levelno == logging.WARNING  # news outbox does not log
+        assert noise.filter(ours) and ours.levelno == logging.WARNING
+        logging.getLogger("aiormq.connection").setLevel(logging.DEBUG)
+        again = _client_record("aiormq.connection", logging.ERROR, "Unexpected connection close from remote")
+        assert noise.filter(again) and again.levelno == logging.DEBUG  # kept, at DEBUG, when DEBUG is on
+    finally:
+        logging.getLogger("aiormq.connection").setLevel(logging.NOTSET)
+
+
+def test_an_aio_pika_callback_error_is_noise_only_when_the_error_is_aiormqs():
+    from outbox.logs import ClientNoise
+
+    class ConnectionChannelError(Exception):  # as aiormq's, by module
+        __module__ = "aiormq.exceptions"
+
+    closed = _client_record("aio_pika.tools", logging.ERROR, "Callback %r error: %s: %s", "cb",
+                            "ConnectionChannelError", ConnectionChannelError("CHANNEL_ERROR"))
+    bug = _client_record("aio_pika.tools", logging.ERROR, "Callback %r error: %s: %s", "cb", "AttributeError",
+                         AttributeError("x"))
+    assert not ClientNoise().filter(closed) and closed.levelno == logging.DEBUG
+    assert ClientNoise().filter(bug) and bug.levelno == logging.ERROR

@@ -92,3 +92,21 @@ def test_jetstream_without_nats_py_says_what_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nats" else real(name, *a))
     with pytest.raises(ConfigurationError, match=r"pip install 'outbox-relay\[nats\]'"):
         JetStream()
+
+
+def test_the_resend_span_is_the_longer_of_a_crash_and_a_lost_acknowledgement():
+    from outbox.sinks import resend_span
+
+    crash, why = resend_span(lease=8, reap_interval=2, poll_interval=1, timeout=10, max_attempts=3, backoff_base=1,
+                             backoff_cap=3600)
+    # a crash: 8 + 2 + 1 = 11; a lost PubAck: 10 + the delay after attempt 2 (2 s, no jitter) = 12
+    assert crash == 12.0
+    assert "lease 8 s + reap interval 2 s + poll interval 1 s = 11 s" in why
+    assert "timeout 10 s + the retry delay after attempt 2 of 3, 2 s = 12 s" in why
+    # Many attempts: the last retry's delay, capped (base 1 doubling: 1, 2, 4, ... capped at 60).
+    assert resend_span(lease=30, reap_interval=2, poll_interval=1, timeout=10, max_attempts=10, backoff_base=1,
+                       backoff_cap=60)[0] == 70.0
+    # One attempt only: a failed one is never sent again, so only a crash re-sends.
+    assert resend_span(lease=8, reap_interval=2, poll_interval=1, timeout=100, max_attempts=1, backoff_base=1,
+                       backoff_cap=60) == (11.0, "after a relay dies, lease 8 s + reap interval 2 s + poll interval "
+                                                 "1 s = 11 s")
