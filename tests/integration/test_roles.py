@@ -1,27 +1,36 @@
 """Least privilege: an owner migrates, `outbox-relay grants --apply` gives a relay role and
 a publisher role what they need, and a relay and publish run end to end under those roles;
-the publisher cannot read jobs or payloads, the relay cannot change the schema, and the
-upkeep only the owner may do (ANALYZE, VACUUM) is skipped with one warning."""
+the publisher cannot read jobs or payloads, nor insert any column publish does not write
+(an id of its choosing, ``routed_at``, ``created_at``); headers that are not a JSON object
+are refused for every writer; the relay cannot change the schema, and the upkeep only the
+owner may do (ANALYZE, VACUUM) is skipped with one warning."""
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
+import re
+import sys
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.exc import IntegrityError, ProgrammingError
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish, publish_many
 from outbox.cli import main
-from outbox.db.engine import make_engine
+from outbox.db import queries
+from outbox.db.engine import make_async_engine, make_engine
 from outbox.db.migrate import upgrade
-from outbox.grants import grant_statements, render
+from outbox.grants import PUBLISHER_EVENT_INSERT_COLUMNS, grant_statements, render
 from outbox.relay import Relay
 from outbox.router import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
@@ -85,7 +94,9 @@ def _denied(engine: sa.Engine, statement: str) -> bool:
 def test_grants_command_prints_quoted_statements(capsys):
     assert main(["grants", "--relay", "relay", "--publisher", 'app"; DROP TABLE x; --', "--schema", "shop"]) == 0
     out = capsys.readouterr().out
-    assert 'GRANT INSERT ON TABLE "shop"."outbox_events" TO "app""; DROP TABLE x; --";' in out
+    assert 'REVOKE INSERT ON TABLE "shop"."outbox_events" FROM "app""; DROP TABLE x; --";' in out
+    assert ('GRANT INSERT ("topic", "key", "payload", "headers", "run_at", "priority", "dedup_key") ON TABLE '
+            '"shop"."outbox_events" TO "app""; DROP TABLE x; --";') in out
     assert 'GRANT USAGE ON SEQUENCE "shop"."outbox_fence_seq" TO "relay";' in out
     assert out.count(";\n") == len(grant_statements("relay", "app", "shop"))
     assert render(grant_statements(None, "p")).startswith('GRANT USAGE ON SCHEMA "public" TO "p";')
@@ -203,3 +214,135 @@ def test_grants_apply_refuses_a_missing_role(db_url, capsys):
     assert main(["grants", "--relay", f"nobody_{uuid.uuid4().hex[:8]}", "--apply",
                  "--database-url", _url_text(db_url)]) == 2
     assert "does not exist; create it first" in capsys.readouterr().err
+
+
+def _refused(engine: sa.Engine, statement: str) -> psycopg.Error | None:
+    """The database's error for ``statement`` (None when it succeeded); rolled back either way."""
+    with engine.connect() as c:
+        try:
+            c.execute(sa.text(statement))
+        except (ProgrammingError, IntegrityError) as exc:
+            assert isinstance(exc.orig, psycopg.Error)
+            return exc.orig
+        finally:
+            c.rollback()
+    return None
+
+
+def test_publisher_insert_columns_are_those_publish_writes():
+    """The columns ``grants`` lets the publisher insert are exactly those named by the
+    INSERTs of every statement publish() and publish_many() run (found in publish.py's
+    source): a statement that writes one more column fails here, not in an application."""
+    source = inspect.getsource(sys.modules[publish.__module__])
+    names = set(re.findall(r"statements\.(event_insert\w*)", source))
+    assert names == {"event_insert", "event_insert_many", "event_insert_options", "event_insert_options_many"}
+    written: set[str] = set()
+    for name in names:
+        found = re.findall(r"INSERT INTO outbox_events \(([^)]*)\)", getattr(queries, name).text)
+        assert len(found) == 1, name
+        written |= {column.strip() for column in found[0].split(",")}
+    assert written == set(PUBLISHER_EVENT_INSERT_COLUMNS)
+    assert {"id", "routed_at", "created_at"}.isdisjoint(PUBLISHER_EVENT_INSERT_COLUMNS)
+
+
+def test_publisher_inserts_only_the_columns_publish_writes(roles):
+    """Issue 26 item 6 (a). With INSERT on the whole table (what ``grants`` gave before) the
+    publisher could insert an id of its choosing past the identity (``OVERRIDING SYSTEM
+    VALUE``: every other publish then fails on the primary key), a preset ``routed_at`` (the
+    event is never routed) or ``created_at``. ``grants --apply`` run again takes that grant
+    back and grants INSERT on publish's columns only: those inserts are refused for want of
+    a privilege, a raw insert of publish's own columns still works, headers that are not a
+    JSON object are refused by the CHECK, and every publish option works through the role:
+    key (ordered: the publish lock), headers, run_at, delay, priority, dedup_key (written and
+    held), publish_many without and with options, and an async publish."""
+    owner = make_engine(roles["owner"])
+    upgrade(owner, schema=SCHEMA)
+    publisher_name = roles["publisher"].username
+    events = f"{SCHEMA}.outbox_events"
+    with owner.begin() as c:
+        c.exec_driver_sql(f'GRANT INSERT ON TABLE {events} TO "{publisher_name}"')
+        c.exec_driver_sql(f"INSERT INTO {SCHEMA}.outbox_subscriptions (topic, consumer, max_attempts, lease_seconds,"
+                          " ordered) VALUES ('t.ordered', 'c', 5, 30, true)")
+    assert main(["grants", "--publisher", publisher_name, "--schema", SCHEMA, "--apply",
+                 "--database-url", _url_text(roles["owner"])]) == 0
+    publisher = make_engine(roles["publisher"])
+    try:
+        outbox_columns = (
+            f"INSERT INTO {events} (id, topic, payload) OVERRIDING SYSTEM VALUE VALUES (1000000, 't', '{{}}')",
+            f"INSERT INTO {events} (topic, payload, routed_at) VALUES ('t', '{{}}', now())",
+            f"INSERT INTO {events} (topic, payload, created_at) VALUES ('t', '{{}}', now() - interval '1 day')")
+        allowed = [(statement, error) for statement in outbox_columns
+                   if not isinstance(error := _refused(publisher, statement), psycopg.errors.InsufficientPrivilege)]
+        assert allowed == []
+        assert _refused(publisher, f"INSERT INTO {events} (topic, payload, headers) VALUES ('t', '{{}}', '{{}}')") is None
+        for headers in ("[]", '"x"', "null"):
+            error = _refused(publisher, f"INSERT INTO {events} (topic, payload, headers) VALUES ('t', '{{}}', '{headers}')")
+            assert isinstance(error, psycopg.errors.CheckViolation), (headers, error)
+            assert error.diag.constraint_name == "ck_outbox_events_headers_object"
+
+        run_at = datetime.now(UTC).replace(microsecond=0) + timedelta(hours=1)
+        with Session(publisher) as s, s.begin():
+            ids = {
+                "plain": publish(s, "t.plain", {"n": 1}, schema=SCHEMA),
+                "keyed": publish(s, "t.ordered", {"n": 2}, key="k", headers={"h": "v"}, schema=SCHEMA),
+                "run_at": publish(s, "t.plain", {"n": 3}, run_at=run_at, priority=-5, schema=SCHEMA),
+                "delay": publish(s, "t.ordered", {"n": 4}, key="k", delay=60, dedup_key="d1", schema=SCHEMA),
+            }
+            many = publish_many(s, [("t.plain", {"n": 5}), ("t.ordered", {"n": 6}, "k", {"h": "w"})], schema=SCHEMA)
+            many_options = publish_many(s, [
+                {"topic": "t.plain", "payload": {"n": 7}, "run_at": run_at, "priority": 7, "dedup_key": "d2"},
+                {"topic": "t.ordered", "payload": {"n": 8}, "key": "k", "headers": {"h": "x"}, "delay": 30},
+                {"topic": "t.ordered", "payload": {"n": 4}, "dedup_key": "d1"}], schema=SCHEMA)
+        assert many_options[2] == ids["delay"]
+        with Session(publisher) as s, s.begin():
+            assert publish(s, "t.ordered", {"n": 4}, dedup_key="d1", schema=SCHEMA) == ids["delay"]  # held
+
+        async def publish_async() -> int:
+            engine = make_async_engine(roles["publisher"])
+            try:
+                async with AsyncSession(engine) as s, s.begin():
+                    return await publish(s, "t.ordered", {"n": 9}, key="k", run_at=run_at, priority=1,
+                                         dedup_key="d3", schema=SCHEMA)
+            finally:
+                await engine.dispose()
+
+        ids["async"] = asyncio.run(publish_async())
+    finally:
+        publisher.dispose()
+
+    with owner.connect() as c:
+        rows = {r.id: r for r in c.execute(sa.text(
+            f"SELECT id, topic, key, payload, headers, run_at, priority, dedup_key, routed_at,"
+            f" extract(epoch FROM run_at - created_at) AS run_in FROM {events} WHERE topic LIKE 't.%'"))}
+    owner.dispose()
+    written = [ids["plain"], ids["keyed"], ids["run_at"], ids["delay"], *many, *many_options[:2], ids["async"]]
+    assert sorted(rows) == sorted(written)
+    assert [rows[i].payload["n"] for i in written] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert all(r.routed_at is None for r in rows.values())
+    keyed = rows[ids["keyed"]]
+    assert (keyed.key, keyed.headers["h"], keyed.run_at, keyed.priority) == ("k", "v", None, None)
+    assert (rows[ids["run_at"]].run_at, rows[ids["run_at"]].priority) == (run_at, -5)
+    assert (rows[ids["delay"]].dedup_key, rows[ids["delay"]].key) == ("d1", "k")
+    assert 59 <= rows[ids["delay"]].run_in <= 61
+    assert (rows[many[1]].key, rows[many[1]].headers["h"]) == ("k", "w")
+    assert (rows[many_options[0]].run_at, rows[many_options[0]].priority, rows[many_options[0]].dedup_key) == \
+        (run_at, 7, "d2")
+    assert rows[many_options[1]].headers["h"] == "x" and 29 <= rows[many_options[1]].run_in <= 31
+    assert (rows[ids["async"]].run_at, rows[ids["async"]].priority, rows[ids["async"]].dedup_key) == (run_at, 1, "d3")
+
+
+@pytest.mark.parametrize("headers", ["[]", "[{}]", '"text"', "null", "1", "true"])
+def test_headers_that_are_not_a_json_object_are_refused_for_every_writer(engine, headers):
+    """publish() only ever writes an object; the CHECK holds any other writer (the relay
+    role, SQL, the superuser here) to the same rule, so a consumer always reads an object."""
+    statement = "INSERT INTO outbox_events (topic, payload, headers) VALUES ('t', '{}', CAST(:headers AS jsonb))"
+    with engine.connect() as c:
+        with pytest.raises(IntegrityError) as refused:
+            c.execute(sa.text(statement), {"headers": headers})
+        assert isinstance(refused.value.orig, psycopg.errors.CheckViolation)
+        assert refused.value.orig.diag.constraint_name == "ck_outbox_events_headers_object"
+        c.rollback()
+        for accepted in ("{}", '{"a": [1, {"b": null}]}'):
+            c.execute(sa.text(statement), {"headers": accepted})
+        c.commit()
+
