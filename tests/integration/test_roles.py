@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import re
+import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -37,6 +41,8 @@ from outbox.testing import wait_for
 
 SCHEMA = "shop"
 TIMEOUT = 20
+ROOT = Path(__file__).resolve().parents[2]
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 @pytest.fixture
@@ -346,3 +352,104 @@ def test_headers_that_are_not_a_json_object_are_refused_for_every_writer(engine,
             c.execute(sa.text(statement), {"headers": accepted})
         c.commit()
 
+
+def _roles_example() -> tuple[str, list[str]]:
+    """The Roles section of docs/operations.md as written: its first SQL block (the
+    superuser's) and the commands of its shell block (continued lines joined, comments left
+    out)."""
+    text = OPERATIONS.read_text(encoding="utf-8")
+    section = text[text.index("\n## Roles\n"):]
+    section = section[:section.index("\n## ", 1)]
+    sql = re.search(r"```sql\n(.*?)```", section, re.S)
+    shell = re.search(r"```bash\n(.*?)```", section, re.S)
+    assert sql and shell, "the Roles section has an SQL block and a shell block"
+    commands = [line.strip() for line in shell[1].replace("\\\n", " ").splitlines()
+                if line.strip() and not line.strip().startswith("#")]
+    return sql[1], commands
+
+
+@pytest.mark.parametrize("where", ["public", "own schema"])
+def test_the_roles_example_runs_as_written(empty_db_url, tmp_path, where):
+    """Issue 26 item 6 (b): the Roles example of docs/operations.md, run as written on a
+    fresh database of its own (PostgreSQL 15 and later: ``GRANT CREATE ON DATABASE`` alone
+    left ``migrate`` with "permission denied for schema public"), with role names made
+    unique: the superuser's SQL, then every command of the shell block (migrate as the owner,
+    grants printed, grants applied, the relay as the relay role) in a shell; an event the
+    application's role publishes is run by that relay, which then stops on SIGTERM with exit
+    status 0. ``own schema`` takes the block's alternative (``CREATE SCHEMA ... AUTHORIZATION``
+    instead of the GRANT, ``OUTBOX_SCHEMA`` for every command and the application)."""
+    sql, commands = _roles_example()
+    suffix = uuid.uuid4().hex[:10]
+    names = {doc: f"{doc}_{suffix}" for doc in ("outbox_owner", "outbox_relay", "app")}
+    database = empty_db_url.database
+    assert database is not None
+    host = f"{empty_db_url.host or ''}{f':{empty_db_url.port}' if empty_db_url.port else ''}"
+    query = "&".join(f"{k}={v}" for k, v in empty_db_url.query.items())
+    schema = "public"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    environ.update(PATH=os.pathsep.join([os.path.dirname(sys.executable), environ.get("PATH", "")]),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")])))
+    if where == "own schema":
+        alternative = re.search(r"^-- (CREATE SCHEMA (\w+) AUTHORIZATION outbox_owner;)", sql, re.M)
+        assert alternative, "the SQL block names the alternative of a schema of outbox's own"
+        sql = sql.replace("GRANT CREATE ON SCHEMA public TO outbox_owner;", alternative[1])
+        schema = environ["OUTBOX_SCHEMA"] = alternative[2]
+
+    def localised(text: str) -> str:
+        text = text.replace("@db/shop", f"@{host}/{database}{'?' + query if query else ''}")
+        text = text.replace("myapp.jobs:ob", "tests.integration.roles_app:ob")
+        return re.sub(r"(?<![\w.-])(outbox_owner|outbox_relay|app|shop)(?![\w.-])",
+                      lambda m: names.get(m[1], database), text)
+
+    def url(role: str) -> URL:
+        return empty_db_url.set(username=names[role])
+
+    admin = make_engine(empty_db_url)
+    relay: subprocess.Popen[bytes] | None = None
+    try:
+        with admin.connect() as c:
+            if not c.execute(sa.text("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")).scalar_one():
+                pytest.skip("the example's SQL runs as a superuser; the test server's role is not one")
+        with psycopg.connect(empty_db_url.set(drivername="postgresql").render_as_string(hide_password=False),
+                             autocommit=True) as conn:
+            conn.execute(localised(sql).encode())
+        assert [c.split()[0] for c in commands] == ["OUTBOX_DATABASE_URL=postgresql://outbox_owner@db/shop",
+                                                   "outbox-relay", "OUTBOX_DATABASE_URL=postgresql://outbox_owner@db/shop",
+                                                   "OUTBOX_DATABASE_URL=postgresql://outbox_relay@db/shop"]
+        assert "--app myapp.jobs:ob" in commands[-1] and "--apply" in commands[2]
+        *steps, run = map(localised, commands)
+        outputs = []
+        for step in steps:
+            done = subprocess.run(["bash", "-c", step], env=environ, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=120)
+            assert done.returncode == 0, (step, done.stdout, done.stderr)
+            outputs.append(done.stdout)
+        assert f'TO "{names["app"]}";' in outputs[1] and "GRANT INSERT (" in outputs[1]
+        log = tmp_path / "relay.log"
+        with open(log, "wb") as out:
+            relay = subprocess.Popen(["bash", "-c", run], env=environ, cwd=ROOT, stdout=out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: "relay started" in log.read_text(errors="replace") or relay.poll() is not None,
+                 timeout=60, what="the relay to start")
+        assert relay.poll() is None, log.read_text(errors="replace")
+        app = make_engine(url("app"))
+        try:
+            with Session(app) as s, s.begin():
+                event = publish(s, "order.placed", {"n": 1}, schema=schema)
+        finally:
+            app.dispose()
+
+        def status() -> str | None:
+            with admin.connect() as c:
+                return c.execute(sa.text(f"SELECT status FROM {schema}.outbox_jobs WHERE event_id = :id"),
+                                 {"id": event}).scalar()
+
+        wait_for(lambda: status() == "done", timeout=TIMEOUT, what="the relay to run the published event's job")
+        os.killpg(relay.pid, signal.SIGTERM)
+        assert relay.wait(timeout=60) == 0, log.read_text(errors="replace")
+    finally:
+        if relay is not None and relay.poll() is None:
+            os.killpg(relay.pid, signal.SIGKILL)
+            relay.wait()
+        admin.dispose()
+        _drop_roles_after(empty_db_url, list(names.values()))
