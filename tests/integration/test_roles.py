@@ -25,7 +25,7 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import IntegrityError, ProgrammingError
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
@@ -41,6 +41,8 @@ from outbox.testing import wait_for
 
 SCHEMA = "shop"
 TIMEOUT = 20
+#: Seconds the clean-up waits for an unreachable server (:func:`_drop_roles_after`).
+CLEANUP_WAIT = 60
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
 
@@ -70,15 +72,28 @@ def roles(empty_db_url: URL) -> Iterator[dict[str, URL]]:
 def _drop_roles_after(db_url: URL, names: list[str]) -> None:
     """Drop the test's database first (the owner role owns its schema; the fixture's own
     teardown, which runs after this one, then finds it gone), then the roles: they hold
-    nothing elsewhere but what DROP OWNED revokes (the database privilege went with it)."""
+    nothing elsewhere but what DROP OWNED revokes (the database privilege went with it).
+    Roles are cluster-wide and must not outlive the test: while the server cannot be reached
+    (restarted by another test of a shared server) it is tried again, for up to
+    ``CLEANUP_WAIT`` seconds."""
     admin = make_engine(db_url.set(database="postgres"))
-    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
-        c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db_url.database}" WITH (FORCE)')
-        for name in names:
-            if c.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": name}).first():
-                c.exec_driver_sql(f'DROP OWNED BY "{name}"')
-                c.exec_driver_sql(f'DROP ROLE "{name}"')
-    admin.dispose()
+
+    def dropped() -> bool:
+        try:
+            with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as c:
+                c.exec_driver_sql(f'DROP DATABASE IF EXISTS "{db_url.database}" WITH (FORCE)')
+                for name in names:
+                    if c.execute(sa.text("SELECT 1 FROM pg_roles WHERE rolname = :n"), {"n": name}).first():
+                        c.exec_driver_sql(f'DROP OWNED BY "{name}"')
+                        c.exec_driver_sql(f'DROP ROLE "{name}"')
+        except OperationalError:
+            return False
+        return True
+
+    try:
+        wait_for(dropped, timeout=CLEANUP_WAIT, interval=0.5, what=f"the test's database and roles {names} dropped")
+    finally:
+        admin.dispose()
 
 
 def _url_text(url: URL) -> str:
