@@ -11,14 +11,23 @@ Three roles (operations notes, "Roles"), all created by the database administrat
   NOTIFY and advisory locks need no grant. ANALYZE and VACUUM of the queue's tables need
   ownership (or, on PostgreSQL 17 and later, ``MAINTAIN``: ``maintain=True`` grants it);
   without it the relay skips them with one warning (:class:`outbox.maintenance.TableUpkeep`).
-* the **publisher** role is the application's: ``INSERT`` on ``outbox_events``, and
-  ``SELECT`` on the columns publish reads back, no others: ``id`` (``RETURNING id``),
-  ``topic`` and ``dedup_key`` (the look-up of the event holding a ``dedup_key``), and
-  ``topic, ordered`` of ``outbox_subscriptions`` (whether a keyed event takes its key's
-  publish lock). It cannot read any event's payload, headers or key, nor see or touch
-  jobs. The identity column's sequence needs no grant (an identity default is drawn without
-  a privilege check), nor does the publish lock (``pg_advisory_xact_lock``) or the NOTIFY
-  trigger.
+* the **publisher** role is the application's: ``INSERT`` on the columns of
+  ``outbox_events`` publish writes (:data:`PUBLISHER_EVENT_INSERT_COLUMNS`), and ``SELECT``
+  on the columns publish reads back, no others: ``id`` (``RETURNING id``), ``topic`` and
+  ``dedup_key`` (the look-up of the event holding a ``dedup_key``, and the arbiter of its
+  ``ON CONFLICT``), and ``topic, ordered`` of ``outbox_subscriptions`` (whether a keyed
+  event takes its key's publish lock). It cannot read any event's payload, headers or key,
+  nor see or touch jobs. Nor can it write the columns outbox owns (issue 26): an ``id`` of
+  its choosing (``OVERRIDING SYSTEM VALUE`` past the identity: every other publish would
+  then fail on the primary key), ``routed_at`` (an event preset routed is never routed) or
+  ``created_at``; headers that are not a JSON object are refused for every writer by the
+  table's CHECK (migration 0008). Column privileges add to a table-wide grant rather than
+  narrow it, so the statements first revoke ``INSERT`` on the table (which the grants of
+  outbox before issue 26 gave, and which takes the column grants with it), then grant the
+  columns: run them in one transaction (``--apply`` does). The identity column's sequence
+  needs no grant (an identity default is drawn without a privilege check), nor do the
+  defaults of the columns not granted, the publish lock (``pg_advisory_xact_lock``) or the
+  NOTIFY trigger.
 
 Both roles also get ``USAGE`` on the schema. Every name is quoted as an identifier
 (``psycopg.sql.Identifier``), so a role may have any name PostgreSQL allows; role names
@@ -50,6 +59,10 @@ MAX_ROLE_NAME_BYTES = 63
 
 #: Columns of ``outbox_events`` the publisher may read (module notes).
 PUBLISHER_EVENT_COLUMNS = ("id", "topic", "dedup_key")
+#: Columns of ``outbox_events`` the publisher may insert: those publish and publish_many
+#: write, every option included (``delay`` is written as ``run_at``). Not ``id``,
+#: ``routed_at`` or ``created_at`` (module notes).
+PUBLISHER_EVENT_INSERT_COLUMNS = ("topic", "key", "payload", "headers", "run_at", "priority", "dedup_key")
 #: Columns of ``outbox_subscriptions`` the publisher may read.
 PUBLISHER_SUBSCRIPTION_COLUMNS = ("topic", "ordered")
 #: The queue's tables ``maintain=True`` grants MAINTAIN on (PostgreSQL 17 and later).
@@ -112,12 +125,15 @@ def _sequence_names() -> list[str]:
 
 def publisher_grants(role: str, schema: str = "public") -> list[sql.Composable]:
     """The statements that give ``role`` what :func:`outbox.publish` needs on the outbox in
-    ``schema``, and nothing more (module notes)."""
+    ``schema``, and nothing more (module notes): the first takes back a table-wide
+    ``INSERT`` on the events, so run them in one transaction."""
     role_id = sql.Identifier(role)
     events = _table(schema, tables.events.name)
     return [
         sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(schema), role_id),
-        sql.SQL("GRANT INSERT ON TABLE {} TO {}").format(events, role_id),
+        sql.SQL("REVOKE INSERT ON TABLE {} FROM {}").format(events, role_id),
+        sql.SQL("GRANT INSERT ({}) ON TABLE {} TO {}").format(_columns(PUBLISHER_EVENT_INSERT_COLUMNS), events,
+                                                              role_id),
         sql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(_columns(PUBLISHER_EVENT_COLUMNS), events, role_id),
         sql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(
             _columns(PUBLISHER_SUBSCRIPTION_COLUMNS), _table(schema, tables.subscriptions.name), role_id),
@@ -187,7 +203,8 @@ def main(args: argparse.Namespace, settings: OutboxSettings, engine: Engine | No
     schema = settings.schema_name
     statements = grant_statements(args.relay, args.publisher, schema, maintain=args.maintain)
     if not args.apply:
-        print(f"-- outbox roles in schema {schema}: run as the owner of outbox's tables (who ran migrate)")
+        print(f"-- outbox roles in schema {schema}: run as the owner of outbox's tables (who ran migrate),")
+        print("-- in one transaction (psql --single-transaction)")
         print(render(statements), end="")
         return 0
     assert engine is not None

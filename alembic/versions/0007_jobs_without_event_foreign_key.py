@@ -37,12 +37,9 @@ Locks taken in a savepoint are kept by the enclosing transaction once it is rele
 exclusive locks last until the whole migration commits: a moment for this one, longer when
 later migrations run in the same upgrade.
 """
-import logging
-import time
-
-import sqlalchemy as sa
 from alembic import op
-from sqlalchemy.exc import OperationalError
+
+from outbox.db.migrate import run_with_short_locks
 
 revision = '0007'
 down_revision = '0006'
@@ -50,39 +47,18 @@ branch_labels = None
 depends_on = None
 
 FOREIGN_KEY = 'fk_outbox_jobs_event_id_outbox_events'
+#: The tables whose locks this migration waits for, in order (the migration tests hold them).
+LOCKED_TABLES = ('outbox_jobs', 'outbox_events')
 LOCK_TIMEOUT = '2s'
 RETRY_PAUSE = 1.0  # seconds
 ATTEMPTS = 10
-#: SQLSTATEs after which the statement is tried again: lock_not_available (the lock timeout)
-#: and deadlock_detected.
-RETRIED = {'55P03': 'lock timeout', '40P01': 'deadlock'}
-
-log = logging.getLogger("outbox.migrate")
 
 
 def _with_short_locks(statement: str) -> None:
-    """Run ``statement`` in a savepoint with a transaction-local ``lock_timeout``; retry on
-    a lock timeout or a deadlock (:data:`RETRIED`) as the module notes say, then put the
-    session's ``lock_timeout`` back."""
-    bind = op.get_bind()
-    before = bind.execute(sa.text("SELECT current_setting('lock_timeout')")).scalar_one()
-    for attempt in range(1, ATTEMPTS + 1):
-        savepoint = bind.begin_nested()
-        try:
-            bind.execute(sa.text("SELECT set_config('lock_timeout', :timeout, true)"), {"timeout": LOCK_TIMEOUT})
-            bind.execute(sa.text(statement))
-        except OperationalError as exc:
-            savepoint.rollback()
-            sqlstate = getattr(exc.orig, "sqlstate", None)
-            if sqlstate not in RETRIED or attempt == ATTEMPTS:
-                raise
-            log.warning("migration %s: %s on attempt %d of %d (lock_timeout %s), trying again in %gs: %s",
-                        revision, RETRIED[sqlstate], attempt, ATTEMPTS, LOCK_TIMEOUT, RETRY_PAUSE, statement)
-            time.sleep(RETRY_PAUSE)
-        else:
-            savepoint.commit()
-            break
-    bind.execute(sa.text("SELECT set_config('lock_timeout', :timeout, true)"), {"timeout": before})
+    """Run ``statement`` with short, retried lock waits, as the module notes say
+    (:func:`outbox.db.migrate.run_with_short_locks`, with this module's constants)."""
+    run_with_short_locks(op.get_bind(), statement, revision=revision, lock_timeout=LOCK_TIMEOUT,
+                         retry_pause=RETRY_PAUSE, attempts=ATTEMPTS)
 
 
 def upgrade() -> None:

@@ -23,20 +23,26 @@ outbox's tables and leaves the schema and its (empty) version table.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import ProgrammingError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from ..errors import SchemaNotReadyError
 from ..resources import shipped_dir
 from . import queries
 
 log = logging.getLogger("outbox.migrate")
+
+#: SQLSTATEs after which :func:`run_with_short_locks` tries its statement again:
+#: lock_not_available (the lock timeout) and deadlock_detected.
+LOCK_RETRIED = {"55P03": "lock timeout", "40P01": "deadlock"}
 
 
 def migrations_dir() -> Path:
@@ -125,3 +131,39 @@ def migrate_command(schema: str) -> str:
     """The command that migrates ``schema``, for messages: ``outbox-relay migrate`` for
     ``public``, else with ``--schema``."""
     return "outbox-relay migrate" + ("" if schema == "public" else f" --schema {schema}")
+
+
+def run_with_short_locks(connection: Connection, statement: str, *, revision: str, lock_timeout: str,
+                         retry_pause: float, attempts: int) -> None:
+    """Run the DDL ``statement`` on a migration's ``connection``, waiting at most
+    ``lock_timeout`` (text with a unit, ``'2s'``) for its locks.
+
+    A statement that takes an ACCESS EXCLUSIVE lock waits for every transaction using the
+    table and, while waiting, queues every new statement on it behind itself. So it runs in
+    a savepoint with a transaction-local ``lock_timeout``; on a lock timeout or a deadlock
+    (:data:`LOCK_RETRIED`) the savepoint gives back what it took, the queue moves for
+    ``retry_pause`` seconds and the statement is tried again, up to ``attempts`` times in
+    all, each retry logged as a WARNING naming ``revision``. After the last attempt the
+    error propagates (SQLAlchemy's ``OperationalError``), and the migration fails having
+    changed nothing. On success the session's own ``lock_timeout`` is put back for whatever
+    runs after it in the transaction; the locks taken are kept until the migration commits
+    (a released savepoint's locks belong to its transaction). Any other database error
+    propagates at once. (Migration 0007's notes, where the rule was first written.)"""
+    before = connection.execute(queries.lock_timeout_get).scalar_one()
+    for attempt in range(1, attempts + 1):
+        savepoint = connection.begin_nested()
+        try:
+            connection.execute(queries.lock_timeout_set_local, {"timeout": lock_timeout})
+            connection.execute(text(statement))
+        except OperationalError as exc:
+            savepoint.rollback()
+            sqlstate = getattr(exc.orig, "sqlstate", None)
+            if sqlstate not in LOCK_RETRIED or attempt == attempts:
+                raise
+            log.warning("migration %s: %s on attempt %d of %d (lock_timeout %s), trying again in %gs: %s",
+                        revision, LOCK_RETRIED[sqlstate], attempt, attempts, lock_timeout, retry_pause, statement)
+            time.sleep(retry_pause)
+        else:
+            savepoint.commit()
+            break
+    connection.execute(queries.lock_timeout_set_local, {"timeout": before})

@@ -1215,6 +1215,9 @@ until then: PostgreSQL docs, "pg_class")."""
 event_table_analyze: TextClause = text("ANALYZE outbox_events")
 """Refresh the planner's statistics of ``outbox_events``; locks as ``job_table_analyze``."""
 
+lock_timeout_get: TextClause = text("SELECT current_setting('lock_timeout')")
+"""The session's ``lock_timeout`` as text with its unit (``'0'``: wait for ever)."""
+
 lock_timeout_set_local: TextClause = text("SELECT set_config('lock_timeout', :timeout, true)")
 """Until the end of the current transaction, give up waiting for a lock after ``:timeout``
 (text with a unit, e.g. ``'100ms'``) with SQLSTATE 55P03 (``lock_not_available``). Being

@@ -1,15 +1,15 @@
 """The newest migration against a queue holding jobs, for whichever migration is newest
 (``head_revision()`` and the revision before it, never a revision by name): its downgrade
 works with jobs present and leaves them as they were, and its lock waits are bounded. A
-transaction holding a lock on ``outbox_jobs`` makes the upgrade wait at most
-``LOCK_TIMEOUT`` per attempt and try again; a blocker that outlasts every attempt makes it
-fail with PostgreSQL's lock timeout error, leaving the schema at the previous revision and
-the jobs untouched; a blocker that commits in time lets it through; a deadlock is retried
-like a lock timeout. The live upgrade, with relays running, is
-tests/acceptance/test_migration_live.py.
+transaction holding a lock on a table the migration alters (its ``LOCKED_TABLES``) makes the
+upgrade wait at most ``LOCK_TIMEOUT`` per attempt and try again; a blocker that outlasts
+every attempt makes it fail with PostgreSQL's lock timeout error, leaving the schema at the
+previous revision and the jobs untouched; a blocker that commits in time lets it through; a
+deadlock is retried like a lock timeout (for a migration that locks two tables, one after
+the other). The live upgrade, with relays running, is tests/acceptance/test_migration_live.py.
 
-The migration's ``ATTEMPTS``, ``LOCK_TIMEOUT`` and ``RETRY_PAUSE`` are module constants of
-its script. alembic loads a script's module afresh for every ``ScriptDirectory``, so
+The migration's ``ATTEMPTS``, ``LOCK_TIMEOUT``, ``RETRY_PAUSE`` and ``LOCKED_TABLES`` are
+module constants of its script. alembic loads a script's module afresh for every ``ScriptDirectory``, so
 :func:`tuned_head` patches them on one loaded ``ScriptDirectory`` and has
 ``ScriptDirectory.from_config`` return that one (``outbox.db.migrate.upgrade`` then runs the
 patched module, through alembic's real ``command.upgrade``).
@@ -101,12 +101,13 @@ def previous_queue(queue: sa.Engine) -> sa.Engine:
 @pytest.fixture
 def tuned_head(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ModuleType]:
     """``tune(ATTEMPTS=..., LOCK_TIMEOUT=..., RETRY_PAUSE=...)``: the newest migration's
-    module with those constants, the one every migration of this test runs (module notes)."""
+    module with those constants, the one every migration of this test runs (module notes);
+    ``tune().LOCKED_TABLES`` are the tables whose locks it waits for."""
     scripts = ScriptDirectory.from_config(alembic_config())
     module = head_script(scripts).module
-    if not all(hasattr(module, name) for name in ("ATTEMPTS", "LOCK_TIMEOUT", "RETRY_PAUSE")):
+    if not all(hasattr(module, name) for name in ("ATTEMPTS", "LOCK_TIMEOUT", "RETRY_PAUSE", "LOCKED_TABLES")):
         pytest.skip(f"the newest migration ({head_revision()}) takes no retried short locks "
-                    "(no ATTEMPTS / LOCK_TIMEOUT / RETRY_PAUSE): no lock wait to bound")
+                    "(no ATTEMPTS / LOCK_TIMEOUT / RETRY_PAUSE / LOCKED_TABLES): no lock wait to bound")
     monkeypatch.setattr(ScriptDirectory, "from_config", classmethod(lambda cls, config: scripts))
 
     def tune(**constants: Any) -> ModuleType:
@@ -134,14 +135,27 @@ def blocker(engine: sa.Engine) -> Iterator[sa.Connection]:
         conn.rollback()
 
 
-def hold(conn: sa.Connection, how: str) -> None:
-    """Take a lock on ``outbox_jobs`` in ``conn``'s transaction, as a live queue does: a
-    running job's row (a transactional handler holds its job ``FOR UPDATE`` in its open
-    transaction), or a plain read (``ACCESS SHARE``, any SELECT)."""
-    if how == "job row":
-        conn.exec_driver_sql("SELECT id FROM outbox_jobs WHERE status = 'running' ORDER BY id LIMIT 1 FOR UPDATE").one()
+#: Per table, a row a live queue holds in an open transaction, and a write that holds one: a
+#: transactional handler holds its job ``FOR UPDATE``; the router holds the events it routes
+#: ``FOR UPDATE``, and an application's transaction holds the event it published until it ends.
+ROW_LOCKS = {
+    "outbox_jobs": "SELECT id FROM outbox_jobs WHERE status = 'running' ORDER BY id LIMIT 1 FOR UPDATE",
+    "outbox_events": "SELECT id FROM outbox_events ORDER BY id LIMIT 1 FOR UPDATE",
+}
+ROW_WRITES = {
+    "outbox_jobs": "UPDATE outbox_jobs SET locked_by = 'blocker' WHERE id = (SELECT min(id) FROM outbox_jobs"
+                   " WHERE status = 'running') RETURNING id",
+    "outbox_events": "INSERT INTO outbox_events (topic, payload) VALUES ('blocker', '{}') RETURNING id",
+}
+
+
+def hold(conn: sa.Connection, how: str, table: str) -> None:
+    """Take a lock on ``table`` in ``conn``'s transaction, as a live queue does: a row
+    (:data:`ROW_LOCKS`), or a plain read (``ACCESS SHARE``, any SELECT)."""
+    if how == "row":
+        conn.exec_driver_sql(ROW_LOCKS[table]).one()
     else:
-        conn.exec_driver_sql("LOCK TABLE outbox_jobs IN ACCESS SHARE MODE")
+        conn.exec_driver_sql(f"LOCK TABLE {table} IN ACCESS SHARE MODE")
 
 
 def upgrade_in_thread(engine: sa.Engine) -> tuple[threading.Thread, list[object]]:
@@ -184,7 +198,7 @@ def test_downgrade_to_the_previous_revision_keeps_every_job(queue, empty_db_url)
 # ---------------------------------------------------------------------- bounded lock waits
 
 
-@pytest.mark.parametrize("how", ["job row", "access share"])
+@pytest.mark.parametrize("how", ["row", "access share"])
 def test_upgrade_behind_a_lock_holder_retries_then_fails_with_a_lock_timeout(
         previous_queue, blocker, tuned_head, retries, how):
     """A blocker that outlasts every attempt: each attempt waits ``LOCK_TIMEOUT``, gives the
@@ -192,9 +206,9 @@ def test_upgrade_behind_a_lock_holder_retries_then_fails_with_a_lock_timeout(
     upgrade fails with PostgreSQL's lock timeout (55P03) and has changed nothing: schema and
     version at the previous revision, every job as it was. Once the blocker is gone it goes
     through."""
-    tuned_head(ATTEMPTS=3, LOCK_TIMEOUT="100ms", RETRY_PAUSE=0.1)
+    module = tuned_head(ATTEMPTS=3, LOCK_TIMEOUT="100ms", RETRY_PAUSE=0.1)
     schema, jobs = snapshot(previous_queue), job_rows(previous_queue)
-    hold(blocker, how)
+    hold(blocker, how, module.LOCKED_TABLES[0])
     with pytest.raises(OperationalError) as failed:
         upgrade(previous_queue)
     assert isinstance(failed.value.orig, psycopg.errors.LockNotAvailable), failed.value
@@ -211,13 +225,10 @@ def test_upgrade_behind_a_lock_holder_retries_then_fails_with_a_lock_timeout(
 
 def test_upgrade_goes_through_once_the_blocker_commits(previous_queue, blocker, tuned_head, retries):
     """A blocker that commits while the upgrade is retrying: the upgrade's next attempt gets
-    its locks and it ends at head, the jobs untouched (the blocker's own update kept)."""
-    tuned_head(ATTEMPTS=100, LOCK_TIMEOUT="100ms", RETRY_PAUSE=0.1)
-    hold(blocker, "job row")
-    held = blocker.exec_driver_sql(
-        "UPDATE outbox_jobs SET locked_by = 'blocker' WHERE id = (SELECT min(id) FROM outbox_jobs"
-        " WHERE status = 'running') RETURNING id").scalar_one()
+    its locks and it ends at head, the jobs untouched (the blocker's own write kept)."""
+    table = tuned_head(ATTEMPTS=100, LOCK_TIMEOUT="100ms", RETRY_PAUSE=0.1).LOCKED_TABLES[0]
     jobs = job_rows(previous_queue)
+    held = blocker.exec_driver_sql(ROW_WRITES[table]).scalar_one()
     thread, outcome = upgrade_in_thread(previous_queue)
     try:
         wait_for(lambda: retries() or outcome, timeout=30, what="the upgrade to retry")
@@ -228,8 +239,11 @@ def test_upgrade_goes_through_once_the_blocker_commits(previous_queue, blocker, 
         thread.join(timeout=60)
     assert outcome == [head_revision()]
     assert 1 <= len(retries()) < 100
-    jobs[held]["locked_by"] = "blocker"
+    if table == "outbox_jobs":
+        jobs[held]["locked_by"] = "blocker"
     assert job_rows(previous_queue) == jobs
+    with previous_queue.connect() as conn:
+        assert conn.exec_driver_sql(f"SELECT count(*) FROM {table} WHERE id = {held}").scalar_one() == 1
     assert drift(previous_queue) == []
 
 
@@ -243,26 +257,31 @@ def waiting_for_lock(engine: sa.Engine, table: str, mode: str) -> bool:
 
 def test_upgrade_retries_when_it_is_the_victim_of_a_deadlock(previous_queue, db_url: URL, blocker, tuned_head,
                                                                retries):
-    """The drop holds ``outbox_jobs`` and waits for ``outbox_events``; a transaction holding
-    an event row (as the router does) that then reads the jobs closes the cycle. PostgreSQL
-    aborts the migration's statement (40P01; made the victim here by giving it the shorter
-    ``deadlock_timeout``): the savepoint hands both locks back, the other transaction goes on
-    and commits, and the retry goes through. Before, the deadlock failed the whole upgrade
-    (only 55P03 was retried)."""
-    tuned_head(ATTEMPTS=10, LOCK_TIMEOUT="30s", RETRY_PAUSE=0.2)
+    """A migration that locks two tables (0007's drop holds ``outbox_jobs``, then waits for
+    ``outbox_events``): a transaction holding a row of the second (as the router holds
+    events) that then reads the first closes the cycle. PostgreSQL aborts the migration's
+    statement (40P01; made the victim here by giving it the shorter ``deadlock_timeout``):
+    the savepoint hands both locks back, the other transaction goes on and commits, and the
+    retry goes through. Before, the deadlock failed the whole upgrade (only 55P03 was
+    retried). A migration that locks one table takes part in no such cycle: skipped."""
+    module = tuned_head(ATTEMPTS=10, LOCK_TIMEOUT="30s", RETRY_PAUSE=0.2)
+    if len(module.LOCKED_TABLES) < 2:
+        pytest.skip(f"the newest migration ({head_revision()}) locks one table ({module.LOCKED_TABLES[0]}): "
+                    "no lock-order cycle to break")
+    first, second = module.LOCKED_TABLES[:2]
     jobs = job_rows(previous_queue)
     with previous_queue.begin() as conn:  # the migration's sessions look for the deadlock first
         conn.exec_driver_sql(f'ALTER DATABASE "{db_url.database}" SET deadlock_timeout = \'3s\'')
     previous_queue.dispose()
     blocker.exec_driver_sql("SET deadlock_timeout = '60s'")
-    blocker.exec_driver_sql("SELECT id FROM outbox_events ORDER BY id LIMIT 1 FOR UPDATE").one()
+    hold(blocker, "row", second)
     thread, outcome = upgrade_in_thread(previous_queue)
     try:
-        wait_for(lambda: waiting_for_lock(previous_queue, "outbox_events", "AccessExclusiveLock") or outcome,
-                 timeout=30, what="the upgrade to wait for outbox_events")
+        wait_for(lambda: waiting_for_lock(previous_queue, second, "AccessExclusiveLock") or outcome,
+                 timeout=30, what=f"the upgrade to wait for {second}")
         assert outcome == [], outcome
-        # Waits for the upgrade's lock on outbox_jobs until the deadlock is found and broken.
-        assert blocker.exec_driver_sql("SELECT count(*) FROM outbox_jobs").scalar_one() == len(jobs)
+        # Waits for the upgrade's lock on the first table until the deadlock is found and broken.
+        blocker.exec_driver_sql(f"SELECT count(*) FROM {first}").scalar_one()
         blocker.commit()
     finally:
         thread.join(timeout=60)

@@ -4,12 +4,14 @@ reversible; ``metadata.create_all`` gives the same schema."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
@@ -19,6 +21,7 @@ from outbox.db import queries
 from outbox.db.engine import make_engine
 from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
+from outbox.router import route_all
 from outbox.testing import temporary_database, wait_for
 from tests.integration.migration_helpers import drift, snapshot
 
@@ -280,3 +283,63 @@ def test_migration_lock_key_is_the_documented_one():
     derived = int.from_bytes(hashlib.sha256(b"outbox.migrate").digest()[:8], "big", signed=True)
     assert queries.SCHEMA_MIGRATE_LOCK_KEY == derived == 1152047312153713616
     assert ((derived >> 32) & 0xFFFFFFFF, derived & 0xFFFFFFFF) == (268231917, 895327184)  # classid, objid
+
+
+def _headers_check_validated(engine: sa.Engine) -> bool:
+    with engine.connect() as conn:
+        return conn.exec_driver_sql("SELECT convalidated FROM pg_constraint"
+                                    " WHERE conname = 'ck_outbox_events_headers_object'").scalar_one()
+
+
+def _insert_events(engine: sa.Engine, headers: list[str], *, routed: bool = False) -> list[int]:
+    with engine.begin() as conn:
+        return [conn.execute(sa.text(
+            "INSERT INTO outbox_events (topic, payload, headers, routed_at)"
+            " VALUES ('t', '{}', CAST(:headers AS jsonb), CASE WHEN :routed THEN now() END) RETURNING id"),
+            {"headers": h, "routed": routed}).scalar_one() for h in headers]
+
+
+def _headers(engine: sa.Engine, ids: list[int]) -> list[object]:
+    with engine.connect() as conn:
+        found = dict(conn.execute(sa.text("SELECT id, headers FROM outbox_events WHERE id = ANY (:ids)"),
+                                  {"ids": ids}).all())
+    return [found[i] for i in ids]
+
+
+def test_0008_rewrites_the_backlogs_bad_headers_and_validates_only_without_history(empty_engine, caplog):
+    """Migration 0008 adds the headers CHECK NOT VALID, so it reads no history under its
+    exclusive lock. Unrouted events whose headers are not an object (which only a writer
+    other than publish could make) would fail the router's update of ``routed_at`` under
+    the CHECK and stop routing: they are rewritten (null -> {}, any other value kept under
+    ``invalid_headers``), with a warning naming them, and then route. With no routed event
+    retained the CHECK is validated at once; with history it stays NOT VALID, routed events
+    keep their headers, and VALIDATE (the operator's, in a transaction of its own) fails
+    until the last such event is gone."""
+    caplog.set_level(logging.WARNING, logger="outbox.migrate")
+    upgrade(empty_engine, "0007")
+    backlog = _insert_events(empty_engine, ["null", "[1, 2]", '"x"', '{"a": 1}'])
+    upgrade(empty_engine, "0008")
+    assert _headers(empty_engine, backlog) == [{}, {"invalid_headers": [1, 2]}, {"invalid_headers": "x"}, {"a": 1}]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox.migrate"]
+    assert len(warnings) == 1 and "3 unrouted events" in warnings[0], warnings
+    assert ", ".join(map(str, backlog[:3])) in warnings[0]
+    assert _headers_check_validated(empty_engine)
+    assert route_all(empty_engine).events == 4
+
+    downgrade(empty_engine, "0007")
+    history = _insert_events(empty_engine, ['"old"'], routed=True)
+    backlog = _insert_events(empty_engine, ["[3]"])
+    upgrade(empty_engine, "0008")
+    assert _headers(empty_engine, history + backlog) == ["old", {"invalid_headers": [3]}]
+    assert not _headers_check_validated(empty_engine)
+    assert route_all(empty_engine).events == 1
+    assert drift(empty_engine) == []
+    validate = "ALTER TABLE outbox_events VALIDATE CONSTRAINT ck_outbox_events_headers_object"
+    with empty_engine.connect() as conn:
+        with pytest.raises(sa.exc.IntegrityError) as failed:
+            conn.exec_driver_sql(validate)
+        assert isinstance(failed.value.orig, psycopg.errors.CheckViolation)
+    with empty_engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM outbox_events WHERE id = ANY (:ids)"), {"ids": history})
+        conn.exec_driver_sql(validate)
+    assert _headers_check_validated(empty_engine)
