@@ -73,10 +73,13 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None 
     statements"): behind a pooler in transaction mode without prepared-statement support
     (PgBouncer before 1.21, or ``max_prepared_statements = 0``) a statement prepared on one
     server connection is missing on the next, or its name collides with another client's
-    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL.
+    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL,
+    or query parameters SQLAlchemy refuses (``?port=abc``).
     """
     parsed = parse_url(url)
-    return sa.create_engine(parsed, **_engine_options(pool_size, max_overflow, application_name, prepared_statements))
+    with _refused_options(parsed):
+        return sa.create_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
+                                                          prepared_statements))
 
 
 def make_async_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
@@ -85,10 +88,21 @@ def make_async_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int |
     same URL handling, pool, pre-ping, timeouts and options, on psycopg 3's async
     connections. Its pool belongs to the event loop that first uses it (SQLAlchemy docs,
     "Using multiple asyncio event loops"): use one per event loop. Raises
-    :class:`ConfigurationError` for a malformed URL."""
+    :class:`ConfigurationError` for a malformed URL, or query parameters SQLAlchemy refuses."""
     parsed = parse_url(url)
-    return create_async_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
-                                                         prepared_statements))
+    with _refused_options(parsed):
+        return create_async_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
+                                                             prepared_statements))
+
+
+@contextlib.contextmanager
+def _refused_options(url: URL) -> Iterator[None]:
+    """Turn SQLAlchemy's refusal of the URL's query while building an engine (``?port=abc``:
+    "Received non-integer port arguments") into :class:`ConfigurationError`, URL redacted."""
+    try:
+        yield
+    except ArgumentError as exc:
+        raise ConfigurationError(f"database URL {redact(url)} is not usable: {exc}") from exc
 
 
 def _engine_options(pool_size: int, max_overflow: int | None, application_name: str,
