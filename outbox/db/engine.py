@@ -1,8 +1,10 @@
 """Engines, URL handling and the one place database errors are translated.
 
 A URL given as ``postgresql://`` or ``postgres://`` (libpq style) is used with the
-psycopg 3 driver. Passwords never leave this module in clear text: every message that
-names a URL names it through :func:`redact`.
+psycopg 3 driver. Secrets never leave this module in clear text: every message that
+names a URL names it through :func:`redact` (:mod:`outbox.redaction`, the one rule for every
+URL outbox shows: the userinfo password and secret query parameters such as ``password=``
+and ``sslpassword=``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import ConfigurationError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
+from ..redaction import redact
+
+__all__ = ["describe", "is_disconnect", "make_async_engine", "make_engine", "parse_url", "redact", "translate_errors"]
 
 
 def parse_url(url: str | URL) -> URL:
     """Parse ``url`` and select the psycopg 3 driver.
 
-    Raises :class:`ConfigurationError` (password redacted) when it is not a PostgreSQL URL.
+    Raises :class:`ConfigurationError` (secrets redacted) when it is not a PostgreSQL URL.
     """
     if isinstance(url, URL):
         parsed = url
@@ -43,15 +48,6 @@ def parse_url(url: str | URL) -> URL:
         raise ConfigurationError(
             f"database URL driver {parsed.drivername!r} is not supported; use postgresql+psycopg://")
     return parsed
-
-
-def redact(url: str | URL) -> str:
-    """``url`` as text with its password replaced by ``***``; safe to log."""
-    try:
-        parsed = url if isinstance(url, URL) else make_url(url)
-        return parsed.render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable URL>"
 
 
 def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
