@@ -3,11 +3,12 @@ serves or hands on a database or broker URL, run for real with a URL carrying a 
 password, ``?password=`` and ``?sslpassword=``: the CLI commands as processes (reachable
 and unreachable database), the relay's start and error lines, the dashboard's start line
 and its 503 page on an unreachable database, pytest's report header, the brokers'
-"unreachable" errors."""
+"unreachable" errors, and ``outbox-relay psql``'s command line (read from /proc)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -237,3 +238,29 @@ def test_an_unreachable_broker_is_named_without_its_secrets():
         message = str(refused.value)
         assert f"127.0.0.1:{closed}" in message and "***" in message, message
         assert_no_secret(message + sink.describe())
+
+
+# ----------------------------------------------------------------------------- psql
+
+
+def test_psql_gets_its_secrets_outside_its_command_line(db_url, tmp_path):
+    """``outbox-relay psql``: psql's command line (/proc/<pid>/cmdline, which any local user
+    may read) holds no secret; the password reaches it in its environment (PGPASSWORD), the
+    sslpassword in a service file only this user may read, deleted when psql exits. The
+    shell psql runs for ``\\!`` reads its parent's (psql's) /proc entries."""
+    if shutil.which("psql") is None:
+        pytest.skip("psql is not installed")
+    url, secrets = with_secrets(db_url)
+    probe = ('\\! tr "\\0" " " < /proc/$PPID/cmdline; echo; echo "password from env: $PGPASSWORD"; '
+             'echo "service file: $PGSERVICEFILE"; stat -c "mode %a" "$PGSERVICEFILE"; cat "$PGSERVICEFILE"')
+    result = run_cli("psql", "--database-url", url, "-c", probe, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    command_line = lines[0]
+    assert_no_secret(command_line, secrets)
+    assert "psql" in command_line and "--dbname" in command_line and "service=outbox_psql" in command_line, lines
+    assert f"password from env: {secrets[1]}" in lines  # the query's password: the one libpq would take
+    service_file = Path(lines[lines.index(next(x for x in lines if x.startswith("service file: ")))][14:])
+    assert "mode 600" in lines and f"sslpassword={SSL_PW}" in lines, lines
+    assert not service_file.exists() and not service_file.parent.exists()
+    assert_no_secret(result.stderr, secrets)
