@@ -228,8 +228,9 @@ def test_pytests_report_header_shows_no_secret(tmp_path):
 
 
 def test_an_unreachable_broker_is_named_without_its_secrets():
-    """The errors a forwarder logs and records when its broker does not answer name the
-    broker by the one rule: RabbitMQ's password, NATS's password and NATS's token hidden."""
+    """The errors a forwarder logs and records when its broker does not answer, and the demo's
+    "forwarding skipped" line, name the broker by the one rule: RabbitMQ's password, NATS's
+    password and NATS's token hidden."""
     import asyncio
 
     from outbox.sinks.jetstream import JetStream
@@ -245,6 +246,12 @@ def test_an_unreachable_broker_is_named_without_its_secrets():
         message = str(refused.value)
         assert f"127.0.0.1:{closed}" in message and "***" in message, message
         assert_no_secret(message + sink.describe())
+    from outbox.demo.stream import DemoStream, ForwardingSkipped
+
+    with pytest.raises(ForwardingSkipped) as skipped:  # the demo's own NATS check
+        DemoStream.create(f"nats://{SSL_PW}@127.0.0.1:{closed}", 2.0)
+    assert f"nats://***@127.0.0.1:{closed}" in str(skipped.value), skipped.value
+    assert_no_secret(str(skipped.value))
 
 
 # ----------------------------------------------------------------------------- psql
