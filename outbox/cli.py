@@ -43,6 +43,8 @@ from .errors import ConfigurationError, OutboxError
 from .settings import OutboxSettings
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from sqlalchemy.engine import URL, Engine
 
 log = logging.getLogger("outbox.cli")
@@ -452,13 +454,24 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
 
 def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
     """Run psql on the configured database, or on the embedded server (kept running while
-    psql runs). The embedded server's own psql binary is used for it."""
+    psql runs). The embedded server's own psql binary is used for it.
+
+    No secret reaches psql's command line (which any local user may read, ``ps``): the
+    password goes in its environment (``PGPASSWORD``), the URL's other secret parameters
+    (``sslpassword`` and the rest of :data:`outbox.redaction.SECRET_PARAMETERS`; libpq
+    reads no environment variable for them) in a connection service file (PostgreSQL docs,
+    "The Connection Service File") readable by this user only and deleted when psql exits.
+    Raises :class:`UsageError` when such a parameter cannot go there: the URL or
+    ``PGSERVICE`` names a service of its own, or a value ends in whitespace or holds a line
+    break (a service file cannot hold it)."""
     import os
     import shutil
     import subprocess
+    import tempfile
     from pathlib import Path
 
     from .db.engine import parse_url
+    from .redaction import split_secrets
 
     url = settings.url()
     if url is None:
@@ -477,14 +490,47 @@ def _psql(args: argparse.Namespace, settings: OutboxSettings) -> int:
     target = parse_url(url)
     if args.db_name:
         target = target.set(database=args.db_name)
-    conninfo = target.set(drivername="postgresql").render_as_string(hide_password=False)
+    target, secrets = split_secrets(target.set(drivername="postgresql"))
     # Unqualified names resolve in outbox's schema first (then public), so `SELECT * FROM
     # outbox_jobs` reads the jobs of --schema; PGOPTIONS reaches this psql only.
     env = dict(os.environ)
     if settings.schema_name != "public":
         path = f"-c search_path={settings.schema_name},public"
         env["PGOPTIONS"] = f"{env['PGOPTIONS']} {path}" if env.get("PGOPTIONS") else path
-    return subprocess.call([binary, "--dbname", conninfo, *getattr(args, "psql_args", [])], env=env)
+    password = secrets.pop("password", None)
+    if password is not None:
+        env["PGPASSWORD"] = password
+    with tempfile.TemporaryDirectory(prefix="outbox-psql-") as private:  # mode 0700: this user's only
+        if secrets:
+            target = target.update_query_dict({"service": _psql_service_file(secrets, target, env, Path(private))})
+        conninfo = target.render_as_string(hide_password=False)
+        return subprocess.call([binary, "--dbname", conninfo, *getattr(args, "psql_args", [])], env=env)
+
+
+#: The service ``outbox-relay psql`` writes the URL's secret parameters under.
+PSQL_SERVICE = "outbox_psql"
+
+
+def _psql_service_file(secrets: dict[str, str], target: URL, env: dict[str, str], folder: Path) -> str:
+    """Write ``secrets`` (libpq keyword -> value) as service :data:`PSQL_SERVICE` in a file
+    of ``folder`` readable by this user only, point ``env``'s ``PGSERVICEFILE`` at it and
+    return the service's name. libpq reads a service file's value as the rest of its line
+    with trailing whitespace dropped, and looks a service up in one file only, so a value
+    that cannot be written as a line, or a service of the user's own, is refused."""
+    names = ", ".join(sorted(secrets))
+    if "service" in target.query or env.get("PGSERVICE"):
+        raise UsageError(f"psql: the URL's {names} would have to go in a service file, and the URL or PGSERVICE "
+                         "names a service already; put them in that service's entry instead")
+    for name, value in secrets.items():
+        if value != value.rstrip() or "\n" in value or "\r" in value:
+            raise UsageError(f"psql: the URL's {name} ends in whitespace or holds a line break, which psql cannot "
+                             "be given outside its command line; put it in a service file or a client certificate")
+    path = folder / "pg_service.conf"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        file.write(f"[{PSQL_SERVICE}]\n" + "".join(f"{name}={value}\n" for name, value in secrets.items()))
+    env["PGSERVICEFILE"] = str(path)
+    return PSQL_SERVICE
 
 
 def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxSettings) -> int:

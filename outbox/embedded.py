@@ -17,10 +17,14 @@ log = logging.getLogger("outbox.embedded")
 DEFAULT_DATA_DIR = Path(".outbox") / "pgdata"
 
 
-def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
+def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR, *, delete_on_exit: bool = False) -> str:
     """Start (or reuse) an embedded PostgreSQL keeping its files in ``data_dir``; returns
-    its URL (``postgresql://postgres:@/postgres?host=<socket dir>``). It stops when the
-    last process using it exits.
+    its URL (``postgresql://postgres:@/postgres?host=<socket dir>``: it listens on a Unix
+    socket only, no TCP port). It stops when the last process using it exits; with
+    ``delete_on_exit`` its data folder is deleted then too (pgserver's ``cleanup_mode
+    "delete"``, the way pgserver's docs give for a temporary server), else it is kept for
+    the next start (the demo's data). A process killed without running its exit handlers
+    (SIGKILL, an unhandled SIGTERM) leaves the server running and its folder behind.
 
     Raises :class:`ConfigurationError` when the ``embedded`` extra is not installed.
     """
@@ -38,7 +42,7 @@ def start_embedded(data_dir: str | os.PathLike[str] = DEFAULT_DATA_DIR) -> str:
     path.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
-        server = get_server(path, cleanup_mode="stop")
+        server = get_server(path, cleanup_mode="delete" if delete_on_exit else "stop")
     log.info("embedded PostgreSQL running with its data in %s", path)
     return server.get_uri()
 

@@ -10,10 +10,11 @@ migrated database of its own.
 
 :func:`server_url` picks the server: ``OUTBOX_TEST_DATABASE_URL``, else
 ``OUTBOX_DATABASE_URL``, else an embedded PostgreSQL (extra ``embedded``) started in a
-temporary folder. :func:`temporary_database` creates a uniquely named database (from a
-template, when given) and drops it afterwards, so tests never touch data they did not
-create; :class:`DatabaseCopies` makes such databases ahead of need on a thread of its
-own, so a suite of many tests does not wait for each creation.
+temporary folder, stopped and deleted when the process exits. :func:`temporary_database`
+creates a uniquely named database (from a template, when given) and drops it afterwards,
+so tests never touch data they did not create; :class:`DatabaseCopies` makes such
+databases ahead of need on a thread of its own, so a suite of many tests does not wait for
+each creation.
 
 Drain's rounds: each round routes every unrouted event (the registry's subscriptions
 written first, as a relay does at start), then claims and runs the due jobs of the chosen
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import os
 import tempfile
@@ -375,14 +377,28 @@ def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, s
 
 
 def server_url() -> tuple[URL, bool]:
-    """The server tests run against, and whether it is the embedded one."""
+    """The server tests run against, and whether it is the embedded one:
+    ``OUTBOX_TEST_DATABASE_URL``, else ``OUTBOX_DATABASE_URL``, else an embedded PostgreSQL
+    (extra ``embedded``) of this process's own, started on the first call in a new folder of
+    the temporary directory (``outbox-test-server-*``), stopped and deleted when the process
+    exits (:func:`outbox.embedded.start_embedded` with ``delete_on_exit``). Raises
+    :class:`~outbox.errors.ConfigurationError` when neither is set and the extra is missing."""
     url = os.environ.get("OUTBOX_TEST_DATABASE_URL") or os.environ.get("OUTBOX_DATABASE_URL")
     if url:
         return parse_url(url), False
+    return parse_url(_embedded_test_server()), True
+
+
+@functools.cache
+def _embedded_test_server() -> str:
+    """URL of the embedded server of this process's tests: one per process, however many
+    fixtures ask (the suite's own and the pytest plugin's)."""
     from .embedded import start_embedded
 
-    data_dir = os.path.join(tempfile.gettempdir(), f"outbox-test-pg-{os.getuid()}")
-    return parse_url(start_embedded(data_dir)), True
+    # A name no other server's folder contains: pgserver, initialising a folder, stops every
+    # postgres whose command line contains that folder's path (older outbox used
+    # "outbox-test-pg-<uid>", a prefix of "outbox-test-pg-<random>" names).
+    return start_embedded(tempfile.mkdtemp(prefix="outbox-test-server-"), delete_on_exit=True)
 
 
 def _admin(url: URL) -> sa.Engine:

@@ -1,8 +1,10 @@
 """Engines, URL handling and the one place database errors are translated.
 
 A URL given as ``postgresql://`` or ``postgres://`` (libpq style) is used with the
-psycopg 3 driver. Passwords never leave this module in clear text: every message that
-names a URL names it through :func:`redact`.
+psycopg 3 driver. Secrets never leave this module in clear text: every message that
+names a URL names it through :func:`redact` (:mod:`outbox.redaction`, the one rule for every
+URL outbox shows: the userinfo password and secret query parameters such as ``password=``
+and ``sslpassword=``).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import ConfigurationError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
+from ..redaction import redact
+
+__all__ = ["describe", "is_disconnect", "make_async_engine", "make_engine", "parse_url", "redact", "translate_errors"]
 
 
 def parse_url(url: str | URL) -> URL:
     """Parse ``url`` and select the psycopg 3 driver.
 
-    Raises :class:`ConfigurationError` (password redacted) when it is not a PostgreSQL URL.
+    Raises :class:`ConfigurationError` (secrets redacted) when it is not a PostgreSQL URL.
     """
     if isinstance(url, URL):
         parsed = url
@@ -45,15 +50,6 @@ def parse_url(url: str | URL) -> URL:
     return parsed
 
 
-def redact(url: str | URL) -> str:
-    """``url`` as text with its password replaced by ``***``; safe to log."""
-    try:
-        parsed = url if isinstance(url, URL) else make_url(url)
-        return parsed.render_as_string(hide_password=True)
-    except Exception:
-        return "<unparseable URL>"
-
-
 def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
                 application_name: str = "outbox", prepared_statements: bool = True) -> Engine:
     """A SQLAlchemy engine on psycopg 3 with pre-ping (dead connections after a server
@@ -73,10 +69,13 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None 
     statements"): behind a pooler in transaction mode without prepared-statement support
     (PgBouncer before 1.21, or ``max_prepared_statements = 0``) a statement prepared on one
     server connection is missing on the next, or its name collides with another client's
-    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL.
+    (``DuplicatePreparedStatement``). Raises :class:`ConfigurationError` for a malformed URL,
+    or query parameters SQLAlchemy refuses (``?port=abc``).
     """
     parsed = parse_url(url)
-    return sa.create_engine(parsed, **_engine_options(pool_size, max_overflow, application_name, prepared_statements))
+    with _refused_options(parsed):
+        return sa.create_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
+                                                          prepared_statements))
 
 
 def make_async_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None = None,
@@ -85,10 +84,21 @@ def make_async_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int |
     same URL handling, pool, pre-ping, timeouts and options, on psycopg 3's async
     connections. Its pool belongs to the event loop that first uses it (SQLAlchemy docs,
     "Using multiple asyncio event loops"): use one per event loop. Raises
-    :class:`ConfigurationError` for a malformed URL."""
+    :class:`ConfigurationError` for a malformed URL, or query parameters SQLAlchemy refuses."""
     parsed = parse_url(url)
-    return create_async_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
-                                                         prepared_statements))
+    with _refused_options(parsed):
+        return create_async_engine(parsed, **_engine_options(pool_size, max_overflow, application_name,
+                                                             prepared_statements))
+
+
+@contextlib.contextmanager
+def _refused_options(url: URL) -> Iterator[None]:
+    """Turn SQLAlchemy's refusal of the URL's query while building an engine (``?port=abc``:
+    "Received non-integer port arguments") into :class:`ConfigurationError`, URL redacted."""
+    try:
+        yield
+    except ArgumentError as exc:
+        raise ConfigurationError(f"database URL {redact(url)} is not usable: {exc}") from exc
 
 
 def _engine_options(pool_size: int, max_overflow: int | None, application_name: str,

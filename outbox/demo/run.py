@@ -465,8 +465,8 @@ class Demo:
         if self.settings.url() is None and self.config.pgdata is None and self.config.db_name == "outbox_demo":
             return f"outbox-relay status{schema} (no URL needed: the commands use this embedded database)"
         assert self.url is not None
-        return (f"outbox-relay status{schema} --database-url '{redact(self.url)}' (password hidden: the one "
-                "of OUTBOX_DATABASE_URL)")
+        return (f"outbox-relay status{schema} --database-url '{redact(self.url)}' (secrets hidden as ***: "
+                "those of OUTBOX_DATABASE_URL)")
 
     def _elapsed(self) -> float:
         return time.monotonic() - self.t0

@@ -25,8 +25,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
+from outbox.redaction import redact
 from outbox.sinks.jetstream import parse_servers
 
 from .app import TOPIC
@@ -167,9 +167,8 @@ class DemoStream:
         return asyncio.run(main())
 
     def _where(self) -> str:
-        """The servers of :attr:`url` without credentials."""
-        parts = [urlsplit(server) for server in parse_servers(self.url)]
-        return ",".join(f"{p.scheme}://{p.hostname}:{p.port or 4222}" for p in parts)
+        """The servers of :attr:`url`, secrets hidden (:func:`outbox.redaction.redact`)."""
+        return ",".join(redact(server) for server in parse_servers(self.url))
 
 
 def _stored(seq: int, headers: dict[str, str], data: bytes) -> StoredMessage:

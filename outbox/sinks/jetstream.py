@@ -74,6 +74,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
+from ..redaction import redact
 from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
 
 log = logging.getLogger(__name__)
@@ -163,28 +164,15 @@ def parse_servers(url: object) -> list[str]:
             parts = urlsplit(part)
             port = parts.port
         except ValueError as exc:
-            raise ConfigurationError(f"JetStream: url {_safe(part)!r} does not parse: {exc}") from None
+            raise ConfigurationError(f"JetStream: url {redact(part)!r} does not parse: {exc}") from None
         if parts.scheme not in ("nats", "tls") or not parts.hostname:
-            raise ConfigurationError(f"JetStream: url {_safe(part)!r} must be nats://host[:port] or tls://host[:port]")
+            raise ConfigurationError(f"JetStream: url {redact(part)!r} must be nats://host[:port] or tls://host[:port]")
         if parts.path not in ("", "/") or parts.query or parts.fragment:
-            raise ConfigurationError(f"JetStream: url {_safe(part)!r} takes no path, query or fragment")
+            raise ConfigurationError(f"JetStream: url {redact(part)!r} takes no path, query or fragment")
         if port == 0:
-            raise ConfigurationError(f"JetStream: url {_safe(part)!r} has port 0")
+            raise ConfigurationError(f"JetStream: url {redact(part)!r} has port 0")
         servers.append(part)
     return servers
-
-
-def _safe(url: str) -> str:
-    """``url`` without its user and password (for messages and logs)."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port
-    except ValueError:
-        return "<unparseable url>" if "@" in url else url
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{parts.scheme}://{host}" + (f":{port}" if port is not None else "")
 
 
 class JetStream(Sink):
@@ -192,7 +180,7 @@ class JetStream(Sink):
     outcome becomes).
 
     ``url``: ``nats://host:port`` or ``tls://host:port``, or several separated by commas (a
-    cluster; credentials in the URL are used but never shown). ``subject``: a template of
+    cluster; credentials in the URL are used but never shown: :mod:`outbox.redaction`). ``subject``: a template of
     ``{topic}``, ``{key}``, ``{consumer}`` (default ``"{topic}"``) whose literal parts hold no
     whitespace, wildcards or empty tokens. ``stream``: the stream the subject must belong to
     (sent as ``Nats-Expected-Stream``; a message that lands elsewhere fails permanently), or
@@ -248,8 +236,9 @@ class JetStream(Sink):
         self._checked_at = -math.inf  # loop time of the last reading
 
     def describe(self) -> str:
-        """The servers (without credentials) and the subject template."""
-        where = ",".join(_safe(s) for s in self.servers)
+        """The servers (secrets hidden by :func:`outbox.redaction.redact`: a password or a
+        token as ``***``) and the subject template."""
+        where = ",".join(redact(s) for s in self.servers)
         return f"{where} subject {self.subject.text}" + (f" stream {self.stream}" if self.stream else "")
 
     @property
@@ -301,7 +290,7 @@ class JetStream(Sink):
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _quietly_close(nc)
             reason = type(exc).__name__ + (f": {exc}" if str(exc) else "")
-            raise SinkUnavailableError(f"cannot reach NATS at {','.join(_safe(s) for s in self.servers)} "
+            raise SinkUnavailableError(f"cannot reach NATS at {','.join(redact(s) for s in self.servers)} "
                                        f"within {self.connect_timeout:g} s ({reason})") from None
         self._nc = nc
         self._inbox = inbox

@@ -46,9 +46,10 @@ import re
 from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
+from ..redaction import redact
 from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
 
 log = logging.getLogger("outbox.sinks.rabbitmq")
@@ -91,7 +92,8 @@ class RabbitMQ(Sink):
     def __init__(self, url: str = "amqp://guest:guest@127.0.0.1:5672/", *, exchange: str = "",
                  routing_key: str = "{topic}", connect_timeout: float = 5.0) -> None:
         if not isinstance(url, str) or urlsplit(url).scheme not in ("amqp", "amqps") or not urlsplit(url).hostname:
-            raise ConfigurationError(f"RabbitMQ url must be an amqp:// or amqps:// URL with a host, got {url!r}")
+            shown = redact(url) if isinstance(url, str) else repr(url)
+            raise ConfigurationError(f"RabbitMQ url must be an amqp:// or amqps:// URL with a host, got {shown}")
         if not isinstance(exchange, str):
             raise ConfigurationError(f"RabbitMQ exchange must be a string (\"\" for the default exchange), "
                                      f"got {exchange!r}")
@@ -113,17 +115,10 @@ class RabbitMQ(Sink):
         self._missing: str | None = None  # the broker's 404 while the exchange is known missing
 
     def describe(self) -> str:
-        """``"amqp://guest@127.0.0.1:5672/ exchange 'orders' routing key {topic}"``: the URL
-        without its password."""
-        parts = urlsplit(self.url)
-        netloc = parts.hostname or ""
-        if ":" in netloc:
-            netloc = f"[{netloc}]"
-        if parts.port is not None:
-            netloc = f"{netloc}:{parts.port}"
-        if parts.username:
-            netloc = f"{parts.username}@{netloc}"
-        where = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+        """``"amqp://guest:***@127.0.0.1:5672/ exchange 'orders' routing key {topic}"``: the URL
+        with its password hidden (:func:`outbox.redaction.redact`), the exchange and the
+        routing key template."""
+        where = redact(self.url)
         exchange = repr(self.exchange) if self.exchange else "(default)"
         return f"{where} exchange {exchange} routing key {self.routing_key.text}"
 

@@ -8,12 +8,18 @@ connections break and new ones refused, as during a server restart; :meth:`TcpPr
 listens on the same port again. :meth:`TcpProxy.freeze` keeps every connection open but
 passes no byte either way until :meth:`TcpProxy.thaw` (a partition, or a stalled server,
 that no socket error reveals). Threads: one accept loop, two pumps per connection.
+
+For a database, :func:`database_target` says where its server listens (the embedded
+server listens on a Unix socket only, named by ``?host=<dir>`` in its URL) and
+:func:`through` gives the URL that reaches it by the proxy and by nothing else.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+
+from sqlalchemy.engine import URL
 
 
 class TcpProxy:
@@ -94,6 +100,25 @@ class TcpProxy:
             for src, dst in ((client, upstream), (upstream, client)):
                 threading.Thread(target=_pump, args=(src, dst, self._flowing), name="test-proxy-pump",
                                  daemon=True).start()
+
+
+def database_target(url: URL) -> tuple[str, int] | str:
+    """Where the server of ``url`` listens, as :class:`TcpProxy` takes it: the path of its
+    Unix socket (``<dir>/.s.PGSQL.<port>``) when the URL names a socket directory (a ``host``
+    query parameter or a host starting with ``/``, as libpq reads them), else (host, port)."""
+    socket_dir = url.query.get("host")
+    if not isinstance(socket_dir, str):
+        socket_dir = url.host if url.host and url.host.startswith("/") else None
+    if socket_dir:
+        return f"{socket_dir}/.s.PGSQL.{url.port or 5432}"
+    return (url.host or "127.0.0.1", url.port or 5432)
+
+
+def through(url: URL, proxy: TcpProxy) -> URL:
+    """``url`` reaching its server by ``proxy`` only: host 127.0.0.1, the proxy's port, and no
+    ``host`` query parameter (libpq would use it rather than the URL's host: the embedded
+    server's socket directory would take the connection around the proxy)."""
+    return url.difference_update_query(["host", "hostaddr", "port"]).set(host="127.0.0.1", port=proxy.port)
 
 
 def _pump(src: socket.socket, dst: socket.socket, flowing: threading.Event) -> None:

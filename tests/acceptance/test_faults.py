@@ -481,13 +481,10 @@ def test_cut_off_from_the_database_then_back(scenario: Scenario) -> None:
     Runs on any server: the server itself is not touched."""
     outage = OUTAGE
     url = scenario.url
-    socket_dir = url.query.get("host")
-    target: tuple[str, int] | str = (f"{socket_dir}/.s.PGSQL.{url.port or 5432}" if socket_dir
-                                     else (url.host or "127.0.0.1", url.port or 5432))
-    relay_proxy = proxy.TcpProxy(target)
+    relay_proxy = proxy.TcpProxy(proxy.database_target(url))
     relay_proxy.start()
     try:
-        via = url.difference_update_query(["host"]).set(host="127.0.0.1", port=relay_proxy.port)
+        via = proxy.through(url, relay_proxy)
         relay = scenario.fleet.start("--reconnect-max", "10", url=via.render_as_string(hide_password=False))
         publisher = scenario.publisher()
         publisher.start()

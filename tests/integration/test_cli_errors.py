@@ -192,6 +192,7 @@ def test_bad_app(cli, spec, fragments):
     (f"postgresql://outbox:{SECRET}@127.0.0.1:5432/outbox?bogus_option=1", 'invalid connection option "bogus_option"'),
     (f"postgresql://outbox:{SECRET}@127.0.0.1:5432/outbox?sslmode=sometimes", "sslmode"),
     (f"postgresql://outbox:{SECRET}@127.0.0.1:99999/outbox", "port"),
+    (f"postgresql://outbox:{SECRET}@127.0.0.1/outbox?port=abc", "Received non-integer port arguments"),
 ])
 @pytest.mark.parametrize("command", ["migrate", "run", "status"])
 def test_malformed_database_url(cli, url, fragment, command):

@@ -18,7 +18,7 @@ import pytest
 import sqlalchemy as sa
 
 from outbox.db.engine import make_engine
-from tests.acceptance.proxy import TcpProxy
+from tests.acceptance.proxy import TcpProxy, database_target, through
 
 from .dashboard_helpers import HOSTILE, Clock, paused, seed, served, statuses
 
@@ -248,9 +248,9 @@ def test_relays_page_lists_the_registry(engine, page):
 
 
 def test_the_overview_says_the_database_is_down_and_recovers(db_url, page):
-    proxy = TcpProxy((db_url.host or "127.0.0.1", db_url.port or 5432))
+    proxy = TcpProxy(database_target(db_url))
     proxy.start()
-    engine = make_engine(db_url.set(host="127.0.0.1", port=proxy.port))
+    engine = make_engine(through(db_url, proxy))  # the embedded server too: not around the proxy by its socket
     try:
         seed(engine)
         with served(engine, refresh_seconds=0.5) as base:

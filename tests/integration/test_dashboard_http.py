@@ -27,7 +27,7 @@ from outbox.db.engine import make_engine
 from outbox.router import route_all
 from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
-from tests.acceptance.proxy import TcpProxy
+from tests.acceptance.proxy import TcpProxy, database_target, through
 
 from .dashboard_helpers import HOSTILE, Clock, paused, seed, statuses
 from .helpers import subscribe
@@ -641,9 +641,9 @@ def test_only_the_dashboards_own_status_messages_are_shown(engine):
 
 
 def test_database_down_is_a_503_page_and_the_dashboard_recovers(db_url):
-    proxy = TcpProxy((db_url.host or "127.0.0.1", db_url.port or 5432))
+    proxy = TcpProxy(database_target(db_url))
     proxy.start()
-    engine = make_engine(db_url.set(host="127.0.0.1", port=proxy.port))
+    engine = make_engine(through(db_url, proxy))  # the embedded server too: not around the proxy by its socket
     try:
         client = _client(engine)
         assert client.get("/").status_code == 200

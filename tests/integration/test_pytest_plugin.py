@@ -1,13 +1,19 @@
 """The pytest plugin (entry point ``pytest11``) as an application's test suite meets it: a
 throwaway project, run with ``pytest`` in a subprocess, uses ``outbox_engine`` /
-``outbox_database_url`` (a migrated database per test), ``make_job`` and ``drain``."""
+``outbox_database_url`` (a migrated database per test), ``make_job`` and ``drain``; with no
+server configured, on an embedded one that leaves nothing behind."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
+
+import pytest
 
 APP_TESTS = '''
 import sqlalchemy as sa
@@ -73,3 +79,48 @@ def test_plugin_contacts_no_server_unless_asked(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", str(tmp_path)], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+
+
+EMBEDDED_TESTS = '''
+import sqlalchemy as sa
+
+
+def test_on_the_embedded_server(outbox_engine, outbox_server_url):
+    assert "host=" in outbox_server_url  # the embedded server: a Unix socket, no TCP port
+    with outbox_engine.connect() as c:
+        folder = c.execute(sa.text("SHOW data_directory")).scalar_one()
+    with open("data_directory.txt", "w") as out:
+        out.write(folder)
+'''
+
+
+def test_the_embedded_test_server_leaves_nothing_behind(tmp_path):
+    """With no server configured, a test run starts an embedded PostgreSQL in a folder of the
+    temporary directory, and stops it and deletes the folder when the run ends (before,
+    the folder stayed: about 100 MB owned by pgserver's system user when run as root)."""
+    pytest.importorskip("pgserver", reason="the extra [embedded] (pgserver) is not installed")
+    psutil = pytest.importorskip("psutil")  # pgserver's own dependency
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
+    (tmp_path / "test_embedded.py").write_text(textwrap.dedent(EMBEDDED_TESTS))
+    # The child's temporary directory: not under tmp_path, whose pytest-of-<user> folder every
+    # pytest run that starts makes private again (mode 0700), out of reach of the server's
+    # system user when run as root.
+    # pgserver keeps its inter-process lock (an empty file, shared by every pgserver user, so
+    # never deleted) in XDG_RUNTIME_DIR, or in <temporary directory>/runtime-<uid> without one:
+    # the child gets one of its own, and the temporary directory holds the server only.
+    temporary = Path(tempfile.mkdtemp(prefix="outbox-plugin-test-"))
+    runtime = Path(tempfile.mkdtemp(prefix="outbox-plugin-runtime-"))
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update(TMPDIR=str(temporary), XDG_RUNTIME_DIR=str(runtime))
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", str(tmp_path)], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+        folder = Path((tmp_path / "data_directory.txt").read_text())
+        assert folder.is_relative_to(temporary), folder  # the server did run there
+        assert not folder.exists() and list(temporary.iterdir()) == []
+        running = [p.pid for p in psutil.process_iter(["cmdline"]) if str(folder) in " ".join(p.info["cmdline"] or ())]
+        assert running == []
+    finally:
+        shutil.rmtree(temporary)
+        shutil.rmtree(runtime)

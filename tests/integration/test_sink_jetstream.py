@@ -279,7 +279,7 @@ def test_connecting_to_a_closed_port_raises_sink_unavailable_quickly():
         with pytest.raises(SinkUnavailableError) as caught:
             await sink.connect()
         assert time.monotonic() - started < 10
-        assert f"nats://127.0.0.1:{port}" in str(caught.value) and "secret" not in str(caught.value)
+        assert f"nats://user:***@127.0.0.1:{port}" in str(caught.value) and "secret" not in str(caught.value)
         assert not sink.connected
         assert await sink.send_many([message(1)], 1) == [Unavailable("not connected to NATS")]
         await sink.close()  # safe when never connected

@@ -41,6 +41,14 @@ def test_a_bad_option_is_named(aio_pika_present: None, options: dict[str, Any], 
         RabbitMQ(**options)
 
 
+@pytest.mark.parametrize(("url", "shown"), [("amqq://relay:s3cret@mq.example/", "got amqq://relay:***@mq.example/"),
+                                             ("relay:s3cret@mq.example", "got <unparseable URL>")])
+def test_a_refused_url_is_shown_without_its_password(aio_pika_present: None, url: str, shown: str):
+    with pytest.raises(ConfigurationError) as refused:
+        RabbitMQ(url)
+    assert str(refused.value).endswith(shown) and "s3cret" not in str(refused.value)
+
+
 def test_missing_aio_pika_says_which_extra_to_install(monkeypatch: pytest.MonkeyPatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "aio_pika" else real(name, *a))
@@ -52,7 +60,8 @@ def test_describe_shows_where_it_sends_without_the_password(aio_pika_present: No
     sink = RabbitMQ("amqps://relay:s3cr%40t@mq.example.org:5671/prod?heartbeat=30", exchange="orders",
                     routing_key="orders.{topic}.{key}")
     assert isinstance(sink, Sink) and sink.extra == "rabbitmq"
-    assert sink.describe() == "amqps://relay@mq.example.org:5671/prod exchange 'orders' routing key orders.{topic}.{key}"
+    assert sink.describe() == ("amqps://relay:***@mq.example.org:5671/prod?heartbeat=30 exchange 'orders' routing key "
+                               "orders.{topic}.{key}")
     assert "s3cr" not in sink.describe()
-    assert RabbitMQ().describe() == "amqp://guest@127.0.0.1:5672/ exchange (default) routing key {topic}"
+    assert RabbitMQ().describe() == "amqp://guest:***@127.0.0.1:5672/ exchange (default) routing key {topic}"
     assert not RabbitMQ().connected

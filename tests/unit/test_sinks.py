@@ -82,7 +82,8 @@ def test_bad_jetstream_options_are_refused_naming_the_option(options, words):
 def test_jetstream_describes_where_it_sends_without_credentials():
     JetStream = jetstream()
     sink = JetStream("nats://user:secret@a.example:4222, tls://[::1]:4443", subject="orders.{topic}", stream="ORDERS")
-    assert sink.describe() == "nats://a.example:4222,tls://[::1]:4443 subject orders.{topic} stream ORDERS"
+    assert sink.describe() == "nats://user:***@a.example:4222,tls://[::1]:4443 subject orders.{topic} stream ORDERS"
+    assert JetStream("nats://s3cret-token@a.example:4222").describe() == "nats://***@a.example:4222 subject {topic}"
     assert sink.extra == "nats" and not sink.connected
 
 
