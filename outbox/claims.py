@@ -20,7 +20,9 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
   forwarder and not yet acknowledged by their broker. They take no worker slot but a place
   in the forwarding window (``window``: messages in flight at once, the relay's
-  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them;
+  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them.
+  A forwarder's job is always buffered first (listed) and handed over by the starter only
+  when the window has room, so a claim it has not sent costs no attempt;
 * ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
   attempt already failed, their thread still running: :mod:`outbox.watchdog`);
 * ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
@@ -175,13 +177,12 @@ class HeldClaims:
                     self.changed.notify()
 
     def issue(self, jobs: list[Job]) -> None:
-        """Hold jobs just claimed for the slots reserved for them (never listed as buffered);
-        forwarded ones among them take a place in the forwarding window instead."""
+        """Hold jobs just claimed for the worker slots reserved for them (never listed as
+        buffered). A forwarder's jobs never come here: they are always buffered, and the
+        starter hands them to the forwarder (:meth:`take_startable`)."""
         with self.lock:
             for job in jobs:
                 self.inflight[job.fence] = job
-                if job.consumer in self.forwarding:
-                    self.forward_issued += 1
 
     def hold(self, jobs: list[Job]) -> None:
         """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
