@@ -93,11 +93,14 @@ SEND_MARGIN = 1.0
 SEND_MARGIN_SHARE = 0.25
 #: Job ids a log line names at most (the rest are counted).
 IDS_LOGGED = 5
-#: Longest the outcomes of answers arriving one by one are gathered before they are posted
-#: together, seconds. They are posted at once when no other message is in flight, or when
-#: they are as many as a hand-off tops the window up by (``HeldClaims.refill``): a broker
-#: that confirms a message a millisecond makes a completion round per dozens of messages,
-#: not per few, and a lone message is completed at once.
+#: Outcomes of broker answers are gathered and posted together: at once when no other
+#: message is in flight, or when they are as many as a hand-off tops the window up by
+#: (``HeldClaims.refill``); else once no answer has come for :data:`POST_QUIET` seconds (a
+#: burst of answers has ended), and at the latest :data:`POST_INTERVAL` seconds after the
+#: first of them. So a lone message, or a burst, is completed at once, while a broker that
+#: confirms a message a millisecond makes a completion round per dozens of messages, not per
+#: few (relay and database CPU per event: the reliability notes, issue 26).
+POST_QUIET = 0.005
 POST_INTERVAL = 0.1
 
 
@@ -161,6 +164,7 @@ class Forwarder:
         self._arrived: asyncio.Event | None = None
         self._posting: list[tuple[Job, Any]] = []  # outcomes gathered for the next post (POST_INTERVAL)
         self._post_timer: asyncio.TimerHandle | None = None
+        self._first_gathered = self._last_gathered = 0.0  # monotonic
         self._in_flight = 0  # messages handed to a sink whose outcome is not made yet
 
     # ------------------------------------------------------------- other threads
@@ -310,10 +314,9 @@ class Forwarder:
             self._outages.pop(sub.consumer, None)
 
     def _settle(self, job: Job, result: SendResult, started: float, tally: dict[str, int]) -> None:
-        """Make ``job``'s outcome of the broker's ``result``, to be posted within
-        :data:`POST_INTERVAL` (its place in the window is free from then; at once when nothing
-        else is in flight, or enough are gathered), and count it in ``tally`` (results by
-        :data:`FORWARD_RESULTS` name)."""
+        """Make ``job``'s outcome of the broker's ``result``, to be posted with others (the
+        rule at :data:`POST_QUIET`; its place in the window is free from then), and count it
+        in ``tally`` (results by :data:`FORWARD_RESULTS` name)."""
         job._ran = time.monotonic() - started
         outcome: Any
         if isinstance(result, Delivered):
@@ -332,10 +335,23 @@ class Forwarder:
             outcome = self.failure(job, error)
         self._in_flight -= 1
         self._posting.append((job, outcome))
+        self._last_gathered = time.monotonic()
         if self._in_flight <= 0 or len(self._posting) >= self.claims.refill:
             self._post_gathered()
         elif self._post_timer is None and self._loop is not None:
-            self._post_timer = self._loop.call_later(POST_INTERVAL, self._post_gathered)
+            self._first_gathered = self._last_gathered
+            self._post_timer = self._loop.call_later(POST_QUIET, self._post_when_quiet)
+
+    def _post_when_quiet(self) -> None:
+        """Post the gathered outcomes once answers have paused for :data:`POST_QUIET`, or the
+        first of them has waited :data:`POST_INTERVAL`; else look again then."""
+        self._post_timer = None
+        now = time.monotonic()
+        due = min(self._last_gathered + POST_QUIET, self._first_gathered + POST_INTERVAL)
+        if now >= due or self._loop is None:
+            self._post_gathered()
+        else:
+            self._post_timer = self._loop.call_later(due - now, self._post_when_quiet)
 
     def _post_gathered(self) -> None:
         """Post the outcomes :meth:`_settle` gathered."""
