@@ -56,9 +56,9 @@ def forwarding() -> Outbox:
     base: type[JetStream] | type[RabbitMQ] = JetStream if kind == "jetstream" else RabbitMQ
 
     class Recording(base):  # type: ignore[valid-type,misc]
-        async def send_many(self, messages, timeout):  # type: ignore[no-untyped-def]
+        async def send_many(self, messages, timeout, answered=None):  # type: ignore[no-untyped-def]
             start = time.perf_counter()
-            results = await super().send_many(messages, timeout)
+            results = await super().send_many(messages, timeout, answered)
             batches.append((len(messages), time.perf_counter() - start))
             return results
 

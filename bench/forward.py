@@ -27,7 +27,7 @@ duplicate window) or a direct exchange with a durable queue bound to it.
   ``publish_async_completed``; and, for information, (c) one at a time, each ack awaited
   (the first ``SERIAL_MAX`` messages only). outbox's own sink is also run alone, without
   PostgreSQL or a relay: the same messages through ``send_many``, in batches of the
-  forwarding window, one batch at a time, as the forwarder calls it.
+  forwarding window, one batch at a time.
   Messages/s = N / (last ack - first send), harness clock. The raw limit is the best
   pipelined variant; forwarded / raw is reported as a ratio (issue 11's target: >= 70 %).
 * **Latency.** The relay forwards single events the harness commits at ``forward_rate``

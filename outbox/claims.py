@@ -20,7 +20,12 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
   forwarder and not yet acknowledged by their broker. They take no worker slot but a place
   in the forwarding window (``window``: messages in flight at once, the relay's
-  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them;
+  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them.
+  A forwarder's job is always buffered first (listed) and handed over by the starter only
+  when the window has room, so a claim it has not sent costs no attempt. A full window is
+  topped up once an eighth of it is free (or as much as the buffer holds): a hand-off of
+  dozens, not one statement per acknowledgement, while the broker keeps seven eighths in
+  flight;
 * ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
   attempt already failed, their thread still running: :mod:`outbox.watchdog`);
 * ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
@@ -63,6 +68,8 @@ class HeldClaims:
     def __init__(self, concurrency: int, window: int = 0, forwarding: Iterable[str] = ()) -> None:
         self.concurrency = concurrency
         self.window = window
+        # Room in the forwarding window worth a hand-off when the buffer holds more.
+        self.refill = max(1, window // 8)
         self.forwarding = frozenset(forwarding)
         self.forward_issued = 0
         self.lock = threading.Lock()
@@ -131,8 +138,16 @@ class HeldClaims:
         workers = self.issued < self.concurrency
         if not self.forwarding:
             return workers
-        window = self.forward_issued < self.window
+        window = self.forward_room() > 0
         return any(window if job.consumer in self.forwarding else workers for job in self.buffer)
+
+    def forward_room(self) -> int:
+        """(Caller holds the lock.) How many buffered jobs may go to the forwarder now: the
+        room in the forwarding window, once it is at least an eighth of the window or all the
+        buffer holds (0 before: the broker still has most of the window in flight, and a
+        hand-off of a few jobs would cost a statement for each acknowledgement)."""
+        room = self.window - self.forward_issued
+        return room if room >= min(self.refill, len(self.buffer)) else 0
 
     def has_buffer(self) -> bool:
         with self.lock:
@@ -179,13 +194,12 @@ class HeldClaims:
                     self.changed.notify()
 
     def issue(self, jobs: list[Job]) -> None:
-        """Hold jobs just claimed for the slots reserved for them (never listed as buffered);
-        forwarded ones among them take a place in the forwarding window instead."""
+        """Hold jobs just claimed for the worker slots reserved for them (never listed as
+        buffered). A forwarder's jobs never come here: they are always buffered, and the
+        starter hands them to the forwarder (:meth:`take_startable`)."""
         with self.lock:
             for job in jobs:
                 self.inflight[job.fence] = job
-                if job.consumer in self.forwarding:
-                    self.forward_issued += 1
 
     def hold(self, jobs: list[Job]) -> None:
         """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
@@ -213,7 +227,7 @@ class HeldClaims:
         forwards: list[Job] = []
         expired: list[Job] = []
         free = self.concurrency - self.issued
-        room = self.window - self.forward_issued if self.forwarding else 0
+        room = self.forward_room() if self.forwarding else 0
         kept: collections.deque[Job] = collections.deque()
         while self.buffer and (free > 0 or room > 0):
             job = self.buffer.popleft()
@@ -254,12 +268,15 @@ class HeldClaims:
         """``job``'s handler returned (a forwarded job: its broker answered): its slot is
         free, its outcome about to be written."""
         with self.changed:
-            if job.consumer in self.forwarding:
+            forwarded = job.consumer in self.forwarding
+            if forwarded:
                 self.forward_issued -= 1
             else:
                 self.issued -= 1
             self.finishing.add(job.fence)
-            if self.buffer:  # the starter sleeps while the buffer is empty: no need to wake it
+            # The starter sleeps while the buffer is empty, and needs no wake-up for a place
+            # in the window before it is worth a hand-off.
+            if self.buffer and (not forwarded or self.forward_room() > 0):
                 self.changed.notify()
 
     def hang(self) -> int:

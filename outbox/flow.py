@@ -140,14 +140,15 @@ class FlowControl:
             self._due_at = 0.0
 
     def claim(self, conn: psycopg.Connection[Any], room: int, relay: str | None, start_now: int,
-              excluded: frozenset[str] = frozenset()) -> list[Any]:
+              excluded: frozenset[str] = frozenset(), forwarding: frozenset[str] = frozenset()) -> list[Any]:
         """Claim up to ``room`` jobs of the limited consumers on ``conn`` (autocommit; one
         transaction here), but those in ``excluded`` (forwarders whose broker is down);
         returns the claimed rows in claim order, columns as
         ``job_complete_claim_many``'s claimed rows (``priority`` and ``run_at`` last). The
-        claims after the first ``start_now`` are listed as buffered in ``relay``'s row of
-        ``outbox_relays`` (None: not listed). Database errors propagate (nothing claimed:
-        the transaction rolled back)."""
+        claims that start later are listed as buffered in ``relay``'s row of
+        ``outbox_relays`` (None: not listed): every job of a forwarder in ``forwarding``, and
+        of the others all but the first ``start_now``. Database errors propagate (nothing
+        claimed: the transaction rolled back)."""
         consumers = [c for c in self.consumers if c not in excluded] if excluded else self.consumers
         if room <= 0 or not consumers:
             return []
@@ -162,7 +163,8 @@ class FlowControl:
             leases = dict(zip(self.consumers, self.leases, strict=True))
             rows = conn.execute(_sql(self.statements.job_claim_limited_many), {
                 "consumers": names, "leases": [leases[c] for c in names], "limit": room,
-                "worker": self.worker_id, "relay": relay, "start_now": start_now}).fetchall()
+                "worker": self.worker_id, "relay": relay, "start_now": start_now,
+                "forwarding": list(forwarding)}).fetchall()
         rows.sort(key=lambda r: (r[12], r[13], r[0]))
         self._schedule(locked, rows, room)
         return rows

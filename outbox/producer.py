@@ -10,7 +10,9 @@ completions (the completer's) and the claim in one statement, one round trip and
 commit. Before it, idle worker slots are reserved for the first ``start_now`` jobs it
 claims; those go to the workers at once, and the rest join the buffer, listed in the
 relay's row of ``outbox_relays`` by the same statement (architecture notes, "Attempts and
-crashes"). A data error runs the completions and then the claim by halves
+crashes"). A forwarder's jobs always join the buffer, listed: the starter unlists them
+just before the forwarder sends them, so an attempt is charged when its message is
+handed to the broker, not when it is claimed. A data error runs the completions and then the claim by halves
 (:mod:`outbox.poison`): a ready job whose claim fails alone is dead-lettered naming the
 error, or quarantined.
 
@@ -196,7 +198,7 @@ class Producer:
         rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
         after = self.hint.get() if want > 0 and not rewound else None
         hinted = after is not None
-        mark = BufferMark(self.worker_id, start_now)
+        mark = BufferMark(self.worker_id, start_now, self.claims.forwarding)
         buried: set[int] = set()
         try:
             try:
@@ -227,22 +229,21 @@ class Producer:
         return completed, buried, want > 0 and len(claimed) < want and not hinted
 
     def _hand_over(self, claimed: list[Job], start_now: int, sent: float) -> None:
-        """Jobs just claimed (a statement sent at ``sent``, monotonic): the first
-        ``start_now`` to the workers reserved for them, the rest into the buffer."""
+        """Jobs just claimed (a statement sent at ``sent``, monotonic), in claim order: the
+        first ``start_now`` that are not a forwarder's to the workers reserved for them, the
+        rest into the buffer (as the claim listed them: :class:`BufferMark`)."""
         for job in claimed:
             job._lease_bound = sent + job.lease_seconds
             job._claim_sent = sent
-        self.claims.unreserve(start_now - min(start_now, len(claimed)))
         self.stats.add("claimed", len(claimed))
         if self.metrics is not None and claimed:
             self.metrics.jobs("claimed", [job.consumer for job in claimed])
-        first = claimed[:start_now]
-        # Forwarded jobs among the first take a place in the forwarding window, not the
-        # worker slot reserved for them, which goes back.
-        self.claims.unreserve(sum(1 for job in first if self.claims.is_forwarded(job)))
+        first = BufferMark(None, start_now, self.claims.forwarding).starts_now(claimed)
+        self.claims.unreserve(start_now - len(first))
         self.claims.issue(first)
         self.start(first)
-        self.claims.hold(claimed[start_now:])
+        started = {job.fence for job in first}
+        self.claims.hold([job for job in claimed if job.fence not in started])
 
     def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
         """Claim up to ``room`` jobs of the capped or rate-limited consumers on their own path
@@ -259,7 +260,7 @@ class Producer:
         start_now = self.claims.reserve(room)
         sent = time.monotonic()
         try:
-            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded())
+            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded(), self.claims.forwarding)
         except BaseException:
             self.claims.unreserve(start_now)
             raise
@@ -285,11 +286,11 @@ class Producer:
 
         def claim(only: list[int] | None) -> list[Job]:
             nonlocal start_left
+            part_mark = BufferMark(mark.relay, start_left, mark.forwarding)
             _, got, _ = complete_and_claim_after(
                 conn, [], leases, want if only is None else len(only), self.worker_id, None,
-                buffer=BufferMark(mark.relay, start_left), skip=self.quarantine.ids(), only=only,
-                schema=self.schema)
-            start_left = max(0, start_left - len(got))
+                buffer=part_mark, skip=self.quarantine.ids(), only=only, schema=self.schema)
+            start_left -= len(part_mark.starts_now(got))
             return got
 
         if not want:  # only the buffer list to write: no row of a job to blame

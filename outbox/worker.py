@@ -194,15 +194,15 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     claimed come back in claim order.
 
     ``buffer``, when given, is written to the relay's row in the same statement (see
-    :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed are taken as started,
-    the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
+    :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
+    forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
     is given, takes only jobs among those ids (:mod:`outbox.poison`)."""
     key = after or HEAD_KEY
     mark = buffer or BufferMark(None, 0)
     rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
         **_ids_fences(done), **_claim_params(leases, limit, worker_id), "keep_done": keep_done,
         "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "start_now": mark.start_now,
+        "relay": mark.relay, "start_now": mark.start_now, "forwarding": list(mark.forwarding),
         "skip": skip or [], "only": only})
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
@@ -213,12 +213,20 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
 @dataclass(frozen=True, slots=True)
 class BufferMark:
     """What a dispatcher round adds to its relay's row of ``outbox_relays`` (``relay``;
-    None changes nothing): the jobs the round claims after the first ``start_now`` (in
-    claim order; those go to idle workers) join the list of buffered claims. The reaper
+    None changes nothing): the jobs the round claims that do not start at once join the
+    list of buffered claims: every job of a consumer in ``forwarding`` (a forwarder's
+    attempt starts when its message is handed to the broker, issue 26), and of the others
+    all but the first ``start_now`` in claim order (those go to idle workers). The reaper
     gives the attempt back to an expired claim still listed (migration 0003)."""
 
     relay: str | None
     start_now: int
+    forwarding: frozenset[str] = frozenset()
+
+    def starts_now(self, claimed: list[Job]) -> list[Job]:
+        """Of ``claimed`` (in claim order), the jobs this mark did not list: the first
+        ``start_now`` that are not a forwarder's."""
+        return [job for job in claimed if job.consumer not in self.forwarding][:self.start_now]
 
 
 def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int], *,

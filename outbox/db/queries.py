@@ -511,18 +511,40 @@ _CLAIM_PICK_AFTER_COMPLETION = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_
           AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
           AND id NOT IN (SELECT id FROM completed)""")
 
+_LISTED = """
+    listed AS (
+        SELECT x.fence
+        FROM (SELECT c.fence, c.consumer = ANY (CAST(:forwarding AS text[])) AS forwarded,
+                     row_number() OVER (PARTITION BY c.consumer = ANY (CAST(:forwarding AS text[]))
+                                        ORDER BY c.priority, c.run_at, c.id) AS place
+              FROM claimed c) x
+        WHERE x.forwarded OR x.place > :start_now
+    )
+"""
+# The fences of a claim's jobs that start later, so the relay's row lists them as buffered
+# (``_MARKED``): every job of a forwarder in ``:forwarding`` (its attempt starts when the
+# forwarder hands its message to the broker, after the starter unlisted it: issue 26) and,
+# of the other jobs in claim order, all but the first ``:start_now``, which go at once to the
+# worker slots the dispatcher reserved for them. A claim of at most ``claim_batch`` rows: the
+# window function sorts them in memory.
+
+_MARKED = """
+    marked AS (
+        UPDATE outbox_relays r
+        SET buffered = r.buffered || ARRAY(SELECT fence FROM listed),
+            last_seen_at = now()
+        WHERE r.id = :relay
+          AND EXISTS (SELECT 1 FROM listed)
+        RETURNING 1
+    )
+"""
+# This relay's row (``:relay``; no row, no write) gains the ``listed`` fences.
+
 job_complete_claim_many: TextClause = text(
     f"""
     WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, {_COMPLETE}, {_CLAIM_PICK_AFTER_COMPLETION},
     claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
-    marked AS (
-        UPDATE outbox_relays r
-        SET buffered = r.buffered || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
-            last_seen_at = now()
-        WHERE r.id = :relay
-          AND EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now)
-        RETURNING 1
-    )
+    {_LISTED}, {_MARKED}
     SELECT c.*, false AS completed FROM claimed c
     UNION ALL
     SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
@@ -541,11 +563,13 @@ the jobs claimed before, which a long-held snapshot elsewhere keeps from being r
 (performance notes).
 
 It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
-the fences of the claimed jobs after the first ``:start_now`` in claim order (those go
-to idle workers) join ``buffered``; the starter takes jobs off it with
-``relay_buffer_remove`` before it hands them over. So the list the reaper reads
-(``job_reap_many``) never holds a job whose handler may have started, and every buffered
-claim is listed from the moment it exists. It is
+the fences of the claimed jobs that start later join ``buffered`` (``listed``: every job
+of a forwarder in ``:forwarding``, and of the others all but the first ``:start_now`` in
+claim order, which go to idle workers); the starter takes jobs off it with
+``relay_buffer_remove`` before it hands them over (to a worker, or to the forwarder, which
+sends at once). So the list the reaper reads (``job_reap_many``) never holds a job whose
+handler may have started or whose message may have been sent, and every buffered claim
+is listed from the moment it exists. It is
 changed, never overwritten: a claim whose reply never reached the relay (the connection
 broke after the commit) stays listed, so the reaper gives it its attempt back; the
 relay's periodic ``relay_seen`` drops fences no longer running under it. Both halves keep their guarantees: the
@@ -601,14 +625,7 @@ job_claim_limited_many: TextClause = text(
         FROM allowed a
         WHERE c.consumer = a.consumer AND a.rate_limit IS NOT NULL
         RETURNING 1
-    ), marked AS (
-        UPDATE outbox_relays r
-        SET buffered = r.buffered || ARRAY(SELECT fence FROM claimed ORDER BY priority, run_at, id OFFSET :start_now),
-            last_seen_at = now()
-        WHERE r.id = :relay
-          AND EXISTS (SELECT 1 FROM claimed ORDER BY priority, run_at, id OFFSET :start_now)
-        RETURNING 1
-    )
+    ), {_LISTED}, {_MARKED}
     SELECT * FROM claimed
     """
 )
@@ -621,8 +638,8 @@ min(concurrency - running jobs, floor(tokens), ``:limit``) (a missing cap or lim
 nothing), claims up to it in claim order (priority, run_at, id; ``FOR NO KEY UPDATE SKIP LOCKED``),
 ``:limit`` in all, exactly as ``job_claim_many`` sets a claim (running, attempts + 1, new
 fence, lease), takes one token per claimed job and, like ``job_complete_claim_many``, lists
-the claims after the first ``:start_now`` (claim order) as buffered in relay ``:relay``'s row
-of ``outbox_relays``. Returns the claimed rows as ``job_complete_claim_many`` does (columns
+the claims that start later (every forwarder's job in ``:forwarding``, the others after the
+first ``:start_now`` in claim order) as buffered in relay ``:relay``'s row of ``outbox_relays``. Returns the claimed rows as ``job_complete_claim_many`` does (columns
 of ``job_claim_many`` plus ``priority``, ``run_at``)."""
 
 job_complete: TextClause = text(

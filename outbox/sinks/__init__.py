@@ -3,9 +3,11 @@
 A forwarder (``Outbox.forward``) is a consumer whose jobs are not run by a Python handler
 but sent to a broker by a :class:`Sink`. Each job becomes one :class:`Message` (the event's
 payload bytes as stored, its headers and outbox's own, see the mapping table in the
-forwarding notes, "What a message carries"); the relay hands a sink whole batches, and the sink sends each batch
+forwarding notes, "What a message carries"); the relay hands a sink batches, and the sink sends each batch
 without waiting for one broker acknowledgement before the next send, then reports one
-:data:`SendResult` per message, in order:
+:data:`SendResult` per message, in order (and each broker answer as it arrives, when asked:
+the relay completes a job on its acknowledgement, not on its batch's slowest one). The relay
+does not wait for one batch before it hands over the next: a sink has several in flight.
 
 * :class:`Delivered`: the broker stored it (JetStream's PubAck, RabbitMQ's confirm); the
   job completes. ``duplicate``: the broker already held a message with this id (JetStream's
@@ -19,6 +21,9 @@ without waiting for one broker acknowledgement before the next send, then report
   job is handed back, the attempt not counted, and the relay claims no more of the
   forwarder's jobs for a while (until the sink has reconnected, and at least a growing
   pause): an outage makes jobs wait, it never dead-letters them.
+* :class:`Expired`: not sent, because the message's ``deadline`` had passed when the sink
+  was about to hand it to the broker (the job's claim may already be another relay's). The
+  job is handed back, its attempt not counted.
 
 A sink object is created when the forwarder is declared (in the application module, so a
 bad option is a :class:`~outbox.errors.ConfigurationError` at import time) and connected by
@@ -31,8 +36,9 @@ ids within a window (JetStream) can say when that window is too short.
 from __future__ import annotations
 
 import abc
+import math
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -49,7 +55,9 @@ class Message:
     stores (``payload::text``), UTF-8. ``headers``: the event's own headers (strings; other
     JSON values as their JSON text), passed through unchanged. ``idempotency_key`` is the
     job's (``"<consumer>:<event_id>"``), the same on every attempt: the broker-side message
-    id. ``created_at``: the event's, aware (UTC)."""
+    id. ``created_at``: the event's, aware (UTC). ``deadline``: ``time.monotonic()`` after
+    which the sink must not hand the message to the broker (the relay sets it a safety margin
+    before its claim's lease runs out; ``inf``: none)."""
 
     job_id: int
     event_id: int
@@ -60,6 +68,7 @@ class Message:
     created_at: datetime
     body: bytes
     headers: Mapping[str, str] = field(default_factory=dict)
+    deadline: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +97,20 @@ class Unavailable:
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """Not sent: the message's ``deadline`` had passed when the sink was about to hand it to
+    the broker. The job goes back, its attempt not counted; ``error`` says so."""
+
+    error: str
+
+
 #: What a sink reports for one message.
-SendResult = Delivered | Failed | Unavailable
+SendResult = Delivered | Failed | Unavailable | Expired
+
+#: Told each broker answer as it arrives: ``answered(index, result)`` (the message's index in
+#: its batch). Called from the sink's event loop; it must not block.
+Answered = Callable[[int, SendResult], None]
 
 
 class SinkUnavailableError(OutboxError):
@@ -141,7 +162,8 @@ class Sink(abc.ABC):
     """A broker a forwarder sends to. Subclasses validate every option in ``__init__``
     (raising :class:`ConfigurationError`), import their client library only in
     :meth:`connect`, and implement the three coroutines below. A sink is used by one relay,
-    from one event loop; :meth:`send_many` is never called twice at once."""
+    from one event loop; :meth:`send_many` may be called again while earlier calls still
+    wait for their acknowledgements."""
 
     #: The pip extra that installs the client library (``"nats"``, ``"rabbitmq"``).
     extra: str = ""
@@ -170,10 +192,18 @@ class Sink(abc.ABC):
         return None
 
     @abc.abstractmethod
-    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
         """Send ``messages`` without waiting for each acknowledgement in turn, then wait up
         to ``timeout`` seconds in all for the acknowledgements; one result per message, in
-        order. Never raises for one message's failure: that message's result says it."""
+        order. A message whose ``deadline`` has passed when its turn to be handed to the
+        broker comes is not sent (:class:`Expired`). ``answered``, when given, is told each
+        broker answer as it arrives, before the call returns (at most once per message; the
+        returned list holds those results too). Never raises for one message's failure: that
+        message's result says it. (A sink written before ``answered`` existed, whose
+        ``send_many`` takes only ``messages`` and ``timeout``, still works: the relay then
+        calls it one batch at a time, completes its jobs when the call returns, and checks
+        the deadlines only before it.)"""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -15,8 +15,12 @@ whose reply subject is the sink's own inbox (``_INBOX.<unique>.``, one subscript
 task or request future per message and goes out in few socket writes (the client's flusher
 writes what the batch buffered once the sink waits). The server's answer arrives on that
 inbox: a PubAck, a JetStream API error, or a no-responders status. At most ``max_pending``
-publishes await their answer at once (a send past that waits for an earlier one, within
-the batch's time), then every answer is awaited, the batch's ``timeout`` in all. The
+publishes await their answer at once, over every batch in flight (a send past that waits
+for an earlier one, within its batch's time), then every answer is awaited, the batch's
+``timeout`` in all; each answer is passed on as it arrives (``answered``). Several batches
+may be in flight at once: a token names its batch too. Immediately before each publish the
+message's ``deadline`` is checked (after any wait for room): past it, the message is not
+sent (:class:`~outbox.sinks.Expired`). The
 client's own ``publish_async`` is not used: in nats-py 2.16 an error answer (any JetStream
 API error) raises inside its reply handler and never reaches the future, which then waits
 forever and keeps its place in the pending window; this sink parses every answer itself.
@@ -33,6 +37,8 @@ What each message gets:
 * a JetStream API error: :class:`~outbox.sinks.Failed` with its code and description,
   permanent for the errors retrying cannot help (:data:`PERMANENT_ERROR_CODES`);
 * no PubAck in time: :class:`~outbox.sinks.Failed`, retried (a re-send is deduplicated);
+* its ``deadline`` passed before its publish (waiting for room, or a relay paused):
+  :class:`~outbox.sinks.Expired`, not sent;
 * the connection lost during the batch or down before it: :class:`~outbox.sinks.Unavailable`
   for every message without a PubAck yet. The client reconnects by itself (forever, every
   ``reconnect_time_wait``); ``connected`` follows its callbacks.
@@ -68,6 +74,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import Iterable, Sequence
 from datetime import UTC
 from typing import Any
@@ -75,7 +82,18 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
 from ..redaction import redact
-from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
+from . import (
+    Answered,
+    Delivered,
+    Expired,
+    Failed,
+    Message,
+    SendResult,
+    Sink,
+    SinkUnavailableError,
+    Template,
+    Unavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -185,9 +203,9 @@ class JetStream(Sink):
     whitespace, wildcards or empty tokens. ``stream``: the stream the subject must belong to
     (sent as ``Nats-Expected-Stream``; a message that lands elsewhere fails permanently), or
     None for whichever stream binds it. ``connect_timeout``: seconds :meth:`connect` waits
-    for the first connection (default 5). ``max_pending``: most PubAcks outstanding at once
-    (default 4,000, as nats-py's ``publish_async``); a larger batch still goes out, each send
-    past the limit waiting for an earlier PubAck. Needs ``pip install 'outbox-relay[nats]'``.
+    for the first connection (default 5). ``max_pending``: most PubAcks outstanding at once,
+    over all batches in flight (default 4,000, as nats-py's ``publish_async``); a larger
+    batch still goes out, each send past the limit waiting for an earlier PubAck. Needs ``pip install 'outbox-relay[nats]'``.
     Raises :class:`ConfigurationError` naming the option for a bad one, or when nats-py is
     not installed."""
 
@@ -224,7 +242,8 @@ class JetStream(Sink):
         self._nc: Any = None
         self._inbox = ""  # "<the connection's reply subject prefix>.": a publish's reply is this plus its token
         self._tokens = itertools.count(1)
-        self._batch: _Batch | None = None
+        self._awaiting: dict[str, _Batch] = {}  # a publish's token -> its batch, until answered or given up
+        self._room: asyncio.Event | None = None  # set when an answer leaves room under max_pending
         self._subject_problems: dict[str, str | None] = {}  # a rendered subject -> subject_problem's answer
         self._good_names: set[str] = set(OUTBOX_HEADERS)  # header names header_problem accepted
         self._up = False
@@ -265,6 +284,7 @@ class JetStream(Sink):
         await self.close()
         self._down = asyncio.Event()
         self._down.set()
+        self._room = asyncio.Event()
         nc = Client()
 
         async def disconnected() -> None:
@@ -311,18 +331,22 @@ class JetStream(Sink):
         if nc is not None:
             await _quietly_close(nc)
 
-    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
         """Publish ``messages`` pipelined and wait up to ``timeout`` seconds in all for their
-        PubAcks; one result per message (the module notes map each outcome). The stream may
+        PubAcks; one result per message (the module notes map each outcome), each answer
+        passed to ``answered`` as it arrives. A message whose ``deadline`` has passed just
+        before its publish is not sent (:class:`~outbox.sinks.Expired`). The stream may
         store one batch's messages in another order than given."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         if loop.time() - self._checked_at >= WINDOW_CHECK_INTERVAL:
             self._check_soon(self._windows)
-        batch = _Batch(len(messages))
+        batch = _Batch(len(messages), answered)
         nc = self._nc
         lost: str | None = None
-        self._batch = batch
+        if self._room is None:
+            self._room = asyncio.Event()
         try:
             for index, message in enumerate(messages):
                 address = self._addressed(message)
@@ -334,32 +358,40 @@ class JetStream(Sink):
                 if lost is not None:
                     batch.results[index] = Unavailable(lost)
                     continue
-                if len(batch.pending) >= self.max_pending:  # the window is full: wait for a PubAck
-                    await self._await_acks(batch, self.max_pending, deadline - loop.time())
+                if len(self._awaiting) >= self.max_pending and time.monotonic() < message.deadline:
+                    # The window is full: wait for a PubAck, within the batch's time and the message's.
+                    await self._await_room(min(deadline - loop.time(), message.deadline - time.monotonic()))
                     if not self.connected:
                         lost = "the connection to NATS was lost before the PubAck"
                         batch.results[index] = Unavailable(lost)
                         continue
-                    if len(batch.pending) >= self.max_pending:
-                        batch.results[index] = Failed(f"no PubAck within {timeout:g} s (the batch's "
-                                                      f"{self.max_pending} outstanding publishes took all of it)",
-                                                      unanswered=True)
-                        continue
+                if time.monotonic() >= message.deadline:
+                    batch.results[index] = Expired("not sent: its deadline passed before the publish")
+                    continue
+                if len(self._awaiting) >= self.max_pending:
+                    batch.results[index] = Failed(f"no PubAck within {timeout:g} s (the {self.max_pending} "
+                                                  "outstanding publishes took all of it)", unanswered=True)
+                    continue
                 subject, headers = address
                 token = str(next(self._tokens))
                 batch.subjects[index] = subject
                 batch.pending[token] = index
+                self._awaiting[token] = batch
                 try:
                     # Never yields while the client's buffer has room: the whole batch is
                     # written before its flusher runs, in few socket writes.
                     await nc.publish(subject, message.body, reply=self._inbox + token, headers=headers)
                 except Exception as exc:  # noqa: BLE001 - that message's result says it
                     del batch.pending[token]
+                    self._awaiting.pop(token, None)
                     batch.results[index] = _refused(exc)
             if batch.pending:
-                await self._await_acks(batch, 1, deadline - loop.time())
+                await self._await_answers(batch, deadline - loop.time())
         finally:
-            self._batch = None  # a PubAck arriving later is dropped: a re-send is deduplicated
+            # A PubAck arriving later is dropped: a re-send is deduplicated.
+            for token in batch.pending:
+                self._awaiting.pop(token, None)
+            self._room.set()
         if batch.pending:
             late: SendResult = (Unavailable("the connection to NATS was lost before the PubAck")
                                 if lost is not None or not self.connected else Failed(f"no PubAck within {timeout:g} s", unanswered=True))
@@ -369,20 +401,24 @@ class JetStream(Sink):
 
     async def _answered(self, msg: Any) -> None:
         """The reply inbox's callback: one PubAck (or error, or no-responders status) settles
-        the message of the current batch its token names; others (late, of an earlier batch)
-        are dropped."""
-        batch = self._batch
+        the message its token names, of whichever batch in flight sent it; others (late,
+        their batch ended) are dropped."""
+        token = msg.subject[len(self._inbox):]
+        batch = self._awaiting.pop(token, None)
         if batch is None:
             return
-        index = batch.pending.pop(msg.subject[len(self._inbox):], None)
-        if index is None:
-            return
-        batch.results[index], stream = _pub_ack(msg, batch.subjects[index], self.stream)
+        index = batch.pending.pop(token)
+        result, stream = _pub_ack(msg, batch.subjects[index], self.stream)
+        batch.results[index] = result
         if stream is not None and stream not in self._windows:  # a stream not checked yet
             self._windows[stream] = None
             self._check_soon([stream])
-        if len(batch.pending) < batch.wake_below:
-            batch.answered.set()
+        if not batch.pending:
+            batch.finished.set()
+        if self._room is not None and len(self._awaiting) < self.max_pending:
+            self._room.set()
+        if batch.answered is not None:
+            batch.answered(index, result)
 
     def _check_soon(self, streams: Iterable[str]) -> None:
         """Read the windows of ``streams`` in a task of their own (a batch never waits for it),
@@ -479,36 +515,51 @@ class JetStream(Sink):
             headers["Nats-Expected-Stream"] = self.stream
         return headers
 
-    async def _await_acks(self, batch: _Batch, below: int, seconds: float) -> None:
-        """Wait until fewer than ``below`` of ``batch``'s publishes await their PubAck,
+    async def _await_room(self, seconds: float) -> None:
+        """Wait until fewer than ``max_pending`` publishes (of every batch) await their PubAck,
         ``seconds`` pass, or the connection goes down."""
-        if seconds <= 0 or len(batch.pending) < below:
-            return
-        batch.wake_below = below
-        batch.answered.clear()
-        answered: asyncio.Future[Any] = asyncio.ensure_future(batch.answered.wait())
+        room = self._room
+        assert room is not None  # made by send_many
+        stop = asyncio.get_running_loop().time() + seconds
+        while len(self._awaiting) >= self.max_pending and self.connected:
+            left = stop - asyncio.get_running_loop().time()
+            if left <= 0:
+                return
+            room.clear()
+            await self._wait(room, left)
+
+    async def _await_answers(self, batch: _Batch, seconds: float) -> None:
+        """Wait until every publish of ``batch`` is answered, ``seconds`` pass, or the
+        connection goes down."""
+        if seconds > 0 and batch.pending:
+            batch.finished.clear()  # set whenever no publish awaited its answer, even mid-batch
+            await self._wait(batch.finished, seconds)
+
+    async def _wait(self, event: asyncio.Event, seconds: float) -> None:
+        """Wait until ``event`` is set, ``seconds`` pass, or the connection goes down."""
+        answered: asyncio.Future[Any] = asyncio.ensure_future(event.wait())
         down: asyncio.Future[Any] = asyncio.ensure_future(self._down.wait())
         try:
             await asyncio.wait({answered, down}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
         finally:
             down.cancel()
             answered.cancel()
-            batch.wake_below = 0
 
 
 class _Batch:
     """One :meth:`JetStream.send_many` call in flight: each message's result (None until
-    known), the subject each sent one went to, and the publishes awaiting their PubAck
-    (reply token -> index). ``answered`` is set when fewer than ``wake_below`` await."""
+    known), the subject each sent one went to, the publishes awaiting their PubAck (reply
+    token -> index), who is told each answer (``answered``), and ``finished``, set once no
+    publish awaits its answer."""
 
-    __slots__ = ("answered", "pending", "results", "subjects", "wake_below")
+    __slots__ = ("answered", "finished", "pending", "results", "subjects")
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, answered: Answered | None) -> None:
         self.results: list[SendResult | None] = [None] * size
         self.subjects: dict[int, str] = {}
         self.pending: dict[str, int] = {}
-        self.answered = asyncio.Event()
-        self.wake_below = 0
+        self.answered = answered
+        self.finished = asyncio.Event()
 
 
 def _pub_ack(msg: Any, subject: str, stream: str | None) -> tuple[SendResult, str | None]:

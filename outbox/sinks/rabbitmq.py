@@ -8,7 +8,11 @@ reported per message and starts working once somebody declares it. Each message 
 ``mandatory``, persistent, with the job's idempotency key as ``message_id``.
 
 A batch is published without waiting for one confirm before the next publish; then the
-sink waits up to the timeout, in all, for the broker's answers, and maps each:
+sink waits up to the timeout, in all, for the broker's answers, and maps each (an ack,
+return or nack is passed on as it arrives, ``answered``; several batches may be in flight):
+
+* the message's ``deadline`` passed when its publish was about to start (checked by its
+  publish task, right before aio-pika takes the channel) -> :class:`Expired`, not sent.
 
 * ``basic.ack`` -> :class:`Delivered`.
 * ``basic.return`` (mandatory, no queue bound for the routing key) -> :class:`Failed`, not
@@ -40,9 +44,11 @@ message's result carries them (:attr:`destination_problem` tells the forwarder t
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import logging
 import re
+import time
 from collections.abc import Sequence
 from datetime import UTC
 from typing import Any
@@ -50,7 +56,18 @@ from urllib.parse import urlsplit
 
 from ..errors import ConfigurationError
 from ..redaction import redact
-from . import Delivered, Failed, Message, SendResult, Sink, SinkUnavailableError, Template, Unavailable
+from . import (
+    Answered,
+    Delivered,
+    Expired,
+    Failed,
+    Message,
+    SendResult,
+    Sink,
+    SinkUnavailableError,
+    Template,
+    Unavailable,
+)
 
 log = logging.getLogger("outbox.sinks.rabbitmq")
 
@@ -67,6 +84,9 @@ _BROKER_HEADERS = frozenset({"cc", "bcc"})
 
 _REPLY_CODES = {"ChannelAccessRefused": 403, "ChannelNotFoundEntity": 404,
                 "ChannelLockedResource": 405, "ChannelPreconditionFailed": 406}
+
+#: What a publish task returns when its message's deadline had passed and nothing was published.
+_NOT_SENT = object()
 
 
 class RabbitMQ(Sink):
@@ -174,10 +194,13 @@ class RabbitMQ(Sink):
         if self._missing:  # the forwarder reports it (destination_problem), once
             log.debug("RabbitMQ at %s: %s; its messages wait until it is declared", self.describe(), self._missing)
 
-    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
         """Publish ``messages`` to the exchange, all before waiting for any confirm, then wait up
-        to ``timeout`` seconds in all; one result per message, in order (the mapping of
-        broker answers to results is in the module's notes)."""
+        to ``timeout`` seconds in all; one result per message, in order, each broker answer
+        passed to ``answered`` as it arrives (the mapping of broker answers to results is in
+        the module's notes). A message whose ``deadline`` has passed when its publish starts
+        is not sent (:class:`Expired`)."""
         import aio_pika
 
         results: list[SendResult | None] = [None] * len(messages)
@@ -203,7 +226,9 @@ class RabbitMQ(Sink):
             except ValueError as exc:
                 results[i] = Failed(str(exc), permanent=True)
                 continue
-            tasks[i] = asyncio.ensure_future(self._exchange.publish(outgoing, routing_keys[i], mandatory=True))
+            tasks[i] = asyncio.ensure_future(self._publish(outgoing, routing_keys[i], message.deadline))
+            if answered is not None:
+                tasks[i].add_done_callback(functools.partial(self._answer_arrived, answered, i, routing_keys[i]))
         if tasks:
             _, pending = await asyncio.wait(tasks.values(), timeout=timeout)
             for task in pending:
@@ -295,17 +320,36 @@ class RabbitMQ(Sink):
                 return task.exception()  # type: ignore[no-any-return]
         return None
 
-    def _result(self, task: asyncio.Task[Any], message: Message, routing_key: str, closed: BaseException | None,
-                timeout: float, timed_out: bool) -> SendResult:
+    async def _publish(self, outgoing: Any, routing_key: str, deadline: float) -> Any:
+        """Publish one message and wait for its confirm, unless its ``deadline`` has passed
+        (then :data:`_NOT_SENT`, nothing published)."""
+        if time.monotonic() >= deadline:
+            return _NOT_SENT
+        return await self._exchange.publish(outgoing, routing_key, mandatory=True)
+
+    def _answer_arrived(self, answered: Answered, index: int, routing_key: str, task: asyncio.Task[Any]) -> None:
+        """A publish task ended: tell ``answered`` when it ended with the broker's answer."""
+        result = self._answer(task, routing_key)
+        if result is not None:
+            answered(index, result)
+
+    @staticmethod
+    def _answer(task: asyncio.Task[Any], routing_key: str) -> SendResult | None:
+        """The result of an ended publish task that holds the broker's own answer for its
+        message (ack, return, nack), or None (not sent, or ended otherwise: the batch decides)."""
         from aiormq.exceptions import DeliveryError, PublishError
         from pamqp.commands import Basic
 
-        if not task.cancelled() and task.exception() is None:
+        if task.cancelled():
+            return None
+        exc = task.exception()
+        if exc is None:
             answer = task.result()
+            if answer is _NOT_SENT:
+                return None
             if isinstance(answer, Basic.Ack):
                 return Delivered()
             return Failed(f"unexpected broker answer {answer!r}")
-        exc = None if task.cancelled() else task.exception()
         if isinstance(exc, PublishError):
             frame: Any = exc.frame  # the basic.return
             exchange = repr(frame.exchange) if frame.exchange else "(default)"
@@ -313,6 +357,16 @@ class RabbitMQ(Sink):
                           f"({frame.reply_text})")
         if isinstance(exc, DeliveryError):
             return Failed(f"broker nacked ({type(exc.frame).__name__})")
+        return None
+
+    def _result(self, task: asyncio.Task[Any], message: Message, routing_key: str, closed: BaseException | None,
+                timeout: float, timed_out: bool) -> SendResult:
+        answer = self._answer(task, routing_key)
+        if answer is not None:
+            return answer
+        if not task.cancelled() and task.exception() is None:  # its deadline had passed: not published
+            return Expired("not sent: its deadline passed before the publish")
+        exc = None if task.cancelled() else task.exception()
         if closed is not None:
             return _after_close(closed, message)
         if not self.connected:

@@ -15,6 +15,7 @@ import asyncio
 import importlib.util
 import os
 import socket
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -153,3 +154,57 @@ class BoundQueue:
             await channel.exchange_delete(self.exchange)
 
         asyncio.run(self._call(delete))
+
+
+class Tap:
+    """Every message published to ``subject`` (a NATS subject, wildcards allowed), as a core
+    subscriber of its own connection sees it: JetStream's deduplication does not hide a
+    re-send from it, so it counts sends, not stored messages. Listens from construction
+    (returns once subscribed) until :meth:`close`, in a thread with its own event loop."""
+
+    def __init__(self, subject: str) -> None:
+        self._ids: list[str] = []
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._closing: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop.run_until_complete, args=(self._listen(subject),),
+                                        name="test-nats-tap", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10) or self._error is not None:
+            raise AssertionError(f"the NATS tap could not subscribe to {subject}: {self._error!r}")
+
+    async def _listen(self, subject: str) -> None:
+        import nats
+
+        self._closing = asyncio.Event()
+        try:
+            nc = await nats.connect(NATS_URL, connect_timeout=5)
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
+            raise
+
+        async def seen(msg: Any) -> None:
+            with self._lock:
+                self._ids.append((msg.headers or {}).get("Nats-Msg-Id", ""))
+
+        await nc.subscribe(subject, cb=seen)
+        await nc.flush()
+        self._ready.set()
+        try:
+            await self._closing.wait()
+        finally:
+            await nc.close()
+
+    def ids(self) -> list[str]:
+        """The ``Nats-Msg-Id`` of every message seen so far, in arrival order."""
+        with self._lock:
+            return list(self._ids)
+
+    def close(self) -> None:
+        if self._closing is not None:
+            self._loop.call_soon_threadsafe(self._closing.set)
+        self._thread.join(10)
+        self._loop.close()

@@ -13,7 +13,9 @@ read at import time):
   message of counts;
 * ``FA_KILL_RECORD``: a file the idempotency keys of that last batch are written to (one a
   line, flushed to disk) just before the kill, so the test knows which messages the broker
-  stored without their jobs completing.
+  stored without their jobs completing;
+* ``FA_TIMEOUT``: the forwarder's ``timeout``, seconds (default 10);
+* ``FA_MAX_PENDING``: JetStream's ``max_pending`` (default the sink's).
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from outbox import JetStream, Outbox, RabbitMQ
 from outbox.sinks import Delivered, Message, SendResult
+
+if TYPE_CHECKING:
+    from outbox.sinks import Answered
 
 TOPIC = "fa.order"
 CONSUMER = "fwd"
@@ -49,11 +55,20 @@ def _after_acks(messages: Sequence[Message], results: Sequence[SendResult]) -> N
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _passed_on(answered: Answered | None) -> Answered | None:
+    """The relay's ``answered`` for the real sink: none while a kill is set up, so no
+    completion of the batch the process dies after can have been posted before the kill."""
+    return None if os.environ.get("FA_KILL_AT") else answered
+
+
 class CrashingJetStream(JetStream):
     """JetStream, but the process may die between the PubAcks and the completions."""
 
-    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
-        results = await super().send_many(messages, timeout)
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
+        passed = _passed_on(answered)
+        results = await (super().send_many(messages, timeout) if passed is None
+                         else super().send_many(messages, timeout, passed))
         _after_acks(messages, results)
         return results
 
@@ -61,8 +76,11 @@ class CrashingJetStream(JetStream):
 class CrashingRabbitMQ(RabbitMQ):
     """RabbitMQ, but the process may die between the publisher confirms and the completions."""
 
-    async def send_many(self, messages: Sequence[Message], timeout: float) -> list[SendResult]:
-        results = await super().send_many(messages, timeout)
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
+        passed = _passed_on(answered)
+        results = await (super().send_many(messages, timeout) if passed is None
+                         else super().send_many(messages, timeout, passed))
         _after_acks(messages, results)
         return results
 
@@ -73,11 +91,12 @@ def app() -> Outbox:
     kind = os.environ["FA_SINK"]
     if kind == "jetstream":
         stream = os.environ["FA_STREAM"]
+        pending = {"max_pending": int(os.environ["FA_MAX_PENDING"])} if os.environ.get("FA_MAX_PENDING") else {}
         sink: JetStream | RabbitMQ = CrashingJetStream(os.environ["FA_NATS_URL"], subject=stream + ".{topic}",
-                                                       stream=stream)
+                                                       stream=stream, **pending)
     elif kind == "rabbitmq":
         sink = CrashingRabbitMQ(os.environ["FA_AMQP_URL"], exchange=os.environ["FA_EXCHANGE"])
     else:
         raise ValueError(f"FA_SINK must be jetstream or rabbitmq, got {kind!r}")
-    ob.forward(TOPIC, to=sink, consumer=CONSUMER, max_attempts=5)
+    ob.forward(TOPIC, to=sink, consumer=CONSUMER, max_attempts=5, timeout=float(os.environ.get("FA_TIMEOUT", "10")))
     return ob

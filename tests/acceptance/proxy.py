@@ -7,7 +7,9 @@ closes the listening socket and every forwarded connection, so the relay sees it
 connections break and new ones refused, as during a server restart; :meth:`TcpProxy.start`
 listens on the same port again. :meth:`TcpProxy.freeze` keeps every connection open but
 passes no byte either way until :meth:`TcpProxy.thaw` (a partition, or a stalled server,
-that no socket error reveals). Threads: one accept loop, two pumps per connection.
+that no socket error reveals); ``freeze(to_server=False)`` holds only the server's answers
+(a broker that stores what it is sent and is slow to acknowledge it). Threads: one accept
+loop, two pumps per connection.
 
 For a database, :func:`database_target` says where its server listens (the embedded
 server listens on a Unix socket only, named by ``?host=<dir>`` in its URL) and
@@ -33,8 +35,11 @@ class TcpProxy:
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
-        self._flowing = threading.Event()  # cleared by freeze(): the pumps hold their bytes
-        self._flowing.set()
+        # Cleared by freeze(): the pumps of that direction hold their bytes.
+        self._to_server = threading.Event()
+        self._to_client = threading.Event()
+        self._to_server.set()
+        self._to_client.set()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -63,13 +68,18 @@ class TcpProxy:
         for sock in sockets:
             _close(sock)
 
-    def freeze(self) -> None:
+    def freeze(self, *, to_server: bool = True, to_client: bool = True) -> None:
         """Stop passing bytes on every connection, keeping them open (nothing is dropped:
-        what arrives meanwhile is passed on after :meth:`thaw`)."""
-        self._flowing.clear()
+        what arrives meanwhile is passed on after :meth:`thaw`): those toward the server,
+        those toward the client, or (the default) both."""
+        if to_server:
+            self._to_server.clear()
+        if to_client:
+            self._to_client.clear()
 
     def thaw(self) -> None:
-        self._flowing.set()
+        self._to_server.set()
+        self._to_client.set()
 
     def _accept(self, listener: socket.socket) -> None:
         while not self._stopping.is_set():
@@ -97,8 +107,8 @@ class TcpProxy:
                     return
                 self._sockets |= {client, upstream}
                 self.accepted += 1
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(src, dst, self._flowing), name="test-proxy-pump",
+            for src, dst, flowing in ((client, upstream, self._to_server), (upstream, client, self._to_client)):
+                threading.Thread(target=_pump, args=(src, dst, flowing), name="test-proxy-pump",
                                  daemon=True).start()
 
 

@@ -24,10 +24,14 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+import time
+import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import sqlalchemy as sa
@@ -38,6 +42,7 @@ from outbox import publish_many
 from outbox.testing import wait_for
 
 from . import brokers, forward_app
+from .proxy import TcpProxy
 from .relays import Fleet
 
 EVENTS = 200
@@ -162,3 +167,140 @@ def test_rabbitmq_holds_every_event_and_resends_carry_the_same_message_id_when_a
     assert all(n <= 2 for n in copies.values()), copies.most_common(3)
     assert len(messages) > EVENTS
     assert crash.duplicates == 0  # no broker-side deduplication to report
+
+
+# --------------------------------------------------------------------------- paused past the lease
+#
+# Issue 26, items 2 and 9 (b): a relay that is paused past its lease while the broker is slow to
+# acknowledge. Relay A forwards through a proxy that passes A's messages to the broker at once
+# but holds the broker's answers (the broker stores each message; A waits for its
+# acknowledgement). With A's claims in hand (some sent, the rest waiting: behind the first
+# messages, for room in the forwarding window, or for room in JetStream's ``max_pending``), A is
+# SIGSTOPped; relay B reaps A's claims once their leases have run out and delivers every event.
+# Then the broker's answers go through and A is SIGCONTed. A must send nothing more: every claim
+# it still held has run out by the deadline it knows (DESIGN 4: a lost lease drops a result;
+# here the result is a message). And while B delivers, each job's attempts equal the sends made
+# for it: a claim A never handed to the broker cost no attempt (README: "attempts count starts,
+# not claims").
+
+PAUSED_EVENTS = 20
+PAUSED_LEASE = 3.0
+PAUSED_FLAGS = ("--default-lease", str(PAUSED_LEASE), "--reap-interval", "0.3", "--concurrency", "8",
+                "--poll-interval", "0.5", "--shutdown-grace", "3", "--metrics-port", "0")
+#: The outcomes that end a claim in ``outbox_jobs_total`` (each claim ends in one of them).
+FINAL_OUTCOMES = ("done", "retried", "dead", "cancelled", "stale", "released", "snoozed")
+_METRIC = re.compile(r'^outbox_jobs_total\{consumer="(?P<consumer>[^"]*)",outcome="(?P<outcome>[^"]*)"\} (?P<n>\S+)$',
+                     re.MULTILINE)
+
+
+def _outcomes(relay: Any) -> dict[str, float]:
+    """``relay``'s ``outbox_jobs_total`` of the forwarder, by outcome (its own /metrics)."""
+    port = re.search(r"serving Prometheus metrics on http://127\.0\.0\.1:(\d+)/metrics", relay.log)
+    assert port, relay.log[-3000:]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {m["outcome"]: float(m["n"]) for m in _METRIC.finditer(text) if m["consumer"] == forward_app.CONSUMER}
+
+
+def _steady(count: Callable[[], int], seconds: float = 1.0) -> Callable[[], int | None]:
+    """A condition for ``wait_for``: the value of ``count()`` once it is above zero and has not
+    changed for ``seconds``."""
+    seen = {"value": -1, "since": time.monotonic()}
+
+    def check() -> int | None:
+        value = count()
+        if value != seen["value"]:
+            seen.update(value=value, since=time.monotonic())
+            return None
+        return value if value > 0 and time.monotonic() - seen["since"] >= seconds else None
+
+    return check
+
+
+@pytest.mark.parametrize("broker, window, max_pending", [
+    ("rabbitmq", 500, None),  # the issue's case: every claim fits the forwarding window
+    ("rabbitmq", 12, None),  # part of the claim waits for room in the window
+    ("jetstream", 500, 4),  # part of the claim waits for room in JetStream's max_pending
+], ids=["rabbitmq-window-500", "rabbitmq-window-12", "jetstream-max-pending-4"])
+def test_a_relay_paused_past_its_lease_sends_nothing_for_the_claims_it_lost(engine, tmp_path, db_url, broker,
+                                                                           window, max_pending):
+    missing = brokers.rabbitmq_missing() if broker == "rabbitmq" else brokers.nats_missing()
+    if missing:
+        pytest.skip(missing)
+    url = brokers.AMQP_URL if broker == "rabbitmq" else brokers.NATS_URL
+    target = urlsplit(url)
+    proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or (5672 if broker == "rabbitmq" else 4222)))
+    proxy.start()
+    through_proxy = urlunsplit((target.scheme, f"{target.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}"
+                                if "@" in target.netloc else f"127.0.0.1:{proxy.port}", target.path, "", ""))
+    queue = stream = tap = None
+    if broker == "rabbitmq":
+        queue = brokers.BoundQueue()
+        env = {"FA_SINK": "rabbitmq", "FA_EXCHANGE": queue.exchange, "FA_AMQP_URL": brokers.AMQP_URL}
+        proxied = {"FA_AMQP_URL": through_proxy}
+    else:
+        stream = brokers.Stream("fp")
+        tap = brokers.Tap(stream.name + ".>")
+        env = {"FA_SINK": "jetstream", "FA_STREAM": stream.name, "FA_NATS_URL": brokers.NATS_URL,
+               "FA_MAX_PENDING": str(max_pending)}
+        proxied = {"FA_NATS_URL": through_proxy}
+    drained: Counter[str] = Counter()
+
+    def sent() -> int:
+        """Messages the broker was sent so far (RabbitMQ: its queue, which keeps every copy, plus
+        those taken off it; JetStream: what the tap saw)."""
+        return (queue.count() + sum(drained.values())) if queue is not None else len(tap.ids())
+
+    fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False), app="tests.acceptance.forward_app:app",
+                  base_flags=PAUSED_FLAGS, env={**env, "FA_TIMEOUT": "60"})
+    try:
+        paused = fleet.start(env={**proxied, "OUTBOX_FORWARD_WINDOW": str(window)})
+        wait_for(lambda: "forwarder fwd: connected" in paused.log, timeout=TIMEOUT, what="relay A's sink connected")
+        proxy.freeze(to_server=False)  # the broker stores what A sends; its answers wait
+        with Session(engine) as s, s.begin():
+            ids = publish_many(s, [{"topic": forward_app.TOPIC, "payload": {"n": n}} for n in range(PAUSED_EVENTS)])
+        wait_for(lambda: _jobs(engine) and all(st == "running" for st, _ in _jobs(engine).values()),
+                 timeout=TIMEOUT, what="relay A to claim every job")
+        before_pause = wait_for(_steady(sent), timeout=TIMEOUT, what="relay A to send what it can")
+        paused.signal(signal.SIGSTOP)
+
+        fleet.start()  # relay B, straight to the broker: reaps A's claims once their leases run out
+        wait_for(lambda: len(_jobs(engine)) == PAUSED_EVENTS and all(st == "done" for st, _ in _jobs(engine).values()),
+                 timeout=TIMEOUT, what="relay B to deliver every event")
+        attempts = {f"{forward_app.CONSUMER}:{e}": a for e, (_, a) in _jobs(engine).items()}
+        if queue is not None:
+            drained.update(m.message_id for m in queue.messages())
+            copies = Counter(drained)
+        else:
+            copies = Counter(wait_for(lambda: (got := tap.ids()) and len(set(got)) == PAUSED_EVENTS and got,
+                                      timeout=TIMEOUT, what="the tap to see every event"))
+        sent_while_paused = sum(copies.values())
+
+        proxy.thaw()
+        paused.signal(signal.SIGCONT)
+        wait_for(lambda: (o := _outcomes(paused)) and sum(o.get(k, 0) for k in FINAL_OUTCOMES) >= o.get("claimed", 1),
+                 timeout=TIMEOUT, what="relay A to account for every claim it held")
+        late = sent() - sent_while_paused
+        if tap is not None:
+            late = len(tap.ids()) - sent_while_paused
+        fleet.terminate_all()
+    finally:
+        fleet.cleanup()
+        proxy.stop()
+        if queue is not None:
+            queue.delete()
+        if tap is not None:
+            tap.close()
+        if stream is not None:
+            stream.delete()
+    print(f"{broker}, window {window}: A sent {before_pause} before the pause; {sent_while_paused} sends for "
+          f"{PAUSED_EVENTS} events once B delivered (copies per event: {sorted(Counter(copies.values()).items())}); "
+          f"attempts per event {sorted(Counter(attempts.values()).items())}; A sent {late} after SIGCONT")
+    assert set(copies) == {f"{forward_app.CONSUMER}:{e}" for e in ids}
+    # A sent what it sent before the pause, B one copy of each event: nothing else.
+    assert sent_while_paused == PAUSED_EVENTS + before_pause
+    assert late == 0, f"relay A sent {late} messages for claims it had lost"
+    if broker == "rabbitmq":
+        # Each attempt charged is a message sent (by A before the pause, then by B): a claim A
+        # never handed to the broker cost no attempt.
+        assert {k: attempts[k] for k in copies} == dict(copies)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, publish_many
 from outbox.relay import Relay
 from outbox.testing import wait_for
-from tests.acceptance.brokers import NATS_URL, nats_missing
+from tests.acceptance.brokers import NATS_URL, Tap, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
@@ -388,3 +388,38 @@ def test_a_duplicate_window_changed_while_the_relay_runs_is_read_again(engine, s
     assert f"stream {stream.name}: duplicate_window 2 s is shorter than the " in warning
     [back] = _window_lines(caplog, stream, logging.INFO)
     assert back.startswith(f"JetStream stream {stream.name}: duplicate_window 60 s now covers the ")
+
+
+def test_a_silent_message_holds_no_other_job_for_its_timeout(engine, settings, stream):
+    """One message is never acknowledged: its subject reaches a core NATS subscriber that
+    never answers, so its PubAck never comes, and its forwarder's timeout is long. Every
+    other job, claimed with it or after it, is done while the silent one still waits for its
+    first answer: a job completes on its own acknowledgement, not its batch's slowest, and
+    jobs claimed later are sent at once, not after the batch in flight (issue 26, item 9 (a):
+    2 of 10 jobs waited a silent broker's 15 s)."""
+    silent_timeout = 60.0  # the others must not wait for it: they are done long before
+    mute = "mute" + uuid.uuid4().hex[:12]
+    tap = Tap(mute + ".>")  # a responder that never answers
+    ob = Outbox()
+    ob.forward([f"{stream.name}.ok", f"{mute}.x"], to=JetStream(NATS_URL, subject="{topic}"), consumer="fwd",
+               timeout=silent_timeout)
+    with Session(engine) as s, s.begin():  # the silent event first: one claim, one hand-off with the others
+        [silent] = publish_many(s, [{"topic": f"{mute}.x", "payload": {"n": -1}}])
+        publish_many(s, [{"topic": f"{stream.name}.ok", "payload": {"n": n}} for n in range(9)])
+    relay = Relay(ob, settings())
+    relay.start()
+    try:
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
+                 what="the 9 jobs claimed with the silent one done")
+        _publish(engine, f"{stream.name}.ok", 10, start=9)
+        wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
+                 what="the 10 jobs claimed after it done")
+        with engine.connect() as c:
+            row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "
+                                    "WHERE j.event_id = :e"), {"e": silent}).one()
+        assert len(tap.ids()) == 1  # it was sent, once, and is still waiting for its answer
+    finally:
+        relay.stop()
+        tap.close()
+    assert tuple(row) == ("running", 1, None), row
+    assert stream.count() == 19

@@ -10,13 +10,14 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from outbox.sinks import Delivered, Failed, Message, SinkUnavailableError, Unavailable
+from outbox.sinks import Delivered, Expired, Failed, Message, SinkUnavailableError, Unavailable
 from tests.acceptance.brokers import NATS_URL, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
@@ -286,3 +287,71 @@ def test_connecting_to_a_closed_port_raises_sink_unavailable_quickly():
 
     asyncio.run(main())
 
+
+
+def test_a_message_past_its_deadline_is_not_published_and_answers_are_told_as_they_arrive():
+    """Issue 26, item 2: a message whose deadline (its claim's lease, less a margin) has
+    passed is not handed to the server (``Expired``); item 9 (a): each PubAck is told to
+    ``answered`` as it arrives, before the batch's call returns."""
+    async def test(js: Any, prefix: str) -> None:
+        sink = JetStream(NATS_URL, subject=prefix + ".{topic}")
+        await sink.connect()
+        try:
+            told: list[tuple[int, Any]] = []
+            batch = [message(0), message(1), replace(message(2), deadline=time.monotonic() - 1), message(3)]
+            results = await sink.send_many(batch, 10, answered=lambda i, r: told.append((i, r)))
+            told_when_returned = list(told)
+        finally:
+            await sink.close()
+        assert results == [Delivered(), Delivered(), Expired("not sent: its deadline passed before the publish"),
+                           Delivered()]
+        assert sorted(told_when_returned) == [(0, Delivered()), (1, Delivered()), (3, Delivered())]
+        assert await stored(js, prefix) == 3
+
+    run(test)
+
+
+def test_a_send_waiting_for_room_is_not_published_once_its_deadline_passes():
+    """max_pending 1 and a publish nobody answers: the next message waits for room; its
+    deadline passes first, so it is not sent at all (``Expired``, not a failed attempt), and
+    the stream stores nothing of it."""
+    async def test(js: Any, prefix: str) -> None:
+        silent = await nats.connect(NATS_URL)
+        await silent.subscribe(f"silent{prefix}.>", cb=ignore)
+        await silent.flush()
+        sink = JetStream(NATS_URL, subject="{topic}", max_pending=1)
+        await sink.connect()
+        try:
+            waiting = replace(message(1, topic=f"{prefix}.x"), deadline=time.monotonic() + 0.5)
+            results = await sink.send_many([message(0, topic=f"silent{prefix}.x"), waiting], 3)
+        finally:
+            await sink.close()
+            await silent.close()
+        assert results == [Failed("no PubAck within 3 s", unanswered=True),
+                           Expired("not sent: its deadline passed before the publish")]
+        assert await stored(js, prefix) == 0
+
+    run(test)
+
+
+def test_batches_in_flight_at_once_are_answered_each_on_its_own():
+    """Two send_many calls at once on one sink: one waits for a PubAck nobody sends, the
+    other is answered and returns meanwhile (a batch no longer waits behind another)."""
+    async def test(js: Any, prefix: str) -> None:
+        silent = await nats.connect(NATS_URL)
+        await silent.subscribe(f"silent{prefix}.>", cb=ignore)
+        await silent.flush()
+        sink = JetStream(NATS_URL, subject="{topic}")
+        await sink.connect()
+        try:
+            mute = asyncio.ensure_future(sink.send_many([message(0, topic=f"silent{prefix}.x")], 5))
+            answered = await sink.send_many([message(i, topic=f"{prefix}.x") for i in range(1, 11)], 5)
+            assert not mute.done()
+            assert answered == [Delivered()] * 10
+            assert await mute == [Failed("no PubAck within 5 s", unanswered=True)]
+        finally:
+            await sink.close()
+            await silent.close()
+        assert await stored(js, prefix) == 10
+
+    run(test)

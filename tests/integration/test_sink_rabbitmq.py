@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from outbox.sinks import Delivered, Failed, Message, SinkUnavailableError, Unavailable
+from outbox.sinks import Delivered, Expired, Failed, Message, SinkUnavailableError, Unavailable
 from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
 from tests.acceptance.proxy import TcpProxy
 
@@ -362,5 +363,45 @@ def test_a_routing_key_that_cannot_be_rendered_fails_permanently_without_stoppin
             assert results[4] == Delivered()
             got = await drain(channel, queue, 2)
             assert sorted(m.message_id for m in got) == ["fwd:2", "fwd:4"]
+
+    run(main())
+
+
+def test_a_message_past_its_deadline_is_not_published_and_answers_are_told_as_they_arrive():
+    """Issue 26, item 2: a message whose deadline (its claim's lease, less a margin) has
+    passed is not handed to the broker (``Expired``); item 9 (a): each broker answer is told
+    to ``answered`` as it arrives, before the batch's call returns."""
+    async def main() -> None:
+        async with bound_queue() as (channel, exchange, queue):
+            s = sink(exchange=exchange)
+            await s.connect()
+            told: list[tuple[int, Any]] = []
+            late = replace(message(2), deadline=time.monotonic() - 1)
+            results = await s.send_many([message(0), message(1), late, message(3)], timeout=10,
+                                        answered=lambda i, r: told.append((i, r)))
+            told_when_returned = list(told)
+            await s.close()
+            assert results == [Delivered(), Delivered(), Expired("not sent: its deadline passed before the publish"),
+                               Delivered()]
+            assert sorted(told_when_returned) == [(0, Delivered()), (1, Delivered()), (3, Delivered())]
+            got = await drain(channel, queue, 3)
+            assert sorted(m.message_id for m in got) == ["fwd:0", "fwd:1", "fwd:3"]
+
+    run(main())
+
+
+def test_batches_in_flight_at_once_are_answered_each_on_its_own():
+    """Two send_many calls in flight at once on one sink (the forwarder no longer waits for
+    one batch before it sends the next): both delivered, every message once."""
+    async def main() -> None:
+        async with bound_queue() as (channel, exchange, queue):
+            s = sink(exchange=exchange)
+            await s.connect()
+            first, second = await asyncio.gather(s.send_many([message(i) for i in range(50)], timeout=10),
+                                                 s.send_many([message(i) for i in range(50, 80)], timeout=10))
+            await s.close()
+            assert first == [Delivered()] * 50 and second == [Delivered()] * 30
+            got = await drain(channel, queue, 80)
+            assert sorted(m.message_id for m in got) == sorted(f"fwd:{i}" for i in range(80))
 
     run(main())
