@@ -354,7 +354,7 @@ def backends_cpu(conn: psycopg.Connection, dbname: str) -> float:
 
 
 class RelayProcess:
-    """``python -m outbox.cli run --app bench.apps:fanout`` (or ``app``) as a subprocess on ``url``.
+    """``python -m outbox.ops.cli run --app bench.apps:fanout`` (or ``app``) as a subprocess on ``url``.
 
     ``settings`` are CLI flags (``concurrency=16`` -> ``--concurrency 16``), ``env`` extra
     environment (``BENCH_CONSUMERS``, ``BENCH_RECORD``); its log goes to ``log_path``.
@@ -362,7 +362,7 @@ class RelayProcess:
 
     def __init__(self, url: URL, log_path: Path, settings: dict[str, Any] | None = None,
                  env: dict[str, str] | None = None, listen: bool = True, app: str = "bench.apps:fanout") -> None:
-        args = [sys.executable, "-m", "outbox.cli", "run", "--app", app,
+        args = [sys.executable, "-m", "outbox.ops.cli", "run", "--app", app,
                 "--database-url", conninfo(url), "--log-level", "WARNING"]
         for key, value in (settings or {}).items():
             args += ["--" + key.replace("_", "-"), str(value)]

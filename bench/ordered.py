@@ -121,7 +121,7 @@ def flow_command(url: Any, command: str) -> None:
     """``outbox-relay pause c1`` or ``resume c1`` on the database at ``url``, as an operator runs it
     (the command of the Python running the bench, as the relays are: its virtualenv need not be on PATH)."""
     env = dict(os.environ, OUTBOX_DATABASE_URL=url.render_as_string(hide_password=False))
-    subprocess.run([sys.executable, "-m", "outbox.cli", command, "c1"], env=env, check=True, capture_output=True,
+    subprocess.run([sys.executable, "-m", "outbox.ops.cli", command, "c1"], env=env, check=True, capture_output=True,
                    cwd=ROOT)
 
 
@@ -169,7 +169,7 @@ def claim_costs(dbs: Databases, size: Size) -> tuple[float, float]:
     blocked and with ``blocked_jobs`` behind a blocked key. The two databases take turns,
     one claim each, for ``claim_seconds`` each, so whatever else loads the machine weighs
     on both alike."""
-    from outbox.worker import claim_jobs, complete_jobs
+    from outbox.relay.worker import claim_jobs, complete_jobs
 
     with dbs.fresh() as clear_url, dbs.fresh() as blocked_url, \
             psycopg.connect(conninfo(clear_url), autocommit=True) as clear, \

@@ -3,7 +3,7 @@
 Two measurements of the scenario-2 workload (N events to 3 no-op consumers), each at the
 relay's defaults and at the given best settings:
 
-1. **Round trips.** The relay runs in this process (``outbox.relay.Relay``) while every
+1. **Round trips.** The relay runs in this process (``outbox.relay.relay.Relay``) while every
    server round trip psycopg makes is counted, by thread (psycopg's ``execute``
    generator, one call per query sent and answered), and every statement SQLAlchemy
    sends is named after :mod:`outbox.db.queries` with the rows it returned. Publishing
@@ -33,9 +33,9 @@ import psycopg._cursor_base
 import psycopg.generators
 import sqlalchemy as sa
 
-from outbox import worker
 from outbox.db import queries
-from outbox.relay import Relay
+from outbox.relay import worker
+from outbox.relay.relay import Relay
 from outbox.settings import OutboxSettings
 
 from . import e2e

@@ -47,7 +47,7 @@ that ship with the package,
 in the folder :func:`docs_dir` returns (``outbox/docs`` of an installed package).
 """
 
-from .errors import (
+from outbox.errors import (
     ConfigurationError,
     DatabaseStatementError,
     DatabaseUnavailableError,
@@ -64,15 +64,15 @@ from .errors import (
     TransactionEndedError,
     UndeliverableError,
 )
-from .fencing import fenced_write
-from .job import Job
-from .publish import publish, publish_many
-from .registry import Outbox, Subscriber
-from .resources import docs_dir
-from .settings import OutboxSettings
-from .sinks import Sink
-from .sinks.jetstream import JetStream
-from .sinks.rabbitmq import RabbitMQ
+from outbox.fencing import fenced_write
+from outbox.job import Job
+from outbox.publish import publish, publish_many
+from outbox.registry import Outbox, Subscriber
+from outbox.resources import docs_dir
+from outbox.settings import OutboxSettings
+from outbox.sinks import Sink
+from outbox.sinks.jetstream import JetStream
+from outbox.sinks.rabbitmq import RabbitMQ
 
 __all__ = [
     "ConfigurationError",

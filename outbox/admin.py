@@ -52,12 +52,12 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from . import maintenance, ordering
-from .db import queries
-from .dispatcher import RELAY_SEEN_INTERVAL
-from .errors import AdminError
-from .poison import Quarantine
-from .worker import notify_head
+from outbox.db import queries
+from outbox.errors import AdminError
+from outbox.relay import maintenance, ordering
+from outbox.relay.dispatcher import RELAY_SEEN_INTERVAL
+from outbox.relay.poison import Quarantine
+from outbox.relay.worker import notify_head
 
 #: Below this many rows in ``outbox_jobs`` (the planner's estimate), ``status`` counts done
 #: jobs per consumer exactly (a scan of a small table).
@@ -486,8 +486,8 @@ class PruneResult:
 
 def prune_now(engine: Engine, *, done_older_than: float, events_older_than: float,
               relays_older_than: float = maintenance.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
-    """Prune now, by the relay's pruner's rules (:func:`outbox.maintenance.prune`, then
-    :func:`outbox.maintenance.prune_relays`), in rounds of ``maintenance.PRUNE_BATCH`` rows
+    """Prune now, by the relay's pruner's rules (:func:`outbox.relay.maintenance.prune`, then
+    :func:`outbox.relay.maintenance.prune_relays`), in rounds of ``maintenance.PRUNE_BATCH`` rows
     each its own transaction, until a round finds nothing more to delete."""
     jobs = events = 0
     quarantine = Quarantine("row")

@@ -18,10 +18,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Mapper, Session
 
-from .errors import ConfigurationError, StaleFenceError
-from .metrics import record_stale_write
+from outbox.errors import ConfigurationError, StaleFenceError
+from outbox.telemetry.metrics import record_stale_write
 
-log = logging.getLogger("outbox.fencing")
+log = logging.getLogger(__name__)
 
 
 def fenced_write(

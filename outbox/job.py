@@ -8,7 +8,7 @@ import threading
 from datetime import datetime
 from typing import Any
 
-from .errors import LeaseLostError
+from outbox.errors import LeaseLostError
 
 _EVENT_LOCK = threading.Lock()
 
@@ -72,7 +72,7 @@ class Job:
         self._headers_json: str | None = None
         self._payload_undecoded = False
         self._headers_undecoded = False
-        # Timings for the relay's metrics (outbox.metrics): the claim's lease_until
+        # Timings for the relay's metrics (outbox.telemetry.metrics): the claim's lease_until
         # (database clock) and time.monotonic() when the claim was sent; when the handler
         # started (0: not started, or already accounted for) and how long it ran, seconds.
         self._lease_until: datetime | None = None

@@ -78,9 +78,9 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
-from . import tracing
-from .db import queries
-from .errors import InvalidEventError, OutboxError, SchemaNotReadyError
+from outbox.db import queries
+from outbox.errors import InvalidEventError, OutboxError, SchemaNotReadyError
+from outbox.telemetry import tracing
 
 #: Longest topic, key or consumer name, in characters.
 MAX_NAME_LENGTH = 255
@@ -335,7 +335,7 @@ def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_byte
 def _with_trace(encoded: str, headers: dict[str, Any], trace: tracing.TraceHeaders) -> str:
     """``encoded`` (the caller's valid ``headers``, JSON text) with the trace context's
     members added; unchanged when the caller set one of its keys or the result would pass
-    ``MAX_HEADERS_BYTES`` (:mod:`outbox.tracing`)."""
+    ``MAX_HEADERS_BYTES`` (:mod:`outbox.telemetry.tracing`)."""
     if trace.taken_by(headers):
         return encoded
     if encoded == "{}":
@@ -479,7 +479,7 @@ def publish(
 
     With OpenTelemetry's API installed and a span current, the headers also carry the
     current trace context (W3C ``traceparent`` / ``tracestate``, by the global propagator)
-    unless they already hold it; the job's span is then its child (:mod:`outbox.tracing`).
+    unless they already hold it; the job's span is then its child (:mod:`outbox.telemetry.tracing`).
 
     ``schema`` names the schema of outbox's tables; None (the default) means the process
     default: ``OUTBOX_SCHEMA`` from the environment, else ``public``, read on the first
@@ -527,7 +527,7 @@ def _schema_hint(statements: queries.Statements) -> Iterator[None]:
         yield
     except ProgrammingError as exc:
         if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)):
-            from .db.migrate import migrate_command
+            from outbox.db.migrate import migrate_command
 
             raise SchemaNotReadyError(f"table {statements.schema}.outbox_events does not exist; "
                                       f"run `{migrate_command(statements.schema)}`") from exc

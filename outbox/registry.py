@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
-from .errors import ConfigurationError, InvalidEventError
-from .job import Job
-from .publish import check_name
-from .schedule import Schedule, make_schedule
-from .sinks import Sink
+from outbox.errors import ConfigurationError, InvalidEventError
+from outbox.job import Job
+from outbox.publish import check_name
+from outbox.schedule import Schedule, make_schedule
+from outbox.sinks import Sink
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
 

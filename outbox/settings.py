@@ -45,7 +45,7 @@ def check_schema_name(value: object) -> str:
     does not start with ``pg_`` (reserved for system schemas), so it is written into SQL
     unquoted. Returns it; raises :class:`~outbox.errors.ConfigurationError` naming the
     problem otherwise."""
-    from .errors import ConfigurationError
+    from outbox.errors import ConfigurationError
 
     if not isinstance(value, str) or SCHEMA_PATTERN.fullmatch(value) is None:
         raise ConfigurationError(
@@ -64,7 +64,7 @@ def default_schema() -> str:
     and every other function whose ``schema`` is None. Raises
     :class:`~outbox.errors.ConfigurationError` when it is not a valid schema name
     (:func:`check_schema_name`). ``default_schema.cache_clear()`` forgets it (tests)."""
-    from .errors import ConfigurationError
+    from outbox.errors import ConfigurationError
 
     try:
         return check_schema_name(os.environ.get("OUTBOX_SCHEMA") or DEFAULT_SCHEMA)
@@ -127,7 +127,7 @@ class OutboxSettings(BaseSettings):
     @field_validator("schema_name")
     @classmethod
     def _schema_valid(cls, value: str) -> str:
-        from .errors import ConfigurationError
+        from outbox.errors import ConfigurationError
 
         try:
             return check_schema_name(value)

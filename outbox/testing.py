@@ -3,7 +3,7 @@ the relay's work run in-process, a server to test against and throw-away databas
 
 :func:`make_job` builds a :class:`~outbox.Job` for a unit test of a handler.
 :func:`drain` routes and runs every due job of a registry in the calling thread, with the
-relay's own claim, handler execution (:class:`outbox.worker.JobExecutor`) and fenced
+relay's own claim, handler execution (:class:`outbox.relay.worker.JobExecutor`) and fenced
 statements, and returns how each attempt ended (Oban's ``drain_queue``, River's
 ``rivertest``). The pytest fixtures of :mod:`outbox.pytest_plugin` give each test a
 migrated database of its own.
@@ -51,18 +51,22 @@ import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from . import ordering, transaction
-from .db import queries
-from .db.engine import make_async_engine, make_engine, parse_url
-from .errors import ConfigurationError, DrainLimitError, HandlerTimeoutError, InvalidEventError
-from .flow import FlowControl
-from .job import Job
-from .publish import check_name
-from .registry import Outbox
-from .router import register_subscriptions, route_all
-from .settings import OutboxSettings
-from .watchdog import Watchdog
-from .worker import (
+from outbox.db import queries
+from outbox.db.engine import make_async_engine, make_engine, parse_url
+from outbox.errors import (
+    ConfigurationError,
+    DrainLimitError,
+    HandlerTimeoutError,
+    InvalidEventError,
+)
+from outbox.job import Job
+from outbox.publish import check_name
+from outbox.registry import Outbox
+from outbox.relay import ordering, transaction
+from outbox.relay.flow import FlowControl
+from outbox.relay.router import register_subscriptions, route_all
+from outbox.relay.watchdog import Watchdog
+from outbox.relay.worker import (
     Failure,
     JobExecutor,
     Outcome,
@@ -75,6 +79,7 @@ from .worker import (
     release_jobs,
     snooze_jobs,
 )
+from outbox.settings import OutboxSettings
 
 __all__ = [
     "DrainLimitError",
@@ -197,7 +202,7 @@ def drain(
     The work is the relay's own: ``ob``'s subscriptions are written to
     ``outbox_subscriptions``, events are routed by ``event_route_many``, each job is claimed
     (fence, lease, attempt) and finished by the fenced statements the relay uses, and its
-    handler runs through :class:`outbox.worker.JobExecutor`: lease mode or transactional,
+    handler runs through :class:`outbox.relay.worker.JobExecutor`: lease mode or transactional,
     ``def`` or ``async def`` (an ``async def`` handler runs on an event loop of drain's own;
     an async transactional one on an ``AsyncEngine`` made from ``engine.url`` for the call).
     One attempt per job per round; ``run_retries=True`` makes jobs waiting out a retry's
@@ -381,7 +386,7 @@ def server_url() -> tuple[URL, bool]:
     ``OUTBOX_TEST_DATABASE_URL``, else ``OUTBOX_DATABASE_URL``, else an embedded PostgreSQL
     (extra ``embedded``) of this process's own, started on the first call in a new folder of
     the temporary directory (``outbox-test-server-*``), stopped and deleted when the process
-    exits (:func:`outbox.embedded.start_embedded` with ``delete_on_exit``). Raises
+    exits (:func:`outbox.db.embedded.start_embedded` with ``delete_on_exit``). Raises
     :class:`~outbox.errors.ConfigurationError` when neither is set and the extra is missing."""
     url = os.environ.get("OUTBOX_TEST_DATABASE_URL") or os.environ.get("OUTBOX_DATABASE_URL")
     if url:
@@ -393,7 +398,7 @@ def server_url() -> tuple[URL, bool]:
 def _embedded_test_server() -> str:
     """URL of the embedded server of this process's tests: one per process, however many
     fixtures ask (the suite's own and the pytest plugin's)."""
-    from .embedded import start_embedded
+    from outbox.db.embedded import start_embedded
 
     # A name no other server's folder contains: pgserver, initialising a folder, stops every
     # postgres whose command line contains that folder's path (older outbox used
@@ -514,7 +519,7 @@ class DatabaseCopies:
 def migrated_template(server: URL) -> URL:
     """Create a database with outbox's schema migrated, for use as a template; the caller
     drops it with :func:`drop_database`."""
-    from .db.migrate import upgrade
+    from outbox.db.migrate import upgrade
 
     url = create_database(server, "outbox_tpl")
     engine = make_engine(url)

@@ -4,6 +4,6 @@
 :func:`include_object` is the alembic hook an application's ``env.py`` passes so that its
 own autogenerate leaves outbox's tables alone."""
 
-from .tables import include_object
+from outbox.db.tables import include_object
 
 __all__ = ["include_object"]

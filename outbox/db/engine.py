@@ -19,8 +19,13 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from ..errors import ConfigurationError, DatabaseStatementError, DatabaseUnavailableError, SchemaNotReadyError
-from ..redaction import redact
+from outbox.errors import (
+    ConfigurationError,
+    DatabaseStatementError,
+    DatabaseUnavailableError,
+    SchemaNotReadyError,
+)
+from outbox.redaction import redact
 
 __all__ = ["describe", "is_disconnect", "make_async_engine", "make_engine", "parse_url", "redact", "translate_errors"]
 
@@ -62,7 +67,7 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int | None 
     through poolers that refuse them (PgBouncer: "unsupported startup parameter: options");
     a URL's own query parameters, ``?options=-csearch_path%3Dapp`` included, are passed to
     the driver unchanged. Settings a relay needs per transaction are set with ``SET LOCAL``
-    inside it (:mod:`outbox.transaction`).
+    inside it (:mod:`outbox.relay.transaction`).
 
     ``prepared_statements=False`` turns psycopg's automatic prepared statements off on every
     connection of the engine (``prepare_threshold=None``; psycopg docs, "Prepared
@@ -142,7 +147,7 @@ def translate_errors(url: str | URL, schema: str = "public") -> Iterator[None]:
         message = str(exc.orig)
         if (isinstance(exc, sa.exc.ProgrammingError) and "does not exist" in message
                 and ("outbox_" in message or f'schema "{schema}"' in message)):
-            from .migrate import migrate_command
+            from outbox.db.migrate import migrate_command
 
             raise SchemaNotReadyError(f"outbox tables are missing in schema {schema} of {redact(url)}; "
                                       f"run `{migrate_command(schema)}`") from exc

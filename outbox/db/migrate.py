@@ -34,11 +34,11 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from ..errors import SchemaNotReadyError
-from ..resources import shipped_dir
-from . import queries
+from outbox.db import queries
+from outbox.errors import SchemaNotReadyError
+from outbox.resources import shipped_dir
 
-log = logging.getLogger("outbox.migrate")
+log = logging.getLogger(__name__)
 
 #: SQLSTATEs after which :func:`run_with_short_locks` tries its statement again:
 #: lock_not_available (the lock timeout) and deadlock_detected.

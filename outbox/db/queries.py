@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING
 
 from sqlalchemy import TextClause, text
 
-from ..settings import check_schema_name, default_schema
-from . import tables
+from outbox.db import tables
+from outbox.settings import check_schema_name, default_schema
 
 # --------------------------------------------------------------------------- events
 
@@ -141,9 +141,9 @@ in topic order, NULL when none), events held back
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
-poison handling (:mod:`outbox.poison`) routes by halves of ``event_route_candidates``.
+poison handling (:mod:`outbox.relay.poison`) routes by halves of ``event_route_candidates``.
 
-Ordering (architecture notes, "Ordering"; :mod:`outbox.ordering`): a keyed event of a topic
+Ordering (architecture notes, "Ordering"; :mod:`outbox.relay.ordering`): a keyed event of a topic
 with an ordered subscription is routed only when no earlier event of its key is unrouted
 outside this batch (read through ``ix_outbox_events_unrouted_key``); it is left unrouted,
 and taken by a later round, while another router holds the earlier one. For a subscription with ``ordered`` the job
@@ -558,7 +558,7 @@ completed (``completed`` true, only ``id`` set); claimed rows also carry ``prior
 ``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
 at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually none) and,
 unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
-bisection; :mod:`outbox.poison`): a runner that remembers the last key it claimed skips the index entries of
+bisection; :mod:`outbox.relay.poison`): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
 (performance notes).
 
@@ -796,7 +796,7 @@ job_claim_candidates: TextClause = text(
     """
 )
 """Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
-what a claim would take, for finding the job that makes it fail (:mod:`outbox.poison`).
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.relay.poison`).
 Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
@@ -809,7 +809,7 @@ job_bury: TextClause = text(
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
-poison row (:mod:`outbox.poison`); ``:error`` names the statement and the database error.
+poison row (:mod:`outbox.relay.poison`); ``:error`` names the statement and the database error.
 Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
 ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
@@ -1043,7 +1043,7 @@ UPDATE``), in id order like every statement that locks job rows and waits; two p
 of one key take turns and the second finds the head no longer pending. A pending head seen
 in the snapshot is still the head: nothing earlier of its key can become unfinished again
 (a redriven dead job was the head itself; the router only adds later events). Run as a statement of its own after the outcome that finished a key's job has
-committed (:mod:`outbox.ordering` says why). Returns (id, consumer, ordering_key) of the
+committed (:mod:`outbox.relay.ordering` says why). Returns (id, consumer, ordering_key) of the
 jobs promoted."""
 
 job_ordering_heads_list: TextClause = text(
@@ -1290,7 +1290,7 @@ working on instead of waiting. Cannot run inside a transaction block: autocommit
 metrics_gatherer_lock_try: TextClause = text(
     "SELECT pg_try_advisory_lock(CAST(CAST(CAST('outbox_jobs' AS regclass) AS oid) AS int), 1)"
 )
-"""Become the relay that reads the database gauges for Prometheus (:mod:`outbox.metrics`):
+"""Become the relay that reads the database gauges for Prometheus (:mod:`outbox.telemetry.metrics`):
 take the session-level advisory lock (the jobs table's oid, 1) if no other session holds
 it; returns whether it did. Held until the session ends, so one relay per schema gathers
 at a time and another takes over once its connection is gone. ``pg_locks`` shows it as

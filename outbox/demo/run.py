@@ -11,7 +11,7 @@ What a run does:
    (``OUTBOX_DEMO_NATS_URL``, default ``nats://127.0.0.1:4222``) and nats-py is installed,
    creates the run's own stream (:mod:`outbox.demo.stream`) and adds a fourth consumer, the
    forwarder ``forward_to_nats``; otherwise one line says why forwarding is skipped.
-2. Starts ``--relays`` relay processes (``python -m outbox.cli run --app
+2. Starts ``--relays`` relay processes (``python -m outbox.ops.cli run --app
    outbox.demo.app:ob``, or ``:with_forwarder``) with a short lease; their logs go to
    ``--log-dir``.
 3. A producer thread places ``--orders`` orders over ``--duration`` seconds, each in its own
@@ -53,11 +53,10 @@ from sqlalchemy.orm import Session
 from outbox import publish
 from outbox.db.engine import describe, make_engine, parse_url, redact, translate_errors
 from outbox.db.migrate import upgrade
+from outbox.demo import app
+from outbox.demo.stream import DemoStream, ForwardingSkipped, StoredMessage
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.settings import OutboxSettings
-
-from . import app
-from .stream import DemoStream, ForwardingSkipped, StoredMessage
 
 CUSTOMERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi", "ivan", "judy",
              "mallory", "niaj", "olivia", "peggy", "rupert", "sybil", "trent", "victor", "walter")
@@ -450,7 +449,7 @@ class Demo:
         url = self.settings.url()
         if url is not None:
             return parse_url(url)
-        from outbox.embedded import DEFAULT_DATA_DIR, start_embedded
+        from outbox.db.embedded import DEFAULT_DATA_DIR, start_embedded
 
         data_dir = (self.config.pgdata or DEFAULT_DATA_DIR).resolve()
         print(f"no database configured: starting the embedded PostgreSQL, data in {data_dir}")
@@ -502,7 +501,7 @@ class Demo:
         log_path = cfg.log_dir / f"{name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in _cleanup
         command = [
-            sys.executable, "-m", "outbox.cli", "run",
+            sys.executable, "-m", "outbox.ops.cli", "run",
             "--app", "outbox.demo.app:" + ("ob" if self.stream is None else "with_forwarder"),
             "--concurrency", str(cfg.concurrency), "--default-lease", str(cfg.lease),
             "--reap-interval", str(max(0.2, cfg.lease / 6)), "--poll-interval", "0.5",

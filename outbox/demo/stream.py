@@ -26,10 +26,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from outbox.demo.app import TOPIC
 from outbox.redaction import redact
 from outbox.sinks.jetstream import parse_servers
-
-from .app import TOPIC
 
 #: Seconds the demo waits for NATS to answer (connect, stream calls) before it skips forwarding.
 CONNECT_TIMEOUT = 2

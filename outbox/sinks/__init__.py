@@ -42,8 +42,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from ..backoff import retry_delay
-from ..errors import ConfigurationError, OutboxError
+from outbox.backoff import retry_delay
+from outbox.errors import ConfigurationError, OutboxError
 
 #: Fields a subject or routing-key template may name.
 TEMPLATE_FIELDS = frozenset({"topic", "key", "consumer"})

@@ -80,9 +80,9 @@ from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import ConfigurationError
-from ..redaction import redact
-from . import (
+from outbox.errors import ConfigurationError
+from outbox.redaction import redact
+from outbox.sinks import (
     Answered,
     Delivered,
     Expired,

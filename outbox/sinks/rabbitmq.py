@@ -54,9 +54,9 @@ from datetime import UTC
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import ConfigurationError
-from ..redaction import redact
-from . import (
+from outbox.errors import ConfigurationError
+from outbox.redaction import redact
+from outbox.sinks import (
     Answered,
     Delivered,
     Expired,
@@ -69,7 +69,7 @@ from . import (
     Unavailable,
 )
 
-log = logging.getLogger("outbox.sinks.rabbitmq")
+log = logging.getLogger(__name__)
 
 #: AMQP 0-9-1 short strings (routing key, message_id, type) hold at most this many bytes.
 SHORTSTR_MAX = 255

@@ -1,5 +1,5 @@
 """Relay processes for the acceptance tests: :class:`RelayProcess` runs
-``python -m outbox.cli run --app <module:attribute>`` as a subprocess with its output in a log
+``python -m outbox.ops.cli run --app <module:attribute>`` as a subprocess with its output in a log
 file; :class:`Fleet` starts, kills, counts and stops a scenario's relays."""
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ WORKLOAD_APP = "tests.acceptance.workload:app"
 
 
 class RelayProcess:
-    """One ``python -m outbox.cli run --app <app>`` subprocess (``app``: ``module:attribute``)
+    """One ``python -m outbox.ops.cli run --app <app>`` subprocess (``app``: ``module:attribute``)
     on the database ``url``, with ``flags`` and the extra environment ``env``, its output in
-    ``log_path``."""
+    ``log_path``. ``cli``: the command line's module (an older release's, for a relay of it)."""
 
     def __init__(self, name: str, log_path: Path, url: str, flags: tuple[str, ...], env: dict[str, str],
-                 app: str = WORKLOAD_APP) -> None:
+                 app: str = WORKLOAD_APP, cli: str = "outbox.ops.cli") -> None:
         self.name = name
         self.log_path = log_path
         self._log = open(log_path, "wb")
@@ -31,7 +31,7 @@ class RelayProcess:
                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env}
         environ.pop("OUTBOX_TEST_DATABASE_URL", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox.cli", "run", "--app", app,
+            [sys.executable, "-m", cli, "run", "--app", app,
              "--database-url", url, *flags],
             cwd=log_path.parent, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
         self.pid = self.proc.pid
@@ -64,11 +64,12 @@ class Fleet:
         self.relays: list[RelayProcess] = []
 
     def start(self, *flags: str, env: dict[str, str] | None = None, wait: bool = True,
-              url: str | None = None) -> RelayProcess:
+              url: str | None = None, cli: str = "outbox.ops.cli") -> RelayProcess:
         """Start a relay (on ``url``, default the scenario's database) with ``flags`` after
-        the base flags; ``wait``: until it logged its start."""
+        the base flags, run by the command line module ``cli``; ``wait``: until it logged its start."""
         relay = RelayProcess(f"relay{len(self.relays)}", self.directory / f"relay{len(self.relays)}.log",
-                             url or self.url, (*self.base_flags, *flags), {**self.env, **(env or {})}, self.app)
+                             url or self.url, (*self.base_flags, *flags), {**self.env, **(env or {})}, self.app,
+                             cli)
         self.relays.append(relay)
         if wait:
             wait_for(lambda: relay.started() or relay.proc.poll() is not None, timeout=30,

@@ -40,7 +40,7 @@ def _demo(server, tmp_path: Path, nats_url: str, *flags: str) -> subprocess.Comp
     url, _ = server
     name = f"outbox_demo_test_{uuid.uuid4().hex[:10]}"
     command = [
-        sys.executable, "-m", "outbox.cli", "demo",
+        sys.executable, "-m", "outbox.ops.cli", "demo",
         "--database-url", url.render_as_string(hide_password=False), "--db-name", name,
         "--log-dir", str(tmp_path / "logs"), "--progress-every", "1", *flags,
     ]

@@ -1,7 +1,7 @@
 """Logs under faults (issue 26, item 10): one line per state change, per-job repeats
 summarised per round, broker client noise below WARNING.
 
-Each test runs real relay processes (``python -m outbox.cli run``, the CLI's own logging at
+Each test runs real relay processes (``python -m outbox.ops.cli run``, the CLI's own logging at
 INFO, text format) and counts the lines of the relay's output written during the fault:
 
 * a RabbitMQ exchange deleted for 5 s under a steady stream of events: one "broker
@@ -36,7 +36,7 @@ from outbox.testing import wait_for
 from . import brokers, forward_app, slow_app
 from .relays import Fleet
 
-#: A line of the text format: ``time LEVEL logger [pid] message`` (outbox.logs.TEXT_FORMAT).
+#: A line of the text format: ``time LEVEL logger [pid] message`` (outbox.telemetry.logs.TEXT_FORMAT).
 LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>\S+) \[\d+\] (?P<message>.*)$")
 LOUD = {"WARNING", "ERROR", "CRITICAL"}
 #: WARNING lines no fault causes: the server's configuration, said once by a relay at its

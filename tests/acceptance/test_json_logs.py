@@ -61,7 +61,7 @@ def test_json_log_lines_parse_and_carry_the_jobs_fields(engine, db_url: URL, tmp
                "PYTHONUNBUFFERED": "1", "OUTBOX_LOG_FORMAT": "json"}
     environ.pop("OUTBOX_TEST_DATABASE_URL", None)
     with open(log_path, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "outbox.cli", "run", "--app", "jsonapp:ob", "--log-level",
+        proc = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "run", "--app", "jsonapp:ob", "--log-level",
                                  "DEBUG", "--backoff-base", "0.01", "--backoff-cap", "0.02", "--poll-interval", "0.1"],
                                 cwd=tmp_path, env=environ, stdout=out, stderr=subprocess.STDOUT)
         try:

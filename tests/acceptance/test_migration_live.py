@@ -206,7 +206,10 @@ def test_upgrade_under_a_live_queue(live, previous_release: Path, tmp_path: Path
     head = head_revision()
 
     # ------------------------------------------------ the queue, made by the previous release
-    old_relay = fleet.start(env={"PYTHONPATH": previous_env(previous_release, url)["PYTHONPATH"]}, wait=False)
+    # Its own command line: outbox.cli before the layout of issue 27 moved it to outbox.ops.cli.
+    cli = "outbox.ops.cli" if (previous_release / "outbox" / "ops" / "cli.py").exists() else "outbox.cli"
+    old_relay = fleet.start(env={"PYTHONPATH": previous_env(previous_release, url)["PYTHONPATH"]}, wait=False,
+                            cli=cli)
     old = Client(previous_release, url, tmp_path)
     try:
         old.call("pause", consumer="later")
@@ -238,7 +241,7 @@ def test_upgrade_under_a_live_queue(live, previous_release: Path, tmp_path: Path
         migrate_out, migrate_err = tmp_path / "migrate.out", tmp_path / "migrate.err"
         environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
         with open(migrate_out, "w") as out, open(migrate_err, "w") as err:
-            migrate = subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate", "--database-url", url],
+            migrate = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "migrate", "--database-url", url],
                                        env=environ, cwd=tmp_path, stdout=out, stderr=err)
         try:
             # The transactional job's open transaction holds outbox_events: the migration retries.

@@ -24,12 +24,18 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 
-from outbox import Job, Outbox, fenced_write, publish_many, transaction
+from outbox import (
+    Job,
+    Outbox,
+    fenced_write,
+    publish_many,
+)
 from outbox.db import queries
-from outbox.maintenance import reap_expired
-from outbox.router import route_batch
+from outbox.relay import transaction
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.router import route_batch
+from outbox.relay.worker import Failure, claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.testing import wait_for
-from outbox.worker import Failure, claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 
 from ..integration.helpers import expire_lease, job_row, routed_jobs
 
@@ -386,7 +392,7 @@ def test_claim_route_heartbeat_and_reaper_together_never_deadlock(race_engine: s
     afterwards every event has one job per consumer, every job ends done or dead,
     attempts stay within bounds and transactional effects exist only for the claim that
     completed the job."""
-    from outbox.relay import Relay
+    from outbox.relay.relay import Relay
 
     engine = race_engine
     caplog.set_level(logging.WARNING, logger="outbox")

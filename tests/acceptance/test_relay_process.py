@@ -1,4 +1,4 @@
-"""The relay as a process (``python -m outbox.cli run --app relayapp:ob``): end to end, the
+"""The relay as a process (``python -m outbox.ops.cli run --app relayapp:ob``): end to end, the
 log lines worth knowing, SIGTERM drain and release, and lost database connections."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from outbox import publish
-from outbox.maintenance import reap_expired
+from outbox.relay.maintenance import reap_expired
 from outbox.testing import wait_for
 
 APP = '''
@@ -84,7 +84,7 @@ class RelayProcess:
         environ = {**os.environ, "OUTBOX_DATABASE_URL": url, "PYTHONUNBUFFERED": "1", **(env or {})}
         environ.pop("OUTBOX_TEST_DATABASE_URL", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "outbox.cli", "run", "--app", "relayapp:ob", "--reap-interval", "0.2", *flags],
+            [sys.executable, "-m", "outbox.ops.cli", "run", "--app", "relayapp:ob", "--reap-interval", "0.2", *flags],
             cwd=cwd, env=environ, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
@@ -281,7 +281,7 @@ def test_stopped_relay_leaves_no_thread_or_connection_behind(engine, db_url, set
     """``Relay.stop()`` returns once every thread that talks to the database is gone, so
     an application (or its tests) can drop or migrate the database right after."""
     from outbox import Outbox
-    from outbox.relay import Relay
+    from outbox.relay.relay import Relay
 
     ob = Outbox()
     ob.subscriber("work", consumer="worker")(lambda job: None)

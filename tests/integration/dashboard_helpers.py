@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import publish
-from outbox.router import route_all
+from outbox.relay.router import route_all
 from outbox.settings import OutboxSettings
 
 from .helpers import subscribe
@@ -107,7 +107,7 @@ def served(engine: sa.Engine, **options: object) -> Iterator[str]:
     thread on a free port of 127.0.0.1; yields its base URL; stops it on exit."""
     import uvicorn
 
-    from outbox.dashboard import create_app
+    from outbox.ops.dashboard import create_app
 
     settings = OutboxSettings(_env_file=None)
     app = create_app(engine, settings, **options)  # type: ignore[arg-type]

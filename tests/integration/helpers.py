@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, publish_many
-from outbox.relay import register_subscriptions
-from outbox.router import route_all
+from outbox.relay.relay import register_subscriptions
+from outbox.relay.router import route_all
 from outbox.settings import OutboxSettings
 
 

@@ -20,13 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, admin, publish
-from outbox.cli import main
 from outbox.errors import AdminError
-from outbox.maintenance import prune, reap_expired
-from outbox.relay import Relay
-from outbox.router import route_all
+from outbox.ops.cli import main
+from outbox.relay.maintenance import prune, reap_expired
+from outbox.relay.relay import Relay
+from outbox.relay.router import route_all
+from outbox.relay.worker import Failure, claim_jobs, complete_jobs, fail_jobs
 from outbox.testing import wait_for
-from outbox.worker import Failure, claim_jobs, complete_jobs, fail_jobs
 
 from .helpers import expire_lease, job_row, publish_events, subscribe
 
@@ -301,7 +301,7 @@ def test_prune_now_and_the_command_words(engine, db_url, capsys):
 
 @pytest.mark.skipif(shutil.which("psql") is None, reason="psql is not installed")
 def test_psql_passes_its_arguments(db_url):
-    result = subprocess.run([sys.executable, "-m", "outbox.cli", "psql", *_url(db_url), "-At", "-c", "select 40 + 2"],
+    result = subprocess.run([sys.executable, "-m", "outbox.ops.cli", "psql", *_url(db_url), "-At", "-c", "select 40 + 2"],
                             capture_output=True, text=True, timeout=60)
     assert (result.returncode, result.stdout.strip()) == (0, "42"), result.stderr
 
@@ -330,7 +330,7 @@ def test_relays_registry_shows_a_killed_relay_gone(engine, db_url, tmp_path: Pat
     environ = {**os.environ, "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False)}
     environ.pop("OUTBOX_TEST_DATABASE_URL", None)
     log = open(tmp_path / "relay.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "outbox.cli", "run", "--app", "regapp:ob", "--concurrency", "3"],
+    proc = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "run", "--app", "regapp:ob", "--concurrency", "3"],
                             cwd=tmp_path, env=environ, stdout=log, stderr=subprocess.STDOUT)
     try:
         def registered() -> list[admin.RelayStatus]:

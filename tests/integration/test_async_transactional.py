@@ -13,8 +13,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from outbox import ConfigurationError, HandlerMisuseError, Job, Outbox
-from outbox.maintenance import reap_expired
-from outbox.relay import Relay
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from .helpers import expire_lease, job_row, publish_events

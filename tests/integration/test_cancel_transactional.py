@@ -28,10 +28,10 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, admin, publish
-from outbox.cli import main
 from outbox.db import queries
 from outbox.db.engine import make_engine
-from outbox.relay import Relay
+from outbox.ops.cli import main
+from outbox.relay.relay import Relay
 from outbox.testing import drain, wait_for
 
 from .helpers import job_row, publish_events

@@ -16,26 +16,26 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from outbox.cli import main
 from outbox.db.migrate import head_revision
+from outbox.ops.cli import main
 
 SECRET = "s3cretPW"
 UNREACHABLE = f"postgresql://outbox:{SECRET}@127.0.0.1:1/outbox"
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m outbox.cli ARGS`` as a process from ``cwd`` (which is importable),
+    """Run ``python -m outbox.ops.cli ARGS`` as a process from ``cwd`` (which is importable),
     with no OUTBOX_* variable but those in ``env``."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
     environ["PYTHONPATH"] = str(cwd)
     environ.update(env or {})
-    return subprocess.run([sys.executable, "-m", "outbox.cli", *args], cwd=cwd, env=environ,
+    return subprocess.run([sys.executable, "-m", "outbox.ops.cli", *args], cwd=cwd, env=environ,
                           capture_output=True, text=True, timeout=60)
 
 
 @pytest.fixture
 def cli(monkeypatch, capsys, app_dir):
-    """Run ``outbox.cli.main(ARGS)`` in this process (fast; the same code path as the
+    """Run ``outbox.ops.cli.main(ARGS)`` in this process (fast; the same code path as the
     console script), with ``app_dir`` importable and only the OUTBOX_* variables given;
     returns a CompletedProcess like :func:`run_cli`."""
     monkeypatch.setattr(sys, "path", [str(app_dir), *sys.path])
@@ -112,7 +112,7 @@ def app_dir(tmp_path: Path) -> Path:
 
 
 # ------------------------------------------------------------ as a real process
-# A handful of cases run `python -m outbox.cli` for real: exit status, stderr holding one
+# A handful of cases run `python -m outbox.ops.cli` for real: exit status, stderr holding one
 # line (logging included), no traceback from the interpreter. The variations after this
 # section run main() in-process, the same code path, to keep the suite fast.
 
@@ -371,7 +371,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(db_url, tmp_path):
     """`outbox-relay status | head -1`: the pipe closes before status has written; it exits
     quietly (141, as a shell reports SIGPIPE) instead of printing a BrokenPipeError."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "status", "--database-url",
+    process = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "status", "--database-url",
                                 db_url.render_as_string(hide_password=False)],
                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.stdout.close()  # the reader is gone before the first line

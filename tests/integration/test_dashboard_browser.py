@@ -326,8 +326,8 @@ def test_wrong_tokens_hold_the_sign_in_then_the_right_one_signs_in(engine, page)
     (same-origin POSTs) and sign-out work."""
     from pydantic import SecretStr
 
-    from outbox.dashboard import DashboardAuth
-    from outbox.dashboard.throttle import LoginThrottle
+    from outbox.ops.dashboard import DashboardAuth
+    from outbox.ops.dashboard.throttle import LoginThrottle
 
     seed(engine)
     secret = "0123456789abcdef-browser"

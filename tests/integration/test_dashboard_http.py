@@ -22,9 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import admin, publish
-from outbox.cli import main
 from outbox.db.engine import make_engine
-from outbox.router import route_all
+from outbox.ops.cli import main
+from outbox.relay.router import route_all
 from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 from tests.acceptance.proxy import TcpProxy, database_target, through
@@ -38,9 +38,9 @@ pytest.importorskip("httpx", reason="starlette's TestClient needs httpx")
 from pydantic import SecretStr  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
-from outbox.dashboard import DashboardAuth, check_bind, create_app  # noqa: E402
-from outbox.dashboard.throttle import LoginThrottle  # noqa: E402
 from outbox.errors import AdminError, ConfigurationError  # noqa: E402
+from outbox.ops.dashboard import DashboardAuth, check_bind, create_app  # noqa: E402
+from outbox.ops.dashboard.throttle import LoginThrottle  # noqa: E402
 
 #: Where the TestClient's requests go (its Host header and port), and the Origin its POSTs carry.
 BASE = "http://127.0.0.1:8000"
@@ -130,7 +130,7 @@ def test_a_dashboard_with_weak_credentials_does_not_start(db_url, env, fragment)
     port = _free_port()
     environ = {**{k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")},
                "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), **env}
-    result = subprocess.run([sys.executable, "-m", "outbox.cli", "dashboard", "--host", "0.0.0.0", "--port", str(port)],
+    result = subprocess.run([sys.executable, "-m", "outbox.ops.cli", "dashboard", "--host", "0.0.0.0", "--port", str(port)],
                             env=environ, capture_output=True, text=True, timeout=30)
     assert result.returncode == 2, result.stderr
     assert result.stdout == "" and result.stderr.count("\n") == 1 and fragment in result.stderr
@@ -149,7 +149,7 @@ def _serve(args: list[str], db_url, tmp_path, env: dict[str, str] | None = None)
                "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), **(env or {})}
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "dashboard", *args], env=environ, stdout=out,
+        process = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "dashboard", *args], env=environ, stdout=out,
                                    stderr=subprocess.STDOUT)
     return process, log
 
@@ -204,7 +204,7 @@ def test_dashboard_process_on_all_interfaces_wants_the_token_and_never_logs_it(d
            "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False), "OUTBOX_DASHBOARD_TOKEN": secret}
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "outbox.cli", "dashboard", "--host", "0.0.0.0", "--port",
+        process = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "dashboard", "--host", "0.0.0.0", "--port",
                                     str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
 

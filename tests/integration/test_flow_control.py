@@ -10,8 +10,8 @@ from typing import Any
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
-from outbox.cli import main
-from outbox.relay import Relay
+from outbox.ops.cli import main
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from .helpers import publish_events
@@ -168,7 +168,7 @@ def test_status_shows_paused_consumers_caps_and_rate_limits(engine, settings, db
     ob.subscriber("t", consumer="capped", concurrency=4)(lambda job: None)
     ob.subscriber("t", consumer="limited", rate_limit=2.5)(lambda job: None)
     ob.subscriber("t", consumer="plain")(lambda job: None)
-    from outbox.relay import register_subscriptions
+    from outbox.relay.relay import register_subscriptions
 
     register_subscriptions(engine, ob, settings())
     assert _cli(db_url, "pause", "plain") == 0
@@ -186,12 +186,12 @@ def test_status_shows_paused_consumers_caps_and_rate_limits(engine, settings, db
 
 def test_the_main_claim_leaves_paused_and_limited_consumers_out_and_keeps_reading_the_ready_index(engine, db_url):
     from outbox.db import queries
-    from outbox.worker import claim_candidates, claim_jobs, complete_and_claim_after
+    from outbox.relay.worker import claim_candidates, claim_jobs, complete_and_claim_after
 
     ob = Outbox()
     for consumer in ("a", "paused", "capped"):
         ob.subscriber("t", consumer=consumer, concurrency=2 if consumer == "capped" else None)(lambda job: None)
-    from outbox.relay import register_subscriptions
+    from outbox.relay.relay import register_subscriptions
     from outbox.settings import OutboxSettings
 
     register_subscriptions(engine, ob, OutboxSettings(_env_file=None))

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, publish_many
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 from tests.acceptance.brokers import NATS_URL, Tap, nats_missing
 from tests.acceptance.proxy import TcpProxy
@@ -257,7 +257,7 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream, caplog):
     are handed back uncounted, nothing is dead-lettered, and once the broker answers again
     every event is stored once. It is logged as one outage: one warning, one line back (the
     pauses between batches that try again do not end it; issue 26, item 10)."""
-    caplog.set_level(logging.INFO, logger="outbox.forward")
+    caplog.set_level(logging.INFO, logger="outbox.relay.forwarder")
     target = urlsplit(NATS_URL)
     proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
     proxy.start()
@@ -286,7 +286,7 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream, caplog):
         proxy.stop()
     assert _statuses(engine, "fwd") == {"done": 60}
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 60 and stream.count() == 60
-    said = [r.getMessage() for r in caplog.records[mark:] if r.name == "outbox.forward"]
+    said = [r.getMessage() for r in caplog.records[mark:] if r.name == "outbox.relay.forwarder"]
     assert [m.split(" (")[0].split(" to ")[0] for m in said] == ["forwarder fwd: broker unreachable",
                                                                  "forwarder fwd: connected"], said
 

@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, publish_many
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
 

@@ -12,8 +12,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, HandlerMisuseError, Job, LeaseLostError, Outbox
-from outbox.maintenance import reap_expired
-from outbox.relay import Relay
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from .helpers import expire_lease, job_row, publish_events
@@ -66,7 +66,7 @@ def _stale_dropped(caplog, job: Job) -> bool:
 
 def test_lost_lease_is_detected_and_the_late_result_dropped(engine, settings, caplog):
     caplog.set_level(logging.INFO)
-    caplog.set_level(logging.DEBUG, logger="outbox.worker")  # each job's own lines (summaries at WARNING)
+    caplog.set_level(logging.DEBUG, logger="outbox.relay")  # each job's own lines (summaries at WARNING)
     ob = Outbox()
     started: dict[int, Job] = {}
     go = {1: threading.Event(), 2: threading.Event()}

@@ -13,11 +13,10 @@ import sqlalchemy as sa
 
 from outbox import Job, Outbox, PermanentError
 from outbox.db import queries
-from outbox.maintenance import prune, reap_expired, redrive
-from outbox.relay import Relay
-from outbox.router import route_all
-from outbox.testing import wait_for
-from outbox.worker import (
+from outbox.relay.maintenance import prune, reap_expired, redrive
+from outbox.relay.relay import Relay
+from outbox.relay.router import route_all
+from outbox.relay.worker import (
     MAX_ERROR_CHARS,
     Failure,
     claim_jobs,
@@ -28,6 +27,7 @@ from outbox.worker import (
     heartbeat_jobs,
     release_jobs,
 )
+from outbox.testing import wait_for
 
 from .helpers import db_now, expire_lease, job_row, publish_events, routed_jobs, subscribe
 

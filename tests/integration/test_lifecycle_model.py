@@ -116,14 +116,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from outbox import Job, Outbox, transaction
+from outbox import Job, Outbox
 from outbox.db import queries
 from outbox.db.tables import JOB_STATUSES
-from outbox.maintenance import reap_expired, redrive
-from outbox.relay import register_subscriptions
-from outbox.router import route_batch
-from outbox.settings import OutboxSettings
-from outbox.worker import (
+from outbox.relay import transaction
+from outbox.relay.maintenance import reap_expired, redrive
+from outbox.relay.relay import register_subscriptions
+from outbox.relay.router import route_batch
+from outbox.relay.worker import (
     Failure,
     claim_jobs,
     complete_and_claim_jobs,
@@ -133,6 +133,7 @@ from outbox.worker import (
     heartbeat_jobs,
     release_jobs,
 )
+from outbox.settings import OutboxSettings
 
 from .helpers import db_now, publish_events
 

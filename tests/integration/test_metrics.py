@@ -13,8 +13,8 @@ import sqlalchemy as sa
 
 from outbox import Job, Outbox, PermanentError, fenced_write
 from outbox.errors import ConfigurationError
-from outbox.metrics import read_gauges
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
+from outbox.telemetry.metrics import read_gauges
 from outbox.testing import wait_for
 
 from .helpers import publish_events

@@ -35,10 +35,10 @@ from sqlalchemy.orm import Session
 from outbox import Job, Outbox, PermanentError, admin, publish
 from outbox.db.engine import make_engine
 from outbox.db.migrate import alembic_config, downgrade, head_revision, upgrade
-from outbox.router import register_subscriptions, route_all
+from outbox.relay.router import register_subscriptions, route_all
+from outbox.relay.worker import claim_jobs
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
-from outbox.worker import claim_jobs
 from tests.integration.helpers import publish_events
 from tests.integration.migration_helpers import (
     drift,
@@ -122,9 +122,9 @@ def tuned_head(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ModuleType]:
 @pytest.fixture
 def retries(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
     """The retry warnings the migration logged so far (``outbox.migrate``)."""
-    caplog.set_level(logging.WARNING, logger="outbox.migrate")
+    caplog.set_level(logging.WARNING, logger="outbox.db.migrate")
     return lambda: [r.getMessage() for r in list(caplog.records)
-                    if r.name == "outbox.migrate" and "trying again" in r.getMessage()]
+                    if r.name == "outbox.db.migrate" and "trying again" in r.getMessage()]
 
 
 @pytest.fixture

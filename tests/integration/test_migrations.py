@@ -16,12 +16,12 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import URL
 
-from outbox.cli import main
 from outbox.db import queries
 from outbox.db.engine import make_engine
 from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, metadata
-from outbox.router import route_all
+from outbox.ops.cli import main
+from outbox.relay.router import route_all
 from outbox.testing import temporary_database, wait_for
 from tests.integration.migration_helpers import drift, snapshot
 
@@ -205,10 +205,10 @@ def test_create_all_gives_the_same_schema_as_the_migrations(server, db_url, engi
 
 
 def start_migrate(url: URL) -> subprocess.Popen[str]:
-    """``python -m outbox.cli migrate`` on ``url`` as a process of its own (no OUTBOX_* variable
+    """``python -m outbox.ops.cli migrate`` on ``url`` as a process of its own (no OUTBOX_* variable
     from this environment)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
-    return subprocess.Popen([sys.executable, "-m", "outbox.cli", "migrate", "--database-url",
+    return subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "migrate", "--database-url",
                              url.render_as_string(hide_password=False)],
                             env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -280,7 +280,7 @@ def test_migration_lock_key_is_the_documented_one():
     """The key operators look for in ``pg_locks`` is derived from a name, as documented."""
     import hashlib
 
-    derived = int.from_bytes(hashlib.sha256(b"outbox.migrate").digest()[:8], "big", signed=True)
+    derived = int.from_bytes(hashlib.sha256(b"outbox.db.migrate").digest()[:8], "big", signed=True)
     assert queries.SCHEMA_MIGRATE_LOCK_KEY == derived == 1152047312153713616
     assert ((derived >> 32) & 0xFFFFFFFF, derived & 0xFFFFFFFF) == (268231917, 895327184)  # classid, objid
 
@@ -315,12 +315,12 @@ def test_0008_rewrites_the_backlogs_bad_headers_and_validates_only_without_histo
     retained the CHECK is validated at once; with history it stays NOT VALID, routed events
     keep their headers, and VALIDATE (the operator's, in a transaction of its own) fails
     until the last such event is gone."""
-    caplog.set_level(logging.WARNING, logger="outbox.migrate")
+    caplog.set_level(logging.WARNING, logger="outbox.db.migrate")
     upgrade(empty_engine, "0007")
     backlog = _insert_events(empty_engine, ["null", "[1, 2]", '"x"', '{"a": 1}'])
     upgrade(empty_engine, "0008")
     assert _headers(empty_engine, backlog) == [{}, {"invalid_headers": [1, 2]}, {"invalid_headers": "x"}, {"a": 1}]
-    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox.migrate"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox.db.migrate"]
     assert len(warnings) == 1 and "3 unrouted events" in warnings[0], warnings
     assert ", ".join(map(str, backlog[:3])) in warnings[0]
     assert _headers_check_validated(empty_engine)

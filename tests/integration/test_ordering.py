@@ -16,15 +16,15 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, publish, publish_many
-from outbox.cli import main
 from outbox.db import queries
 from outbox.errors import NotBlockingError
-from outbox.maintenance import reap_expired, redrive
-from outbox.ordering import HeadSweeper, blocked_keys, promote, skip_dead_job
-from outbox.router import route_all, route_batch
+from outbox.ops.cli import main
+from outbox.relay.maintenance import reap_expired, redrive
+from outbox.relay.ordering import HeadSweeper, blocked_keys, promote, skip_dead_job
+from outbox.relay.router import route_all, route_batch
+from outbox.relay.worker import bury_job, claim_jobs, complete_jobs
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
-from outbox.worker import bury_job, claim_jobs, complete_jobs
 
 from .helpers import expire_lease
 
@@ -441,7 +441,7 @@ def test_two_relays_run_each_key_one_job_at_a_time_in_order(engine, settings):
     """Two relays with eight workers each: per key, the handler never runs twice at once and
     sees its events in publish order, through failed attempts; the dispatcher's promotion
     (after each round of outcomes) moves every key on."""
-    from outbox.relay import Relay
+    from outbox.relay.relay import Relay
 
     lock = threading.Lock()
     running: dict[str, int] = defaultdict(int)
@@ -546,7 +546,7 @@ def test_router_and_claims_on_one_key_do_not_wait_for_each_other(engine):
     skip it. With the router on ``FOR SHARE`` and claims on ``FOR UPDATE`` each waited for
     the other's lock, and a claim whose completion part waited for a running head the router
     held deadlocked with it."""
-    from outbox.router import register_subscriptions
+    from outbox.relay.router import register_subscriptions
 
     register_subscriptions(engine, _registry([]), _settings())
     _publish(engine, [("K", 1)])

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from outbox import Job, Outbox, publish
 from outbox.db.engine import make_engine
 from outbox.errors import OutboxError
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from . import pgbouncer as bouncer_process

@@ -690,7 +690,7 @@ def test_numbers_reach_the_handler_with_their_type_and_value(engine, settings):
     and publish_many, in payload and headers, as a relay's handler receives them; -0.0
     arrives as 0.0 (a float, equal under ==, positive)."""
     from outbox import Outbox
-    from outbox.relay import Relay
+    from outbox.relay.relay import Relay
     from outbox.testing import wait_for
 
     received: list[tuple[Any, Any]] = []

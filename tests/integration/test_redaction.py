@@ -53,7 +53,7 @@ def environment(**variables: str) -> dict[str, str]:
 
 
 def run_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "outbox.cli", *args], cwd=cwd, env=env or environment(),
+    return subprocess.run([sys.executable, "-m", "outbox.ops.cli", *args], cwd=cwd, env=env or environment(),
                           capture_output=True, text=True, timeout=60)
 
 
@@ -155,7 +155,7 @@ def test_the_relays_start_line_shows_no_secret(db_url, tmp_path, log_format):
     log = tmp_path / "relay.log"
     env = environment(OUTBOX_DATABASE_URL=url, OUTBOX_LISTEN_URL=listen, PYTHONUNBUFFERED="1")
     with open(log, "w") as out:
-        relay = subprocess.Popen([sys.executable, "-m", "outbox.cli", "run", "--log-format", log_format],
+        relay = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "run", "--log-format", log_format],
                                  cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: "relay started" in log.read_text() or relay.poll() is not None, timeout=30,
@@ -182,7 +182,7 @@ def test_the_dashboards_503_page_and_start_line_show_no_secret(tmp_path):
     port = free_port()
     log = tmp_path / "dashboard.log"
     with open(log, "w") as out:
-        dashboard = subprocess.Popen([sys.executable, "-m", "outbox.cli", "dashboard", "--port", str(port)],
+        dashboard = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "dashboard", "--port", str(port)],
                                      cwd=tmp_path, env=environment(OUTBOX_DATABASE_URL=UNREACHABLE),
                                      stdout=out, stderr=subprocess.STDOUT)
 

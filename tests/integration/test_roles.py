@@ -30,13 +30,13 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish, publish_many
-from outbox.cli import main
 from outbox.db import queries
 from outbox.db.engine import make_async_engine, make_engine
 from outbox.db.migrate import upgrade
-from outbox.grants import PUBLISHER_EVENT_INSERT_COLUMNS, grant_statements, render
-from outbox.relay import Relay
-from outbox.router import AnalyzeOutcome, StatisticsKeeper
+from outbox.ops.cli import main
+from outbox.ops.grants import PUBLISHER_EVENT_INSERT_COLUMNS, grant_statements, render
+from outbox.relay.relay import Relay
+from outbox.relay.router import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
 SCHEMA = "shop"

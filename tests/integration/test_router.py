@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, OutboxSettings, publish
-from outbox.router import RouteResult, route_all, route_batch
+from outbox.relay.router import RouteResult, route_all, route_batch
 
 from .helpers import publish_events, subscribe
 
@@ -129,13 +129,13 @@ def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
     later relay's options win, and it says so instead of taking over silently."""
     import logging
 
-    from outbox.relay import register_subscriptions
+    from outbox.relay.relay import register_subscriptions
 
     first, second = Outbox(), Outbox()
     first.subscriber("t", consumer="shared", max_attempts=4)(lambda job: None)
     second.subscriber("t", consumer="shared", max_attempts=1)(lambda job: None)
     settings = OutboxSettings(_env_file=None)
-    with caplog.at_level(logging.WARNING, logger="outbox.router"):
+    with caplog.at_level(logging.WARNING, logger="outbox.relay.router"):
         register_subscriptions(engine, first, settings)
         register_subscriptions(engine, first, settings)  # same options again: silent
         assert not caplog.records
@@ -146,7 +146,7 @@ def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
 
 def test_hostile_topic_and_consumer_names_are_routed_and_run(engine, settings):
     """Names full of quotes, semicolons and SQL are data, never SQL: routed and run end to end."""
-    from outbox.relay import Relay
+    from outbox.relay.relay import Relay
     from outbox.testing import wait_for
 
     topic = "order'; DROP TABLE outbox_jobs; --"

@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
-from outbox.relay import Relay
-from outbox.router import route_all
+from outbox.relay.relay import Relay
+from outbox.relay.router import route_all
+from outbox.relay.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
 from outbox.testing import wait_for
-from outbox.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
 
 from .helpers import job_row, publish_events, routed_jobs, subscribe
 
@@ -363,7 +363,7 @@ def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
 
 
 def test_claim_after_a_key_skips_what_sorts_before_it(engine):
-    from outbox.worker import complete_and_claim_after, release_jobs
+    from outbox.relay.worker import complete_and_claim_after, release_jobs
 
     ids = routed_jobs(engine, "t", ["a"], n=6)
     with _psycopg(engine) as conn:
@@ -509,7 +509,7 @@ def test_a_claim_whose_reply_was_lost_gets_its_attempt_back(engine, settings):
     after the commit) leaves jobs running under the relay that it does not know of. They
     stay listed in its row of outbox_relays, so when their leases run out the reaper gives
     them their attempt back: with max_attempts=1 they still run, once, instead of dying."""
-    from outbox.worker import BufferMark, complete_and_claim_after, relay_seen
+    from outbox.relay.worker import BufferMark, complete_and_claim_after, relay_seen
 
     ob = Outbox()
     ran: list[int] = []
@@ -542,9 +542,9 @@ def test_a_busy_relay_keeps_its_row_seen(engine, settings, monkeypatch):
     """A relay whose dispatcher is never idle still refreshes last_seen_at every
     RELAY_SEEN_INTERVAL, so pruning never takes it for a dead relay (its buffer list would
     go with the row)."""
-    import outbox.dispatcher
+    import outbox.relay.dispatcher
 
-    monkeypatch.setattr(outbox.dispatcher, "RELAY_SEEN_INTERVAL", 0.3)
+    monkeypatch.setattr(outbox.relay.dispatcher, "RELAY_SEEN_INTERVAL", 0.3)
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     subscribe(engine, "t", ["a"])

@@ -15,9 +15,9 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Outbox
-from outbox.cli import main
-from outbox.relay import Relay
-from outbox.schedule import register_schedules
+from outbox.ops.cli import main
+from outbox.relay.relay import Relay
+from outbox.relay.scheduler import register_schedules
 from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 

@@ -16,12 +16,12 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish, publish_many
-from outbox.cli import main
 from outbox.db import queries
 from outbox.db.engine import make_engine
 from outbox.db.migrate import downgrade, head_revision, upgrade
 from outbox.errors import SchemaNotReadyError
-from outbox.relay import Relay
+from outbox.ops.cli import main
+from outbox.relay.relay import Relay
 from outbox.settings import OutboxSettings, default_schema
 from outbox.testing import wait_for
 

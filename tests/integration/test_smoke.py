@@ -8,7 +8,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 

@@ -18,8 +18,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Job, Outbox, PermanentError, Snooze
-from outbox.cli import main
-from outbox.relay import Relay
+from outbox.ops.cli import main
+from outbox.relay.relay import Relay
 from outbox.testing import drain, wait_for
 
 from .helpers import job_row, publish_events

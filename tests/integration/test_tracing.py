@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.publish import MAX_HEADERS_BYTES
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.sinks import Delivered, Failed, Message, SendResult, Sink
 from outbox.testing import drain, wait_for
 
@@ -247,7 +247,8 @@ def test_without_opentelemetry_nothing_is_traced(db_url):
         import sys
         sys.modules["opentelemetry"] = None  # import opentelemetry -> ImportError
         from sqlalchemy.orm import Session
-        from outbox import publish, tracing
+        from outbox import publish
+        from outbox.telemetry import tracing
         from outbox.db.engine import make_engine
         assert not tracing.ENABLED
         engine = make_engine({db_url.render_as_string(hide_password=False)!r})

@@ -1,4 +1,4 @@
-"""The transactional handler's transaction (outbox/transaction.py), on a real PostgreSQL:
+"""The transactional handler's transaction (outbox/relay/transaction.py), on a real PostgreSQL:
 READ COMMITTED whatever the database's default isolation, serialization failures and
 deadlocks retried in place without counting an attempt, the idle-in-transaction limit set
 per transaction, and connections waited for (not failed) under a role's connection limit."""
@@ -16,7 +16,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish
-from outbox.relay import Relay
+from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from .helpers import publish_events
@@ -318,7 +318,7 @@ def test_transactional_jobs_wait_for_a_connection_under_a_role_connection_limit(
         effects = dict(c.execute(sa.text("SELECT job_id, fence FROM effects")).all())
     _all_done_once(engine, lambda: effects)
     assert any("at most 45 connections (pool 22 + overflow 22 + 1 LISTEN)" in r.getMessage() for r in caplog.records)
-    lines = [r.getMessage() for r in caplog.records if r.name == "outbox.transaction"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "outbox.relay.transaction"]
     episodes = [m for m in lines if "cannot get a database connection" in m]
     assert episodes and all("too many connections" in m for m in episodes), lines
     # Each episode: one warning, then one line when it ends, never two warnings in a row.

@@ -54,17 +54,17 @@ def test_wheel_ships_the_migrations(wheel):
                      "outbox/docs/architecture.md", "outbox/docs/reliability.md", "outbox/docs/performance.md",
                      "outbox/docs/forwarding.md",
                      "outbox/docs/img/throughput.png",  # the images performance.md shows
-                     "outbox/dashboard/templates/base.html", "outbox/dashboard/templates/overview.html",
-                     "outbox/dashboard/static/htmx.min.js", "outbox/dashboard/static/style.css",
-                     "outbox/dashboard/static/NOTICE", "outbox/docs/dashboard.md",
+                     "outbox/ops/dashboard/templates/base.html", "outbox/ops/dashboard/templates/overview.html",
+                     "outbox/ops/dashboard/static/htmx.min.js", "outbox/ops/dashboard/static/style.css",
+                     "outbox/ops/dashboard/static/NOTICE", "outbox/docs/dashboard.md",
                      "outbox/docs/img/dashboard-overview.png"):
         assert required in names, sorted(names)
-    shipped = {f"outbox/dashboard/{p.relative_to(REPO / 'outbox' / 'dashboard').as_posix()}"
-               for folder in ("templates", "static") for p in (REPO / "outbox" / "dashboard" / folder).iterdir()}
+    shipped = {f"outbox/ops/dashboard/{p.relative_to(REPO / 'outbox' / 'ops' / 'dashboard').as_posix()}"
+               for folder in ("templates", "static") for p in (REPO / "outbox" / "ops" / "dashboard" / folder).iterdir()}
     assert shipped <= names, sorted(shipped - names)  # every template and asset of the dashboard
     assert not any(name.startswith("tests/") for name in names)
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
-    assert "outbox-relay = outbox.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "outbox-relay = outbox.ops.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def _revision_file() -> str:
@@ -103,7 +103,7 @@ def test_installed_wheel_migrates_a_fresh_database(wheel, tmp_path, empty_db_url
     assert (env_dir / "bin" / "outbox-relay").exists()  # the console script was installed
 
     url = empty_db_url.render_as_string(hide_password=False)
-    result = run(python, "-m", "outbox.cli", "migrate", "--database-url", url, cwd=elsewhere)
+    result = run(python, "-m", "outbox.ops.cli", "migrate", "--database-url", url, cwd=elsewhere)
     assert result.stdout == f"outbox schema public at revision {head_revision()}\n"
 
     engine = make_engine(empty_db_url)

@@ -1,4 +1,4 @@
-"""The wake-up cooldown's rule (``outbox.notify.Cooldown``), without a clock to wait on:
+"""The wake-up cooldown's rule (``outbox.relay.notify.Cooldown``), without a clock to wait on:
 each case would block for the cooldown's ten seconds if the rule were broken."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from outbox.notify import Cooldown
+from outbox.relay.notify import Cooldown
 
 
 def test_the_first_round_and_a_round_after_a_full_batch_start_at_once() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from outbox.counters import Counters
+from outbox.relay.counters import Counters
 
 
 def test_names_start_at_zero_and_others_appear_on_first_add():

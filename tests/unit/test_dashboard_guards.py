@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] (starlette) is not installed")
 
-from outbox.dashboard.accesslog import QueryRedactor, redact_target  # noqa: E402
-from outbox.dashboard.origin import HostPolicy, parse_host, same_origin  # noqa: E402
-from outbox.dashboard.throttle import LoginThrottle, client_key, retry_after  # noqa: E402
 from outbox.errors import ConfigurationError  # noqa: E402
+from outbox.ops.dashboard.accesslog import QueryRedactor, redact_target  # noqa: E402
+from outbox.ops.dashboard.origin import HostPolicy, parse_host, same_origin  # noqa: E402
+from outbox.ops.dashboard.throttle import LoginThrottle, client_key, retry_after  # noqa: E402
 
 # ----------------------------------------------------------------------------- Host
 

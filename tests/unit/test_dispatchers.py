@@ -1,4 +1,4 @@
-"""What several dispatchers of one relay share (outbox/dispatcher.py, outbox/notify.py): the
+"""What several dispatchers of one relay share (outbox/relay/dispatcher.py, outbox/relay/notify.py): the
 relay's row, whose rewrite waits for the claims in flight and holds new ones back, and
 the wake-ups, which reach every dispatcher. No database: the rules are in Python."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import threading
 
-from outbox.claims import HeldClaims
-from outbox.dispatcher import RelayRow
-from outbox.notify import Wakeup
+from outbox.relay.claims import HeldClaims
+from outbox.relay.dispatcher import RelayRow
+from outbox.relay.notify import Wakeup
 
 WAIT = 5.0  # seconds a thread gets to reach a point it must reach
 BLOCKED = 0.3  # seconds a thread that must stay blocked is watched
@@ -96,9 +96,9 @@ def test_each_dispatcher_takes_one_closing_marker_and_puts_back_another_it_meets
     import sqlalchemy as sa
 
     from outbox import Outbox
-    from outbox.runner import JobRunner
+    from outbox.relay.runner import JobRunner
+    from outbox.relay.worker import Outcome
     from outbox.settings import OutboxSettings
-    from outbox.worker import Outcome
 
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
@@ -121,7 +121,7 @@ def test_the_shared_hint_is_where_the_latest_claim_stopped_even_before_an_earlie
     claim's worth, for the next claim from the head)."""
     from datetime import UTC, datetime
 
-    from outbox.producer import ClaimHint
+    from outbox.relay.producer import ClaimHint
 
     at = datetime(2026, 12, 2, tzinfo=UTC)
     hint = ClaimHint()

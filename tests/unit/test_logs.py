@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import logging
 
-from outbox.logs import JsonFormatter, job_fields
-from outbox.router import UnsubscribedTopics
+from outbox.relay.router import UnsubscribedTopics
+from outbox.telemetry.logs import JsonFormatter, job_fields
 from outbox.testing import make_job
 
 
 def _record(message: str, *args: object, **extra: object) -> logging.LogRecord:
-    record = logging.LogRecord("outbox.worker", logging.ERROR, __file__, 1, message, args, None)
+    record = logging.LogRecord("outbox.relay.worker", logging.ERROR, __file__, 1, message, args, None)
     for key, value in extra.items():
         setattr(record, key, value)
     return record
@@ -24,7 +24,7 @@ def test_a_json_line_holds_the_message_and_the_structured_fields():
     assert "\n" not in line  # one line, whatever the fields hold
     entry = json.loads(line)
     assert entry["message"] == "dead-lettered job 7 (c)" and entry["level"] == "ERROR"
-    assert entry["logger"] == "outbox.worker" and entry["ts"].endswith("+00:00")
+    assert entry["logger"] == "outbox.relay.worker" and entry["ts"].endswith("+00:00")
     assert {k: entry[k] for k in ("job_id", "event_id", "consumer", "fence", "attempt", "outcome", "error")} == {
         "job_id": 7, "event_id": 3, "consumer": "c", "fence": 11, "attempt": 2, "outcome": "dead", "error": "x\ny"}
     assert "args" not in entry and "msg" not in entry  # the record's own attributes stay out
@@ -45,7 +45,7 @@ def test_a_field_json_cannot_encode_is_written_as_text_and_a_traceback_kept():
 def test_an_unsubscribed_topic_is_warned_about_once_a_minute_with_the_events_since(caplog):
     now = [1000.0]
     topics = UnsubscribedTopics(clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="outbox.router"):
+    with caplog.at_level(logging.WARNING, logger="outbox.relay.router"):
         topics.routed({"order.palced": 2})
         now[0] += 10
         topics.routed({"order.palced": 3, "other": 1})
@@ -67,7 +67,7 @@ def test_unsubscribed_topics_remembered_are_bounded():
 
 
 def test_a_summary_names_the_count_the_consumers_and_a_few_ids():
-    from outbox.logs import SUMMARY_IDS, job_summary
+    from outbox.telemetry.logs import SUMMARY_IDS, job_summary
 
     jobs = [make_job({}, consumer="a" if i % 3 else "b", id=100 + i) for i in range(12)]
     text, fields = job_summary(jobs, "lease_lost")
@@ -85,7 +85,7 @@ def _client_record(name: str, level: int, msg: str, *args: object) -> logging.Lo
 
 
 def test_broker_client_noise_is_written_at_debug_and_other_records_pass():
-    from outbox.logs import ClientNoise
+    from outbox.telemetry.logs import ClientNoise
 
     noise = ClientNoise()
     closed = _client_record("aiormq.connection", logging.ERROR, 'Unexpected connection close from remote "%s", '
@@ -107,7 +107,7 @@ def test_broker_client_noise_is_written_at_debug_and_other_records_pass():
 
 
 def test_an_aio_pika_callback_error_is_noise_only_when_the_error_is_aiormqs():
-    from outbox.logs import ClientNoise
+    from outbox.telemetry.logs import ClientNoise
 
     class ConnectionChannelError(Exception):  # as aiormq's, by module
         __module__ = "aiormq.exceptions"

@@ -1,4 +1,4 @@
-"""The relay's shared reconnect policy (outbox/reconnect.py): waits after a lost connection
+"""The relay's shared reconnect policy (outbox/relay/reconnect.py): waits after a lost connection
 end as soon as any loop gets through; other errors keep their backoff."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 import psycopg
 
-from outbox.reconnect import Reconnector
+from outbox.relay.reconnect import Reconnector
 
 
 def _waiter(reconnect: Reconnector, exc: BaseException, stop: threading.Event) -> tuple[threading.Thread, list[float]]:

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from outbox import OutboxSettings
 from outbox.backoff import retry_delay
-from outbox.cli import _settings, build_parser
+from outbox.ops.cli import _settings, build_parser
 
 
 @pytest.fixture(autouse=True)

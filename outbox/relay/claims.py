@@ -1,0 +1,360 @@
+"""The claims one job runner holds, and the signals its parts stop by.
+
+:class:`HeldClaims` is the one piece of state the runner's parts share (architecture notes,
+"The job runner"): the producer adds the claims it takes, the starter moves buffered ones
+to workers, the workers post outcomes, the completer forgets what it has written, the
+heartbeat renews what is held, and ``stop()`` releases what is left. Everything in it is
+read and changed under one lock, so each part sees one consistent picture:
+
+* ``inflight``: every claim held, by fence (a fence names one claim, while a job id may be
+  held twice: an attempt that outlived its lease, and the re-claim that took it over);
+* ``buffer``: claimed jobs whose handler has not started, in claim order; ``buffered``
+  holds their fences until the starter's statement has unlisted them from the relay's row
+  of ``outbox_relays`` (``stop()`` leaves those to the dispatcher);
+* ``expected``: jobs asked for by claims in flight (a runner with several dispatchers
+  has several), counted as taken until each claim has handed its jobs over, so two
+  claims never both fill the same room;
+* ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
+  (a hung one included, after its timeout), plus slots reserved by a claim in flight that
+  will hand jobs over, so none is over-issued;
+* ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
+  forwarder and not yet acknowledged by their broker. They take no worker slot but a place
+  in the forwarding window (``window``: messages in flight at once, the relay's
+  ``forward_window``), so a broker's acknowledgements, not the worker threads, pace them.
+  A forwarder's job is always buffered first (listed) and handed over by the starter only
+  when the window has room, so a claim it has not sent costs no attempt. A full window is
+  topped up once an eighth of it is free (or as much as the buffer holds): a hand-off of
+  dozens, not one statement per acknowledgement, while the broker keeps seven eighths in
+  flight;
+* ``hung``: of the slots taken, those held by handlers that ran past their timeout (their
+  attempt already failed, their thread still running: :mod:`outbox.relay.watchdog`);
+* ``finishing``: fences whose outcome is being written (a heartbeat that misses their row
+  does not take it for a lost lease); ``released``: fences released at shutdown while
+  their handler ran (their late result is expected to be stale);
+* ``reported``: fences whose loss a summary line has named (a lost lease, a buffered lease
+  run out, a stale report), so the parts that notice it later log it at DEBUG only
+  (:mod:`outbox.telemetry.logs`, "One line per state change").
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from outbox.job import Job
+
+
+@dataclass(frozen=True, slots=True)
+class Signals:
+    """How the runner's threads are told to stop, in order: ``stop_claiming`` (claim no
+    more), ``draining`` (release buffered claims, start no handler), ``stopped`` (every
+    loop ends). Each dispatcher says when it has no claim in flight any more
+    (:attr:`outbox.relay.dispatcher.Dispatcher.closed`)."""
+
+    stop_claiming: threading.Event = field(default_factory=threading.Event)
+    draining: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+
+class HeldClaims:
+    """The claims a runner with ``concurrency`` worker slots holds (see the module notes);
+    the jobs of the consumers in ``forwarding`` go to the forwarder instead, up to
+    ``window`` at once. Thread-safe: every method takes :attr:`lock`; :attr:`changed` (on
+    the same lock) is notified when the buffer grows or a slot comes free."""
+
+    def __init__(self, concurrency: int, window: int = 0, forwarding: Iterable[str] = ()) -> None:
+        self.concurrency = concurrency
+        self.window = window
+        # Room in the forwarding window worth a hand-off when the buffer holds more.
+        self.refill = max(1, window // 8)
+        self.forwarding = frozenset(forwarding)
+        self.forward_issued = 0
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.inflight: dict[int, Job] = {}
+        self.buffer: collections.deque[Job] = collections.deque()
+        self.buffered: set[int] = set()
+        self.issued = 0
+        self.expected = 0
+        self.hung = 0
+        self.finishing: set[int] = set()
+        self.released: set[int] = set()
+        self.reported: set[int] = set()
+
+    def count(self) -> int:
+        """Claims held: buffered, running, or waiting for their outcome to be written."""
+        with self.lock:
+            return len(self.inflight)
+
+    def count_unfinished(self) -> int:
+        """Claims held whose handler has not returned: buffered or running (:meth:`count`
+        without the ones whose outcome is being written)."""
+        with self.lock:
+            return len(self.inflight.keys() - self.finishing)
+
+    def taken(self) -> int:
+        """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims
+        in flight: what counts against ``concurrency + window + prefetch``."""
+        with self.lock:
+            return self._taken()
+
+    def _taken(self) -> int:
+        """(Caller holds the lock.) What :meth:`taken` says."""
+        return self.issued + self.forward_issued + len(self.buffer) + self.expected
+
+    def expect(self, want: int, limit: int) -> int:
+        """A claim of up to ``want`` jobs is about to be sent, with at most ``limit`` held in
+        all: returns how many it may ask for (``want``, or less when other claims in flight
+        took the room meanwhile), counted as taken until :meth:`unexpect`."""
+        with self.lock:
+            n = max(0, min(want, limit - self._taken()))
+            self.expected += n
+            return n
+
+    def unexpect(self, n: int) -> None:
+        """The claim that :meth:`expect` counted ``n`` for has handed its jobs over (or failed)."""
+        with self.lock:
+            self.expected -= n
+
+    def has_idle_worker(self) -> bool:
+        """Whether more workers (and places in the forwarding window) are idle than buffered
+        jobs wait for them."""
+        with self.lock:
+            return self.concurrency - self.issued + self.window - self.forward_issued > len(self.buffer)
+
+    def is_forwarded(self, job: Job) -> bool:
+        """Whether ``job`` belongs to a forwarder (its sink sends it; no worker runs it)."""
+        return job.consumer in self.forwarding
+
+    def can_start(self) -> bool:
+        """(Caller holds the lock.) Whether a buffered job could start now: one for a
+        worker while a worker slot is free, or one for the forwarder while its window has
+        room."""
+        if not self.buffer:
+            return False
+        workers = self.issued < self.concurrency
+        if not self.forwarding:
+            return workers
+        window = self.forward_room() > 0
+        return any(window if job.consumer in self.forwarding else workers for job in self.buffer)
+
+    def forward_room(self) -> int:
+        """(Caller holds the lock.) How many buffered jobs may go to the forwarder now: the
+        room in the forwarding window, once it is at least an eighth of the window or all the
+        buffer holds (0 before: the broker still has most of the window in flight, and a
+        hand-off of a few jobs would cost a statement for each acknowledgement)."""
+        room = self.window - self.forward_issued
+        return room if room >= min(self.refill, len(self.buffer)) else 0
+
+    def has_buffer(self) -> bool:
+        with self.lock:
+            return bool(self.buffer)
+
+    def buffer_fences(self) -> list[int]:
+        """Fences of the buffered claims still listed in the relay's row."""
+        with self.lock:
+            return list(self.buffered)
+
+    def take_buffer(self) -> list[Job]:
+        """Everything still buffered, off the buffer (to be released)."""
+        with self.lock:
+            jobs = list(self.buffer)
+            self.buffer.clear()
+            for job in jobs:
+                self.buffered.discard(job.fence)
+        return jobs
+
+    def abandon_buffer(self) -> int:
+        """Forget the buffered claims (closing without a database); returns how many."""
+        with self.lock:
+            n = len(self.buffer)
+            for job in self.buffer:
+                self.inflight.pop(job.fence, None)
+            self.buffered.clear()
+            self.buffer.clear()
+        return n
+
+    def reserve(self, want: int) -> int:
+        """Reserve idle worker slots (at most ``want``) for jobs about to be claimed, so the
+        starter does not hand buffered jobs to them meanwhile; returns how many."""
+        with self.lock:
+            n = max(0, min(want, self.concurrency - self.issued))
+            self.issued += n
+        return n
+
+    def unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved slots the claim did not fill."""
+        if n:
+            with self.changed:
+                self.issued -= n
+                if self.buffer:
+                    self.changed.notify()
+
+    def issue(self, jobs: list[Job]) -> None:
+        """Hold jobs just claimed for the worker slots reserved for them (never listed as
+        buffered). A forwarder's jobs never come here: they are always buffered, and the
+        starter hands them to the forwarder (:meth:`take_startable`)."""
+        with self.lock:
+            for job in jobs:
+                self.inflight[job.fence] = job
+
+    def hold(self, jobs: list[Job]) -> None:
+        """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
+        claim order: jobs claimed from the head after a hint (handed back by another relay)
+        sort before the backlog already buffered, and start first."""
+        if not jobs:
+            return
+        with self.changed:
+            for job in jobs:
+                self.inflight[job.fence] = job
+                self.buffered.add(job.fence)
+            if self.buffer and jobs[0]._claim_order < self.buffer[-1]._claim_order:
+                merged = heapq.merge(self.buffer, jobs, key=lambda j: j._claim_order)
+                self.buffer = collections.deque(merged)
+            else:
+                self.buffer.extend(jobs)
+            self.changed.notify()
+
+    def take_startable(self, now: float) -> tuple[list[Job], list[Job], list[Job]]:
+        """(Caller holds the lock.) Off the buffer, in claim order: as many jobs for the
+        workers as slots are idle, and as many forwarded jobs as the window has room for,
+        their places taken; and the ones whose lease ran out (by monotonic ``now``) while
+        they waited. Returns (jobs for the workers, jobs for the forwarder, expired)."""
+        jobs: list[Job] = []
+        forwards: list[Job] = []
+        expired: list[Job] = []
+        free = self.concurrency - self.issued
+        room = self.forward_room() if self.forwarding else 0
+        kept: collections.deque[Job] = collections.deque()
+        while self.buffer and (free > 0 or room > 0):
+            job = self.buffer.popleft()
+            forwarded = job.consumer in self.forwarding
+            if (room if forwarded else free) <= 0:
+                kept.append(job)
+            elif job.lease_lost or now >= job._lease_bound:
+                self.buffered.discard(job.fence)
+                expired.append(job)
+            elif forwarded:
+                forwards.append(job)
+                room -= 1
+            else:
+                jobs.append(job)
+                free -= 1
+        if kept:
+            self.buffer.extendleft(reversed(kept))
+        self.issued += len(jobs)
+        self.forward_issued += len(forwards)
+        return jobs, forwards, expired
+
+    def put_back(self, jobs: list[Job]) -> None:
+        """Jobs the starter took could not be unlisted: back at the head, still listed, their
+        places given back."""
+        with self.changed:
+            forwarded = sum(1 for job in jobs if job.consumer in self.forwarding)
+            self.issued -= len(jobs) - forwarded
+            self.forward_issued -= forwarded
+            self.buffer.extendleft(reversed(jobs))
+
+    def unlisted(self, jobs: list[Job]) -> None:
+        """The starter's statement unlisted ``jobs`` from the relay's row."""
+        with self.lock:
+            for job in jobs:
+                self.buffered.discard(job.fence)
+
+    def slot_freed(self, job: Job) -> None:
+        """``job``'s handler returned (a forwarded job: its broker answered): its slot is
+        free, its outcome about to be written."""
+        with self.changed:
+            forwarded = job.consumer in self.forwarding
+            if forwarded:
+                self.forward_issued -= 1
+            else:
+                self.issued -= 1
+            self.finishing.add(job.fence)
+            # The starter sleeps while the buffer is empty, and needs no wake-up for a place
+            # in the window before it is worth a hand-off.
+            if self.buffer and (not forwarded or self.forward_room() > 0):
+                self.changed.notify()
+
+    def hang(self) -> int:
+        """A handler ran past its timeout and keeps its slot; returns how many slots hung
+        handlers hold now."""
+        with self.lock:
+            self.hung += 1
+            return self.hung
+
+    def unhang(self) -> int:
+        """A hung handler returned at last: its slot is free; returns how many are still hung."""
+        with self.changed:
+            self.hung -= 1
+            self.issued -= 1
+            if self.buffer:
+                self.changed.notify()
+            return self.hung
+
+    def all_hung(self) -> bool:
+        """Whether hung handlers hold every slot (nothing claimed could run)."""
+        with self.lock:
+            return self.hung >= self.concurrency
+
+    def mark_finishing(self, job: Job) -> None:
+        """``job``'s outcome is about to be written: a heartbeat that misses the row from
+        now on must not take it for a lost lease."""
+        with self.lock:
+            self.finishing.add(job.fence)
+
+    def unmark_finishing(self, job: Job) -> None:
+        with self.lock:
+            self.finishing.discard(job.fence)
+
+    def forget(self, jobs: Iterable[Job]) -> None:
+        """``jobs``' outcomes are written (or given up): no longer held."""
+        with self.lock:
+            for job in jobs:
+                self.inflight.pop(job.fence, None)
+                self.finishing.discard(job.fence)
+                self.reported.discard(job.fence)
+
+    def renewable(self) -> list[Job]:
+        """The claims a heartbeat should renew: every one held whose lease is not lost."""
+        with self.lock:
+            return [j for j in self.inflight.values() if not j.lease_lost]
+
+    def lost(self, jobs: list[Job], owned: set[int]) -> list[Job]:
+        """Of ``jobs`` just heartbeated, those still held and not finishing whose fence is
+        not in ``owned``: their lease is lost."""
+        with self.lock:
+            return [j for j in jobs
+                    if j.fence not in owned and j.fence in self.inflight and j.fence not in self.finishing]
+
+    def first_reports(self, jobs: Iterable[Job]) -> list[Job]:
+        """Of ``jobs``, whose claims this relay no longer owns, those no summary line has
+        named yet, now marked named (until forgotten): a job lost in one fault is summarised
+        once, by the first part that notices (heartbeat, starter or completer)."""
+        with self.lock:
+            first = [j for j in jobs if j.fence not in self.reported]
+            self.reported.update(j.fence for j in first)
+            return first
+
+    def unfinished(self) -> list[Job]:
+        """Claims neither buffered nor finishing: handlers still running (shutdown)."""
+        with self.lock:
+            return [j for j in self.inflight.values() if j.fence not in self.finishing and j.fence not in self.buffered]
+
+    def released_at_shutdown(self, jobs: list[Job]) -> None:
+        """``jobs`` were released while their handlers ran: no longer held."""
+        with self.lock:
+            for job in jobs:
+                if self.inflight.pop(job.fence, None) is not None:
+                    self.released.add(job.fence)
+
+    def was_released(self, job: Job) -> bool:
+        with self.lock:
+            return job.fence in self.released
+
+    def wake_all(self) -> None:
+        with self.changed:
+            self.changed.notify_all()

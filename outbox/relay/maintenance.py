@@ -1,0 +1,228 @@
+"""Maintenance: the reaper, the pruner, dead letters and redrive.
+
+Reaper: a job whose lease expired (its worker crashed, hung or was paused longer than the
+lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, with
+``last_error`` saying the lease expired. It locks with ``SKIP LOCKED``, so any number of
+relays may reap at once, and a job being completed at that very moment (its row locked)
+is skipped rather than overwritten; the completion's own fence check then decides.
+
+Pruner: deletes done and cancelled jobs older than ``retention_done`` seconds, then events older than
+``retention_events`` seconds that have no job left, then the rows of relays gone for
+``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned: they wait
+for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
+batches, so pruning never holds long locks. When the server's autovacuum is off (for the
+server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
+round, and says so once at start.
+
+Upkeep that needs ownership: ``ANALYZE`` (the router's :class:`outbox.relay.router.StatisticsKeeper`)
+and ``VACUUM`` (above) of the queue's tables are allowed only to their owner (the role that
+ran ``outbox-relay migrate``), the database's owner, a superuser or, on PostgreSQL 17 and
+later, a role granted ``MAINTAIN`` on them. A relay running as a role of its own without it
+skips both, saying so in one WARNING (:class:`TableUpkeep`), and leaves them to autovacuum
+(operations notes, "Roles").
+
+Every function works on the tables of its ``schema`` argument (None: the process default,
+:func:`outbox.settings.default_schema`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from outbox.db import queries
+from outbox.relay.poison import (
+    Quarantine,
+    describe_error,
+    try_record,
+    whole_or_halves,
+)
+
+log = logging.getLogger(__name__)
+
+REAP_BATCH = 1000
+PRUNE_BATCH = 5000
+#: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
+#: one does at least every ``dispatcher.RELAY_SEEN_INTERVAL``) and holds no running job is
+#: forgotten by the pruner.
+RELAY_GONE_AFTER = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    """Jobs taken back by one reaper round: ``retried`` (back to ready, attempt counted),
+    ``dead`` (that was the last attempt), ``unstarted`` (back to ready with the attempt
+    given back: the claim sat in a relay's prefetch buffer and its handler never ran)."""
+
+    retried: int
+    dead: int
+    unstarted: int = 0
+
+
+def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quarantine | None = None, *,
+                 schema: str | None = None) -> ReapResult:
+    """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
+    transaction; logs one line per job dead-lettered.
+
+    A data error is confined to the jobs that cause it (:mod:`outbox.relay.poison`): the expired
+    jobs are reaped by halves, each try in a SAVEPOINT, and a job whose reaping fails alone
+    is dead-lettered with a ``last_error`` naming the error, or, where even that fails,
+    kept in ``quarantine`` (skipped by later rounds for a while)."""
+    quarantine = quarantine if quarantine is not None else Quarantine("job")
+    skip = quarantine.ids()
+    statements = queries.in_schema(schema)
+
+    def reap(only: Sequence[int] | None) -> Sequence[Any]:
+        with conn.begin_nested():
+            return conn.execute(statements.job_reap_many, {
+                "limit": limit, "skip": skip, "only": None if only is None else list(only)}).all()
+
+    parts, poisoned = whole_or_halves(
+        "reaping", lambda: reap(None),
+        lambda: list(conn.execute(statements.job_reap_candidates, {"limit": limit, "skip": skip}).scalars()), reap)
+    rows = [row for part in parts for row in part]
+    if poisoned:
+        buried = _bury_many(conn, poisoned, statements.job_bury_expired, "reaping", quarantine)
+        log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
+                  describe_error(poisoned[0][1]))
+    dead = [r for r in rows if r.status == "dead"]
+    unstarted = sum(1 for r in rows if r.unstarted)
+    for r in dead:
+        log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts,
+                  extra={"job_id": r.id, "consumer": r.consumer, "attempt": r.attempts, "outcome": "dead"})
+    if len(rows) > len(dead) + unstarted:
+        log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead) - unstarted)
+    if unstarted:
+        log.info("reaper: %d jobs whose relay stopped before starting them back to ready, attempt not counted",
+                 unstarted)
+    return ReapResult(retried=len(rows) - len(dead) - unstarted, dead=len(dead), unstarted=unstarted)
+
+
+def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], statement: Any, doing: str,
+               quarantine: Quarantine) -> list[int]:
+    """Dead-letter each job of ``poisoned`` (id, error) with ``statement`` (``:id``,
+    ``:error``), each in a SAVEPOINT; a job even that fails for goes to ``quarantine``.
+    Returns the ids dead-lettered."""
+    buried = []
+    for job_id, exc in poisoned:
+        error = f"{doing.capitalize()} failed for this job: {describe_error(exc)}"
+
+        def write() -> bool:
+            with conn.begin_nested():
+                return conn.execute(statement, {"id": job_id, "error": error}).rowcount == 1
+
+        dead = try_record(write)
+        if dead is None:
+            quarantine.add(job_id, exc, doing)
+        elif dead:
+            buried.append(job_id)
+    return buried
+
+
+def prune(conn: Connection, done_older_than: float, events_older_than: float,
+          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
+          schema: str | None = None) -> tuple[int, int]:
+    """Delete up to ``limit`` done jobs and up to ``limit`` cancelled jobs finished more than
+    ``done_older_than`` seconds ago (counted together) and up to
+    ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
+    (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
+    the application's pointing at an event) is found by halves (:mod:`outbox.relay.poison`) and
+    kept in ``quarantine``: it stays, logged, and every other row is pruned."""
+    quarantine = quarantine if quarantine is not None else Quarantine("row")
+    statements = queries.in_schema(schema)
+    jobs = _prune_by_halves(conn, statements.job_prune_done_many, statements.job_prune_candidates,
+                            done_older_than, limit, quarantine, "pruning the done job")
+    jobs += _prune_by_halves(conn, statements.job_prune_cancelled_many, statements.job_prune_cancelled_candidates,
+                             done_older_than, limit, quarantine, "pruning the cancelled job")
+    events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
+                              events_older_than, limit, quarantine, "pruning the event")
+    return jobs, events
+
+
+def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than: float, limit: int,
+                     quarantine: Quarantine, doing: str) -> int:
+    skip = quarantine.ids()
+
+    def run(only: Sequence[int] | None) -> int:
+        with conn.begin_nested():
+            return len(conn.execute(delete, {"older_than": older_than, "limit": limit, "skip": skip,
+                                             "only": None if only is None else list(only)}).all())
+
+    parts, poisoned = whole_or_halves(
+        doing, lambda: run(None),
+        lambda: list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars()), run)
+    for row_id, exc in poisoned:
+        quarantine.add(row_id, exc, doing)
+    return sum(parts)
+
+
+def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER, *, schema: str | None = None) -> int:
+    """Forget relays (rows of ``outbox_relays``) not seen for ``older_than`` seconds that
+    hold no running job: killed relays, whose buffer lists no claim the reaper could still
+    meet. Returns how many were removed."""
+    return conn.execute(queries.in_schema(schema).relay_prune_many, {"older_than": older_than}).rowcount
+
+
+def autovacuum_enabled(conn: Connection, *, schema: str | None = None) -> bool:
+    """True when the server's autovacuum will visit ``outbox_jobs`` (on globally, not off
+    for the table)."""
+    return bool(conn.execute(queries.in_schema(schema).autovacuum_enabled).scalar_one())
+
+
+class TableUpkeep:
+    """Whether this relay's role may ``ANALYZE`` and ``VACUUM`` outbox's queue tables
+    (``outbox_jobs``, ``outbox_events``; see the module notes), asked of the database each
+    time one of them is due, so a privilege granted later is used from then on. The first
+    time the answer is no, one WARNING says what is skipped and what it costs; never again
+    for this object (one per relay, shared by its router and maintenance loops:
+    thread-safe)."""
+
+    def __init__(self, schema: str | None = None) -> None:
+        self.statements = queries.in_schema(schema)
+        self.denied = 0  #: times the answer was no
+        self._warned = False
+        self._lock = threading.Lock()
+
+    def permitted(self, conn: Connection) -> bool:
+        """Ask on ``conn`` (any transaction state); warn once when the answer is no."""
+        if conn.execute(self.statements.job_tables_maintainable).scalar_one():
+            return True
+        with self._lock:
+            self.denied += 1
+            warn, self._warned = not self._warned, True
+        if warn:
+            log.warning("role %s may not ANALYZE or VACUUM %s.outbox_jobs and %s.outbox_events (only their owner "
+                        "may, or on PostgreSQL 17+ a role granted MAINTAIN): this relay skips both and leaves them "
+                        "to autovacuum; if autovacuum is off, the owner must run them (see the Roles section of "
+                        "the operations notes)", conn.execute(self.statements.current_role_name).scalar_one(),
+                        self.statements.schema, self.statements.schema)
+        return False
+
+
+def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
+    """``VACUUM`` ``outbox_jobs`` and ``outbox_events`` (``conn`` must be in autocommit).
+    The relay does this after pruning only when autovacuum is off: a queue's table turns
+    over every row it holds many times a minute, and without vacuum its dead rows, and
+    with them every index and every claim's scan, grow without bound."""
+    conn.execute(queries.in_schema(schema).job_tables_vacuum)
+
+
+def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+                 schema: str | None = None) -> Sequence[Any]:
+    """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
+    snoozes, finished_at, last_error."""
+    return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
+
+
+def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
+            schema: str | None = None) -> list[int]:
+    """Put dead jobs back to ``ready`` with a fresh attempt budget: the ones in ``ids``, or
+    all of ``consumer``, or (both None) every dead job. Returns the ids redriven; jobs
+    that are not dead are left alone."""
+    return list(conn.execute(queries.in_schema(schema).job_redrive_many, {
+        "ids": list(ids) if ids is not None else None, "consumer": consumer}).scalars())

@@ -1,0 +1,209 @@
+"""LISTEN/NOTIFY wake-ups. A notification is a hint, never the only trigger: the router
+and the dispatcher also poll every ``poll_interval`` seconds, so a notification missed
+while the listener was reconnecting only costs latency, never an event.
+
+The listener holds its own autocommit psycopg connection (not one from the pool) and
+``LISTEN``s on ``outbox_events`` (sent on commit of a publish) and ``outbox_jobs`` (sent on
+commit of routing); for a schema other than ``public``, on ``<schema>.outbox_events`` and
+``<schema>.outbox_jobs`` (:func:`outbox.db.tables.notify_channel`), so publishing into one
+schema never wakes the relays of another. When the connection breaks, for instance because the server restarted
+or ``pg_terminate_backend`` ended it, it reconnects through the relay's
+:class:`~outbox.relay.reconnect.Reconnector` (probing every 0.25-0.5 s while the database is
+unreachable, at once when another loop of the relay got through), listens again, announces
+to the relay's other loops that the database is reachable and wakes everyone once, since it
+may have missed notifications meanwhile. While idle it sends
+a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noticed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import psycopg
+from sqlalchemy.engine import URL
+
+from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, notify_channel
+from outbox.relay.reconnect import Reconnector
+
+log = logging.getLogger(__name__)
+
+#: Longest wait for notifications before checking ``stop`` again, seconds: how long
+#: :meth:`Listener.join` may take after ``stop`` is set.
+STOP_CHECK = 0.25
+#: Payload of a jobs notification saying the ready jobs changed ahead of every dispatcher's
+#: hint (``queries.jobs_notify_head``): released or reaped jobs, which keep their place.
+HEAD_PAYLOAD = "head"
+
+
+class Wakeup:
+    """Wakes the job runner's dispatcher for one of two reasons, told apart: :meth:`set`
+    says due jobs may be waiting (a NOTIFY on ``outbox_jobs``, the router created jobs, the
+    reaper took some back); :meth:`poke` says a worker has an outcome to write. The
+    dispatcher only polls the jobs table on the first reason (or after ``poll_interval``),
+    but writes outcomes at once on the second. ``set`` has the meaning of
+    ``threading.Event.set``, so a Wakeup goes wherever an event of "jobs ready" did.
+
+    A runner with several dispatchers gives each a :meth:`branch`: every ``set``, ``rewind``
+    and ``poke`` of this Wakeup reaches every branch, and each branch is waited on (and
+    cleared) by its own dispatcher alone, so no dispatcher takes another's wake-up."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._jobs = False
+        self._poked = False
+        self._rewind = False
+        self._branches: tuple[Wakeup, ...] = ()
+
+    def branch(self) -> Wakeup:
+        """A new Wakeup that receives every wake-up of this one from now on (for one
+        dispatcher of several; :meth:`wait` on this one is then never called)."""
+        child = Wakeup()
+        with self._cond:
+            self._branches = (*self._branches, child)
+        return child
+
+    def set(self) -> None:
+        """Due jobs may be waiting."""
+        with self._cond:
+            self._jobs = True
+            self._cond.notify_all()
+        for child in self._branches:
+            child.set()
+
+    def rewind(self) -> None:
+        """Due jobs may be waiting that sort before the key the dispatcher last claimed
+        (released or reaped jobs keep their early ``run_at``): its next claim starts at the
+        head of the ready jobs. Implies :meth:`set`."""
+        with self._cond:
+            self._rewind = self._jobs = True
+            self._cond.notify_all()
+        for child in self._branches:
+            child.rewind()
+
+    def take_rewind(self) -> bool:
+        """Whether :meth:`rewind` was called since the last call; clears it."""
+        with self._cond:
+            rewind, self._rewind = self._rewind, False
+            return rewind
+
+    def poke(self) -> None:
+        """An outcome (or a stop) wants the dispatcher's attention."""
+        for child in self._branches:
+            child.poke()
+        if self._poked:  # already pending: the dispatcher takes every queued outcome when it wakes
+            return
+        with self._cond:
+            self._poked = True
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None) -> tuple[bool, bool]:
+        """Block until :meth:`set` or :meth:`poke` (or ``timeout`` seconds, None = forever);
+        returns and clears ``(jobs_hint, poked)``."""
+        with self._cond:
+            if not (self._jobs or self._poked):
+                self._cond.wait(timeout)
+            woke = (self._jobs, self._poked)
+            self._jobs = self._poked = False
+            return woke
+
+
+class Cooldown:
+    """The shortest time between the starts of two rounds of one loop (the router, a
+    dispatcher), setting ``wake_cooldown`` in seconds: wake-ups that come closer together
+    share the next round. A loop calls :meth:`wait` before a round, :meth:`started` as the
+    round begins and :meth:`skip` after a round whose batch came back full (more work may be
+    waiting: the next round starts at once). Not thread-safe: one per loop."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._next = 0.0  # time.monotonic() before which no round starts
+
+    def wait(self, stop: threading.Event) -> None:
+        """Sleep until the cooldown since the last round's start has passed, or ``stop`` is set."""
+        pause = self._next - time.monotonic()
+        if pause > 0 and not stop.is_set():
+            stop.wait(pause)
+
+    def started(self) -> None:
+        """A round begins now."""
+        self._next = time.monotonic() + self.seconds
+
+    def skip(self) -> None:
+        """The round's batch came back full: no cooldown before the next one."""
+        self._next = 0.0
+
+
+class Listener:
+    """Sets ``wake_router`` on ``outbox_events`` notifications and ``wake_workers`` on
+    ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL; ``reconnect`` is
+    the relay's shared reconnect policy (default: one of its own with ``reconnect_max``
+    seconds of backoff for errors other than disconnects); ``schema`` the schema whose
+    channels it listens on (default ``public``)."""
+
+    def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event | Wakeup,
+                 stop: threading.Event, *, reconnect: Reconnector | None = None, reconnect_max: float = 10.0,
+                 keepalive: float = 15.0, schema: str = "public") -> None:
+        self.events_channel = notify_channel(EVENTS_CHANNEL, schema)
+        self.jobs_channel = notify_channel(JOBS_CHANNEL, schema)
+        self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
+        self.wake_router = wake_router
+        self.wake_workers = wake_workers
+        self.stop = stop
+        self.reconnect = reconnect or Reconnector(reconnect_max)
+        self.keepalive = keepalive
+        self.connected = threading.Event()
+        self.reconnects = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start listening in a daemon thread; returns at once (see :attr:`connected`)."""
+        self._thread = threading.Thread(target=self._run, name="outbox-listener", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait (at most ``timeout`` seconds) until the listener, once ``stop`` is set, has
+        closed its connection, so nothing of the relay stays connected after it stopped."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        failures = 0
+        while not self.stop.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5,
+                                     application_name="outbox-listener") as conn:
+                    # Quoted: a channel of another schema has a dot in its name (validated names only).
+                    conn.execute(f'LISTEN "{self.events_channel}"')
+                    conn.execute(f'LISTEN "{self.jobs_channel}"')
+                    self.connected.set()
+                    if failures:
+                        log.info("listening again after %d failed tries", failures)
+                        self.reconnects += 1
+                    failures = self.reconnect.recovered(0, "listener")  # the other loops retry at once
+                    # Anything may have been published while we were not listening.
+                    self.wake_router.set()
+                    self.wake_workers.set()
+                    self._listen(conn)
+            except psycopg.Error as exc:
+                self.connected.clear()
+                failures += 1
+                if failures == 1:
+                    log.warning("LISTEN connection lost (%s); reconnecting with backoff", type(exc).__name__)
+                self.reconnect.backoff(failures - 1, "listener", exc, self.stop, log_failure=False)
+        self.connected.clear()
+
+    def _listen(self, conn: psycopg.Connection) -> None:
+        last_check = time.monotonic()
+        while not self.stop.is_set():
+            for note in conn.notifies(timeout=STOP_CHECK, stop_after=64):
+                if note.channel == self.events_channel:
+                    self.wake_router.set()
+                elif note.payload == HEAD_PAYLOAD and isinstance(self.wake_workers, Wakeup):
+                    self.wake_workers.rewind()
+                else:
+                    self.wake_workers.set()
+            if time.monotonic() - last_check >= self.keepalive:
+                conn.execute("SELECT 1")
+                last_check = time.monotonic()

@@ -1,0 +1,339 @@
+"""The job runner: the parts that claim, run, heartbeat and finish a relay's jobs, wired.
+
+Threads (one concurrency model: threads, with one event loop per worker thread for
+``async def`` handlers), each running one part (architecture notes, "The job runner"):
+
+* the **dispatcher** (:class:`outbox.relay.dispatcher.Dispatcher`) owns one autocommit
+  connection and runs the rounds: the **producer** (:class:`outbox.relay.producer.Producer`:
+  room, the claim-order hint, claims, the prefetch buffer) claims, the **completer**
+  (:class:`outbox.relay.completer.Completer`) writes outcomes; completions and the next claim go
+  in one statement (``job_complete_claim_many``) when both are due;
+* the **starter** (:class:`outbox.relay.producer.Starter`) hands buffered jobs to workers as
+  they come free, on its own connection;
+* ``concurrency`` **worker threads** run handlers through the **executor**
+  (:class:`outbox.relay.worker.JobExecutor`, which runs one job and says how it ended;
+  ``outbox.testing.drain`` uses the same one); a worker is free again the moment its
+  handler returns (the claim stays held, and heartbeated, until its outcome is written);
+* the **heartbeat** (:class:`outbox.relay.heartbeat.Heartbeater`) renews the leases of every
+  claim held, buffered ones included, every lease/3 (of the shortest lease);
+* the **watchdog** (:class:`outbox.relay.watchdog.Watchdog`, only when a subscriber has a
+  ``timeout``) fails the attempts of handlers that run past their timeout;
+* the **forwarder** (:class:`outbox.relay.forwarder.Forwarder`, only when the registry declares
+  forwarders) sends forwarders' jobs to their brokers in batches, from one event loop, in
+  place of worker threads; its outcomes go to the dispatcher like the workers'.
+
+What they share is :class:`outbox.relay.claims.HeldClaims` (under one lock) and two queues: jobs
+to run (producer and starter to workers) and outcomes (workers to the dispatcher).
+
+Shutdown (:meth:`JobRunner.stop`): stop claiming, release buffered claims at once, let
+running handlers finish for the grace period, release (fenced) what is still held so other
+relays claim it at once, flush outcomes.
+
+Database outages: every loop retries and carries on, through the relay's shared
+:class:`~outbox.relay.reconnect.Reconnector`; an outcome that could not be written is retried
+until it is, or until the relay stops (then the lease expires and the reaper takes the job
+back: at-least-once).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from outbox.db.engine import describe, make_async_engine
+from outbox.errors import HandlerTimeoutError
+from outbox.job import Job
+from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
+from outbox.relay import poison, transaction
+from outbox.relay.claims import HeldClaims, Signals
+from outbox.relay.completer import Completer
+from outbox.relay.counters import Counters
+from outbox.relay.dispatcher import Dispatcher, RelayConnection, RelayRow
+from outbox.relay.forwarder import Forwarder
+from outbox.relay.heartbeat import Heartbeater
+from outbox.relay.notify import Wakeup
+from outbox.relay.producer import ClaimHint, Producer, Starter
+from outbox.relay.reconnect import Reconnector
+from outbox.relay.watchdog import Watchdog
+from outbox.relay.worker import (
+    Failure,
+    JobExecutor,
+    Outcome,
+    RelayInfo,
+    WorkerContext,
+    notify_head,
+    package_version,
+    release_jobs,
+)
+from outbox.settings import OutboxSettings
+from outbox.sinks import resend_span
+from outbox.telemetry.logs import job_fields
+from outbox.telemetry.metrics import RelayMetrics
+
+log = logging.getLogger(__name__)
+
+#: Longest stop() waits past the grace period for the dispatcher's last round to return,
+#: seconds: a claim still executing then has its jobs released, not left to their leases.
+STOP_ROUND_WAIT = 5.0
+
+
+class JobRunner:
+    """Claims and runs the jobs of ``registry``'s consumers until :meth:`stop` is called.
+
+    ``wake`` is set (by LISTEN, the router or the reaper) when new jobs may be ready;
+    polling every ``settings.poll_interval`` seconds is the fallback. The runner holds up to
+    ``concurrency + prefetch`` claims whose handlers have not returned: ``concurrency``
+    running and up to ``prefetch`` waiting in the buffer (their leases run from the claim
+    and are heartbeated like the running ones; on SIGTERM they are released at once).
+
+    Attempts and crashes: a claim counts an attempt, and the relay's row of
+    ``outbox_relays`` lists the fences of its buffered claims, written in the statement that
+    claims them and rewritten (without it) before a buffered job goes to a worker; the
+    reaper gives the attempt back to an expired claim still listed. So a ``kill -9`` never
+    charges a job whose handler had not started, and a handler that kills its process is
+    charged each time it starts.
+    """
+
+    def __init__(self, engine: Engine, registry: Outbox, settings: OutboxSettings,
+                 worker_id: str, wake: Wakeup, *, reconnect: Reconnector | None = None,
+                 async_engine: Callable[[], AsyncEngine] | None = None, metrics: RelayMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics  # outbox.telemetry.metrics: per-consumer counts and timings, when the relay serves them
+        self.settings = settings
+        self.schema = settings.schema_name  # every statement runs on this schema's tables
+        self.worker_id = worker_id
+        self.wake = wake
+        self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
+        self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
+        self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
+        self.stats = Counters(("claimed", "completed", "cancelled", "retried", "dead", "stale", "lease_lost",
+                               "released", "retried_in_place", "snoozed", "timed_out"))
+        # Handlers run in the worker threads through one executor; an async transactional
+        # handler's thread makes an async engine of one connection on first use.
+        self._async_engine = async_engine or (lambda: make_async_engine(
+            engine.url, pool_size=1, max_overflow=0, application_name="outbox-relay",
+            prepared_statements=settings.pooler == "none"))
+        forwarders = {c: s for c, s in self.subscribers.items() if s.sink is not None}
+        for consumer, sub in forwarders.items():  # before the forwarder connects them
+            within, why = resend_span(lease=self.leases[consumer], reap_interval=settings.reap_interval,
+                                      poll_interval=settings.poll_interval, timeout=sub.timeout or FORWARD_TIMEOUT,
+                                      max_attempts=sub.max_attempts, backoff_base=settings.backoff_base,
+                                      backoff_cap=settings.backoff_cap)
+            assert sub.sink is not None
+            sub.sink.expect_resends(within, f"forwarder {consumer}: {why}")
+        self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
+        self.signals = Signals()
+        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
+        hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
+        self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
+        row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
+            package_version(), tuple(registry.consumers), settings.concurrency))
+        self.dispatchers = [self._dispatcher(engine, row, hint, wake if settings.dispatchers == 1 else wake.branch())
+                            for _ in range(settings.dispatchers)]
+        self.dispatcher = self.dispatchers[0]
+        self.producer, self.completer = self.dispatcher.producer, self.dispatcher.completer
+        self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,
+                               self.signals, self.reconnect)
+        self.heartbeater = Heartbeater(engine, self.claims, min(self.leases.values(), default=30.0) / 3,
+                                       self.signals, self.reconnect, self.stats, self.schema, metrics=metrics)
+        self.watchdog = (Watchdog(self._timed_out)
+                         if any(s.timeout is not None and s.sink is None for s in registry) else None)
+        self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
+                                    held=self._holds, stopping=self.signals.draining,
+                                    completing=self.claims.mark_finishing,
+                                    abandoned=self.claims.unmark_finishing, stats=self.stats,
+                                    watchdog=self.watchdog)
+        self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
+                                   wake.poke, self.stats, metrics=metrics) if forwarders else None
+        if self.forwarder is not None:
+            for dispatcher in self.dispatchers:
+                dispatcher.producer.exclude(self.forwarder.unavailable)
+        self._threads: list[threading.Thread] = []
+
+    def _dispatcher(self, engine: Engine, row: RelayRow, hint: ClaimHint, wake: Wakeup) -> Dispatcher:
+        """One dispatcher with a connection, a producer and a completer of its own; what the
+        dispatchers share is the runner's claims, the relay's row and the outcomes queue."""
+        connection = RelayConnection(engine, row)
+        completer = Completer(self.claims, connection.get, self.stats, self.schema,
+                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics)
+        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, completer,
+                            self.stats, subscribers=self.subscribers, metrics=self.metrics, hint=hint,
+                            quarantine=self.quarantine)
+        return Dispatcher(self.settings, self.claims, producer, completer, connection, self._outcomes, wake,
+                          self.signals, self.reconnect)
+
+    # ------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Start the dispatcher, starter, worker and heartbeat threads (daemon threads, so a
+        handler stuck past the shutdown grace period cannot keep the process alive)."""
+        if not self.subscribers:
+            return
+        for n, dispatcher in enumerate(self.dispatchers):
+            self._spawn("outbox-dispatcher" + (f"-{n}" if n else ""), dispatcher.run)
+        self._spawn("outbox-starter", self.starter.run)
+        if self.forwarder is not None:
+            self._spawn("outbox-forwarder", self.forwarder.run)
+        if any(s.sink is None for s in self.subscribers.values()):
+            for n in range(self.settings.concurrency):
+                self._spawn(f"outbox-worker-{n}", self._work_loop)
+        self._spawn("outbox-heartbeat", self.heartbeater.run)
+        if self.watchdog is not None:
+            self._spawn("outbox-watchdog", self.watchdog.run)
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def in_flight(self) -> int:
+        """Claims this runner holds: buffered, running, or waiting for their outcome to be written."""
+        return self.claims.count()
+
+    def stop(self, grace: float, cut_short: threading.Event | None = None) -> None:
+        """Stop claiming; release buffered claims at once; let running handlers finish for up
+        to ``grace`` seconds (or until ``cut_short`` is set); release (fenced) what is still
+        held so other relays can claim it at once; flush outcomes.
+
+        A claim in flight when this is called is waited for (the dispatcher says when it has
+        stopped claiming, at most ``grace`` seconds): counting what is held before that
+        would miss the jobs the claim is about to return."""
+        if not self._threads:
+            return
+        signals = self.signals
+        signals.stop_claiming.set()
+        signals.draining.set()
+        self.wake.poke()
+        deadline = time.monotonic() + grace
+        cut = cut_short or threading.Event()
+        while (not all(d.closed.wait(0.02) for d in self.dispatchers) and time.monotonic() < deadline
+               and not cut.is_set()):
+            pass
+        while self.in_flight() and time.monotonic() < deadline and not cut.is_set():
+            time.sleep(0.02)
+        left = self.claims.unfinished()  # buffered claims are the dispatcher's to release (at once, draining)
+        if left:
+            for job in left:
+                job.mark_lease_lost()
+            self._release_now(left)
+        for _ in range(self.settings.concurrency):
+            self._todo.put(None)
+        for _ in self.dispatchers:
+            self._outcomes.put(None)  # one closing marker for each dispatcher
+        signals.stopped.set()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.wake.poke()
+        self.claims.wake_all()
+        for thread in self._threads:
+            if thread.name.startswith("outbox-dispatcher") or thread.name in ("outbox-starter", "outbox-forwarder"):
+                # Past the grace period only while a round is still out (a claim that returns
+                # late must still have its jobs released before the process exits).
+                thread.join(timeout=max(0.5, deadline - time.monotonic()) + STOP_ROUND_WAIT)
+            else:
+                thread.join(timeout=0.05)
+
+    def _release_now(self, jobs: list[Job]) -> None:
+        """Release, in one autocommit statement of their own, claims whose handlers are
+        still running at the end of the grace period."""
+        try:
+            with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                released = release_jobs(conn, jobs, schema=self.schema)
+                if released:
+                    notify_head(conn, schema=self.schema)
+        except DBAPIError as exc:
+            log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
+            return
+        self.stats.add("released", len(released))
+        if self.metrics is not None:
+            self.metrics.jobs("released", (j.consumer for j in jobs if j.id in released))
+        log.info("released %d jobs still running after the grace period", len(released),
+                 extra={"job_ids": sorted(released)})
+        self.claims.released_at_shutdown(jobs)
+
+    # ------------------------------------------------------------- workers
+
+    def _start(self, jobs: list[Job]) -> None:
+        """Start claimed jobs whose places are taken: forwarders' to the forwarder, the
+        others to the worker threads."""
+        forwarded = []
+        for job in jobs:
+            if self.claims.is_forwarded(job):
+                forwarded.append(job)
+            else:
+                self._todo.put(job)
+        if forwarded and self.forwarder is not None:
+            self.forwarder.submit(forwarded)
+
+    def _work_loop(self) -> None:
+        context = WorkerContext(self._async_engine)
+        try:
+            while True:
+                job = self._todo.get()
+                if job is None:
+                    break
+                if self.signals.draining.is_set() or job.lease_lost:
+                    self._post(job, Outcome.RELEASE)
+                    continue
+                started = job._started = time.monotonic()  # for metrics and the job's log lines
+                outcome = self.executor.run(job, self.subscribers[job.consumer], context)
+                job._ran = time.monotonic() - started
+                if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
+                    hung = self.claims.unhang()
+                    log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
+                             "slots still held by hung handlers)", job.id, job.consumer, hung, self.settings.concurrency,
+                             extra=job_fields(job))
+                else:
+                    self._post(job, outcome)
+        finally:
+            context.close()
+
+    def _post(self, job: Job, outcome: Any) -> None:
+        """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
+        (the claim stays held, and heartbeated, until the outcome is written)."""
+        self.claims.slot_freed(job)
+        self._post_outcome(job, outcome)
+
+    def _post_outcome(self, job: Job, outcome: Any) -> None:
+        self._outcomes.put((job, outcome))
+        self.wake.poke()
+
+    def _timed_out(self, job: Job, seconds: float) -> None:
+        """The watchdog fired: ``job``'s handler ran past its timeout. Its attempt fails
+        (counted, fenced; backoff, or dead when out of attempts) and the job goes back so
+        any relay can run it; the thread keeps its worker slot until it returns."""
+        self.stats.add("timed_out")
+        if self.metrics is not None:
+            self.metrics.jobs("timed_out", [job.consumer])
+        # The subscriber's timeout, not the watchdog's: an async handler is watched one second
+        # past it, as a backstop for one that blocks its event loop.
+        seconds = self.subscribers[job.consumer].timeout or seconds
+        hung = self.claims.hang()
+        log.warning("job %s (%s) fence %s: handler still running after its timeout of %gs; attempt %s/%s failed and "
+                    "the job handed back. Its thread cannot be stopped and keeps its worker slot: %d of %d slots "
+                    "held by hung handlers", job.id, job.consumer, job.fence, seconds, job.attempt, job.max_attempts,
+                    hung, self.settings.concurrency, extra=job_fields(job, outcome="timed_out", timeout_seconds=seconds))
+        if hung >= self.settings.concurrency:
+            log.error("every worker slot (%d) is held by a hung handler: this relay claims nothing, and hands its "
+                      "buffered jobs back, until one returns (restart it to free them)", hung)
+        outcome = self.executor.failure(job, HandlerTimeoutError(seconds))
+        if isinstance(outcome, Failure):
+            self.claims.mark_finishing(job)
+            self._post_outcome(job, replace(outcome, timed_out=True))
+        else:  # the claim was lost meanwhile: nothing to write, and nothing held any more
+            self.claims.forget([job])
+
+    def _holds(self, job: Job) -> bool:
+        """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its
+        lease not past the local bound renewed by each heartbeat."""
+        return not job.lease_lost and time.monotonic() < job._lease_bound
