@@ -20,7 +20,7 @@ EXCLUSIVE locks on both tables, which wait for every transaction using them (a c
 transactional handler holding its job) and, while waiting, queue every new statement on
 them behind the migration. So the drop waits at most ``LOCK_TIMEOUT`` for its locks, in a
 savepoint, and on a timeout gives them back, lets the queue move for ``RETRY_PAUSE`` and
-tries again, up to ``ATTEMPTS`` times (each retry logged as a warning of ``outbox.migrate``);
+tries again, up to ``ATTEMPTS`` times (each retry logged as a warning of ``outbox.db.migrate``);
 then the migration fails with PostgreSQL's lock timeout error and changes nothing (run it
 again when the queue is quieter). A deadlock is retried the same way: holding
 ``outbox_jobs``, the drop waits for ``outbox_events``, and a transaction that holds a lock on

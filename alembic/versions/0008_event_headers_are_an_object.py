@@ -60,7 +60,7 @@ ATTEMPTS = 10
 #: Most ids of rewritten events the warning names.
 IDS_SHOWN = 10
 
-log = logging.getLogger("outbox.migrate")
+log = logging.getLogger("outbox.db.migrate")  # the logger of outbox.db.migrate, which runs it
 
 
 def _with_short_locks(statement: str) -> None:

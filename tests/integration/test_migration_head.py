@@ -121,7 +121,7 @@ def tuned_head(monkeypatch: pytest.MonkeyPatch) -> Callable[..., ModuleType]:
 
 @pytest.fixture
 def retries(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
-    """The retry warnings the migration logged so far (``outbox.migrate``)."""
+    """The retry warnings the migration logged so far (``outbox.db.migrate``)."""
     caplog.set_level(logging.WARNING, logger="outbox.db.migrate")
     return lambda: [r.getMessage() for r in list(caplog.records)
                     if r.name == "outbox.db.migrate" and "trying again" in r.getMessage()]

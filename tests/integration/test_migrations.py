@@ -280,7 +280,7 @@ def test_migration_lock_key_is_the_documented_one():
     """The key operators look for in ``pg_locks`` is derived from a name, as documented."""
     import hashlib
 
-    derived = int.from_bytes(hashlib.sha256(b"outbox.db.migrate").digest()[:8], "big", signed=True)
+    derived = int.from_bytes(hashlib.sha256(b"outbox.migrate").digest()[:8], "big", signed=True)
     assert queries.SCHEMA_MIGRATE_LOCK_KEY == derived == 1152047312153713616
     assert ((derived >> 32) & 0xFFFFFFFF, derived & 0xFFFFFFFF) == (268231917, 895327184)  # classid, objid
 
