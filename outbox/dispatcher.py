@@ -256,6 +256,8 @@ class Dispatcher:
             if any(item is None for item in batch):
                 closing = True
                 batch = [item for item in batch if item is not None]
+            if not batch and cooldown.holding() and not signals.stop_claiming.is_set():
+                continue  # the outcomes that ended the wait went to another dispatcher: claims still wait
             want = 0 if signals.stop_claiming.is_set() else self.producer.room()
             has_done = any(o is Outcome.DONE for _, o in batch)
             flow = self.producer.flow

@@ -8,8 +8,8 @@ commit of routing); for a schema other than ``public``, on ``<schema>.outbox_eve
 ``<schema>.outbox_jobs`` (:func:`outbox.db.tables.notify_channel`), so publishing into one
 schema never wakes the relays of another. When the connection breaks, for instance because the server restarted
 or ``pg_terminate_backend`` ended it, it reconnects through the relay's
-:class:`~outbox.reconnect.Reconnector` (probing every 0.25-0.5 s while the database is
-unreachable, at once when another loop of the relay got through), listens again, announces
+:class:`~outbox.reconnect.Reconnector` (at once; then, while connecting fails, probing every
+0.25-0.5 s, and at once when another loop of the relay got through), listens again, announces
 to the relay's other loops that the database is reachable and wakes everyone once, since it
 may have missed notifications meanwhile. While idle it sends
 a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noticed.
@@ -148,6 +148,10 @@ class Cooldown:
         left = self._next - time.monotonic()
         if left > 0:
             pause(left)
+
+    def holding(self) -> bool:
+        """Whether the cooldown since the last round's start has not passed yet."""
+        return time.monotonic() < self._next
 
     def started(self) -> None:
         """A round begins now."""

@@ -15,8 +15,11 @@ def test_the_first_round_and_a_round_after_a_full_batch_start_at_once() -> None:
     idle = threading.Event()
     started = time.monotonic()
     cooldown.wait(idle.wait)  # no round yet
+    assert not cooldown.holding()
     cooldown.started()
+    assert cooldown.holding()
     cooldown.skip()  # its batch came back full
+    assert not cooldown.holding()
     cooldown.wait(idle.wait)
     assert time.monotonic() - started < 5.0
 
