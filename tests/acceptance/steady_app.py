@@ -1,14 +1,17 @@
 """The application of the steady-load fault tests (``--app tests.acceptance.steady_app:app``):
 one lease-mode consumer, ``steady``, of topic ``steady.tick``, whose handler does nothing
-but, when the relay's environment sets ``STEADY_LEDGER=1``, note each run that finished in
-table ``steady_runs`` (job id, fence, relay pid, database clock) on an autocommit connection
-of its own, as its last step: a job that has a row there for one fence and runs again under
-a higher one was re-run after its handler had finished. Nothing is read at import time.
+by default. The relay's environment tunes it: ``STEADY_WORK_MS`` (milliseconds the handler
+sleeps, as work, default 0) and ``STEADY_LEDGER=1`` (the handler notes each run that
+finished in table ``steady_runs``: job id, fence, relay pid, database clock, on an
+autocommit connection of its own, as its last step; a job that has a row there for one
+fence and another for a higher one was run again after its handler had finished). Nothing
+is read at import time.
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine
@@ -44,6 +47,7 @@ def _ledger() -> Engine:
 
 
 def tick(job: Job) -> None:
+    time.sleep(float(os.environ.get("STEADY_WORK_MS", "0")) / 1000)
     if os.environ.get("STEADY_LEDGER") == "1":
         with _ledger().connect().execution_options(isolation_level="AUTOCOMMIT") as c:
             c.execute(runs.insert().values(job_id=job.id, fence=job.fence, pid=os.getpid()))
