@@ -730,12 +730,13 @@ def steady(tmp_path: Path, db_url: URL, engine: sa.Engine) -> Iterator[Fleet]:
 #: Offered load of the backend-kill test, events (= jobs) a second; how long its kills last
 #: and how often a kill round comes, seconds.
 KILL_RATE, KILL_WINDOW, KILL_EVERY = 400.0, 30.0, 0.5
-#: Backlog bounds (unrouted events + ready jobs) during the kills: in a typical kill round
-#: (the median of the rounds' peaks) 0.15 s of the offered load, and at any moment two
-#: seconds of it (a shared machine has stalls of its own). A relay that takes each lost
-#: connection for the database down waits 0.25-0.5 s per kill before it claims or routes
-#: again, so nearly every round's peak passes the first bound (issue 26, item 7).
-KILL_ROUND_BOUND, KILL_PEAK_BOUND = int(KILL_RATE * 0.15), int(KILL_RATE * 2)
+#: Backlog bounds (unrouted events + ready jobs) during the kills: a quarter of a second of
+#: the offered load, which at most a tenth of the kill rounds may reach (their peaks sampled
+#: every 50 ms), and two seconds of it, which nothing may pass (a shared machine has stalls
+#: of its own). A relay that takes each lost connection for the database down waits
+#: 0.25-0.5 s per kill before it claims or routes again, unless another of its loops gets a
+#: round through first: most rounds reach the first bound (issue 26, item 7).
+KILL_ROUND_BOUND, KILL_PEAK_BOUND = int(KILL_RATE / 4), int(KILL_RATE * 2)
 
 
 def _backlog(conn: sa.Connection) -> int:
@@ -751,9 +752,9 @@ def test_backends_killed_every_half_second_under_steady_load(steady: Fleet, engi
     test terminates every backend of the relay in this database (pg_terminate_backend, LISTEN
     connection included) every KILL_EVERY seconds for KILL_WINDOW seconds. A lost connection
     is replaced at once, since a new one can be made: over the window the relay finishes at
-    least 95 % of the offered jobs, the median of the kill rounds' backlog peaks stays within
-    KILL_ROUND_BOUND and the backlog never passes KILL_PEAK_BOUND. Then the work drains and
-    the relay exits 0 on SIGTERM."""
+    least 95 % of the offered jobs, at most a tenth of the kill rounds see the backlog reach
+    KILL_ROUND_BOUND and it never passes KILL_PEAK_BOUND. Then the work drains and the relay
+    exits 0 on SIGTERM."""
     relay = steady.start()
     publisher = SteadyPublisher(db_url, KILL_RATE)
     publisher.start()
@@ -784,14 +785,16 @@ def test_backends_killed_every_half_second_under_steady_load(steady: Fleet, engi
     finally:
         publisher.stop()
     seconds = (ended - started).total_seconds()
-    typical = sorted(round_peaks)[len(round_peaks) // 2]
+    stalled = sum(peak >= KILL_ROUND_BOUND for peak in round_peaks)
     print(f"{len(round_peaks)} kill rounds ({killed} backends) in {seconds:.1f}s: offered {offered / seconds:.0f} "
           f"jobs/s, finished {finished / seconds:.0f} jobs/s ({finished / max(1, offered):.1%}); backlog peak "
-          f"{max(round_peaks)} (bound {KILL_PEAK_BOUND}), median of the rounds' peaks {typical} (bound "
-          f"{KILL_ROUND_BOUND}); the publisher's failed transactions: {publisher.failed}")
+          f"{max(round_peaks)} (bound {KILL_PEAK_BOUND}), median of the rounds' peaks "
+          f"{sorted(round_peaks)[len(round_peaks) // 2]}, {stalled} rounds reached {KILL_ROUND_BOUND} (at most "
+          f"{len(round_peaks) // 10}); the publisher's failed transactions: {publisher.failed}")
     assert killed >= len(round_peaks), "kill rounds found no backend of the relay"
     assert finished >= 0.95 * offered, (finished, offered)
-    assert typical <= KILL_ROUND_BOUND and max(round_peaks) <= KILL_PEAK_BOUND, (round_peaks, relay.log[-3000:])
+    assert stalled <= len(round_peaks) // 10 and max(round_peaks) <= KILL_PEAK_BOUND, (sorted(round_peaks),
+                                                                                     relay.log[-3000:])
     with engine.connect() as c:
         wait_for(lambda: _backlog(c) == 0 and c.execute(sa.text(
             "SELECT count(*) FROM outbox_jobs WHERE status <> 'done'")).scalar_one() == 0,
