@@ -8,9 +8,12 @@ statements; then the completer's follow-up on the jobs the round finished. A cla
 found fewer due jobs than it asked for marks the table drained: until a wake-up (NOTIFY,
 router, reaper) or ``poll_interval`` passes, only rounds that write completions also claim.
 A round starts at most every ``wake_cooldown`` seconds after the previous one began, unless
-that one's claim came back full: wake-ups closer together (each finished job is one) share
-a round, so a trickle of jobs is completed and claimed a few at a time, not one transaction
-each (the performance notes, lever 20); a backlog is claimed back to back.
+that one's claim came back full or outcomes are waiting: job NOTIFYs closer together share
+a round (the performance notes, lever 20), and a backlog is claimed back to back. Outcomes
+never wait out the cooldown: a round starts as soon as one is posted (or right after the
+round in flight), so what a SIGKILL loses is at most the outcomes of the round in flight and
+those posted during it, not a cooldown's worth more (issue 26, item 8); outcomes posted
+while a round runs share the next one.
 
 Each statement commits on its own (autocommit): each locks the rows it finishes in id
 order, and the claim skips locked rows, so with no transaction holding one statement's
@@ -39,6 +42,7 @@ notes, "Several dispatchers").
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import queue
 import threading
@@ -246,7 +250,9 @@ class Dispatcher:
         signals = self.signals
         cooldown = Cooldown(self.settings.wake_cooldown)
         while True:
-            cooldown.wait(signals.stop_claiming)  # wake-ups closer than the cooldown share a round
+            # Wake-ups closer than the cooldown share a round, but an outcome waiting (or a
+            # stop) ends the cooldown: a finished job's outcome is written at once.
+            cooldown.wait(functools.partial(self._until_outcome, carry=carry))
             if signals.stop_claiming.is_set():
                 self.closed.set()  # between rounds: no claim is in flight any more
             elif not failures:
@@ -255,6 +261,8 @@ class Dispatcher:
             if any(item is None for item in batch):
                 closing = True
                 batch = [item for item in batch if item is not None]
+            if not batch and cooldown.holding() and not signals.stop_claiming.is_set():
+                continue  # the outcomes that ended the wait went to another dispatcher: claims still wait
             want = 0 if signals.stop_claiming.is_set() else self.producer.room()
             has_done = any(o is Outcome.DONE for _, o in batch)
             flow = self.producer.flow
@@ -313,6 +321,17 @@ class Dispatcher:
         # its buffer: then the row stays, for the reaper.
         self.connection.row.leave(self.connection.get, self.abandoned)
         self.connection.close()
+
+    def _until_outcome(self, seconds: float, carry: list[tuple[Job, Any]]) -> None:
+        """Wait up to ``seconds``, less if outcomes are waiting (posted, or ``carry``: a
+        failed round's) or claiming stops: the wake-up cooldown holds claims, never outcomes
+        (a process killed meanwhile would lose them, and their jobs would run again)."""
+        deadline = time.monotonic() + seconds
+        while not (carry or not self.outcomes.empty() or self.signals.stop_claiming.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.wake.wait_poke(left)
 
     def _buffer_to_release(self) -> bool:
         """Whether the buffered claims are to be handed back: the relay is draining, or hung

@@ -8,8 +8,8 @@ commit of routing); for a schema other than ``public``, on ``<schema>.outbox_eve
 ``<schema>.outbox_jobs`` (:func:`outbox.db.tables.notify_channel`), so publishing into one
 schema never wakes the relays of another. When the connection breaks, for instance because the server restarted
 or ``pg_terminate_backend`` ended it, it reconnects through the relay's
-:class:`~outbox.relay.reconnect.Reconnector` (probing every 0.25-0.5 s while the database is
-unreachable, at once when another loop of the relay got through), listens again, announces
+:class:`~outbox.relay.reconnect.Reconnector` (at once; then, while connecting fails, probing every
+0.25-0.5 s, and at once when another loop of the relay got through), listens again, announces
 to the relay's other loops that the database is reachable and wakes everyone once, since it
 may have missed notifications meanwhile. While idle it sends
 a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noticed.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import psycopg
 from sqlalchemy.engine import URL
@@ -98,6 +99,20 @@ class Wakeup:
             self._poked = True
             self._cond.notify_all()
 
+    def wait_poke(self, timeout: float) -> bool:
+        """Block until :meth:`poke` (an outcome, or a stop, waiting) or ``timeout`` seconds;
+        returns and clears whether it was poked. A jobs hint (:meth:`set`) neither ends the
+        wait nor is cleared: :meth:`wait` still returns it."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._poked:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self._poked = False
+            return True
+
     def wait(self, timeout: float | None) -> tuple[bool, bool]:
         """Block until :meth:`set` or :meth:`poke` (or ``timeout`` seconds, None = forever);
         returns and clears ``(jobs_hint, poked)``."""
@@ -114,17 +129,29 @@ class Cooldown:
     dispatcher), setting ``wake_cooldown`` in seconds: wake-ups that come closer together
     share the next round. A loop calls :meth:`wait` before a round, :meth:`started` as the
     round begins and :meth:`skip` after a round whose batch came back full (more work may be
-    waiting: the next round starts at once). Not thread-safe: one per loop."""
+    waiting: the next round starts at once). Not thread-safe: one per loop.
+
+    What the cooldown may hold back is the loop's to say, through the ``pause`` it gives
+    :meth:`wait`: the router's stop event; for a dispatcher, a wait that ends as soon as an
+    outcome is waiting (:meth:`Wakeup.wait_poke`), so the cooldown batches claims and
+    routing but never holds a finished job's outcome (issue 26, item 8: held outcomes were
+    lost with a SIGKILLed process and their jobs ran again)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
         self._next = 0.0  # time.monotonic() before which no round starts
 
-    def wait(self, stop: threading.Event) -> None:
-        """Sleep until the cooldown since the last round's start has passed, or ``stop`` is set."""
-        pause = self._next - time.monotonic()
-        if pause > 0 and not stop.is_set():
-            stop.wait(pause)
+    def wait(self, pause: Callable[[float], object]) -> None:
+        """Wait until the cooldown since the last round's start has passed, through
+        ``pause(seconds)``: a wait of at most that long that returns early when the round
+        is not to wait any longer (the loop's stop event's ``wait``, say)."""
+        left = self._next - time.monotonic()
+        if left > 0:
+            pause(left)
+
+    def holding(self) -> bool:
+        """Whether the cooldown since the last round's start has not passed yet."""
+        return time.monotonic() < self._next
 
     def started(self) -> None:
         """A round begins now."""

@@ -274,7 +274,7 @@ class Relay:
         cooldown = Cooldown(self.settings.wake_cooldown)
         conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
         while not self.stop_event.is_set():
-            cooldown.wait(self.stop_event)  # NOTIFYs closer than the cooldown share a round
+            cooldown.wait(self.stop_event.wait)  # NOTIFYs closer than the cooldown share a round
             cooldown.started()
             try:
                 if conn is None:

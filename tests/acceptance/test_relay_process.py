@@ -69,6 +69,15 @@ def suicide(job: Job) -> None:
     os.kill(os.getpid(), 9)  # a handler that takes its process down, every time
 
 
+@ob.subscriber("late_bomb", consumer="late_bomb", lease=1, max_attempts=3)
+def late_bomb(job: Job) -> None:
+    record(job, "start")
+    if job.attempt == 1:
+        time.sleep(job.payload["after"])
+        os.kill(os.getpid(), 9)  # a handler that takes its process down a moment after it started
+    record(job, "end")
+
+
 @ob.subscriber("poison", consumer="poison", max_attempts=5)
 def poison(job: Job) -> None:
     raise PermanentError(f"order {job.payload['order']} cannot be handled")
@@ -332,11 +341,8 @@ def test_a_handler_that_kills_its_process_is_charged_each_start_and_ends_dead(en
     for _ in range(6):
         if _all(engine, "suicide", "dead", 1):
             break
-        # No wake-up cooldown: with one, the outcome of the job that finished just before the
-        # killing one starts may still wait its few milliseconds when the process dies, and
-        # that job then runs again (at-least-once; README, OUTBOX_WAKE_COOLDOWN).
         relay = relays("--concurrency", "1", "--prefetch", "5", "--claim-batch", "6", "--default-lease", "1.5",
-                       "--wake-cooldown", "0", wait=False)
+                       wait=False)
         wait_for(lambda: relay.proc.poll() is not None or _all(engine, "suicide", "dead", 1), timeout=30,
                  what="the relay to die or the suicide job to be dead")
         relay.kill()
@@ -348,6 +354,25 @@ def test_a_handler_that_kills_its_process_is_charged_each_start_and_ends_dead(en
     wait_for(lambda: _all(engine, "worker", "done", 10), timeout=20, what="the work jobs done")
     assert [j["attempts"] for j in _jobs(engine, "worker")] == [1] * 10
     assert relay.terminate(timeout=15) == 0, relay.log
+
+
+def test_a_finished_jobs_outcome_is_not_held_by_the_wake_up_cooldown(engine, relays, runs):
+    """The wake-up cooldown batches claims, never outcomes: with a cooldown of 1 s, job A's
+    handler returns at once and job B's SIGKILLs the relay 0.3 s after it started (both
+    claimed in one round, which began the cooldown). A's outcome was written before the
+    kill, so A is done and never runs again; held for the cooldown, it died with the
+    process and A stayed running until its lease ran out, to be run again (issue 26, item 8)."""
+    relay = relays("--concurrency", "2", "--wake-cooldown", "1")
+    with Session(engine) as s, s.begin():  # one transaction: one routing round, one claim
+        publish(s, "work", {"n": 1})
+        publish(s, "late_bomb", {"after": 0.3})
+    wait_for(lambda: relay.proc.poll() is not None, timeout=20, what="the late bomb to kill its relay")
+    [a] = _jobs(engine, "worker")
+    [b] = _jobs(engine, "late_bomb")
+    # A's handler ran once and returned before the kill; B's started once.
+    assert sorted((r[0], r[3]) for r in runs()) == sorted([(a["id"], "start"), (a["id"], "end"), (b["id"], "start")])
+    assert (a["status"], a["attempts"]) == ("done", 1), a
+    assert b["status"] == "running", b
 
 
 def _count(engine: sa.Engine, status: str) -> int:
