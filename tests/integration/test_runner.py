@@ -295,8 +295,8 @@ def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, s
         publish_events(engine, "t", [{"n": 1}])
         wait_for(lambda: relay.runner.in_flight() == 2, timeout=TIMEOUT, what="the second job in the buffer")
         with relay.runner.claims.lock:  # as if the process had been paused past the buffered job's lease
-            [buffered] = [j for j in relay.runner.claims.inflight.values() if j.payload["n"] == 1]
-        buffered._lease_bound = 0.0
+            [buffered] = [c for c in relay.runner.claims.inflight.values() if c.job.payload["n"] == 1]
+        buffered.lease_bound = 0.0
         gate.set()
         wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(seen) == 2, timeout=TIMEOUT,
                  what="both jobs done")
