@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 from outbox import InvalidEventError, publish, publish_many
 from outbox.db.tables import EVENTS_CHANNEL
 from outbox.publish import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DEPTH
+from tests.hypothesis_profiles import examples as example_count  # hypothesis' settings is `examples` here
 
 # --------------------------------------------------------------------------- helpers
 
@@ -662,7 +663,7 @@ NUMBERS = {
 }
 
 
-@examples(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@examples(max_examples=example_count(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payload=st.fixed_dictionaries({
     "f": st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=12),
     "big": st.lists(st.floats(min_value=1e15, allow_infinity=False), max_size=4),
