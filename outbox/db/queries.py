@@ -2108,6 +2108,9 @@ class Statements:
     job_running_count_of: TextClause
     relay_list: TextClause
 
+    # job listing
+    job_list: TextClause
+
     # dashboard
     job_page_ready: TextClause
     job_page_running: TextClause
