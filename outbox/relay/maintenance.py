@@ -46,6 +46,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
+from outbox.db.jobs import notify_head
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
 from outbox.relay.ordering import HeadSweeper
@@ -57,7 +58,6 @@ from outbox.relay.poison import (
     whole_or_halves,
 )
 from outbox.relay.reconnect import Reconnector
-from outbox.relay.worker import notify_head
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)

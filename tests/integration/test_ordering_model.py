@@ -47,8 +47,8 @@ claims depend on elapsed time (tests/integration/test_flow_control.py covers the
 
 A second run repeats it with ``retention_done = 0``: each completion deletes its job.
 
-Settings: ``max_examples=150`` (40 for the second run), ``stateful_step_count=40``, ``deadline=None``,
-``database=None`` (no example database lands in the repository).
+Settings: ``max_examples=150`` (40 for the second run), scaled by the hypothesis profile
+(tests/hypothesis_profiles.py), ``stateful_step_count=40``, ``deadline=None``, ``database=None`` (no example database lands in the repository).
 """
 
 from __future__ import annotations
@@ -63,13 +63,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from outbox import Job, Outbox, publish
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.errors import NotBlockingError
 from outbox.relay.flow import FlowControl
 from outbox.relay.maintenance import reap_expired, redrive
 from outbox.relay.ordering import HeadSweeper, promote_finished, skip_dead_job
+from outbox.relay.outcomes import Failure, Snoozed
 from outbox.relay.router import register_subscriptions, route_batch
-from outbox.relay.worker import Failure, Snoozed, claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.settings import OutboxSettings
+from tests.hypothesis_profiles import examples
 
 TOPIC = "t"
 ORDERED = ("ob", "os")
@@ -77,7 +79,7 @@ CAP = 2
 KEYS = ("k0", "k1", "k2", None)
 RELAYS = ("r0", "r1")
 LEASE = 300.0
-SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(150), stateful_step_count=40, deadline=None, database=None)
 
 INDEX = st.integers(min_value=0, max_value=10**6)
 
@@ -176,7 +178,7 @@ class OrderingFlow(RuleBasedStateMachine):
 
     @rule(relay=st.sampled_from(RELAYS), limit=st.integers(1, 3))
     def claim_limited(self, relay: str, limit: int) -> None:
-        from outbox.relay.worker import job_from_row
+        from outbox.db.jobs import job_from_row
 
         if relay not in self.connections:  # the dispatcher's own autocommit connection
             self.connections[relay] = psycopg.connect(self.conninfo, autocommit=True)
@@ -291,4 +293,4 @@ def test_ordering_and_flow_control_model_deleting_done_jobs(engine: sa.Engine) -
     finished head leaves no row behind, and every invariant must hold as before (fewer
     examples: only the completions differ)."""
     machine = type("OrderingFlowDeletingDone", (OrderingFlow,), {"engine": engine, "keep_done": False})
-    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=40))
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=examples(40)))
