@@ -150,8 +150,8 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     caplog.set_level(logging.INFO)
     relay = Relay(ob, settings(database_url=_url_text(roles["relay"]), schema_name=SCHEMA, prune_interval=0.2))
     # ANALYZE due after every routed job, asked again at once: the warning must still come once.
-    relay.job_statistics = StatisticsKeeper(relay.engine, floor=0, retry_cap=0.0, schema=SCHEMA,
-                                            upkeep=relay.upkeep)
+    relay.router.statistics = StatisticsKeeper(relay.engine, floor=0, retry_cap=0.0, schema=SCHEMA,
+                                               upkeep=relay.maintenance.upkeep)
     relay.start()
     publisher = make_engine(roles["publisher"])
     try:
@@ -165,7 +165,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
         assert more[1] == again
         wait_for(lambda: len(done) == 6, timeout=TIMEOUT, what="the jobs of three events, two consumers each")
         assert [p["n"] for c, p in done if c == "ledger"] == [1, 2, 3]
-        wait_for(lambda: relay.job_statistics.denied >= 2 and relay.stats["vacuums_skipped"] >= 2,
+        wait_for(lambda: relay.router.statistics.denied >= 2 and relay.stats["vacuums_skipped"] >= 2,
                  timeout=TIMEOUT, what="ANALYZE and VACUUM each skipped twice")
         # The relay keeps working after the skips.
         with Session(publisher) as s, s.begin():
@@ -176,7 +176,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "may not ANALYZE or VACUUM" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert names["relay"] in warnings[0].getMessage()
-    assert relay.stats["vacuums"] == 0 and relay.job_statistics.analyzed == 0
+    assert relay.stats["vacuums"] == 0 and relay.router.statistics.analyzed == 0
 
     # The relay role runs the inspecting commands too.
     relay_url = _url_text(roles["relay"])
