@@ -169,7 +169,7 @@ def claim_costs(dbs: Databases, size: Size) -> tuple[float, float]:
     blocked and with ``blocked_jobs`` behind a blocked key. The two databases take turns,
     one claim each, for ``claim_seconds`` each, so whatever else loads the machine weighs
     on both alike."""
-    from outbox.relay.worker import claim_jobs, complete_jobs
+    from outbox.db.jobs import claim_jobs, complete_jobs
 
     with dbs.fresh() as clear_url, dbs.fresh() as blocked_url, \
             psycopg.connect(conninfo(clear_url), autocommit=True) as clear, \

@@ -33,8 +33,7 @@ import psycopg._cursor_base
 import psycopg.generators
 import sqlalchemy as sa
 
-from outbox.db import queries
-from outbox.relay import worker
+from outbox.db import jobs, queries
 from outbox.relay.relay import Relay
 from outbox.settings import OutboxSettings
 
@@ -53,7 +52,7 @@ class RoundTrips:
         self.statements: collections.Counter[str] = collections.Counter()
         self.rows: collections.Counter[str] = collections.Counter()
         self._originals = (psycopg.generators.execute, psycopg._cursor_base.execute)
-        self._rows_of = worker._rows
+        self._rows_of = jobs._rows
 
     def install(self) -> None:
         original = self._originals[0]
@@ -68,7 +67,7 @@ class RoundTrips:
 
         # The dispatcher runs the job statements on a bare psycopg connection, past
         # SQLAlchemy's events: name those where the runner sends them.
-        rows_of = worker._rows
+        rows_of = jobs._rows
         names = {id(v): k for k, v in vars(queries).items() if isinstance(v, sa.TextClause)}
         statements, rows = self.statements, self.rows
 
@@ -79,11 +78,11 @@ class RoundTrips:
                 rows[names.get(id(statement), "?")] += len(result)
             return result
 
-        worker._rows = named
+        jobs._rows = named
 
     def uninstall(self) -> None:
         psycopg.generators.execute, psycopg._cursor_base.execute = self._originals
-        worker._rows = self._rows_of
+        jobs._rows = self._rows_of
 
     def watch(self, eng: sa.Engine) -> None:
         @sa.event.listens_for(eng, "after_cursor_execute")

@@ -32,8 +32,8 @@ from typing import Any
 import psycopg
 
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_jobs
 from outbox.relay.router import route_batch
-from outbox.relay.worker import claim_jobs, complete_jobs
 
 from .common import TOPIC, Databases, Size, conninfo, engine, log, median, publish_events, sql_for_psycopg, subscribe
 

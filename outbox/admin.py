@@ -53,11 +53,11 @@ from typing import Any
 from sqlalchemy.engine import Connection, Engine
 
 from outbox.db import queries
+from outbox.db.jobs import notify_head
 from outbox.errors import AdminError
 from outbox.relay import maintenance, ordering
 from outbox.relay.dispatcher import RELAY_SEEN_INTERVAL
 from outbox.relay.poison import Quarantine
-from outbox.relay.worker import notify_head
 
 #: Below this many rows in ``outbox_jobs`` (the planner's estimate), ``status`` counts done
 #: jobs per consumer exactly (a scan of a small table).

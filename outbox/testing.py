@@ -3,7 +3,7 @@ the relay's work run in-process, a server to test against and throw-away databas
 
 :func:`make_job` builds a :class:`~outbox.Job` for a unit test of a handler.
 :func:`drain` routes and runs every due job of a registry in the calling thread, with the
-relay's own claim, handler execution (:class:`outbox.relay.worker.JobExecutor`) and fenced
+relay's own claim, handler execution (:class:`outbox.relay.executor.JobExecutor`) and fenced
 statements, and returns how each attempt ended (Oban's ``drain_queue``, River's
 ``rivertest``). The pytest fixtures of :mod:`outbox.pytest_plugin` give each test a
 migrated database of its own.
@@ -53,6 +53,7 @@ from sqlalchemy.engine import URL
 
 from outbox.db import queries
 from outbox.db.engine import make_async_engine, make_engine, parse_url
+from outbox.db.jobs import complete_and_claim_after, complete_jobs, fail_jobs, job_from_row, release_jobs, snooze_jobs
 from outbox.errors import (
     ConfigurationError,
     DrainLimitError,
@@ -63,22 +64,11 @@ from outbox.job import Job
 from outbox.publish import check_name
 from outbox.registry import Outbox
 from outbox.relay import ordering, transaction
+from outbox.relay.executor import JobExecutor, WorkerContext
 from outbox.relay.flow import FlowControl
+from outbox.relay.outcomes import Failure, Outcome, Snoozed
 from outbox.relay.router import register_subscriptions, route_all
 from outbox.relay.watchdog import Watchdog
-from outbox.relay.worker import (
-    Failure,
-    JobExecutor,
-    Outcome,
-    Snoozed,
-    WorkerContext,
-    complete_and_claim_after,
-    complete_jobs,
-    fail_jobs,
-    job_from_row,
-    release_jobs,
-    snooze_jobs,
-)
 from outbox.settings import OutboxSettings
 
 __all__ = [
@@ -202,7 +192,7 @@ def drain(
     The work is the relay's own: ``ob``'s subscriptions are written to
     ``outbox_subscriptions``, events are routed by ``event_route_many``, each job is claimed
     (fence, lease, attempt) and finished by the fenced statements the relay uses, and its
-    handler runs through :class:`outbox.relay.worker.JobExecutor`: lease mode or transactional,
+    handler runs through :class:`outbox.relay.executor.JobExecutor`: lease mode or transactional,
     ``def`` or ``async def`` (an ``async def`` handler runs on an event loop of drain's own;
     an async transactional one on an ``AsyncEngine`` made from ``engine.url`` for the call).
     One attempt per job per round; ``run_retries=True`` makes jobs waiting out a retry's

@@ -37,7 +37,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
-from typing import TYPE_CHECKING
 
 from sqlalchemy import TextClause, text
 
@@ -1943,7 +1942,150 @@ class Statements:
     """Every statement of :mod:`outbox.db.queries`, under the same names, with outbox's
     relations in schema :attr:`schema` (see the module notes); made by :func:`in_schema`.
     Besides: ``schema_create``, ``CREATE SCHEMA IF NOT EXISTS <schema>`` (DDL takes no
-    parameters; the name is validated)."""
+    parameters; the name is validated).
+
+    The registry is typed: each statement is declared below, so a misspelt name is an
+    error for mypy (``"Statements" has no attribute ...``), not an ``AttributeError`` at
+    run time. A new statement is defined at module level in its section and declared here
+    in the same section; a unit test fails while the two lists differ."""
+
+    schema: str
+    schema_create: TextClause
+
+    # events
+    event_route_many: TextClause
+    event_route_candidates: TextClause
+    event_prune_many: TextClause
+    event_prune_candidates: TextClause
+    event_unrouted_count: TextClause
+
+    # subscriptions
+    subscription_upsert_many: TextClause
+    consumer_upsert_many: TextClause
+    consumer_pause: TextClause
+    consumer_resume: TextClause
+    consumer_list: TextClause
+    consumer_lock_limited_many: TextClause
+    subscription_delete: TextClause
+    subscription_list: TextClause
+
+    # jobs
+    job_claim_many: TextClause
+    job_heartbeat_many: TextClause
+    job_complete_many: TextClause
+    job_complete_claim_many: TextClause
+    job_claim_limited_many: TextClause
+    job_complete: TextClause
+    job_cancel_claimed: TextClause
+    job_fail_many: TextClause
+    job_release_many: TextClause
+    job_snooze_many: TextClause
+    jobs_notify_head: TextClause
+    job_claim_candidates: TextClause
+    job_bury: TextClause
+    job_bury_ready: TextClause
+    job_bury_expired: TextClause
+    job_reap_many: TextClause
+    job_reap_candidates: TextClause
+    job_prune_done_many: TextClause
+    job_prune_cancelled_many: TextClause
+    job_prune_cancelled_candidates: TextClause
+    job_prune_candidates: TextClause
+    job_dead_list: TextClause
+    job_redrive_many: TextClause
+    job_retry_now_many: TextClause
+    job_scheduled_now_many: TextClause
+
+    # ordering
+    job_promote_many: TextClause
+    job_ordering_heads_list: TextClause
+    job_ordering_blocked_list: TextClause
+    job_ordering_release_many: TextClause
+    job_ordering_get: TextClause
+    job_ordering_skip: TextClause
+    job_count_by_status: TextClause
+    job_transaction_limits_set_local: TextClause
+
+    # relays
+    relay_seen: TextClause
+    relay_buffer_remove: TextClause
+    relay_delete: TextClause
+    relay_prune_many: TextClause
+
+    # statistics
+    job_table_reltuples: TextClause
+    event_table_analysed: TextClause
+    event_table_analyze: TextClause
+    lock_timeout_get: TextClause
+    lock_timeout_set_local: TextClause
+    job_table_analyze: TextClause
+    autovacuum_enabled: TextClause
+    job_tables_maintainable: TextClause
+    current_role_name: TextClause
+    job_tables_vacuum: TextClause
+
+    # metrics
+    metrics_gatherer_lock_try: TextClause
+    metrics_statement_timeout_set_local: TextClause
+    job_ready_gauges: TextClause
+    job_running_counts: TextClause
+    job_dead_counts: TextClause
+    event_unrouted_gauges: TextClause
+
+    # roles
+    server_version_number: TextClause
+    role_names_existing: TextClause
+
+    # schema
+    schema_revision: TextClause
+    schema_migrate_lock_try: TextClause
+    schema_migrate_lock: TextClause
+    schema_exists: TextClause
+    schema_search_path_set_local: TextClause
+
+    # publish
+    event_insert: TextClause
+    event_insert_many: TextClause
+    event_insert_options: TextClause
+    event_insert_options_many: TextClause
+    event_dedup_lookup_many: TextClause
+
+    # schedules
+    schedule_upsert_many: TextClause
+    database_now: TextClause
+    schedule_due_list: TextClause
+    schedule_advance: TextClause
+    schedule_list: TextClause
+
+    # admin
+    consumer_status_list: TextClause
+    job_done_count_by_consumer: TextClause
+    event_unrouted_stats: TextClause
+    event_unsubscribed_by_topic_list: TextClause
+    event_recent_routed_count: TextClause
+    event_retained_bounds: TextClause
+    subscription_topics_of: TextClause
+    job_replay_many: TextClause
+    job_cancel_many: TextClause
+    job_retry_due_many: TextClause
+    job_consumer_get: TextClause
+    job_status_many: TextClause
+    job_purge_many: TextClause
+    job_running_count_of: TextClause
+    relay_list: TextClause
+
+    # dashboard
+    job_page_ready: TextClause
+    job_page_running: TextClause
+    job_page_pending: TextClause
+    job_page_dead: TextClause
+    job_page_done: TextClause
+    job_page_cancelled: TextClause
+    job_done_per_minute_list: TextClause
+    event_get: TextClause
+    event_list_by_key: TextClause
+    job_list_of_event: TextClause
+    subscription_consumers_of: TextClause
 
     def __init__(self, schema: str) -> None:
         self.schema = check_schema_name(schema)
@@ -1952,9 +2094,6 @@ class Statements:
             qualified = pattern.sub(rf"{schema}.\1", statement.text)
             setattr(self, name, statement if qualified == statement.text else text(qualified))
         self.schema_create = text(f"CREATE SCHEMA IF NOT EXISTS {schema}")
-
-    if TYPE_CHECKING:
-        def __getattr__(self, name: str) -> TextClause: ...
 
     def __repr__(self) -> str:
         return f"Statements(schema={self.schema!r})"

@@ -1,7 +1,7 @@
 """The completer: writes the outcomes of a runner's jobs.
 
-Workers post how each handler ended (:class:`outbox.relay.worker.Outcome` or
-:class:`outbox.relay.worker.Failure`); each dispatcher round hands what was posted to
+Workers post how each handler ended (:class:`outbox.relay.outcomes.Outcome` or
+:class:`outbox.relay.outcomes.Failure`); each dispatcher round hands what was posted to
 :meth:`Completer.sort`, which splits it by the statement still to write:
 
 * completions (``Outcome.DONE``) ride on the round's claim (``job_complete_claim_many``,
@@ -9,7 +9,7 @@ Workers post how each handler ended (:class:`outbox.relay.worker.Outcome` or
   what that statement returned;
 * failed attempts go to ``job_fail_many`` (:meth:`Completer.write_failures`): back to
   ``ready`` after the attempt's backoff, or ``dead`` when out of attempts or permanent;
-* snoozes (:class:`outbox.relay.worker.Snoozed`: the handler raised ``Snooze``) go to
+* snoozes (:class:`outbox.relay.outcomes.Snoozed`: the handler raised ``Snooze``) go to
   ``job_snooze_many``: ready again after the delay, attempt given back, ``snoozes + 1``;
 * releases (``Outcome.RELEASE``: no connection for a transactional handler, buffered
   claims while draining, a lease that ran out in the buffer) go to ``job_release_many``
@@ -37,22 +37,14 @@ from typing import Any
 
 import psycopg
 
+from outbox.db.jobs import bury_job, fail_jobs, notify_head, release_jobs, snooze_jobs
 from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import ordering, poison
 from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
-from outbox.relay.worker import (
-    Failure,
-    Outcome,
-    Snoozed,
-    bury_job,
-    fail_jobs,
-    notify_head,
-    release_jobs,
-    snooze_jobs,
-)
+from outbox.relay.outcomes import Failure, Outcome, Snoozed
 from outbox.telemetry.logs import job_fields, job_summary
 from outbox.telemetry.metrics import RelayMetrics
 

@@ -55,19 +55,15 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox.db.engine import describe, is_disconnect
+from outbox.db.jobs import RelayInfo, relay_delete, relay_seen
 from outbox.job import Job
 from outbox.relay import poison
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.notify import Cooldown, Wakeup
+from outbox.relay.outcomes import Outcome
 from outbox.relay.producer import Producer
 from outbox.relay.reconnect import Reconnector
-from outbox.relay.worker import (
-    Outcome,
-    RelayInfo,
-    relay_delete,
-    relay_seen,
-)
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ notes):
   messages sent and not yet answered, every forwarder of the relay together) has room;
   they take a place in it, not a worker slot.
 * **Attempts start at the hand-off.** A forwarder's claims are always buffered first,
-  listed in the relay's row of ``outbox_relays`` (:class:`~outbox.relay.worker.BufferMark`), and
+  listed in the relay's row of ``outbox_relays`` (:class:`~outbox.db.jobs.BufferMark`), and
   the starter unlists them just before it hands them here: a claim the relay never sent
   (paused, killed, its window full) costs no attempt when the reaper takes it back
   (the promise "attempts count starts, not claims"). Issue 26, item 9 (b).
@@ -79,7 +79,7 @@ from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.counters import Counters
-from outbox.relay.worker import Outcome
+from outbox.relay.outcomes import Outcome
 from outbox.sinks import (
     Delivered,
     Expired,

@@ -25,12 +25,12 @@ import time
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db.jobs import bury_job, heartbeat_jobs
 from outbox.job import Job
 from outbox.relay import poison
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.counters import Counters
 from outbox.relay.reconnect import Reconnector
-from outbox.relay.worker import bury_job, heartbeat_jobs
 from outbox.telemetry.logs import job_fields, job_summary
 from outbox.telemetry.metrics import RelayMetrics
 

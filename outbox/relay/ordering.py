@@ -92,10 +92,10 @@ from datetime import datetime
 from sqlalchemy.engine import Connection, Engine
 
 from outbox.db import queries
+from outbox.db.jobs import Executor, promote_keys
 from outbox.errors import NotBlockingError
 from outbox.job import Job
 from outbox.registry import Subscriber
-from outbox.relay.worker import Executor, promote_keys
 
 log = logging.getLogger(__name__)
 

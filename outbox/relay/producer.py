@@ -46,17 +46,8 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox import backoff
 from outbox.db.engine import is_disconnect
-from outbox.job import Job
-from outbox.registry import Subscriber
-from outbox.relay import flow, poison
-from outbox.relay.claims import HeldClaims, Signals
-from outbox.relay.completer import Completer
-from outbox.relay.counters import Counters
-from outbox.relay.notify import Wakeup
-from outbox.relay.reconnect import Reconnector
-from outbox.relay.worker import (
+from outbox.db.jobs import (
     BufferMark,
-    Outcome,
     bury_ready_job,
     claim_candidates,
     complete_and_claim_after,
@@ -64,6 +55,15 @@ from outbox.relay.worker import (
     job_from_claim_row,
     relay_buffer_remove,
 )
+from outbox.job import Job
+from outbox.registry import Subscriber
+from outbox.relay import flow, poison
+from outbox.relay.claims import HeldClaims, Signals
+from outbox.relay.completer import Completer
+from outbox.relay.counters import Counters
+from outbox.relay.notify import Wakeup
+from outbox.relay.outcomes import Outcome
+from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
 from outbox.telemetry.logs import job_fields, job_summary
 from outbox.telemetry.metrics import RelayMetrics

@@ -7,7 +7,7 @@ in one line), write this registry's subscriptions, then start the threads:
   outbox_events`` or ``poll_interval``;
 * ``outbox-statistics`` (with the router): ``ANALYZE outbox_jobs`` after bursts of routed
   jobs (:class:`outbox.relay.router.StatisticsKeeper`), beside the router rather than in its loop;
-* the job runner's threads (:mod:`outbox.relay.worker`), woken by ``NOTIFY outbox_jobs`` or by
+* the job runner's threads (:mod:`outbox.relay.runner`), woken by ``NOTIFY outbox_jobs`` or by
   the router of this process;
 * ``outbox-maintenance``: reaper and the ordered keys' promotion sweep every ``reap_interval``, pruner every ``prune_interval``;
 * ``outbox-scheduler`` when the registry declares schedules (:mod:`outbox.schedule`): wakes
@@ -46,6 +46,7 @@ from outbox.db.engine import (
     redact,
     translate_errors,
 )
+from outbox.db.jobs import notify_head
 from outbox.db.migrate import check_schema
 from outbox.registry import Outbox
 from outbox.relay.counters import Counters
@@ -69,7 +70,6 @@ from outbox.relay.router import (
 )
 from outbox.relay.runner import JobRunner
 from outbox.relay.scheduler import Scheduler, register_schedules
-from outbox.relay.worker import notify_head
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import (
     GaugeGatherer,

@@ -11,7 +11,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 * the **starter** (:class:`outbox.relay.producer.Starter`) hands buffered jobs to workers as
   they come free, on its own connection;
 * ``concurrency`` **worker threads** run handlers through the **executor**
-  (:class:`outbox.relay.worker.JobExecutor`, which runs one job and says how it ended;
+  (:class:`outbox.relay.executor.JobExecutor`, which runs one job and says how it ended;
   ``outbox.testing.drain`` uses the same one); a worker is free again the moment its
   handler returns (the claim stays held, and heartbeated, until its outcome is written);
 * the **heartbeat** (:class:`outbox.relay.heartbeat.Heartbeater`) renews the leases of every
@@ -50,6 +50,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.db.engine import describe, make_async_engine
+from outbox.db.jobs import RelayInfo, notify_head, package_version, release_jobs
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
@@ -58,22 +59,14 @@ from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.counters import Counters
 from outbox.relay.dispatcher import Dispatcher, RelayConnection, RelayRow
+from outbox.relay.executor import JobExecutor, WorkerContext
 from outbox.relay.forwarder import Forwarder
 from outbox.relay.heartbeat import Heartbeater
 from outbox.relay.notify import Wakeup
+from outbox.relay.outcomes import Failure, Outcome
 from outbox.relay.producer import ClaimHint, Producer, Starter
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.watchdog import Watchdog
-from outbox.relay.worker import (
-    Failure,
-    JobExecutor,
-    Outcome,
-    RelayInfo,
-    WorkerContext,
-    notify_head,
-    package_version,
-    release_jobs,
-)
 from outbox.settings import OutboxSettings
 from outbox.sinks import resend_span
 from outbox.telemetry.logs import job_fields

@@ -1,5 +1,5 @@
 """The transaction a transactional handler runs in: its connection, its isolation, its
-limits and its retries. The job runner (:mod:`outbox.relay.worker`) drives it; this module holds
+limits and its retries. The executor (:mod:`outbox.relay.executor`) drives it; this module holds
 the rules (architecture notes, "The handler's transaction").
 
 Connection first. A worker checks a connection out of the relay's pool *before* it calls

@@ -15,7 +15,7 @@ those keys (checked case-insensitively: the caller's context wins, whole, for th
 or when the headers would then pass their size limit (the caller's headers are kept as
 they are). The caller's headers are validated and counted against the limit without it.
 
-**Processing** (:meth:`outbox.relay.worker.JobExecutor.run`, the one place every handler runs:
+**Processing** (:meth:`outbox.relay.executor.JobExecutor.run`, the one place every handler runs:
 lease and transactional, ``def`` and ``async def``, in the relay and in
 :func:`outbox.testing.drain`): a span of kind CONSUMER named ``process <topic>``, whose
 parent is the context extracted from the job's headers (a fresh trace when they hold none).

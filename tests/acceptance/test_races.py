@@ -31,10 +31,11 @@ from outbox import (
     publish_many,
 )
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.relay import transaction
 from outbox.relay.maintenance import reap_expired
+from outbox.relay.outcomes import Failure
 from outbox.relay.router import route_batch
-from outbox.relay.worker import Failure, claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.testing import wait_for
 
 from ..integration.helpers import expire_lease, job_row, routed_jobs
@@ -218,7 +219,7 @@ def test_reaper_and_completion_raced_freely(race_engine: sa.Engine, finisher: st
 
 class _Actors:
     """Threads, each with its own connection, doing what the relay's loops do, in the
-    same transaction shapes (relay.py, worker.py, maintenance.py)."""
+    same transaction shapes (relay.py, db/jobs.py, maintenance.py)."""
 
     CONSUMERS = {"c1": 0.15, "c2": 0.3, "c3": 0.6}  # leases, seconds: short, so reaping happens
 

@@ -20,12 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, admin, publish
+from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs
 from outbox.errors import AdminError
 from outbox.ops.cli import main
 from outbox.relay.maintenance import prune, reap_expired
+from outbox.relay.outcomes import Failure
 from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
-from outbox.relay.worker import Failure, claim_jobs, complete_jobs, fail_jobs
 from outbox.testing import wait_for
 
 from .helpers import expire_lease, job_row, publish_events, subscribe

@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from outbox import ConfigurationError, StaleFenceError, fenced_write
+from outbox.db.jobs import claim_jobs, complete_jobs
 from outbox.relay.maintenance import reap_expired
-from outbox.relay.worker import claim_jobs, complete_jobs
 
 from .helpers import expire_lease, job_row, routed_jobs
 

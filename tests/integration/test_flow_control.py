@@ -186,7 +186,7 @@ def test_status_shows_paused_consumers_caps_and_rate_limits(engine, settings, db
 
 def test_the_main_claim_leaves_paused_and_limited_consumers_out_and_keeps_reading_the_ready_index(engine, db_url):
     from outbox.db import queries
-    from outbox.relay.worker import claim_candidates, claim_jobs, complete_and_claim_after
+    from outbox.db.jobs import claim_candidates, claim_jobs, complete_and_claim_after
 
     ob = Outbox()
     for consumer in ("a", "paused", "capped"):

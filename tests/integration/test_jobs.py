@@ -13,19 +13,10 @@ import sqlalchemy as sa
 
 from outbox import Job, Outbox, PermanentError
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.relay.maintenance import prune, reap_expired, redrive
+from outbox.relay.outcomes import MAX_ERROR_CHARS, Failure, format_error
 from outbox.relay.router import route_all
-from outbox.relay.worker import (
-    MAX_ERROR_CHARS,
-    Failure,
-    claim_jobs,
-    complete_and_claim_jobs,
-    complete_jobs,
-    fail_jobs,
-    format_error,
-    heartbeat_jobs,
-    release_jobs,
-)
 from outbox.testing import wait_for
 
 from .helpers import db_now, expire_lease, job_row, publish_events, routed_jobs, running_relay, subscribe

@@ -120,21 +120,13 @@ from hypothesis.stateful import (
 
 from outbox import Job, Outbox
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.db.tables import JOB_STATUSES
 from outbox.relay import transaction
 from outbox.relay.maintenance import reap_expired, redrive
+from outbox.relay.outcomes import Failure, format_error
 from outbox.relay.relay import register_subscriptions
 from outbox.relay.router import route_batch
-from outbox.relay.worker import (
-    Failure,
-    claim_jobs,
-    complete_and_claim_jobs,
-    complete_jobs,
-    fail_jobs,
-    format_error,
-    heartbeat_jobs,
-    release_jobs,
-)
 from outbox.settings import OutboxSettings
 from tests.hypothesis_profiles import examples
 

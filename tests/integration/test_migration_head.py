@@ -34,9 +34,9 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, admin, publish
 from outbox.db.engine import make_engine
+from outbox.db.jobs import claim_jobs
 from outbox.db.migrate import alembic_config, downgrade, head_revision, upgrade
 from outbox.relay.router import register_subscriptions, route_all
-from outbox.relay.worker import claim_jobs
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
 from tests.integration.helpers import publish_events

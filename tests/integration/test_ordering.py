@@ -17,12 +17,12 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.db import queries
+from outbox.db.jobs import bury_job, claim_jobs, complete_jobs
 from outbox.errors import NotBlockingError
 from outbox.ops.cli import main
 from outbox.relay.maintenance import reap_expired, redrive
 from outbox.relay.ordering import HeadSweeper, blocked_keys, promote, skip_dead_job
 from outbox.relay.router import route_all, route_batch
-from outbox.relay.worker import bury_job, claim_jobs, complete_jobs
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
 

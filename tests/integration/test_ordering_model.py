@@ -63,12 +63,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 
 from outbox import Job, Outbox, publish
 from outbox.db import queries
+from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.errors import NotBlockingError
 from outbox.relay.flow import FlowControl
 from outbox.relay.maintenance import reap_expired, redrive
 from outbox.relay.ordering import HeadSweeper, promote_finished, skip_dead_job
+from outbox.relay.outcomes import Failure, Snoozed
 from outbox.relay.router import register_subscriptions, route_batch
-from outbox.relay.worker import Failure, Snoozed, claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.settings import OutboxSettings
 from tests.hypothesis_profiles import examples
 
@@ -177,7 +178,7 @@ class OrderingFlow(RuleBasedStateMachine):
 
     @rule(relay=st.sampled_from(RELAYS), limit=st.integers(1, 3))
     def claim_limited(self, relay: str, limit: int) -> None:
-        from outbox.relay.worker import job_from_row
+        from outbox.db.jobs import job_from_row
 
         if relay not in self.connections:  # the dispatcher's own autocommit connection
             self.connections[relay] = psycopg.connect(self.conninfo, autocommit=True)

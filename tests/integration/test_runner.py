@@ -13,9 +13,9 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
+from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs
 from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
-from outbox.relay.worker import claim_jobs, complete_and_claim_jobs, complete_jobs
 from outbox.testing import wait_for
 
 from .helpers import job_row, publish_events, routed_jobs, subscribe
@@ -363,7 +363,7 @@ def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
 
 
 def test_claim_after_a_key_skips_what_sorts_before_it(engine):
-    from outbox.relay.worker import complete_and_claim_after, release_jobs
+    from outbox.db.jobs import complete_and_claim_after, release_jobs
 
     ids = routed_jobs(engine, "t", ["a"], n=6)
     with _psycopg(engine) as conn:
@@ -509,7 +509,7 @@ def test_a_claim_whose_reply_was_lost_gets_its_attempt_back(engine, settings):
     after the commit) leaves jobs running under the relay that it does not know of. They
     stay listed in its row of outbox_relays, so when their leases run out the reaper gives
     them their attempt back: with max_attempts=1 they still run, once, instead of dying."""
-    from outbox.relay.worker import BufferMark, complete_and_claim_after, relay_seen
+    from outbox.db.jobs import BufferMark, complete_and_claim_after, relay_seen
 
     ob = Outbox()
     ran: list[int] = []

@@ -3,7 +3,8 @@ the README does (publish, lease-mode and transactional subscribers, fenced_write
 Table and an ORM class, Job's fields), and reports the mistakes a type checker should catch
 there (a decorated handler called with the wrong arguments, a Job field used as the wrong
 type, a transactional handler without its session), so the decorators keep the handler's
-own type instead of ``Callable[..., Any]``."""
+own type instead of ``Callable[..., Any]``; and a misspelt name of a statement in the
+statements' registry (``queries.in_schema().job_claim_mnay``) fails the check too."""
 
 from __future__ import annotations
 
@@ -147,3 +148,27 @@ def test_mypy_reports_each_mistake_in_the_app(tmp_path, mypy_cache):
     assert all(int(re.match(r"app\.py:(\d+):", line)[1]) > lines for line in errors), errors  # the app is clean
     for code, error_code, words in MISTAKES:
         assert any(f"[{error_code}]" in line and words in line for line in errors), (code, errors)
+
+
+STATEMENTS_APP = textwrap.dedent('''
+    from __future__ import annotations
+
+    from sqlalchemy import TextClause
+
+    from outbox.db import queries
+
+    statements = queries.in_schema("tenant_a")
+    claim: TextClause = statements.job_claim_many
+    create: TextClause = statements.schema_create
+    schema: str = statements.schema
+    misspelt = statements.job_claim_mnay
+''')
+
+
+def test_mypy_rejects_a_misspelt_statement_name(tmp_path):
+    result = _mypy(tmp_path, STATEMENTS_APP)
+    errors = [line for line in result.stdout.splitlines() if ": error: " in line]
+    assert len(errors) == 1, result.stdout + result.stderr
+    line = STATEMENTS_APP.splitlines().index("misspelt = statements.job_claim_mnay") + 1
+    assert errors[0].startswith(f"app.py:{line}:"), errors
+    assert '"Statements" has no attribute "job_claim_mnay"' in errors[0] and "[attr-defined]" in errors[0], errors

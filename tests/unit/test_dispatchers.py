@@ -96,8 +96,8 @@ def test_each_dispatcher_takes_one_closing_marker_and_puts_back_another_it_meets
     import sqlalchemy as sa
 
     from outbox import Outbox
+    from outbox.relay.outcomes import Outcome
     from outbox.relay.runner import JobRunner
-    from outbox.relay.worker import Outcome
     from outbox.settings import OutboxSettings
 
     ob = Outbox()

@@ -1,7 +1,10 @@
 """The package's layout holds its dependency direction (STYLE.md, "Layout"):
 
-    errors, settings, resources  ->  db  ->  the public API (job, registry, publish, fencing,
+    errors, settings, resources, job  ->  db  ->  the public API (registry, publish, fencing,
     schedule, sinks) and telemetry  ->  relay  ->  admin, testing  ->  ops (dashboard, grants)  ->  cli
+
+``Job`` (what a handler sees) sits with the errors: it imports nothing but them, and the
+job statements' wrappers (:mod:`outbox.db.jobs`) build it from their rows.
 
 Each module may import its own layer and the layers before it, never one after. Read from
 the source (every ``import``, including those inside functions), so an import added for a
@@ -20,9 +23,9 @@ PACKAGE = Path(outbox.__file__).resolve().parent
 
 #: Layers in dependency order; a module belongs to the first prefix it matches, longest first.
 LAYERS: list[tuple[str, ...]] = [
-    ("outbox.errors", "outbox.settings", "outbox.resources", "outbox.redaction"),
+    ("outbox.errors", "outbox.settings", "outbox.resources", "outbox.redaction", "outbox.job"),
     ("outbox.db",),
-    ("outbox", "outbox.job", "outbox.registry", "outbox.publish", "outbox.fencing", "outbox.schedule", "outbox.backoff",
+    ("outbox", "outbox.registry", "outbox.publish", "outbox.fencing", "outbox.schedule", "outbox.backoff",
      "outbox.sinks", "outbox.telemetry"),
     ("outbox.relay",),
     ("outbox.admin", "outbox.testing", "outbox.pytest_plugin", "outbox.demo"),
@@ -96,7 +99,8 @@ def test_every_module_imports_only_its_own_layer_and_earlier_ones():
 
 
 @pytest.mark.parametrize(("module", "expected"), [
-    ("outbox.errors", 0), ("outbox.db.queries", 1), ("outbox.publish", 2), ("outbox.telemetry.metrics", 2),
+    ("outbox.errors", 0), ("outbox.job", 0), ("outbox.db.queries", 1), ("outbox.db.jobs", 1), ("outbox.publish", 2),
+    ("outbox.telemetry.metrics", 2),
     ("outbox.relay.producer", 3), ("outbox.admin", 4), ("outbox.ops.dashboard.app", 5), ("outbox.ops.cli", 6),
 ])
 def test_layers_are_found_by_the_longest_prefix(module, expected):
@@ -105,13 +109,13 @@ def test_layers_are_found_by_the_longest_prefix(module, expected):
 
 def test_the_check_reports_what_breaks_the_layering():
     modules = {
-        "outbox.db.tables": (False, "def f():\n    from outbox.relay import worker\n"),
+        "outbox.db.tables": (False, "def f():\n    from outbox.relay import executor\n"),
         "outbox.relay.router": (False, "from ..ops import cli\n"),
         "outbox.publish": (False, "from .telemetry import tracing\nfrom . import errors\n"),
         "outbox.admin": (False, "import outbox.ops.dashboard\n"),
     }
     assert violations(modules) == [
         "outbox.admin:1 imports outbox.ops.dashboard, a later layer",
-        "outbox.db.tables:2 imports outbox.relay.worker, a later layer",
+        "outbox.db.tables:2 imports outbox.relay.executor, a later layer",
         "outbox.relay.router:1 imports the command line",
     ]

@@ -1,15 +1,7 @@
-"""Running one claimed job, and the statements that change claimed jobs.
-
-* The **job statements** (:func:`claim_jobs`, :func:`complete_and_claim_after`,
-  :func:`heartbeat_jobs`, :func:`complete_jobs`, :func:`fail_jobs`, :func:`release_jobs`,
-  :func:`bury_job`, the relay-row statements): each runs one named statement of
-  :mod:`outbox.db.queries` on a SQLAlchemy ``Connection`` or a bare psycopg one, and returns what
-  the statement changed. Every write that changes a claimed job names its fence and
-  requires ``status='running'``; a row that does not come back means the report was stale
-  and changed nothing (architecture notes, "Statements").
-* The **executor** (:class:`JobExecutor`) runs one claimed job's handler and says how it
-  ended (:class:`Outcome` or :class:`Failure`), for the relay's worker threads
-  (:mod:`outbox.relay.runner`) and :func:`outbox.testing.drain` alike.
+"""Running one claimed job's handler: the **executor** (:class:`JobExecutor`) runs it and
+says how it ended (an outcome of :mod:`outbox.relay.outcomes`), for the relay's worker
+threads (:mod:`outbox.relay.runner`) and :func:`outbox.testing.drain` alike; the statement
+that records the outcome is the caller's.
 
 Lease mode: the handler runs outside any transaction. When a heartbeat finds the job gone
 (reaped after a pause, or released), ``job.lease_lost`` becomes true, ``job.check_lease()``
@@ -25,35 +17,30 @@ READ COMMITTED, and a serialization failure or deadlock is retried in place
 ``AsyncSession`` on a connection of its worker thread's own async engine (made on first
 use, one connection) and the same steps.
 
-Failures: an exception puts the job back to ``ready`` after :func:`outbox.backoff.retry_delay`
-or, once attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes
-to ``dead`` at once. ``last_error`` holds the type, message and a bounded traceback.
+Failures: an exception becomes a :class:`~outbox.relay.outcomes.Failure`: the job goes back
+to ``ready`` after :func:`outbox.backoff.retry_delay` or, once attempts reach
+``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes to ``dead`` at once.
+``last_error`` holds the type, message and a bounded traceback
+(:func:`outbox.relay.outcomes.format_error`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import logging
 import threading
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import psycopg
-from sqlalchemy import TextClause
-from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from outbox import backoff
-from outbox.db import queries
 from outbox.db.engine import describe
-from outbox.db.tables import JOBS_CHANNEL, notify_channel
 from outbox.errors import (
     HandlerMisuseError,
     HandlerTimeoutError,
@@ -65,6 +52,7 @@ from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import transaction
 from outbox.relay.counters import Counters
+from outbox.relay.outcomes import Failure, Outcome, Snoozed, format_error
 from outbox.relay.watchdog import ASYNC_BACKSTOP_SECONDS, Watchdog
 from outbox.settings import OutboxSettings
 from outbox.telemetry import tracing
@@ -72,346 +60,8 @@ from outbox.telemetry.logs import job_fields
 
 log = logging.getLogger(__name__)
 
-#: Longest ``last_error`` kept, in characters (type + message + traceback).
-MAX_ERROR_CHARS = 8192
-MAX_MESSAGE_CHARS = 2048
 #: SQLSTATE of "terminating connection due to idle-in-transaction timeout".
 IDLE_IN_TRANSACTION_TIMEOUT = "25P03"
-
-
-# ------------------------------------------------------------------- error text
-
-
-def format_error(exc: BaseException, limit: int = MAX_ERROR_CHARS) -> str:
-    """``last_error`` text for ``exc``: ``Type: message`` and the innermost traceback
-    frames, at most ``limit`` characters. Safe for any exception: a ``str()`` that raises,
-    a message of many megabytes, NUL bytes and unpaired surrogates all give valid text."""
-    try:
-        # A database error's str() carries the SQL and its parameters: keep the server's words.
-        message = describe(exc).partition(": ")[2] if isinstance(exc, DBAPIError) else str(exc)
-    except BaseException as err:  # noqa: BLE001 - a broken __str__ must not lose the failure
-        message = f"<str() raised {type(err).__name__}>"
-    message = _clean(message[: MAX_MESSAGE_CHARS * 2])
-    if len(message) > MAX_MESSAGE_CHARS:
-        message = message[:MAX_MESSAGE_CHARS] + f"... [{len(message)} chars, truncated]"
-    head = f"{_clean(type(exc).__qualname__)}: {message}"
-    try:
-        frames = "".join(traceback.format_tb(exc.__traceback__, limit=-8)) if exc.__traceback__ else ""
-    except BaseException:  # noqa: BLE001
-        frames = ""
-    text = head + ("\n" + _clean(frames) if frames else "")
-    return text if len(text) <= limit else text[: limit - 15] + "... [truncated]"
-
-
-def _clean(text: str) -> str:
-    """Text PostgreSQL accepts: NUL removed, unpaired surrogates escaped."""
-    return text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-# --------------------------------------------------------------- job statements
-#
-# Each function takes either a SQLAlchemy ``Connection`` (tests, tools, the heartbeat) or a
-# bare psycopg ``Connection`` (the runner's dispatcher, which skips SQLAlchemy's per-statement
-# work on its hot path); the SQL is the same named statement of ``db/queries.py`` either way,
-# for the tables of ``schema`` (None: the process default, ``outbox.settings.default_schema``).
-
-Executor = Connection | psycopg.Connection[Any]
-
-_PSYCOPG_DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy's dialects are untyped
-_COMPILED: dict[int, str] = {}
-
-
-def _psycopg_sql(statement: TextClause) -> str:
-    """``statement`` compiled for psycopg's paramstyle (statements are module constants or
-    members of a ``queries.Statements`` kept for the life of the process: each is compiled
-    once, and its ``id`` never reused)."""
-    sql = _COMPILED.get(id(statement))
-    if sql is None:
-        sql = _COMPILED[id(statement)] = str(statement.compile(dialect=_PSYCOPG_DIALECT))
-    return sql
-
-
-def _rows(conn: Executor, statement: TextClause, params: dict[str, Any]) -> list[Any]:
-    """Run ``statement`` on ``conn`` and return its rows (indexable by column position)."""
-    if isinstance(conn, psycopg.Connection):
-        return conn.execute(_psycopg_sql(statement), params).fetchall()
-    return list(conn.execute(statement, params).all())
-
-
-def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> int:
-    """Run ``statement`` (no result rows) on ``conn``; returns its row count."""
-    if isinstance(conn, psycopg.Connection):
-        return conn.execute(_psycopg_sql(statement), params).rowcount
-    return conn.execute(statement, params).rowcount
-
-
-def job_from_row(row: Any, lease_seconds: float) -> Job:
-    """A :class:`Job` from a row of ``job_claim_many`` (columns in its ``RETURNING`` order;
-    payload and headers come as their stored JSON texts, which the job decodes on first use)."""
-    job = Job.from_json(row[0], row[1], row[2], row[7], row[8], row[9], row[10], row[3], row[4], row[5],
-                        lease_seconds, row[11])
-    job._lease_until = row[6]
-    return job
-
-
-def job_from_claim_row(row: Any, lease_seconds: float) -> Job:
-    """:func:`job_from_row` for a claim that also returned ``priority`` and ``run_at`` (columns
-    12 and 13): the job remembers its place in the queue, which the relay's buffer keeps."""
-    job = job_from_row(row, lease_seconds)
-    job._claim_order = (row[12], row[13], row[0])
-    return job
-
-
-def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
-    consumers = list(leases)
-    return {"consumers": consumers, "leases": [leases[c] for c in consumers], "limit": limit, "worker": worker_id}
-
-
-def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: str, *,
-               schema: str | None = None) -> list[Job]:
-    """Claim up to ``limit`` due jobs of the consumers in ``leases`` (consumer -> lease
-    seconds) in ``conn``'s transaction; the caller commits."""
-    rows = _rows(conn, queries.in_schema(schema).job_claim_many, _claim_params(leases, limit, worker_id))
-    return [job_from_row(r, leases[r[2]]) for r in rows]
-
-
-#: The lowest claim-order key (priority, run_at, id): a claim "after" it starts at the head.
-HEAD_KEY: tuple[int, Any, int] = (-32768, "-infinity", 0)
-
-
-def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
-                            worker_id: str, *, keep_done: bool = True,
-                            schema: str | None = None) -> tuple[set[int], list[Job]]:
-    """Mark ``done`` completed (fenced; deleted instead when ``keep_done`` is false, see
-    :func:`complete_jobs`) and claim up to ``limit`` due jobs, in one statement
-    (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
-    missing from the ids was a stale report and changed nothing."""
-    completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None,
-                                                     keep_done=keep_done, schema=schema)
-    return completed, claimed
-
-
-def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
-                             worker_id: str, after: tuple[int, Any, int] | None, *,
-                             buffer: BufferMark | None = None, skip: list[int] | None = None,
-                             only: list[int] | None = None, keep_done: bool = True, schema: str | None = None,
-                             ) -> tuple[set[int], list[Job], tuple[int, Any, int] | None]:
-    """:func:`complete_and_claim_jobs` whose claim starts after the claim-order key ``after``
-    (``(priority, run_at, id)``, as returned before; None: at the head of the ready jobs);
-    also returns the key of the last job it claimed (None when it claimed none). The jobs
-    claimed come back in claim order.
-
-    ``buffer``, when given, is written to the relay's row in the same statement (see
-    :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
-    forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
-    is given, takes only jobs among those ids (:mod:`outbox.relay.poison`)."""
-    key = after or HEAD_KEY
-    mark = buffer or BufferMark(None, 0)
-    rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
-        **_ids_fences(done), **_claim_params(leases, limit, worker_id), "keep_done": keep_done,
-        "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "start_now": mark.start_now, "forwarding": list(mark.forwarding),
-        "skip": skip or [], "only": only})
-    completed = {r[0] for r in rows if r[14]}
-    claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
-    last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
-    return completed, [job_from_claim_row(r, leases[r[2]]) for r in claimed], last
-
-
-@dataclass(frozen=True, slots=True)
-class BufferMark:
-    """What a dispatcher round adds to its relay's row of ``outbox_relays`` (``relay``;
-    None changes nothing): the jobs the round claims that do not start at once join the
-    list of buffered claims: every job of a consumer in ``forwarding`` (a forwarder's
-    attempt starts when its message is handed to the broker, issue 26), and of the others
-    all but the first ``start_now`` in claim order (those go to idle workers). The reaper
-    gives the attempt back to an expired claim still listed (migration 0003)."""
-
-    relay: str | None
-    start_now: int
-    forwarding: frozenset[str] = frozenset()
-
-    def starts_now(self, claimed: list[Job]) -> list[Job]:
-        """Of ``claimed`` (in claim order), the jobs this mark did not list: the first
-        ``start_now`` that are not a forwarder's."""
-        return [job for job in claimed if job.consumer not in self.forwarding][:self.start_now]
-
-
-def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int], *,
-                     schema: str | None = None) -> list[int]:
-    """Ids of up to ``limit`` due ready jobs of ``consumers`` in claim order, not locked."""
-    return [r[0] for r in _rows(conn, queries.in_schema(schema).job_claim_candidates,
-                                {"consumers": consumers, "limit": limit, "skip": skip})]
-
-
-def bury_job(conn: Executor, job: Job, error: str, *, schema: str | None = None) -> bool:
-    """Dead-letter claimed ``job`` (fenced) with ``last_error`` = ``error``; True if it changed."""
-    return _execute(conn, queries.in_schema(schema).job_bury, {"id": job.id, "fence": job.fence, "error": error}) == 1
-
-
-def bury_ready_job(conn: Executor, job_id: int, error: str, *, schema: str | None = None) -> bool:
-    """Dead-letter ready job ``job_id`` with ``last_error`` = ``error``; True if it changed."""
-    return _execute(conn, queries.in_schema(schema).job_bury_ready, {"id": job_id, "error": error}) == 1
-
-
-@dataclass(frozen=True, slots=True)
-class RelayInfo:
-    """What a relay writes about itself in the registry (``outbox_relays``, shown by
-    ``outbox-relay relays``): the outbox ``version`` it runs, the ``consumers`` it has
-    handlers for and its ``concurrency`` (worker slots)."""
-
-    version: str
-    consumers: tuple[str, ...]
-    concurrency: int
-
-
-def package_version() -> str:
-    """The installed outbox-relay distribution's version ("unknown" when not installed)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("outbox-relay")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-def relay_seen(conn: Executor, worker_id: str, buffer: list[int], *, info: RelayInfo | None = None,
-               schema: str | None = None) -> None:
-    """Write (or refresh) the row of relay ``worker_id`` (``host:pid:suffix``) in
-    ``outbox_relays``: seen now, listing ``buffer`` (the fences it holds unstarted) and
-    nothing stale (``relay_seen``), with ``info`` (None keeps what the row holds)."""
-    host, _, rest = worker_id.partition(":")
-    pid = rest.partition(":")[0]
-    _execute(conn, queries.in_schema(schema).relay_seen, {
-        "relay": worker_id, "host": host, "pid": int(pid) if pid.isdigit() else 0, "buffer": buffer,
-        "version": info.version if info else None, "consumers": list(info.consumers) if info else None,
-        "concurrency": info.concurrency if info else None})
-
-
-def relay_buffer_remove(conn: Executor, worker_id: str, fences: list[int], *, schema: str | None = None) -> None:
-    """Unlist ``fences`` from relay ``worker_id``'s buffered claims (``relay_buffer_remove``):
-    their handlers are about to start."""
-    _execute(conn, queries.in_schema(schema).relay_buffer_remove, {"relay": worker_id, "removed": fences})
-
-
-def relay_delete(conn: Executor, worker_id: str, *, schema: str | None = None) -> None:
-    """Remove relay ``worker_id``'s row of ``outbox_relays`` (a clean stop)."""
-    _execute(conn, queries.in_schema(schema).relay_delete, {"relay": worker_id})
-
-
-def _ids_fences(jobs: list[Job]) -> dict[str, list[int]]:
-    return {"ids": [j.id for j in jobs], "fences": [j.fence for j in jobs]}
-
-
-def notify_head(conn: Executor, *, schema: str | None = None) -> None:
-    """Tell every relay on ``schema`` that jobs were handed back with their early place in
-    the queue (``queries.jobs_notify_head``), on commit of ``conn``'s transaction."""
-    channel = notify_channel(JOBS_CHANNEL, schema or "public")
-    _execute(conn, queries.in_schema(schema).jobs_notify_head, {"channel": channel})
-
-
-def promote_keys(conn: Executor, params: dict[str, list[str]], *, schema: str | None = None) -> list[int]:
-    """Run ``job_promote_many`` with ``params`` (``consumers``, ``keys``: the ordered keys of
-    finished jobs, :func:`outbox.relay.ordering.promotion_params`); returns the ids promoted."""
-    return [r[0] for r in _rows(conn, queries.in_schema(schema).job_promote_many, params)]
-
-
-def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
-    """Renew the leases of ``jobs``; returns the fences of the claims still owned (fence and
-    status match). Fences, not ids: one process may hold a job's old claim (its worker
-    paused past the lease) and its new claim at once, and only the new one is owned. A job
-    an operator asked to cancel gets ``job.cancel_requested`` here."""
-    if not jobs:
-        return set()
-    params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
-    rows = _rows(conn, queries.in_schema(schema).job_heartbeat_many, params)
-    cancelled = {r[1] for r in rows if r[2]}
-    for job in jobs:
-        if job.fence in cancelled:
-            job.mark_cancel_requested()
-    return {r[1] for r in rows}
-
-
-def complete_jobs(conn: Executor, jobs: list[Job], *, keep_done: bool = True, schema: str | None = None) -> set[int]:
-    """Mark ``jobs`` done (fenced); returns the ids that changed. With ``keep_done`` false a
-    done job's row is deleted instead (``retention_done = 0``,
-    :attr:`~outbox.settings.OutboxSettings.keep_done`); one an operator asked to cancel
-    is still kept, ``cancelled``."""
-    if not jobs:
-        return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_complete_many,
-                                {**_ids_fences(jobs), "keep_done": keep_done})}
-
-
-def release_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
-    """Hand ``jobs`` back as ready now, attempt not counted (fenced); returns changed ids."""
-    if not jobs:
-        return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_release_many, _ids_fences(jobs))}
-
-
-@dataclass(frozen=True, slots=True)
-class Failure:
-    """A failed attempt: retry after ``delay`` seconds, unless ``permanent`` or out of
-    attempts. ``timed_out``: the handler ran past its timeout (the watchdog's report)."""
-
-    delay: float
-    permanent: bool
-    error: str
-    timed_out: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Snoozed:
-    """The handler raised :class:`~outbox.Snooze`: ready again in ``seconds``, the attempt
-    not counted."""
-
-    seconds: float
-
-
-def snooze_jobs(conn: Executor, snoozed: list[tuple[Job, Snoozed]], *, schema: str | None = None) -> set[int]:
-    """Put snoozed jobs back to ready after their delay, attempt given back, ``snoozes + 1``
-    (fenced, ``job_snooze_many``); returns the ids that changed."""
-    if not snoozed:
-        return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_snooze_many, {
-        "ids": [j.id for j, _ in snoozed], "fences": [j.fence for j, _ in snoozed],
-        "delays": [s.seconds for _, s in snoozed]})}
-
-
-def fail_jobs(conn: Executor, failures: list[tuple[Job, Failure]], *, schema: str | None = None) -> dict[int, str]:
-    """Record failed attempts (fenced); returns ``{id: new status}`` for rows that changed."""
-    if not failures:
-        return {}
-    rows = _rows(conn, queries.in_schema(schema).job_fail_many, {
-        "ids": [j.id for j, _ in failures], "fences": [j.fence for j, _ in failures],
-        "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
-        "errors": [f.error for _, f in failures],
-    })
-    return {r[0]: r[1] for r in rows}
-
-
-# ------------------------------------------------------------------ the runner
-
-class Outcome(enum.Enum):
-    """How running a claimed job's handler ended, when it did not fail (a failure is a
-    :class:`Failure`). Which statement, if any, is still to write follows from it."""
-
-    #: Lease mode: the handler returned; the fenced completion is still to write.
-    DONE = "done"
-    #: Transactional mode: the fenced completion committed with the handler's writes.
-    COMMITTED = "committed"
-    #: Nothing to write: the claim is no longer this worker's (lease lost, fence stale).
-    STALE = "stale"
-    #: Hand the job back as ready now, the attempt not counted (fenced).
-    RELEASE = "release"
-    #: Nothing to write: the handler ran past its timeout and the watchdog already failed
-    #: the attempt; what the handler did is dropped. Its worker slot is free again.
-    TIMED_OUT = "timed out"
-    #: Transactional mode: an operator cancelled the job while it ran; the handler's
-    #: transaction was rolled back and ``cancelled`` recorded (fenced) in a transaction of
-    #: its own. Nothing to write.
-    CANCELLED = "cancelled"
 
 
 _DONE = Outcome.DONE
@@ -787,5 +437,6 @@ class JobExecutor:
             self._warned_return.add(sub.consumer)
             log.warning("handler of %s returned %s; the value is ignored (handlers return None)",
                         sub.consumer, type(result).__name__)
+
 
 
