@@ -14,7 +14,7 @@ batches, so pruning never holds long locks. When the server's autovacuum is off 
 server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
 round, and says so once at start.
 
-Upkeep that needs ownership: ``ANALYZE`` (the router's :class:`outbox.relay.router.StatisticsKeeper`)
+Upkeep that needs ownership: ``ANALYZE`` (:class:`outbox.relay.statistics.StatisticsKeeper`)
 and ``VACUUM`` (above) of the queue's tables are allowed only to their owner (the role that
 ran ``outbox-relay migrate``), the database's owner, a superuser or, on PostgreSQL 17 and
 later, a role granted ``MAINTAIN`` on them. A relay running as a role of its own without it

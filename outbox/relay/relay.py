@@ -6,7 +6,7 @@ in one line), write this registry's subscriptions, then start the threads:
 * ``outbox-router``: route events until none are left, then wait for ``NOTIFY
   outbox_events`` or ``poll_interval``;
 * ``outbox-statistics`` (with the router): ``ANALYZE outbox_jobs`` after bursts of routed
-  jobs (:class:`outbox.relay.router.StatisticsKeeper`), beside the router rather than in its loop;
+  jobs (:class:`outbox.relay.statistics.StatisticsKeeper`), beside the router rather than in its loop;
 * the job runner's threads (:mod:`outbox.relay.runner`), woken by ``NOTIFY outbox_jobs`` or by
   the router of this process;
 * ``outbox-maintenance``: reaper and the ordered keys' promotion sweep every ``reap_interval``, pruner every ``prune_interval``;
@@ -63,13 +63,13 @@ from outbox.relay.ordering import HeadSweeper
 from outbox.relay.poison import Quarantine, SystemicError
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.router import (
-    StatisticsKeeper,
     UnsubscribedTopics,
     register_subscriptions,
     route_round,
 )
 from outbox.relay.runner import JobRunner
 from outbox.relay.scheduler import Scheduler, register_schedules
+from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import (
     GaugeGatherer,

@@ -15,33 +15,23 @@ created ``pending`` behind the unfinished jobs of its key (:mod:`outbox.relay.or
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
 
-Statistics (:class:`StatisticsKeeper`): the router is the one part that knows when
-``outbox_jobs`` has just received many ready jobs, so it keeps the planner's statistics
-of that table current. Without them a burst into a table that was never analysed (or
-analysed while quiet) makes every claim sort the whole ready backlog instead of reading
-``ix_outbox_jobs_ready`` in claim order, and autovacuum's analyze comes a minute or more
-later (performance notes, finding 1). An ANALYZE that cannot get its lock at once, or
-fails, is skipped and tried again later; it never stops routing.
+The router counts the jobs it creates for the statistics keeper
+(:mod:`outbox.relay.statistics`), which keeps the planner's statistics of ``outbox_jobs``
+current after bursts.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 
-from outbox import backoff
 from outbox.db import queries
-from outbox.db.engine import describe
 from outbox.registry import Outbox
-from outbox.relay.maintenance import TableUpkeep
 from outbox.relay.poison import Quarantine, whole_or_halves
 from outbox.settings import OutboxSettings
 
@@ -204,186 +194,3 @@ def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) ->
         unsubscribed += result.unsubscribed
         if result.events < limit:
             return RouteResult(events, jobs, unsubscribed)
-
-
-class AnalyzeOutcome(enum.Enum):
-    """What one call of :meth:`StatisticsKeeper.routed` did."""
-
-    #: Nothing: too few jobs routed since the last ANALYZE, or waiting to retry.
-    NOT_DUE = "not due"
-    #: ``ANALYZE outbox_jobs`` ran and committed.
-    ANALYZED = "analyzed"
-    #: Another session held a conflicting lock for longer than ``lock_timeout``
-    #: (autovacuum, another relay's ANALYZE, a schema change): tried again later.
-    SKIPPED = "skipped"
-    #: Any other database error (logged at INFO): tried again later.
-    FAILED = "failed"
-    #: This role may not ANALYZE the table (not its owner: :class:`outbox.relay.maintenance.TableUpkeep`
-    #: warned once); asked again after ``retry_cap`` seconds.
-    NOT_PERMITTED = "not permitted"
-
-
-class StatisticsKeeper:
-    """Runs ``ANALYZE outbox_jobs`` after the router has created many jobs relative to
-    what the table held at its last analyze, so the claim's plan follows bursts.
-
-    Rule: ANALYZE once the jobs routed since this keeper's last ANALYZE exceed
-    ``max(floor, min(fraction * reltuples, at_most))``, where ``reltuples`` is
-    ``pg_class.reltuples`` of ``outbox_jobs`` (the row count at the last ANALYZE or VACUUM
-    by anyone; a table never analysed counts as 0). ``floor`` (jobs, default 1,000) spares a
-    nearly empty table an ANALYZE every round; ``fraction`` (default 1.0: once the table
-    may have doubled) scales the trigger with the table, and ``at_most`` (jobs, default
-    100,000) caps it, so a table of done jobs kept for a day still gets an ANALYZE after
-    every 100,000 new ready jobs. What the claim's plan needs is only that the statistics
-    do not say "almost no ready jobs" while a burst has put many there: a count off by
-    half picks the same plan. ANALYZE reads every page below 3,000 pages and a sample of
-    30,000 rows above (default statistics target), so it costs in proportion to the table
-    up to tens of milliseconds: with autovacuum's fraction of 0.1 a burst of 150,000 jobs
-    into an empty table runs about 40 of them by the rule's arithmetic, doubling about 8
-    (measured: 15 % less database CPU per job, +14 % end to end; performance notes, "Issue 14"). ``reltuples`` is read only
-    when the count passes the trigger computed from the previous read, so a round that is
-    not due costs no query. With several relays each counts the jobs it routed itself; an
-    ANALYZE by any of them, or by autovacuum, raises ``reltuples`` and so the others' trigger.
-
-    The first of these ANALYZEs also analyses ``outbox_events`` if it never was (``reltuples``
-    -1: a new database, autovacuum off or not yet awake); later ones leave it to autovacuum.
-    Without any statistics the planner rates ``routed_at IS NULL`` at 0.5 % of the table, and
-    with a backlog the route's pick of 500 then read and sorted every unrouted event through a
-    bitmap scan; with statistics from any moment (a few unrouted: an estimate of a handful; a
-    burst: thousands) it walks ``ix_outbox_events_unrouted`` in id order and stops at the
-    batch (performance notes, "Issue 14"). ``events_analyzed`` counts those.
-
-    In a relay the keeper has a thread of its own (:meth:`run`): the router's loop only
-    counts (:meth:`count`, no query) and the ANALYZE runs beside it. Run inline, each
-    ANALYZE held up routing for its duration (tens of milliseconds at 100,000 jobs, up to
-    hundreds on a large table), then once per 10 % of growth: during a steady stream, dozens
-    of stalls a minute, each one adding its length to the commit-to-handler latency of every
-    event published meanwhile (performance notes, "Issue 14", latency). :meth:`routed`
-    counts and analyses in the caller's thread: for tests and a caller without a thread.
-
-    Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
-    transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE
-    UPDATE EXCLUSIVE lock, which conflicts with autovacuum and with another relay's
-    ANALYZE, but not with routing, claiming or any other job statement. A lock timeout
-    means someone else is vacuuming or analysing the table: the keeper skips quietly
-    (DEBUG) and tries again after a capped, jittered backoff (``retry_base`` doubling up to
-    ``retry_cap`` seconds) on a later call. Keeping the timeout below the server's
-    ``deadlock_timeout`` (1 s by default) also means the keeper never waits long enough to
-    make PostgreSQL cancel an autovacuum that holds the lock ("Routine Vacuuming", "The
-    Autovacuum Daemon": a conflicting lock request interrupts autovacuum). Any other
-    database error is logged at INFO and retried the same way; nothing is raised.
-
-    The relay's role must own ``outbox_jobs`` (it does when it ran the migrations);
-    otherwise (``upkeep``, :class:`outbox.relay.maintenance.TableUpkeep`, says so once) the
-    ANALYZE is not sent and the statistics are left to autovacuum. One keeper per router
-    loop: :meth:`count` may be called from the router's thread while :meth:`run` runs in
-    another; :meth:`routed` is not to be called while :meth:`run` runs. ``analyzed``,
-    ``skipped``, ``failed`` and ``denied`` (not permitted) count the outcomes; ``pending``
-    is the jobs routed since the last ANALYZE.
-    """
-
-    def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 1.0, at_most: int = 100_000,
-                 lock_timeout: float = 0.1, retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None,
-                 upkeep: TableUpkeep | None = None) -> None:
-        self.engine = engine
-        self.statements = queries.in_schema(schema)  # outbox_jobs of this schema
-        self.upkeep = upkeep if upkeep is not None else TableUpkeep(schema)
-        self.floor = floor
-        self.fraction = fraction
-        self.at_most = at_most
-        self.lock_timeout = lock_timeout
-        self.retry_base = retry_base
-        self.retry_cap = retry_cap
-        self.pending = 0
-        self.analyzed = self.skipped = self.failed = self.denied = self.events_analyzed = 0
-        self._trigger = float(floor)  # from the last reltuples read
-        self._misses = 0  # skips and failures in a row
-        self._events_have_statistics = False  # outbox_events analysed, by anyone, seen once
-        self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
-        self._lock = threading.Lock()  # pending: added to by the router's thread, taken by the keeper's
-        self._due = threading.Event()  # count() saw pending pass the trigger, or wake() was called
-
-    def count(self, jobs: int) -> None:
-        """Count ``jobs`` just created by the router; no query. When they take ``pending`` past
-        the trigger, :meth:`run` (in its own thread) wakes and runs the ANALYZE."""
-        with self._lock:
-            self.pending += jobs
-            due = self.pending > self._trigger
-        if due:
-            self._due.set()
-
-    def wake(self) -> None:
-        """Wake :meth:`run` now (the relay stopping: it then sees its ``stop`` event set)."""
-        self._due.set()
-
-    def run(self, stop: threading.Event, poll: float = 1.0) -> None:
-        """The keeper's thread: wait until :meth:`count` finds an ANALYZE due, or ``poll``
-        seconds (a skipped one is retried after its backoff even with no more jobs routed),
-        then ANALYZE if the rule says so; until ``stop`` is set (and :meth:`wake` called, or
-        ``poll`` passed). Never raises for database errors (see :meth:`routed`)."""
-        while not stop.is_set():
-            self._due.wait(poll)
-            self._due.clear()
-            if stop.is_set():
-                return
-            self.routed(0)
-
-    def routed(self, jobs: int) -> AnalyzeOutcome:
-        """Count ``jobs`` just created by the router and ANALYZE ``outbox_jobs`` if the rule
-        says so. Call it after every routing round, also with 0: a skipped ANALYZE is
-        retried on a later call even when no more jobs arrive. Never raises for database
-        errors; returns what it did."""
-        with self._lock:
-            self.pending += jobs
-            taken = self.pending  # jobs counted while the ANALYZE runs count towards the next one
-        if taken <= self._trigger or time.monotonic() < self._retry_at:
-            return AnalyzeOutcome.NOT_DUE
-        started = time.perf_counter()
-        try:
-            with self.engine.begin() as conn:
-                before = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                self._trigger = self._trigger_for(before)
-                if taken <= self._trigger:  # analysed or vacuumed by someone else meanwhile
-                    return AnalyzeOutcome.NOT_DUE
-                if not self.upkeep.permitted(conn):  # PostgreSQL would skip it with a warning of its own
-                    self.denied += 1
-                    self._retry_at = time.monotonic() + self.retry_cap
-                    return AnalyzeOutcome.NOT_PERMITTED
-                timeout = f"{max(1, round(self.lock_timeout * 1000))}ms"
-                conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
-                conn.execute(self.statements.job_table_analyze)
-                after = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                events_analyzed = not self._events_have_statistics and not conn.execute(
-                    self.statements.event_table_analysed).scalar_one()
-                if events_analyzed:
-                    conn.execute(self.statements.event_table_analyze)
-        except SQLAlchemyError as exc:
-            return self._missed(exc)
-        self._events_have_statistics = True  # analysed by someone, or just now: they keep them
-        self.events_analyzed += events_analyzed
-        log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",
-                  taken, before, after, (time.perf_counter() - started) * 1000)
-        self.analyzed += 1
-        with self._lock:
-            self.pending -= taken
-        self._trigger = self._trigger_for(after)
-        self._misses = 0
-        self._retry_at = 0.0
-        return AnalyzeOutcome.ANALYZED
-
-    def _trigger_for(self, reltuples: float) -> float:
-        """Jobs routed after which the next ANALYZE is due, for a table of ``reltuples`` rows."""
-        return max(float(self.floor), min(self.fraction * reltuples, float(self.at_most)))
-
-    def _missed(self, exc: SQLAlchemyError) -> AnalyzeOutcome:
-        self._misses += 1
-        delay = backoff.retry_delay(self._misses, base=self.retry_base, cap=self.retry_cap, jitter=0.5)
-        self._retry_at = time.monotonic() + delay
-        if isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
-            self.skipped += 1
-            log.debug("ANALYZE outbox_jobs skipped: another session holds a conflicting lock (autovacuum or "
-                      "another relay's ANALYZE); next try in %.1fs", delay)
-            return AnalyzeOutcome.SKIPPED
-        self.failed += 1
-        log.info("ANALYZE outbox_jobs failed (%s); routing goes on, next try in %.1fs", describe(exc), delay)
-        return AnalyzeOutcome.FAILED

@@ -36,7 +36,7 @@ from outbox.db.migrate import upgrade
 from outbox.ops.cli import main
 from outbox.ops.grants import PUBLISHER_EVENT_INSERT_COLUMNS, grant_statements, render
 from outbox.relay.relay import Relay
-from outbox.relay.router import AnalyzeOutcome, StatisticsKeeper
+from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
 SCHEMA = "shop"

@@ -1,4 +1,4 @@
-"""Planner statistics of ``outbox_jobs``: the router's :class:`StatisticsKeeper` analyses
+"""Planner statistics of ``outbox_jobs``: the statistics keeper (:class:`StatisticsKeeper`) analyses
 the table after bursts, so the claim keeps reading ``ix_outbox_jobs_ready`` in claim order
 instead of sorting the whole ready backlog (docs/performance.md, finding 1); an ANALYZE
 that cannot get its lock is skipped and never holds routing up.
@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from outbox import Outbox
 from outbox.db import queries
 from outbox.relay.relay import Relay
-from outbox.relay.router import AnalyzeOutcome, StatisticsKeeper, route_all, route_batch
+from outbox.relay.router import route_all, route_batch
+from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
 from .helpers import publish_events, subscribe
