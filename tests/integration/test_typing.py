@@ -165,8 +165,8 @@ STATEMENTS_APP = textwrap.dedent('''
 ''')
 
 
-def test_mypy_rejects_a_misspelt_statement_name(tmp_path):
-    result = _mypy(tmp_path, STATEMENTS_APP)
+def test_mypy_rejects_a_misspelt_statement_name(tmp_path, mypy_cache):
+    result = _mypy(tmp_path, mypy_cache, STATEMENTS_APP)
     errors = [line for line in result.stdout.splitlines() if ": error: " in line]
     assert len(errors) == 1, result.stdout + result.stderr
     line = STATEMENTS_APP.splitlines().index("misspelt = statements.job_claim_mnay") + 1
