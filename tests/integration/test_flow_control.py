@@ -11,10 +11,9 @@ import sqlalchemy as sa
 
 from outbox import Job, Outbox
 from outbox.ops.cli import main
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
-from .helpers import publish_events, running_relay
+from .helpers import publish_events, running_relay, running_relays
 
 TIMEOUT = 60.0
 
@@ -67,15 +66,11 @@ def test_a_concurrency_cap_holds_across_two_relays(engine, settings):
             state["now"] -= 1
 
     publish_events(engine, "t", [{"n": i} for i in range(40)])
-    relays = [Relay(ob, settings(concurrency=8, prefetch=8, claim_batch=50, poll_interval=0.2)) for _ in range(2)]
     sampler = _Sampler(engine, "capped")
-    for relay in relays:
-        relay.start()
     try:
-        wait_for(lambda: _counts(engine, "capped").get("done") == 40, timeout=TIMEOUT, what="all 40 jobs done")
+        with running_relays(2, ob, settings(concurrency=8, prefetch=8, claim_batch=50, poll_interval=0.2)) as relays:
+            wait_for(lambda: _counts(engine, "capped").get("done") == 40, timeout=TIMEOUT, what="all 40 jobs done")
     finally:
-        for relay in relays:
-            relay.stop()
         sampler.stop()
     assert sampler.samples > 10
     assert sampler.most <= 3, f"{sampler.most} running at once, cap 3"
@@ -96,14 +91,8 @@ def test_a_rate_limit_holds_across_two_relays_by_the_database_clock(engine, sett
     ob = Outbox()
     ob.subscriber("t", consumer="limited", rate_limit="5/s")(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(25)])
-    relays = [Relay(ob, settings(concurrency=8, prefetch=8, poll_interval=0.5)) for _ in range(2)]
-    for relay in relays:
-        relay.start()
-    try:
+    with running_relays(2, ob, settings(concurrency=8, prefetch=8, poll_interval=0.5)):
         wait_for(lambda: _counts(engine, "limited").get("done") == 25, timeout=TIMEOUT, what="all 25 jobs done")
-    finally:
-        for relay in relays:
-            relay.stop()
     with engine.connect() as c:
         times = [t.timestamp() for t in c.execute(sa.text("SELECT at FROM claim_log ORDER BY at")).scalars()]
     assert len(times) == 25
