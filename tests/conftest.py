@@ -7,15 +7,30 @@ first (a role with privileges in the database is dropped after it)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
+from hypothesis import settings as hypothesis_settings
 from sqlalchemy.engine import URL
 
 from outbox.db.engine import make_engine
 from outbox.settings import OutboxSettings
 from outbox.testing import DatabaseCopies, drop_database, migrated_template, server_url
+
+# Hypothesis profiles (tests/hypothesis_profiles.py: each property test's count is scaled by
+# the profile's max_examples over 100). Chosen with HYPOTHESIS_PROFILE=ci or hypothesis' own
+# --hypothesis-profile=ci (which wins); dev when neither is given.
+# - dev: a twentieth of every count, for the inner loop (the unit suite's differential
+#   tests of publish's encoding draw 100 to 150 examples instead of 2,000 to 3,000).
+# - ci: a quarter of every count, for CI.
+# - thorough: every count as written (about 165 s of property tests in the unit suite alone
+#   on 2 idle cores), on demand.
+hypothesis_settings.register_profile("dev", max_examples=5)
+hypothesis_settings.register_profile("ci", max_examples=25, print_blob=True)
+hypothesis_settings.register_profile("thorough", max_examples=100, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 @pytest.fixture(scope="session")
@@ -85,8 +100,6 @@ def settings(db_url: URL) -> Callable[..., OutboxSettings]:
 
 
 def pytest_report_header(config) -> str:
-    import os
-
     url = os.environ.get("OUTBOX_TEST_DATABASE_URL") or os.environ.get("OUTBOX_DATABASE_URL")
     if url:
         from outbox.db.engine import redact

@@ -25,11 +25,10 @@ from outbox.errors import AdminError
 from outbox.ops.cli import main
 from outbox.relay.maintenance import prune, reap_expired
 from outbox.relay.outcomes import Failure
-from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
 
-from .helpers import expire_lease, job_row, publish_events, subscribe
+from .helpers import expire_lease, job_row, publish_events, running_relay, subscribe
 
 
 def _url(db_url) -> list[str]:
@@ -131,17 +130,13 @@ def test_cancel_of_a_running_job_reaches_its_handler_and_records_cancelled(engin
         saw.append(job.cancel_requested)  # then returns normally: the outcome is a completion
 
     publish_events(engine, "slow", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1, prefetch=0))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1, prefetch=0)):
         assert started.wait(30)
         job_id = seen[0].id
         assert main(["cancel", "--consumer", "slow", *_url(db_url)]) == 0
         assert f"asked 1 running job to stop (cancelled when the attempt ends): [{job_id}]" in capsys.readouterr().out
         assert job_row(engine, job_id)["status"] == "running"  # the claim is the worker's until it reports
         wait_for(lambda: job_row(engine, job_id)["status"] == "cancelled", timeout=30, what="outcome cancelled")
-    finally:
-        relay.stop()
     assert saw == [True]  # the handler learnt it from the heartbeat
     row = job_row(engine, job_id)
     assert row["cancel_requested"] and row["finished_at"] is not None and row["attempts"] == 1
