@@ -618,6 +618,88 @@ def jobs_page(conn: Connection, consumer: str, status: str, *, before: int | Non
     return JobPage(consumer, status, jobs, jobs[-1].id if len(rows) > limit else None)
 
 
+#: Most jobs on one page of :func:`list_jobs` (``outbox-relay jobs --limit``).
+LIST_LIMIT = 1000
+#: The largest job or event id (the id columns are bigint).
+MAX_ID = 2**63 - 1
+#: The oldest age :func:`list_jobs` takes, seconds (1,000 years: far older, the database's
+#: timestamps end).
+MAX_AGE = 1000 * 365 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class ListedJob(JobRow):
+    """A job of :func:`list_jobs`: its row (:class:`JobRow`) with its event's ``topic`` and
+    ``key`` (both None when the event is gone)."""
+
+    topic: str | None
+    key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobList:
+    """One keyset page of :func:`list_jobs`, in ascending id order; ``next_after``: the
+    ``after`` of the next page (the last id shown), None when this page is the last."""
+
+    jobs: list[ListedJob]
+    next_after: int | None
+
+
+def _check_text(value: str | None, argument: str) -> None:
+    if value is not None and (not value or "\x00" in value):
+        raise AdminError(f"jobs: {argument} must be a non-empty text without NUL characters, got {value!r}")
+
+
+def _check_age(value: float | None, argument: str) -> None:
+    if value is not None and not 0 <= value <= MAX_AGE:
+        raise AdminError(f"jobs: {argument} must be a number of seconds from 0 to {MAX_AGE}, got {value!r}")
+
+
+def list_jobs(conn: Connection, *, consumer: str | None = None, statuses: Sequence[str] | None = None,
+              key: str | None = None, event_id: int | None = None, older_than: float | None = None,
+              newer_than: float | None = None, after: int | None = None, limit: int = 50,
+              schema: str | None = None) -> JobList:
+    """Jobs matching every filter given (``outbox-relay jobs``), in ascending id order, one
+    keyset page at a time: ``after`` (a job id; None: from the first job) starts the page
+    above that id, and :attr:`JobList.next_after` is the ``after`` of the next page. Jobs
+    created while an operator pages land on later pages; none is shown twice.
+
+    Filters (None: any): ``consumer`` (a name), ``statuses`` (any of
+    :data:`JOB_STATUSES`), ``key`` (the event's key), ``event_id``, and the job's age by when
+    routing created it (database clock): ``older_than`` seconds or more ago, ``newer_than``
+    seconds or less ago. ``limit``: jobs per page, 1 to :data:`LIST_LIMIT` (default 50).
+    Cost: the statement walks jobs in id order from ``after`` until it has ``limit``
+    matches (:data:`outbox.db.queries.job_list`): a filter that matches few of many jobs
+    reads more rows per page.
+
+    Raises :class:`AdminError` naming the argument, before any statement runs, for an
+    unknown or empty ``statuses``, an empty name or one holding a NUL character, an id out
+    of the bigint range, an age below 0 or above :data:`MAX_AGE` (or NaN), an empty age window (``newer_than``
+    not above ``older_than``), or ``limit`` out of range."""
+    if statuses is not None:
+        unknown = [s for s in statuses if s not in JOB_STATUSES]
+        if unknown or not statuses:
+            raise AdminError(f"jobs: status must be among {', '.join(JOB_STATUSES)}, got "
+                             f"{', '.join(map(repr, unknown)) or 'none'}")
+    _check_text(consumer, "consumer")
+    _check_text(key, "key")
+    for argument, value in (("event_id", event_id), ("after", after)):
+        if value is not None and not 1 <= value <= MAX_ID:
+            raise AdminError(f"jobs: {argument} must be an id between 1 and {MAX_ID}, got {value}")
+    _check_age(older_than, "older_than")
+    _check_age(newer_than, "newer_than")
+    if older_than is not None and newer_than is not None and newer_than <= older_than:
+        raise AdminError(f"jobs: no job is both older than {older_than:g} s and newer than {newer_than:g} s")
+    if not 1 <= limit <= LIST_LIMIT:
+        raise AdminError(f"jobs: limit must be between 1 and {LIST_LIMIT}, got {limit}")
+    rows = conn.execute(queries.in_schema(schema).job_list, {
+        "after": after or 0, "consumer": consumer, "statuses": None if statuses is None else list(statuses),
+        "key": key, "event_id": event_id, "older_than": older_than, "newer_than": newer_than,
+        "limit": limit + 1}).all()
+    jobs = [ListedJob(**r._asdict()) for r in rows[:limit]]
+    return JobList(jobs, jobs[-1].id if len(rows) > limit else None)
+
+
 @dataclass(frozen=True, slots=True)
 class EventTrace:
     """One event and where it went: topic, key, payload, headers, created and routed times

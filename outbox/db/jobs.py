@@ -4,9 +4,9 @@ the rows it touched.
 
 * **Claims**: :func:`claim_jobs`, :func:`complete_and_claim_after` (the runner's round: the
   completions it carries and the claim in one statement, the claim after a key of the claim
-  order, the relay's buffered claims listed in the same statement, :class:`BufferMark`),
-  :func:`claim_candidates`; the row -> job builders :func:`job_from_row` and
-  :func:`job_from_claim_row`.
+  order, the relay's buffered claims listed in the same statement, :class:`BufferMark`;
+  :func:`complete_and_claim_rows` for the rows themselves), :func:`claim_candidates`; the
+  row -> job builder :func:`job_from_row`.
 * **Outcomes of claimed jobs**: :func:`heartbeat_jobs`, :func:`complete_jobs`,
   :func:`fail_jobs`, :func:`snooze_jobs`, :func:`release_jobs`, :func:`bury_job`. Every write
   that changes a claimed job names its fence and requires ``status='running'``; a row that
@@ -26,7 +26,7 @@ the transaction and commits.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from sqlalchemy import TextClause
@@ -71,18 +71,8 @@ def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> i
 def job_from_row(row: Any, lease_seconds: float) -> Job:
     """A :class:`Job` from a row of ``job_claim_many`` (columns in its ``RETURNING`` order;
     payload and headers come as their stored JSON texts, which the job decodes on first use)."""
-    job = Job.from_json(row[0], row[1], row[2], row[7], row[8], row[9], row[10], row[3], row[4], row[5],
-                        lease_seconds, row[11])
-    job._lease_until = row[6]
-    return job
-
-
-def job_from_claim_row(row: Any, lease_seconds: float) -> Job:
-    """:func:`job_from_row` for a claim that also returned ``priority`` and ``run_at`` (columns
-    12 and 13): the job remembers its place in the queue, which the relay's buffer keeps."""
-    job = job_from_row(row, lease_seconds)
-    job._claim_order = (row[12], row[13], row[0])
-    return job
+    return Job.from_json(row[0], row[1], row[2], row[7], row[8], row[9], row[10], row[3], row[4], row[5],
+                         lease_seconds, row[11])
 
 
 def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
@@ -128,6 +118,20 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
     forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
     is given, takes only jobs among those ids (:mod:`outbox.relay.poison`)."""
+    completed, claimed, last = complete_and_claim_rows(conn, done, leases, limit, worker_id, after, buffer=buffer,
+                                                       skip=skip, only=only, keep_done=keep_done, schema=schema)
+    return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last
+
+
+def complete_and_claim_rows(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
+                            worker_id: str, after: tuple[int, Any, int] | None, *,
+                            buffer: BufferMark | None = None, skip: list[int] | None = None,
+                            only: list[int] | None = None, keep_done: bool = True, schema: str | None = None,
+                            ) -> tuple[set[int], list[Any], tuple[int, Any, int] | None]:
+    """:func:`complete_and_claim_after` that returns the claimed jobs' rows (in claim order),
+    for a caller that keeps what the claim returned beside the job: ``lease_until``
+    (column 6), ``priority`` and ``run_at`` (columns 12 and 13; with the id, the claim-order
+    key)."""
     key = after or HEAD_KEY
     mark = buffer or BufferMark(None, 0)
     rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
@@ -138,7 +142,14 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     completed = {r[0] for r in rows if r[14]}
     claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
     last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
-    return completed, [job_from_claim_row(r, leases[r[2]]) for r in claimed], last
+    return completed, claimed, last
+
+
+class _HasConsumer(Protocol):
+    consumer: str
+
+
+_Claimed = TypeVar("_Claimed", bound=_HasConsumer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +165,7 @@ class BufferMark:
     start_now: int
     forwarding: frozenset[str] = frozenset()
 
-    def starts_now(self, claimed: list[Job]) -> list[Job]:
+    def starts_now(self, claimed: list[_Claimed]) -> list[_Claimed]:
         """Of ``claimed`` (in claim order), the jobs this mark did not list: the first
         ``start_now`` that are not a forwarder's."""
         return [job for job in claimed if job.consumer not in self.forwarding][:self.start_now]

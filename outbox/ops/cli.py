@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
             "pause", "resume", "psql", "grants")
 #: The operator's commands (:mod:`outbox.admin`).
-COMMANDS += ("relays", "cancel", "retry", "replay", "purge", "prune")
+ADMIN_COMMANDS = ("relays", "jobs", "cancel", "retry", "replay", "purge", "prune")
+COMMANDS += ADMIN_COMMANDS
 #: The web dashboard (extra ``[dashboard]``; :mod:`outbox.ops.dashboard`).
 COMMANDS += ("dashboard",)
 #: Exit status of a command that matched nothing (bad input and errors exit 2).
@@ -215,12 +216,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_admin_commands(add: Any) -> None:
     """The operator's commands (:mod:`outbox.admin`)."""
+    from outbox.admin import JOB_STATUSES, LIST_LIMIT
+
     relays = add("relays", "The relay registry: each relay running handlers, its host, pid, version, consumers, "
                            "concurrency, started and last seen; one silent for --gone-after seconds is shown gone "
                            "(the pruner forgets it later).")
     relays.add_argument("--gone-after", type=float, default=None, help="seconds without a sign of life after which a "
                                                                        "relay is shown gone (default 90)")
     relays.add_argument("--json", action="store_true", help="one JSON array")
+    jobs = add("jobs", "List jobs by consumer, status, event key, event id and age, in ascending id order, one "
+                       "page at a time: the last line names the --after of the next page. Nothing matched: status 1.")
+    jobs.add_argument("--consumer", help="only this consumer's jobs")
+    jobs.add_argument("--status", action="append", choices=JOB_STATUSES,
+                      help="only jobs in this status (repeatable: any of them)")
+    jobs.add_argument("--key", help="only jobs of events with this key")
+    jobs.add_argument("--event", type=_row_id, metavar="ID", help="only the jobs of this event")
+    jobs.add_argument("--older-than", metavar="AGE", help="only jobs created at least AGE ago: seconds, or a number "
+                                                          "with s, m, h or d (10m, 2h; database clock)")
+    jobs.add_argument("--newer-than", metavar="AGE", help="only jobs created at most AGE ago (as --older-than)")
+    jobs.add_argument("--after", type=_row_id, metavar="ID", help="the page after job ID (the cursor the previous "
+                                                                  "page printed)")
+    jobs.add_argument("--limit", type=_whole_number_to(LIST_LIMIT), default=50,
+                      help=f"jobs per page, 1 to {LIST_LIMIT} (default 50)")
+    jobs.add_argument("--json", action="store_true", help="one JSON object: jobs, next_after")
     cancel = add("cancel", "Cancel jobs: ready and pending ones become cancelled (kept, then pruned, like done "
                            "ones); a running one is asked to stop (job.cancel_requested) and its attempt's outcome "
                            "records cancelled.")
@@ -271,6 +289,20 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
     return value
+
+
+def _whole_number_to(high: int) -> Any:
+    """An argparse type: a whole number from 1 to ``high``."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {high}, got {text[:40]}")
+        return value
+
+    return whole_number
 
 
 def _positive_int(text: str) -> int:
@@ -440,6 +472,8 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return serve(settings, host=args.host, port=args.port, read_only=args.read_only)
     if args.command in ("pause", "resume"):
         _check_consumer_name(args.command, args.consumer)  # before anything connects
+    if args.command == "jobs":
+        _check_jobs_args(args)
     engine = _engine(settings, demo_fallback=args.command != "migrate")
     schema = settings.schema_name
     with translate_errors(engine.url, schema):
@@ -539,7 +573,7 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
     from outbox.relay.maintenance import dead_letters, redrive
 
     statements = queries.in_schema(schema)
-    if args.command in ("relays", "cancel", "retry", "replay", "purge", "prune"):
+    if args.command in ADMIN_COMMANDS:
         with engine.begin() as conn:
             check_schema(conn, schema)
         return _admin(args, engine, schema, settings)
@@ -652,6 +686,8 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
                          f"{seen:<10} {','.join(r.consumers) if r.consumers is not None else '?'}")
         out(rows, "\n".join(lines))
         return 0
+    if command == "jobs":
+        return _jobs(args, engine, schema)
     if command == "cancel":
         result = admin.cancel(engine, args.ids or None, args.consumer, statuses=args.status or admin.CANCELLABLE,
                               schema=schema)
@@ -715,13 +751,70 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
     return 0
 
 
+def _jobs(args: argparse.Namespace, engine: Any, schema: str) -> int:
+    """``jobs``: one page of :func:`outbox.admin.list_jobs`, as a table and the next page's
+    cursor, or one JSON object; nothing matched: one line on stderr, status 1."""
+    from outbox import admin
+
+    with engine.begin() as conn:
+        page = admin.list_jobs(conn, consumer=args.consumer, statuses=args.status, key=args.key,
+                               event_id=args.event, older_than=args.older_than_seconds,
+                               newer_than=args.newer_than_seconds, after=args.after, limit=args.limit, schema=schema)
+    if not page.jobs:
+        return _nothing("no job matches" + (f" after job {args.after}" if args.after else ""))
+    if args.json:
+        print(json.dumps(admin.as_dict(page)))
+        return 0
+    print(f"{'job':>10} {'event':>10} {'consumer':<24} {'status':<9} {'attempts':>8}  {'created':<25} "
+          f"{'key':<24} last error")
+    for j in page.jobs:
+        error = (j.last_error or "").splitlines()[0][:80] if j.last_error else ""
+        print(f"{j.id:>10} {j.event_id:>10} {j.consumer:<24} {j.status:<9} {f'{j.attempts}/{j.max_attempts}':>8}  "
+              f"{j.created_at.astimezone(UTC).isoformat(timespec='seconds'):<25} {j.key or '-':<24} {error}")
+    if page.next_after is not None:
+        print(f"next page: --after {page.next_after}")
+    return 0
+
+
+def _check_jobs_args(args: argparse.Namespace) -> None:
+    """Refuse ``jobs``' bad filters before anything connects, naming the flag; the ages go to
+    ``older_than_seconds`` and ``newer_than_seconds`` (None: not given)."""
+    if args.consumer is not None:
+        _check_consumer_name("jobs", args.consumer)
+    if args.key is not None and (not args.key or "\x00" in args.key):
+        raise UsageError(f"--key: must be a non-empty text without NUL characters, got {args.key[:40]!r}")
+    args.older_than_seconds = _age_arg("--older-than", args.older_than) if args.older_than is not None else None
+    args.newer_than_seconds = _age_arg("--newer-than", args.newer_than) if args.newer_than is not None else None
+    if None not in (args.older_than_seconds, args.newer_than_seconds) and \
+            args.newer_than_seconds <= args.older_than_seconds:
+        raise UsageError(f"--newer-than {args.newer_than} is not above --older-than {args.older_than}: "
+                         "no job is in that window")
+
+
+#: Seconds per unit of an age (``90s``, ``30m``, ``2h``, ``7d``).
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age_arg(flag: str, text: str) -> float:
+    """``flag``'s AGE in seconds: a number of seconds, or a number with s, m, h or d (``10m``);
+    at most :data:`outbox.admin.MAX_AGE`. Raises :class:`UsageError` naming ``flag``."""
+    from outbox.admin import MAX_AGE
+
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in _AGE_UNITS else (text, "s")
+    if not number.replace(".", "", 1).isdigit():
+        raise UsageError(f"{flag}: not an age: {text[:40]!r} (seconds, or a number with s, m, h or d: 10m, 2h)")
+    seconds = float(number) * _AGE_UNITS[unit]
+    if not seconds <= MAX_AGE:
+        raise UsageError(f"{flag}: {text[:40]!r} is more than {MAX_AGE // (365 * 86400)} years")
+    return seconds
+
+
 def _time_arg(flag: str, text: str, now: datetime) -> datetime:
     """``flag``'s TIME: ISO 8601 with a UTC offset, or an age (``90s``, ``30m``, ``2h``, ``7d``)
     before ``now`` (the database clock)."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+    if text and text[-1] in _AGE_UNITS and text[:-1].replace(".", "", 1).isdigit():
         try:
-            return now - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+            return now - timedelta(seconds=float(text[:-1]) * _AGE_UNITS[text[-1]])
         except OverflowError:  # beyond timedelta's or datetime's range (about 2.7 million years)
             raise UsageError(f"{flag}: {text!r} reaches before the year 1") from None
     try:

@@ -56,8 +56,8 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox.db.engine import describe, is_disconnect
 from outbox.db.jobs import RelayInfo, relay_delete, relay_seen
-from outbox.job import Job
 from outbox.relay import poison
+from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.notify import Cooldown, Wakeup
@@ -224,7 +224,7 @@ class Dispatcher:
     this dispatcher is in flight after that."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, producer: Producer, completer: Completer,
-                 connection: RelayConnection, outcomes: queue.SimpleQueue[tuple[Job, Any] | None],
+                 connection: RelayConnection, outcomes: queue.SimpleQueue[tuple[Claim, Any] | None],
                  wake: Wakeup, signals: Signals, reconnect: Reconnector) -> None:
         self.settings = settings
         self.claims = claims
@@ -241,7 +241,7 @@ class Dispatcher:
     def run(self) -> None:
         failures = 0
         drained_until = 0.0  # monotonic time before which a bare claim is not worth a round trip
-        carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
+        carry: list[tuple[Claim, Any]] = []  # outcomes a failed round could not write
         closing = False
         signals = self.signals
         cooldown = Cooldown(self.settings.wake_cooldown)
@@ -318,7 +318,7 @@ class Dispatcher:
         self.connection.row.leave(self.connection.get, self.abandoned)
         self.connection.close()
 
-    def _until_outcome(self, seconds: float, carry: list[tuple[Job, Any]]) -> None:
+    def _until_outcome(self, seconds: float, carry: list[tuple[Claim, Any]]) -> None:
         """Wait up to ``seconds``, less if outcomes are waiting (posted, or ``carry``: a
         failed round's) or claiming stops: the wake-up cooldown holds claims, never outcomes
         (a process killed meanwhile would lose them, and their jobs would run again)."""
@@ -363,7 +363,7 @@ class Dispatcher:
             batch.append(item)
         return batch
 
-    def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> bool:
+    def round(self, pending: list[tuple[Claim, Any]], want: int, limited: int = 0) -> bool:
         """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and, after the
         outcomes, up to ``limited`` of the capped or rate-limited consumers on their own path,
         :meth:`Producer.claim_limited`); returns whether the main claim found the table
@@ -375,7 +375,7 @@ class Dispatcher:
         finally:
             self.completer.report()  # the round's stale reports, in one line
 
-    def _round(self, pending: list[tuple[Job, Any]], want: int, limited: int) -> bool:
+    def _round(self, pending: list[tuple[Claim, Any]], want: int, limited: int) -> bool:
         finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
         done, failed, snoozed, release = self.completer.sort(pending)
         release += self.claims.take_buffer() if self._buffer_to_release() else []

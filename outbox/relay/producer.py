@@ -50,14 +50,13 @@ from outbox.db.jobs import (
     BufferMark,
     bury_ready_job,
     claim_candidates,
-    complete_and_claim_after,
+    complete_and_claim_rows,
     complete_jobs,
-    job_from_claim_row,
     relay_buffer_remove,
 )
-from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import flow, poison
+from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.counters import Counters
@@ -65,7 +64,7 @@ from outbox.relay.notify import Wakeup
 from outbox.relay.outcomes import Outcome
 from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
-from outbox.telemetry.logs import job_fields, job_summary
+from outbox.telemetry.logs import job_summary
 from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ class Producer:
     any of them quarantined."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
-                 wake: Wakeup, start: Callable[[list[Job]], None], completer: Completer,
+                 wake: Wakeup, start: Callable[[list[Claim]], None], completer: Completer,
                  stats: Counters, *, hint: ClaimHint, quarantine: poison.Quarantine,
                  subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
@@ -179,7 +178,7 @@ class Producer:
         return self.claims.has_idle_worker() or want >= max(
             1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
 
-    def claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], bool]:
+    def claim(self, conn: psycopg.Connection[Any], done: list[Claim], want: int) -> tuple[set[int], set[int], bool]:
         """Complete ``done`` (fenced) and claim up to ``want`` jobs on ``conn`` (fewer when
         another dispatcher's claim in flight took the room meanwhile: :meth:`HeldClaims.expect`);
         returns (ids completed, ids of ``done`` dead-lettered, whether the table is drained:
@@ -193,7 +192,7 @@ class Producer:
         finally:
             self.claims.unexpect(want)
 
-    def _claim(self, conn: psycopg.Connection[Any], done: list[Job], want: int) -> tuple[set[int], set[int], bool]:
+    def _claim(self, conn: psycopg.Connection[Any], done: list[Claim], want: int) -> tuple[set[int], set[int], bool]:
         start_now = self.claims.reserve(want)
         sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
         rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
@@ -203,10 +202,12 @@ class Producer:
         buried: set[int] = set()
         try:
             try:
-                completed, claimed, last = complete_and_claim_after(
-                    conn, done, self.claim_leases(), want, self.worker_id, after,
+                leases = self.claim_leases()
+                completed, rows, last = complete_and_claim_rows(
+                    conn, jobs_of(done), leases, want, self.worker_id, after,
                     buffer=mark, skip=self.quarantine.ids(), keep_done=self.settings.keep_done,
                     schema=self.schema)
+                claimed = [Claim.from_row(r, leases[r[2]]) for r in rows]
             except psycopg.Error as exc:
                 if not poison.is_data_error(exc):
                     raise
@@ -229,22 +230,21 @@ class Producer:
         self._hand_over(claimed, start_now, sent)
         return completed, buried, want > 0 and len(claimed) < want and not hinted
 
-    def _hand_over(self, claimed: list[Job], start_now: int, sent: float) -> None:
-        """Jobs just claimed (a statement sent at ``sent``, monotonic), in claim order: the
+    def _hand_over(self, claimed: list[Claim], start_now: int, sent: float) -> None:
+        """Claims just made (a statement sent at ``sent``, monotonic), in claim order: the
         first ``start_now`` that are not a forwarder's to the workers reserved for them, the
         rest into the buffer (as the claim listed them: :class:`BufferMark`)."""
-        for job in claimed:
-            job._lease_bound = sent + job.lease_seconds
-            job._claim_sent = sent
+        for claim in claimed:
+            claim.sent_at(sent)
         self.stats.add("claimed", len(claimed))
         if self.metrics is not None and claimed:
-            self.metrics.jobs("claimed", [job.consumer for job in claimed])
+            self.metrics.jobs("claimed", [claim.consumer for claim in claimed])
         first = BufferMark(None, start_now, self.claims.forwarding).starts_now(claimed)
         self.claims.unreserve(start_now - len(first))
         self.claims.issue(first)
         self.start(first)
-        started = {job.fence for job in first}
-        self.claims.hold([job for job in claimed if job.fence not in started])
+        started = {claim.fence for claim in first}
+        self.claims.hold([claim for claim in claimed if claim.fence not in started])
 
     def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
         """Claim up to ``room`` jobs of the capped or rate-limited consumers on their own path
@@ -267,30 +267,31 @@ class Producer:
             raise
         if self.metrics is not None:
             self.metrics.claim_round_trip(time.monotonic() - sent)
-        claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
+        claimed = [Claim.from_row(r, self.leases[r[2]]) for r in rows]
         self._hand_over(claimed, start_now, sent)
         return len(claimed)
 
-    def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
-                         mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
+    def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Claim], want: int,
+                         mark: BufferMark) -> tuple[set[int], set[int], list[Claim]]:
         """After a data error of the combined statement: the completions by halves, then
         the claim (with the buffer list) alone and, if that fails too, by halves of its
         candidates, each half writing the buffer list as it then stands. A job that fails
         alone is dead-lettered naming the error (or quarantined); the others go on.
         Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
         completed, buried = self.completer.by_halves(
-            "completing", done, lambda part: complete_jobs(conn, list(part), keep_done=self.settings.keep_done,
-                                                    schema=self.schema))
+            "completing", done, lambda part: complete_jobs(conn, jobs_of(part), keep_done=self.settings.keep_done,
+                                                           schema=self.schema))
         start_left = mark.start_now
-        claimed: list[Job] = []
+        claimed: list[Claim] = []
         leases = self.claim_leases()
 
-        def claim(only: list[int] | None) -> list[Job]:
+        def claim(only: list[int] | None) -> list[Claim]:
             nonlocal start_left
             part_mark = BufferMark(mark.relay, start_left, mark.forwarding)
-            _, got, _ = complete_and_claim_after(
+            _, rows, _ = complete_and_claim_rows(
                 conn, [], leases, want if only is None else len(only), self.worker_id, None,
                 buffer=part_mark, skip=self.quarantine.ids(), only=only, schema=self.schema)
+            got = [Claim.from_row(r, leases[r[2]]) for r in rows]
             start_left -= len(part_mark.starts_now(got))
             return got
 
@@ -333,11 +334,11 @@ class Producer:
 class Starter:
     """Hands buffered jobs of ``claims`` to idle workers (``start``: the workers' queue, or
     the forwarder for a forwarder's jobs), on a connection of
-    its own from ``engine``; a buffered job whose lease ran out is posted for release
-    through ``release(job)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
+    its own from ``engine``; a buffered claim whose lease ran out is posted for release
+    through ``release(claim, Outcome.RELEASE)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
 
     def __init__(self, engine: Engine, settings: OutboxSettings, claims: HeldClaims, worker_id: str,
-                 start: Callable[[list[Job]], None], release: Callable[[Job, Outcome], None], signals: Signals,
+                 start: Callable[[list[Claim]], None], release: Callable[[Claim, Outcome], None], signals: Signals,
                  reconnect: Reconnector) -> None:
         self.engine = engine
         self.settings = settings
@@ -368,17 +369,17 @@ class Starter:
                     break
                 jobs, forwards, expired = claims.take_startable(time.monotonic())
                 jobs += forwards
-            for job in expired:
+            for claim in expired:
                 log.debug("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                          job.id, job.consumer, job.fence, extra=job_fields(job, outcome="released"))
+                          claim.id, claim.consumer, claim.fence, extra=claim.fields(outcome="released"))
             first = claims.first_reports(expired)
             if first:
-                text, fields = job_summary(first, "released")
+                text, fields = job_summary(jobs_of(first), "released")
                 log.warning("%s not started: the claims' leases ran out while they waited in the buffer (a pause, "
                             "or a starved process); handing them back", text, extra=fields)
-            for job in expired:
-                claims.mark_finishing(job)
-                self.release(job, Outcome.RELEASE)
+            for claim in expired:
+                claims.mark_finishing(claim.fence)
+                self.release(claim, Outcome.RELEASE)
             if not jobs:
                 continue
             try:
