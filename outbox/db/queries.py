@@ -339,29 +339,73 @@ subscription_list: TextClause = text(
 )
 
 # ------------------------------------------------------------------------------ jobs
+#
+# Each statement below is written out whole. Where several share a piece, the piece is a CTE
+# with one purpose, named alike in each and copied word for word (a unit test keeps the
+# copies identical); its notes are here, once:
+#
+# * ``wanted`` (the claims): the consumers asked for and the lease of each, in seconds.
+# * The main claims' pick (``picked`` of ``job_claim_many``, ``job_claim_after_many`` and
+#   ``job_complete_claim_many``) leaves out the consumers no main claim takes (flow control,
+#   architecture notes "Flow control"): ``consumer NOT IN (SELECT c.consumer FROM
+#   outbox_consumers c WHERE ...)``, paused ones and those with a concurrency cap or a rate
+#   limit, which the limited claim (``job_claim_limited_many``) takes instead;
+#   ``job_claim_candidates`` has the same test.
+#   ``NOT IN`` a subquery becomes a hashed SubPlan over a table of a few rows, built once per
+#   statement and probed as a filter, which the planner rates at half the rows: the claim
+#   keeps reading ``ix_outbox_jobs_ready`` in order. ``consumer <> ALL (ARRAY(SELECT ...))``
+#   was rated at a thousandth of the rows, and with 13,000 ready jobs the planner then sorted
+#   a sequential scan of the table instead. The picks lock ``FOR NO KEY UPDATE`` (not ``FOR
+#   UPDATE``): the lock an UPDATE of non-key columns takes anyway; two claims still skip each
+#   other's rows, but a router's ``FOR KEY SHARE`` on an ordered key's head neither blocks a
+#   claim nor waits for one (``event_route_many`` says why).
+# * The claim's ``UPDATE outbox_jobs j SET status = 'running' ...`` (the body of
+#   ``job_claim_many``, the ``claimed`` CTE of the others, which also return ``j.priority,
+#   j.run_at``): ``running``, ``attempts + 1``, a new fence, the lease. It finds its rows by
+#   ``j.id = ANY (ARRAY(SELECT id FROM picked))`` and has no ``j.status = 'ready'``: the
+#   array is computed once (an InitPlan), and with no ``status`` condition the only index
+#   that serves ``j`` is the primary key, so the update costs one index probe per picked row
+#   whatever the statistics say. Joined to ``picked`` with the status condition, a planner
+#   that believed no job was ready (statistics taken before a redrive, a retry or a bulk
+#   insert) chose a nested loop that scanned every ready job once per picked row: 1.7 s for
+#   a claim of 50 with 100,000 ready. ``picked`` locks its rows, which re-checks ``status =
+#   'ready'`` on the row's newest version, so the condition added nothing. The payload and
+#   headers come back as the text PostgreSQL stores: the job decodes them on first use (the
+#   same json.loads the driver's jsonb loader runs), so a forwarder can send the payload's
+#   exact bytes and a handler that never reads them does not decode them.
+# * ``locked`` (heartbeat, completion, failure, release, snooze): the running jobs given by
+#   ``args`` (id, fence), locked in id order, with ``cancel_requested`` as the lock read it
+#   (the row's newest version, which nobody changes while the lock is held). Found by
+#   primary key, whatever the statistics: ``j.id = ANY (ARRAY(...))`` is an InitPlan probed
+#   through ``pk_outbox_jobs``, and ``(j.status = 'running') IS TRUE`` (status is NOT NULL:
+#   the same test) is a condition the planner cannot match to the partial index
+#   ``ix_outbox_jobs_lease`` (``WHERE status = 'running'``). Written ``j.status =
+#   'running'``, the generic plan of the prepared statement (psycopg prepares it after five
+#   runs) took that index as small and read every running job for the lock step, then again
+#   once per job for the UPDATE (loops = the batch): 17.6 ms for 50 completions with 300
+#   jobs running, against 1-2 ms by primary key (performance notes, "Issue 14"; found by the
+#   ceiling scenario's lean completion). The UPDATEs that follow it say ``(j.status =
+#   'running') IS TRUE`` for the same reason.
+# * ``kept``, ``deleted``, ``completed`` (the completion, after ``args`` and ``locked``):
+#   each job (id, fence) still running under that fence becomes ``done`` (``cancelled``
+#   when an operator asked to cancel it while it ran), or with ``:keep_done`` false is
+#   deleted instead (``retention_done = 0``: no done row is written, so none is pruned
+#   later; a cancelled one is still kept). Both parts lock nothing new and touch disjoint
+#   rows: ``locked`` holds every row first and read its ``cancel_requested``, which the two
+#   parts split on. With ``:keep_done`` a parameter, a prepared generic plan turns the
+#   delete into a one-time filter when done jobs are kept; when they are not, the update's
+#   test falls on ``locked`` alone, so the update probes no row unless one was cancelled.
+# * ``listed``: the fences of a claim's jobs that start later, so the relay's row lists them
+#   as buffered (``marked``): every job of a forwarder in ``:forwarding`` (its attempt starts
+#   when the forwarder hands its message to the broker, after the starter unlisted it: issue
+#   26) and, of the other jobs in claim order, all but the first ``:start_now``, which go at
+#   once to the worker slots the dispatcher reserved for them. A claim of at most
+#   ``claim_batch`` rows: the window function sorts them in memory.
+# * ``marked``: this relay's row (``:relay``; no row, no write) gains the ``listed`` fences.
 
-_CONSUMERS_HELD_BACK = """consumer NOT IN (
-              SELECT c.consumer FROM outbox_consumers c
-              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)"""
-# The consumers no main claim takes (flow control, architecture notes "Flow control"):
-# paused ones, and those with a concurrency cap or a rate limit, which the limited claim
-# (``job_claim_limited_many``) takes instead. ``NOT IN`` a subquery becomes a hashed SubPlan
-# over a table of a few rows, built once per statement and probed as a filter, which the
-# planner rates at half the rows: the claim keeps reading ``ix_outbox_jobs_ready`` in order.
-# ``consumer <> ALL (ARRAY(SELECT ...))`` was rated at a thousandth of the rows, and with
-# 13,000 ready jobs the planner then sorted a sequential scan of the table instead.
-
-# The payload and headers as the text PostgreSQL stores: the job decodes them on first use
-# (the same json.loads the driver's jsonb loader runs), so a forwarder can send the
-# payload's exact bytes and a handler that never reads them does not decode them.
-_JOB_COLUMNS = """
-    j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
-    e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
-    e.created_at AS event_created_at
-"""
-
-_CLAIM_PICK_TEMPLATE = """
-    wanted AS (
+job_claim_many: TextClause = text(
+    """
+    WITH wanted AS (
         SELECT *
         FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
     ), picked AS (
@@ -370,19 +414,13 @@ _CLAIM_PICK_TEMPLATE = """
         WHERE status = 'ready'
           AND run_at <= now()
           AND consumer = ANY (CAST(:consumers AS text[]))
-          AND {held_back}{after}
+          AND consumer NOT IN (
+              SELECT c.consumer FROM outbox_consumers c
+              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
         ORDER BY priority, run_at, id
         LIMIT :limit
         FOR NO KEY UPDATE SKIP LOCKED
     )
-"""
-# FOR NO KEY UPDATE (not FOR UPDATE): the lock an UPDATE of non-key columns takes anyway;
-# two claims still skip each other's rows, but a router's FOR KEY SHARE on an ordered key's
-# head neither blocks a claim nor waits for one (``event_route_many`` says why).
-
-_CLAIM_PICK = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="")
-
-_CLAIM_SET_TEMPLATE = f"""
     UPDATE outbox_jobs j
     SET status = 'running',
         attempts = j.attempts + 1,
@@ -394,19 +432,11 @@ _CLAIM_SET_TEMPLATE = f"""
     WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
       AND w.consumer = j.consumer
       AND e.id = j.event_id
-    RETURNING {_JOB_COLUMNS}{{more}}
-"""
-# Why ``j.id = ANY (ARRAY(SELECT id FROM picked))`` and no ``j.status = 'ready'`` here: the
-# array is computed once (an InitPlan), and with no ``status`` condition the only index that
-# serves ``j`` is the primary key, so the update costs one index probe per picked row
-# whatever the statistics say. Joined to ``picked`` with the status condition, a planner
-# that believed no job was ready (statistics taken before a redrive, a retry or a bulk
-# insert) chose a nested loop that scanned every ready job once per picked row: 1.7 s for a
-# claim of 50 with 100,000 ready. ``picked`` locks its rows FOR UPDATE, which re-checks
-# ``status = 'ready'`` on the row's newest version, so the condition added nothing.
-_CLAIM_SET = _CLAIM_SET_TEMPLATE.format(more="")
-
-job_claim_many: TextClause = text(f"WITH {_CLAIM_PICK} {_CLAIM_SET}")
+    RETURNING j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
+              e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
+              e.created_at AS event_created_at
+    """
+)
 """Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
 ``:consumers[i]``): ``running``, ``attempts + 1``, a new fence from ``outbox_fence_seq``,
 ``lease_until = now() + lease``. Returns the job and its event. Consumers that are paused,
@@ -414,8 +444,12 @@ capped or rate-limited in ``outbox_consumers`` are left out (``job_claim_limited
 claims the last two; architecture notes, "Flow control"): a pause holds for every claim
 whose snapshot is taken after it committed."""
 
-_LOCK_BY_ID = """
-    locked AS (
+job_heartbeat_many: TextClause = text(
+    """
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]), CAST(:leases AS float8[]))
+            AS a(id, fence, lease_seconds)
+    ), locked AS (
         SELECT j.id, j.cancel_requested
         FROM outbox_jobs j
         JOIN args a ON a.id = j.id AND a.fence = j.fence
@@ -424,25 +458,6 @@ _LOCK_BY_ID = """
         ORDER BY j.id
         FOR UPDATE OF j
     )
-"""
-# The running jobs given by (id, fence), locked in id order, with ``cancel_requested`` as the
-# lock read it (the row's newest version, which nobody changes while the lock is held). Found by primary key, whatever
-# the statistics: ``j.id = ANY (ARRAY(...))`` is an InitPlan probed through
-# ``pk_outbox_jobs``, and ``(j.status = 'running') IS TRUE`` (status is NOT NULL: the same
-# test) is a condition the planner cannot match to the partial index ``ix_outbox_jobs_lease``
-# (``WHERE status = 'running'``). Written ``j.status = 'running'``, the generic plan of the
-# prepared statement (psycopg prepares it after five runs) took that index as small and read
-# every running job for the lock step, then again once per job for the UPDATE (loops = the
-# batch): 17.6 ms for 50 completions with 300 jobs running, against 1-2 ms by primary key
-# (performance notes, "Issue 14"; found by the ceiling scenario's lean completion). The
-# UPDATEs that follow it say ``(j.status = 'running') IS TRUE`` for the same reason.
-
-job_heartbeat_many: TextClause = text(
-    f"""
-    WITH args AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]), CAST(:leases AS float8[]))
-            AS a(id, fence, lease_seconds)
-    ), {_LOCK_BY_ID}
     UPDATE outbox_jobs j
     SET lease_until = now() + make_interval(secs => a.lease_seconds),
         updated_at = now()
@@ -456,8 +471,19 @@ from the result has lost its lease (reaped, re-claimed or released): its worker 
 ``cancel_requested`` says an operator asked to cancel the job (``job_cancel_many``): the
 handler is told through ``job.cancel_requested``."""
 
-_COMPLETE = """
-    kept AS (
+job_complete_many: TextClause = text(
+    """
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+    ), locked AS (
+        SELECT j.id, j.cancel_requested
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
+          AND (j.status = 'running') IS TRUE
+        ORDER BY j.id
+        FOR UPDATE OF j
+    ), kept AS (
         UPDATE outbox_jobs j
         SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
             lease_until = NULL, finished_at = now(), updated_at = now()
@@ -474,61 +500,85 @@ _COMPLETE = """
     ), completed AS (
         SELECT id FROM kept UNION ALL SELECT id FROM deleted
     )
-"""
-# The completion, as CTEs after ``args`` and ``locked``, named ``completed`` at the end: each
-# job (id, fence) still running under that fence becomes ``done`` (``cancelled`` when an
-# operator asked to cancel it while it ran), or with ``:keep_done`` false is deleted instead
-# (``retention_done = 0``: no done row is written, so none is pruned later; a cancelled one is
-# still kept). Both parts lock nothing new and touch disjoint rows: ``locked`` holds every
-# row first and read its ``cancel_requested``, which the two parts split on. With
-# ``:keep_done`` a parameter, a prepared generic plan turns the delete into a one-time filter
-# when done jobs are kept; when they are not, the update's test falls on ``locked`` alone,
-# so the update probes no row unless one was cancelled.
-
-_ARGS_IDS_FENCES = """
-    args AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
-    )
-"""
-
-job_complete_many: TextClause = text(f"WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, {_COMPLETE} SELECT id FROM completed")
+    SELECT id FROM completed
+    """
+)
 """Mark many jobs done, each only if it still holds the given fence and is running
 (``cancelled`` instead when an operator asked to cancel it while it ran); with
 ``:keep_done`` false a done job is deleted instead of kept (``retention_done = 0``). Jobs
 missing from the result were stale reports and changed nothing."""
 
-
-# The combined statement's pick also leaves out the jobs it completes (none of them is ready,
-# so it changes no result): reading ``completed`` makes the completion take all its locks
-# before the pick locks its first row. Without it the claim could lock a row first, and a
-# heartbeat whose older snapshot still saw that row running would wait for it while holding a
-# row the completion waits for: a deadlock (seen under load in test_races).
-_CLAIM_PICK_AFTER_COMPLETION = _CLAIM_PICK_TEMPLATE.format(held_back=_CONSUMERS_HELD_BACK, after="""
+job_complete_claim_many: TextClause = text(
+    """
+    WITH args AS (
+        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
+    ), locked AS (
+        SELECT j.id, j.cancel_requested
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
+          AND (j.status = 'running') IS TRUE
+        ORDER BY j.id
+        FOR UPDATE OF j
+    ), kept AS (
+        UPDATE outbox_jobs j
+        SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
+            lease_until = NULL, finished_at = now(), updated_at = now()
+        FROM locked l, args a
+        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
+          AND (CAST(:keep_done AS boolean) OR l.cancel_requested)
+        RETURNING j.id
+    ), deleted AS (
+        DELETE FROM outbox_jobs j
+        USING locked l, args a
+        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
+          AND NOT CAST(:keep_done AS boolean) AND NOT l.cancel_requested
+        RETURNING j.id
+    ), completed AS (
+        SELECT id FROM kept UNION ALL SELECT id FROM deleted
+    ), wanted AS (
+        SELECT *
+        FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
+    ), picked AS (
+        SELECT id
+        FROM outbox_jobs
+        WHERE status = 'ready'
+          AND run_at <= now()
+          AND consumer = ANY (CAST(:consumers AS text[]))
+          AND consumer NOT IN (
+              SELECT c.consumer FROM outbox_consumers c
+              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
           AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
                                         CAST(:after_id AS bigint))
           AND id <> ALL (CAST(:skip AS bigint[]))
           AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
-          AND id NOT IN (SELECT id FROM completed)""")
-
-_LISTED = """
-    listed AS (
+          AND id NOT IN (SELECT id FROM completed)
+        ORDER BY priority, run_at, id
+        LIMIT :limit
+        FOR NO KEY UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE outbox_jobs j
+        SET status = 'running',
+            attempts = j.attempts + 1,
+            fence = nextval('outbox_fence_seq'),
+            lease_until = now() + make_interval(secs => w.lease_seconds),
+            locked_by = :worker,
+            updated_at = now()
+        FROM wanted w, outbox_events e
+        WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
+          AND w.consumer = j.consumer
+          AND e.id = j.event_id
+        RETURNING j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
+                  e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
+                  e.created_at AS event_created_at, j.priority, j.run_at
+    ), listed AS (
         SELECT x.fence
         FROM (SELECT c.fence, c.consumer = ANY (CAST(:forwarding AS text[])) AS forwarded,
                      row_number() OVER (PARTITION BY c.consumer = ANY (CAST(:forwarding AS text[]))
                                         ORDER BY c.priority, c.run_at, c.id) AS place
               FROM claimed c) x
         WHERE x.forwarded OR x.place > :start_now
-    )
-"""
-# The fences of a claim's jobs that start later, so the relay's row lists them as buffered
-# (``_MARKED``): every job of a forwarder in ``:forwarding`` (its attempt starts when the
-# forwarder hands its message to the broker, after the starter unlisted it: issue 26) and,
-# of the other jobs in claim order, all but the first ``:start_now``, which go at once to the
-# worker slots the dispatcher reserved for them. A claim of at most ``claim_batch`` rows: the
-# window function sorts them in memory.
-
-_MARKED = """
-    marked AS (
+    ), marked AS (
         UPDATE outbox_relays r
         SET buffered = r.buffered || ARRAY(SELECT fence FROM listed),
             last_seen_at = now()
@@ -536,14 +586,6 @@ _MARKED = """
           AND EXISTS (SELECT 1 FROM listed)
         RETURNING 1
     )
-"""
-# This relay's row (``:relay``; no row, no write) gains the ``listed`` fences.
-
-job_complete_claim_many: TextClause = text(
-    f"""
-    WITH {_ARGS_IDS_FENCES}, {_LOCK_BY_ID}, {_COMPLETE}, {_CLAIM_PICK_AFTER_COMPLETION},
-    claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
-    {_LISTED}, {_MARKED}
     SELECT c.*, false AS completed FROM claimed c
     UNION ALL
     SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
@@ -580,8 +622,88 @@ reads ``completed`` (``id NOT IN``), so the completion has taken every lock it w
 before the claim locks a row: a statement that holds claimed rows while it waits could
 deadlock with a heartbeat waiting for one of them."""
 
+job_claim_after_many: TextClause = text(
+    """
+    WITH wanted AS (
+        SELECT *
+        FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
+    ), picked AS (
+        SELECT id
+        FROM outbox_jobs
+        WHERE status = 'ready'
+          AND run_at <= now()
+          AND consumer = ANY (CAST(:consumers AS text[]))
+          AND consumer NOT IN (
+              SELECT c.consumer FROM outbox_consumers c
+              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
+          AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
+                                        CAST(:after_id AS bigint))
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
+        ORDER BY priority, run_at, id
+        LIMIT :limit
+        FOR NO KEY UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE outbox_jobs j
+        SET status = 'running',
+            attempts = j.attempts + 1,
+            fence = nextval('outbox_fence_seq'),
+            lease_until = now() + make_interval(secs => w.lease_seconds),
+            locked_by = :worker,
+            updated_at = now()
+        FROM wanted w, outbox_events e
+        WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
+          AND w.consumer = j.consumer
+          AND e.id = j.event_id
+        RETURNING j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
+                  e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
+                  e.created_at AS event_created_at, j.priority, j.run_at
+    ), listed AS (
+        SELECT x.fence
+        FROM (SELECT c.fence, c.consumer = ANY (CAST(:forwarding AS text[])) AS forwarded,
+                     row_number() OVER (PARTITION BY c.consumer = ANY (CAST(:forwarding AS text[]))
+                                        ORDER BY c.priority, c.run_at, c.id) AS place
+              FROM claimed c) x
+        WHERE x.forwarded OR x.place > :start_now
+    ), marked AS (
+        UPDATE outbox_relays r
+        SET buffered = r.buffered || ARRAY(SELECT fence FROM listed),
+            last_seen_at = now()
+        WHERE r.id = :relay
+          AND EXISTS (SELECT 1 FROM listed)
+        RETURNING 1
+    )
+    SELECT * FROM claimed
+    """
+)
+"""The runner's claim: ``job_claim_many`` (same columns, plus ``priority`` and ``run_at``: with
+``id``, the claim-order key) starting after the key ``(:after_priority, :after_run_at,
+:after_id)`` (pass ``(-32768, '-infinity', 0)`` to start at the head), leaving out the ids in
+``:skip`` (quarantined poison rows, usually none) and, unless ``:only`` is NULL, taking only
+jobs whose id it lists (the poison handling's bisection; :mod:`outbox.relay.poison`). A
+runner that remembers the last key it claimed skips the index entries of the jobs claimed
+before, which a long-held snapshot elsewhere keeps from being removed (performance notes).
+
+It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write): the
+fences of the claimed jobs that start later join ``buffered`` (``listed``: every job of a
+forwarder in ``:forwarding``, and of the others all but the first ``:start_now`` in claim
+order, which go to idle workers); the starter takes jobs off it with ``relay_buffer_remove``
+before it hands them over (to a worker, or to the forwarder, which sends at once). So the
+list the reaper reads (``job_reap_many``) never holds a job whose handler may have started
+or whose message may have been sent, and every buffered claim is listed from the moment it
+exists. It is changed, never overwritten: a claim whose reply never reached the relay (the
+connection broke after the commit) stays listed, so the reaper gives it its attempt back;
+the relay's periodic ``relay_seen`` drops fences no longer running under it.
+
+A runner with finished jobs sends ``job_complete_many`` first and this second, in one
+transaction and, where the driver allows, one round trip (psycopg's pipeline mode; the
+runner's ``complete_and_claim_after``). The completion has then taken every lock
+it waits for before this statement locks a row, and this statement's snapshot sees the
+completed jobs finished, so it never claims one of them. The claim skips locked rows, so it
+never waits."""
+
 job_claim_limited_many: TextClause = text(
-    f"""
+    """
     WITH wanted AS (
         SELECT *
         FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
@@ -616,15 +738,43 @@ job_claim_limited_many: TextClause = text(
         ) p
         ORDER BY p.priority, p.run_at, p.id
         LIMIT :limit
-    ), claimed AS ({_CLAIM_SET_TEMPLATE.format(more=", j.priority, j.run_at")}),
-    taken AS (
+    ), claimed AS (
+        UPDATE outbox_jobs j
+        SET status = 'running',
+            attempts = j.attempts + 1,
+            fence = nextval('outbox_fence_seq'),
+            lease_until = now() + make_interval(secs => w.lease_seconds),
+            locked_by = :worker,
+            updated_at = now()
+        FROM wanted w, outbox_events e
+        WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
+          AND w.consumer = j.consumer
+          AND e.id = j.event_id
+        RETURNING j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
+                  e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
+                  e.created_at AS event_created_at, j.priority, j.run_at
+    ), taken AS (
         UPDATE outbox_consumers c
         SET tokens = a.tokens - (SELECT count(*) FROM claimed x WHERE x.consumer = c.consumer),
             refilled_at = statement_timestamp()
         FROM allowed a
         WHERE c.consumer = a.consumer AND a.rate_limit IS NOT NULL
         RETURNING 1
-    ), {_LISTED}, {_MARKED}
+    ), listed AS (
+        SELECT x.fence
+        FROM (SELECT c.fence, c.consumer = ANY (CAST(:forwarding AS text[])) AS forwarded,
+                     row_number() OVER (PARTITION BY c.consumer = ANY (CAST(:forwarding AS text[]))
+                                        ORDER BY c.priority, c.run_at, c.id) AS place
+              FROM claimed c) x
+        WHERE x.forwarded OR x.place > :start_now
+    ), marked AS (
+        UPDATE outbox_relays r
+        SET buffered = r.buffered || ARRAY(SELECT fence FROM listed),
+            last_seen_at = now()
+        WHERE r.id = :relay
+          AND EXISTS (SELECT 1 FROM listed)
+        RETURNING 1
+    )
     SELECT * FROM claimed
     """
 )
@@ -702,13 +852,21 @@ the handler's is committed with it. Attempts and ``last_error`` stay as they are
 the claim was lost meanwhile (reaped, which records ``cancelled`` itself)."""
 
 job_fail_many: TextClause = text(
-    f"""
+    """
     WITH args AS (
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]),
                              CAST(:delays AS float8[]), CAST(:permanent AS bool[]),
                              CAST(:errors AS text[]))
             AS a(id, fence, delay_seconds, permanent, error)
-    ), {_LOCK_BY_ID}
+    ), locked AS (
+        SELECT j.id, j.cancel_requested
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
+          AND (j.status = 'running') IS TRUE
+        ORDER BY j.id
+        FOR UPDATE OF j
+    )
     UPDATE outbox_jobs j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
                       WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
@@ -735,10 +893,18 @@ so it no longer holds its key back (``job_promote_many`` then lets the next one 
 ``'block'`` it keeps it (architecture notes, "Ordering")."""
 
 job_release_many: TextClause = text(
-    f"""
+    """
     WITH args AS (
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
-    ), {_LOCK_BY_ID}
+    ), locked AS (
+        SELECT j.id, j.cancel_requested
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
+          AND (j.status = 'running') IS TRUE
+        ORDER BY j.id
+        FOR UPDATE OF j
+    )
     UPDATE outbox_jobs j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
         finished_at = CASE WHEN j.cancel_requested THEN now() END,
@@ -755,11 +921,19 @@ every job that became due while it ran. A job an operator asked to cancel while 
 (``cancel_requested``) is ``cancelled`` instead. Fenced."""
 
 job_snooze_many: TextClause = text(
-    f"""
+    """
     WITH args AS (
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]), CAST(:delays AS float8[]))
             AS a(id, fence, delay_seconds)
-    ), {_LOCK_BY_ID}
+    ), locked AS (
+        SELECT j.id, j.cancel_requested
+        FROM outbox_jobs j
+        JOIN args a ON a.id = j.id AND a.fence = j.fence
+        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
+          AND (j.status = 'running') IS TRUE
+        ORDER BY j.id
+        FOR UPDATE OF j
+    )
     UPDATE outbox_jobs j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
         finished_at = CASE WHEN j.cancel_requested THEN now() END,
@@ -783,12 +957,14 @@ hint. A hint like the routing NOTIFY: a relay that misses it claims from the hea
 ``HINT_SECONDS`` anyway."""
 
 job_claim_candidates: TextClause = text(
-    f"""
+    """
     SELECT id FROM outbox_jobs
     WHERE status = 'ready'
       AND run_at <= now()
       AND consumer = ANY (CAST(:consumers AS text[]))
-      AND {_CONSUMERS_HELD_BACK}
+      AND consumer NOT IN (
+          SELECT c.consumer FROM outbox_consumers c
+          WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
       AND id <> ALL (CAST(:skip AS bigint[]))
     ORDER BY priority, run_at, id
     LIMIT :limit
@@ -1833,38 +2009,131 @@ relay_list: TextClause = text(
 """The relay registry: every row of ``outbox_relays`` with how long since it was last seen
 (seconds, database clock), its buffered claims and the jobs running under it."""
 
+# ------------------------------------------------------------------------ job listing
+# ``outbox-relay jobs`` (:func:`outbox.admin.list_jobs`): jobs by any of consumer, status,
+# event key, event id and age, in keyset pages of ascending id.
+
+job_list: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested, e.topic, e.key
+    FROM outbox_jobs j
+    LEFT JOIN outbox_events e ON e.id = j.event_id
+    WHERE j.id > :after
+      AND (CAST(:consumer AS text) IS NULL OR j.consumer = :consumer)
+      AND (CAST(:statuses AS text[]) IS NULL OR j.status = ANY (CAST(:statuses AS text[])))
+      AND (CAST(:key AS text) IS NULL OR e.key = :key)
+      AND (CAST(:event_id AS bigint) IS NULL OR j.event_id = :event_id)
+      AND (CAST(:older_than AS double precision) IS NULL
+           OR j.created_at < now() - make_interval(secs => :older_than))
+      AND (CAST(:newer_than AS double precision) IS NULL
+           OR j.created_at >= now() - make_interval(secs => :newer_than))
+    ORDER BY j.id
+    LIMIT :limit
+    """
+)
+"""Up to ``:limit`` jobs with ids above ``:after``, in id order, with their event's topic and
+key (NULL when the event is gone), narrowed by each filter that is not NULL: ``:consumer``,
+``:statuses`` (any of them), the event's ``:key``, ``:event_id``, and the job's age by its
+``created_at`` (when routing made it; database clock): more than ``:older_than`` seconds, at
+most ``:newer_than`` seconds. A keyset page: the next one starts above the last id shown, so
+jobs created meanwhile land on later pages and none repeats (no OFFSET, nothing counted).
+Cost: a walk of the primary key from ``:after`` that stops at ``:limit`` matches (by event:
+``uq_outbox_jobs_event_id_consumer``); a filter that matches few of many jobs (a rare
+key: events have no index on their key) reads more rows for a page."""
+
 # ------------------------------------------------------------------------- dashboard
 
 
-def _job_page(status: str) -> TextClause:
-    """The keyset page statement of jobs in ``status`` (a constant of this module, never
-    request input): written out per status so the planner sees the literal and reads the
-    status's partial index, whatever plan cache a connection keeps."""
-    return text(
-        f"""
-        SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
-               j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
-               j.ordering_key, j.snoozes, j.cancel_requested
-        FROM outbox_jobs j
-        WHERE j.status = '{status}' AND j.consumer = :consumer AND j.id < :before
-        ORDER BY j.id DESC
-        LIMIT :limit
-        """
-    )
+# ``job_page_<status>``: one keyset page of the dashboard's consumer page per status, each
+# written out with its status as a literal, so the planner sees the literal and reads the
+# status's partial index, whatever plan cache a connection keeps (the six differ in that
+# literal only; a unit test checks it).
 
-
-job_page_ready: TextClause = _job_page("ready")
-job_page_running: TextClause = _job_page("running")
-job_page_pending: TextClause = _job_page("pending")
-job_page_dead: TextClause = _job_page("dead")
-job_page_done: TextClause = _job_page("done")
-job_page_cancelled: TextClause = _job_page("cancelled")
-"""``job_page_<status>``: up to ``:limit`` jobs of ``:consumer`` in that status with ids below
-``:before``, newest first: one keyset page of the dashboard's consumer page (the next page
-starts below the last id shown; no OFFSET, no count). Dead ones are read through
+job_page_ready: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'ready' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""Up to ``:limit`` ready jobs of ``:consumer`` with ids below ``:before``, newest first: one
+keyset page of the dashboard's consumer page (the next page starts below the last id shown;
+no OFFSET, no count); ``job_page_<status>`` is the same page of the jobs in another status.
+Dead ones are read through
 ``ix_outbox_jobs_dead`` (consumer, id), ready, running, pending and cancelled ones through
 their status's partial index (small: unfinished jobs only); done ones by a backward scan
 of the primary key, which stops after ``:limit`` matches."""
+
+job_page_running: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'running' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for running jobs."""
+
+job_page_pending: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'pending' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for pending jobs."""
+
+job_page_dead: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'dead' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for dead jobs."""
+
+job_page_done: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'done' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for done jobs."""
+
+job_page_cancelled: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'cancelled' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for cancelled jobs."""
 
 job_done_per_minute_list: TextClause = text(
     """
@@ -1974,6 +2243,7 @@ class Statements:
     job_heartbeat_many: TextClause
     job_complete_many: TextClause
     job_complete_claim_many: TextClause
+    job_claim_after_many: TextClause
     job_claim_limited_many: TextClause
     job_complete: TextClause
     job_cancel_claimed: TextClause
@@ -2073,6 +2343,9 @@ class Statements:
     job_purge_many: TextClause
     job_running_count_of: TextClause
     relay_list: TextClause
+
+    # job listing
+    job_list: TextClause
 
     # dashboard
     job_page_ready: TextClause

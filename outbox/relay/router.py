@@ -15,27 +15,49 @@ created ``pending`` behind the unfinished jobs of its key (:mod:`outbox.relay.or
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
 
-The router counts the jobs it creates for the statistics keeper
-(:mod:`outbox.relay.statistics`), which keeps the planner's statistics of ``outbox_jobs``
-current after bursts.
+The loop (:class:`Router`, thread ``outbox-router``): a round routes up to ``route_batch``
+events on one autocommit connection kept between rounds. After a full batch the next round
+follows at once; otherwise the loop waits for a wake-up (``NOTIFY outbox_events`` through
+the listener) or ``poll_interval`` seconds, or 0.05 s when the round held keyed events back
+behind another router's batch (that batch's commit sends no NOTIFY). Wake-ups closer than
+``wake_cooldown`` share one round. Jobs created wake this relay's workers. A database error
+never ends the loop: the connection is thrown away and the loop retries through the relay's
+:class:`~outbox.relay.reconnect.Reconnector`. The router counts the jobs it creates for the
+statistics keeper (:mod:`outbox.relay.statistics`), whose thread (``outbox-statistics``) it
+starts and stops beside its own.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
 from outbox.registry import Outbox
-from outbox.relay.poison import Quarantine, whole_or_halves
+from outbox.relay.counters import Counters
+from outbox.relay.notify import Cooldown, Wakeup
+from outbox.relay.poison import Quarantine, SystemicError, whole_or_halves
+from outbox.relay.reconnect import Reconnector
+from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings
 
+if TYPE_CHECKING:
+    from outbox.telemetry.metrics import RelayMetrics
+
 log = logging.getLogger(__name__)
+
+#: Seconds the router waits before routing again after a round that held keyed events back
+#: behind an earlier event another router held (it is routed by then, or about to be).
+HELD_BACK_RETRY = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,3 +216,116 @@ def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) ->
         unsubscribed += result.unsubscribed
         if result.events < limit:
             return RouteResult(events, jobs, unsubscribed)
+
+
+class Router:
+    """The router's loop (see the module notes) and the statistics keeper's thread beside it.
+
+    Routes the events of ``settings.schema_name`` through ``engine`` until ``stop`` is set
+    (the relay's stop event, shared by its parts: :meth:`stop` sets it). ``wake`` is set by
+    the listener on ``NOTIFY outbox_events``; ``wake_workers`` is set after a round that
+    created jobs; ``reconnect`` paces the retries after a database error; ``statistics``
+    (default: a :class:`~outbox.relay.statistics.StatisticsKeeper` of the same schema)
+    counts the jobs created and runs its ANALYZEs in its own thread; ``metrics``, when
+    given, counts the events routed. Settings read: ``route_batch``, ``poll_interval``,
+    ``wake_cooldown`` (seconds).
+
+    ``stats`` counts ``events_routed``, ``jobs_created`` and ``events_unsubscribed``;
+    ``quarantine`` holds the events whose routing fails alone (:mod:`outbox.relay.poison`);
+    ``unsubscribed_topics`` warns about topics with no subscriber. :meth:`run_round` is one
+    round, for tests and callers without a thread.
+    """
+
+    #: The names ``stats`` counts, from 0.
+    COUNTS = ("events_routed", "jobs_created", "events_unsubscribed")
+
+    def __init__(self, engine: Engine, settings: OutboxSettings, *, stop: threading.Event, wake: threading.Event,
+                 wake_workers: Wakeup, reconnect: Reconnector, statistics: StatisticsKeeper | None = None,
+                 metrics: RelayMetrics | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.stop_event = stop
+        self.wake = wake
+        self.wake_workers = wake_workers
+        self.reconnect = reconnect
+        self.statistics = statistics if statistics is not None else StatisticsKeeper(
+            engine, schema=settings.schema_name)
+        self.metrics = metrics
+        self.quarantine = Quarantine("event")
+        self.unsubscribed_topics = UnsubscribedTopics()
+        self.stats = Counters(self.COUNTS)
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the router's thread (``outbox-router``) and the keeper's (``outbox-statistics``)."""
+        for name, target in (("outbox-router", self.run), ("outbox-statistics", self._keep_statistics)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Set the stop event and wake both threads; returns at once (:meth:`join` waits).
+        A round under way finishes (it is one statement)."""
+        self.stop_event.set()
+        self.wake.set()
+        self.statistics.wake()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for both threads to end, up to ``timeout`` seconds each; True when they have."""
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+        return not any(thread.is_alive() for thread in self._threads)
+
+    def run(self) -> None:
+        """The loop: rounds until the stop event is set; never raises for database errors."""
+        failures = 0
+        cooldown = Cooldown(self.settings.wake_cooldown)
+        conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
+        while not self.stop_event.is_set():
+            cooldown.wait(self.stop_event.wait)  # NOTIFYs closer than the cooldown share a round
+            cooldown.started()
+            try:
+                if conn is None:
+                    # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
+                    conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                result = self.run_round(conn)
+                failures = self.reconnect.recovered(failures, "router")
+            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
+                if conn is not None:
+                    with contextlib.suppress(Exception):  # it is being thrown away
+                        conn.invalidate()  # whatever broke, the next round starts on a fresh connection
+                        conn.close()
+                    conn = None
+                failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
+                continue
+            if result.events >= self.settings.route_batch:
+                cooldown.skip()  # a full batch: more events may be waiting
+            else:
+                # Events held back behind another router's batch (architecture notes, "Ordering")
+                # go once it commits, which sends no NOTIFY: look again soon.
+                self.wake.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
+                               else self.settings.poll_interval)
+                self.wake.clear()
+        if conn is not None:
+            conn.close()
+
+    def run_round(self, conn: Connection) -> RouteResult:
+        """One round on ``conn`` (autocommit): :func:`route_round` of up to ``route_batch``
+        events, then wake the workers when jobs were created, count the jobs for the
+        statistics keeper (no query), and add to ``stats``, the metrics and the warnings
+        about topics with no subscriber. Raises what :func:`route_round` raises."""
+        result = route_round(conn, self.settings.route_batch, self.quarantine, schema=self.settings.schema_name)
+        if result.jobs:
+            self.wake_workers.set()
+        self.statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
+        self.stats.add("events_routed", result.events)
+        self.stats.add("jobs_created", result.jobs)
+        if self.metrics is not None and result.events:
+            self.metrics.routed(result.events, result.unsubscribed)
+        if result.unsubscribed:
+            self.stats.add("events_unsubscribed", result.unsubscribed)
+            self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
+        return result
+
+    def _keep_statistics(self) -> None:
+        self.statistics.run(self.stop_event)

@@ -75,3 +75,20 @@ def running_relay(registry: Outbox, settings: OutboxSettings, **parts: Any) -> I
         yield relay
     finally:
         relay.stop()
+
+
+@contextlib.contextmanager
+def running_relays(n: int, registry: Outbox, settings: OutboxSettings, **parts: Any) -> Iterator[list[Relay]]:
+    """``n`` relays of ``registry`` alike (``Relay(registry, settings, **parts)`` each), all
+    built, then started in turn for the block; the ones started are stopped in the same
+    order when the block ends, however it ends."""
+    relays = [Relay(registry, settings, **parts) for _ in range(n)]
+    started: list[Relay] = []
+    try:
+        for relay in relays:
+            relay.start()
+            started.append(relay)
+        yield relays
+    finally:
+        for relay in started:
+            relay.stop()
