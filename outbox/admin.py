@@ -54,7 +54,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from outbox.db import queries
 from outbox.db.jobs import notify_head
-from outbox.errors import AdminError
+from outbox.errors import AdminError, NotBlockingError
 from outbox.relay import maintenance, ordering
 from outbox.relay.dispatcher import RELAY_SEEN_INTERVAL
 from outbox.relay.poison import Quarantine
@@ -506,29 +506,102 @@ def prune_now(engine: Engine, *, done_older_than: float, events_older_than: floa
 
 
 def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
-            schema: str | None = None) -> list[int]:
+            every: bool = False, schema: str | None = None) -> list[int]:
     """Put dead jobs back to ``ready`` with a fresh attempt budget (``outbox-relay redrive``):
     the ones in ``ids``, or every dead job of ``consumer`` (both: only those of the ``ids``
-    that are jobs of ``consumer``, in the same statement); relays are woken on commit.
-    Returns the ids redriven (sorted); jobs that are not dead are left alone. Raises
-    :class:`AdminError` for neither ``ids`` nor ``consumer``."""
-    target = _one_target(ids, consumer, "redrive")
-    changed = sorted(maintenance.redrive(conn, target, consumer, schema=schema))
+    that are jobs of ``consumer``, in the same statement), or with ``every`` and neither,
+    every dead job (``--all``); relays are woken on commit. Returns the ids redriven
+    (sorted); jobs that are not dead are left alone; ``last_error`` is kept until the next
+    failure. Raises :class:`AdminError` for neither ``ids`` nor ``consumer`` without
+    ``every``."""
+    target = None if every and not ids and consumer is None else _one_target(ids, consumer, "redrive")
+    changed = sorted(conn.execute(queries.in_schema(schema).job_redrive_many,
+                                  {"ids": target, "consumer": consumer}).scalars())
     if changed:
         notify_head(conn, schema=schema)
     return changed
 
 
 @dataclass(frozen=True, slots=True)
+class DeadJob:
+    """A dead job (``outbox-relay dead``): its event, consumer, attempts of ``max_attempts``,
+    ``snoozes`` (not counted), when it died and its last error (type, message, bounded
+    traceback)."""
+
+    id: int
+    event_id: int
+    consumer: str
+    attempts: int
+    max_attempts: int
+    snoozes: int
+    finished_at: datetime | None
+    last_error: str | None
+
+
+def dead_jobs(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+              schema: str | None = None) -> list[DeadJob]:
+    """Dead jobs, of ``consumer`` or of all, oldest first (by id), at most ``limit``; read
+    through ``ix_outbox_jobs_dead``."""
+    rows = conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit})
+    return [DeadJob(**r._asdict()) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockedKey:
+    """One blocked key: ``consumer``, ``key``, the dead job holding it (``job_id``), since when
+    (``since``, its ``finished_at``) and how many ``pending`` jobs wait behind it."""
+
+    consumer: str
+    key: str
+    job_id: int
+    since: datetime | None
+    pending: int
+
+
+def blocked_keys(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+                 schema: str | None = None) -> list[BlockedKey]:
+    """The ordered keys blocked by a dead job (``on_dead='block'``; ``outbox-relay
+    blocked``), of ``consumer`` or of all, longest blocked first, at most ``limit``."""
+    rows = conn.execute(queries.in_schema(schema).job_ordering_blocked_list,
+                        {"consumer": consumer, "limit": limit}).all()
+    return [BlockedKey(r.consumer, r.key, r.job_id, r.since, r.pending) for r in rows]
+
+
+def skip_dead_job(engine: Engine, job_id: int, *, schema: str | None = None) -> list[int]:
+    """Let the key blocked by dead job ``job_id`` go on (``outbox-relay skip``): the job drops
+    its ordering key (it stays dead) and, once that committed, the key's next job is
+    promoted (architecture notes, "Ordering"). Returns the ids promoted (empty when nothing
+    waited). Raises :class:`~outbox.errors.NotBlockingError`, having written nothing, when
+    ``job_id`` is not a dead job holding an ordered key (no such job, another status, already
+    skipped or unordered)."""
+    statements = queries.in_schema(schema)
+    with engine.begin() as conn:
+        row = conn.execute(statements.job_ordering_skip, {"id": job_id}).one_or_none()
+        if row is None:
+            found = conn.execute(statements.job_ordering_get, {"id": job_id}).one_or_none()
+            if found is None:
+                raise NotBlockingError(f"job {job_id}: no such job")
+            if found.status != "dead":
+                raise NotBlockingError(f"job {job_id} ({found.consumer}) is {found.status}, not dead: only a dead "
+                                       "job blocks its key")
+            raise NotBlockingError(f"job {job_id} ({found.consumer}) is dead but holds no ordering key (unordered, "
+                                   "on_dead='skip', or already skipped): it blocks nothing")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return ordering.promote(conn, [(row.consumer, row.ordering_key)], schema=schema)
+
+
+@dataclass(frozen=True, slots=True)
 class PauseResult:
     """``pause`` or ``resume`` of ``consumer``: ``paused_at`` (when it is paused now; None:
     it runs), ``was_paused_at`` (when it had been paused before; None: it was not) and
-    ``known`` (False: ``resume`` of a consumer nobody declared nor paused; nothing changed)."""
+    ``known`` (False: ``resume`` of a consumer nobody declared nor paused; nothing changed),
+    ``created`` (``pause`` of a consumer no relay declared yet: its row was made now)."""
 
     consumer: str
     paused_at: datetime | None
     was_paused_at: datetime | None
     known: bool = True
+    created: bool = False
 
 
 def pause(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
@@ -536,7 +609,7 @@ def pause(conn: Connection, consumer: str, *, schema: str | None = None) -> Paus
     control"): once this commits no claim takes its jobs; routing goes on, jobs already
     claimed finish. A consumer no relay declared yet gets its row, so it starts paused."""
     row = conn.execute(queries.in_schema(schema).consumer_pause, {"consumer": consumer}).one()
-    return PauseResult(consumer, row.paused_at, row.was_paused_at)
+    return PauseResult(consumer, row.paused_at, row.was_paused_at, created=row.created)
 
 
 def resume(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
@@ -548,6 +621,82 @@ def resume(conn: Connection, consumer: str, *, schema: str | None = None) -> Pau
     if row.was_paused_at is not None:
         notify_head(conn, schema=schema)
     return PauseResult(consumer, None, row.was_paused_at)
+
+
+# ------------------------------------------- flow control, subscriptions, schedules
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControl:
+    """A consumer's row of flow control: paused since (None: not paused), its cap on running
+    jobs across relays (``concurrency``; None: none), its rate limit in claims per second
+    (None: none) and its jobs running now."""
+
+    consumer: str
+    paused_at: datetime | None
+    concurrency: int | None
+    rate_limit: float | None
+    running: int
+
+
+def flow_controls(conn: Connection, *, schema: str | None = None) -> list[FlowControl]:
+    """Every consumer's flow control (the rows relays declare and ``pause`` writes), by
+    name, as ``outbox-relay status`` shows them."""
+    rows = conn.execute(queries.in_schema(schema).consumer_list)
+    return [FlowControl(r.consumer, r.paused_at, r.concurrency, r.rate_limit, r.running) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """A (topic, consumer) pair routing uses, with the consumer's options as its relay
+    declared them: ``max_attempts``, ``lease_seconds``, ``priority``, ``transactional``."""
+
+    topic: str
+    consumer: str
+    max_attempts: int
+    lease_seconds: float
+    priority: int
+    transactional: bool
+
+
+def subscriptions(conn: Connection, *, schema: str | None = None) -> list[Subscription]:
+    """Every subscription (``outbox-relay subscriptions``), by topic then consumer."""
+    return [Subscription(**r._asdict()) for r in conn.execute(queries.in_schema(schema).subscription_list)]
+
+
+def unsubscribe(conn: Connection, consumer: str, *, schema: str | None = None) -> list[str]:
+    """Remove ``consumer``'s subscriptions (``outbox-relay unsubscribe``): new events stop
+    producing its jobs; its existing jobs stay (``purge`` deletes them). Returns the topics
+    it was subscribed to (empty: it had none). A relay still declaring it writes them again
+    when it starts."""
+    return list(conn.execute(queries.in_schema(schema).subscription_delete, {"consumer": consumer}).scalars())
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleState:
+    """A schedule's row: its ``name``, ``cron`` expression and ``timezone``, the ``topic`` it
+    publishes on, ``catch_up`` (missed slots published after a gap), the last slot published
+    (None: none yet) and the next one."""
+
+    name: str
+    cron: str
+    timezone: str
+    topic: str
+    catch_up: bool
+    last_slot: datetime | None
+    next_slot: datetime
+
+
+def schedules(conn: Connection, *, schema: str | None = None) -> list[ScheduleState]:
+    """Every schedule relays publish (``outbox-relay status``), by name."""
+    return [ScheduleState(**r._asdict()) for r in conn.execute(queries.in_schema(schema).schedule_list)]
+
+
+def database_now(conn: Connection, *, schema: str | None = None) -> datetime:
+    """The database clock (``now()``: the start of ``conn``'s transaction), against which
+    operator commands measure ages (``replay --since 2h``)."""
+    value: datetime = conn.execute(queries.in_schema(schema).database_now).scalar_one()
+    return value
 
 
 # ------------------------------------------------------------------ jobs and events

@@ -568,30 +568,25 @@ def _psql_service_file(secrets: dict[str, str], target: URL, env: dict[str, str]
 
 
 def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxSettings) -> int:
-    from outbox.db import queries
+    """The inspecting commands: each a call of :mod:`outbox.admin`, printed."""
+    from outbox import admin
     from outbox.db.migrate import check_schema
-    from outbox.relay.maintenance import dead_letters, redrive
 
-    statements = queries.in_schema(schema)
     if args.command in ADMIN_COMMANDS:
         with engine.begin() as conn:
             check_schema(conn, schema)
         return _admin(args, engine, schema, settings)
     if args.command == "skip":
-        from outbox.relay.ordering import skip_dead_job
-
         with engine.begin() as conn:
             check_schema(conn, schema)
-        promoted = skip_dead_job(engine, args.job_id, schema=schema)
+        promoted = admin.skip_dead_job(engine, args.job_id, schema=schema)
         print(f"job {args.job_id} no longer blocks its key; "
               + (f"job {promoted[0]} is ready" if promoted else "no job was waiting behind it"))
         return 0
     with engine.begin() as conn:
         check_schema(conn, schema)
         if args.command == "blocked":
-            from outbox.relay.ordering import blocked_keys
-
-            keys = blocked_keys(conn, args.consumer, args.limit, schema=schema)
+            keys = admin.blocked_keys(conn, args.consumer, args.limit, schema=schema)
             if not keys:
                 print("no blocked keys" + (f" for consumer {args.consumer}" if args.consumer else ""))
             else:
@@ -600,37 +595,35 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
                 since = k.since.astimezone(UTC).isoformat() if k.since else "-"
                 print(f"{k.consumer:<32} {k.key:<32} {k.job_id:>10} {k.pending:>8}  {since}")
         elif args.command == "status":
-            from outbox.admin import as_dict, status
-
-            state = status(conn, exact=args.exact, schema=schema)
+            state = admin.status(conn, exact=args.exact, schema=schema)
             if args.json:
-                print(json.dumps(as_dict(state)))
+                print(json.dumps(admin.as_dict(state)))
                 return 0
             _print_status(state)
-            _print_flow(conn.execute(statements.consumer_list).all())
-            schedules = conn.execute(statements.schedule_list).all()
+            _print_flow(admin.flow_controls(conn, schema=schema))
+            schedules = admin.schedules(conn, schema=schema)
             if schedules:
                 print(f"{'schedule':<32} {'cron':<18} {'timezone':<16} {'last slot published':<26} next slot")
-            for r in schedules:
-                last = r.last_slot.astimezone(UTC).isoformat() if r.last_slot else "-"
-                print(f"{r.name:<32} {r.cron:<18} {r.timezone:<16} {last:<26} "
-                      f"{r.next_slot.astimezone(UTC).isoformat()}"
-                      f"{'  (catch_up)' if r.catch_up else ''}")
+            for schedule in schedules:
+                last = schedule.last_slot.astimezone(UTC).isoformat() if schedule.last_slot else "-"
+                print(f"{schedule.name:<32} {schedule.cron:<18} {schedule.timezone:<16} {last:<26} "
+                      f"{schedule.next_slot.astimezone(UTC).isoformat()}"
+                      f"{'  (catch_up)' if schedule.catch_up else ''}")
         elif args.command == "dead":
-            rows = dead_letters(conn, args.consumer, args.limit, schema=schema)
-            if not rows and not args.json:
+            dead = admin.dead_jobs(conn, args.consumer, args.limit, schema=schema)
+            if not dead and not args.json:
                 print("no dead jobs" + (f" for consumer {args.consumer}" if args.consumer else ""))
-            for r in rows:
+            for job in dead:
                 if args.json:
-                    print(json.dumps({**r._asdict(), "finished_at": str(r.finished_at)}))
+                    print(json.dumps({**admin.as_dict(job), "finished_at": str(job.finished_at)}))
                 else:
-                    first = (r.last_error or "").splitlines()[0] if r.last_error else ""
-                    print(f"job {r.id} event {r.event_id} {r.consumer} attempts {r.attempts}/{r.max_attempts}"
-                          f"{f' snoozes {r.snoozes}' if r.snoozes else ''}: {first}")
+                    first = (job.last_error or "").splitlines()[0] if job.last_error else ""
+                    print(f"job {job.id} event {job.event_id} {job.consumer} attempts {job.attempts}/"
+                          f"{job.max_attempts}{f' snoozes {job.snoozes}' if job.snoozes else ''}: {first}")
         elif args.command == "redrive":
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")
-            ids = redrive(conn, args.ids or None, args.consumer, schema=schema)
+            ids = admin.redrive(conn, args.ids or None, args.consumer, every=args.all, schema=schema)
             if not ids:
                 return _nothing("no job redriven: " + (f"none of {args.ids[:20]} is a dead job" if args.ids else
                                                        "no dead job" + (f" of consumer {args.consumer}"
@@ -640,19 +633,19 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
             if missing:
                 print(f"not redriven (no such job, or not dead): {missing[:20]}")
         elif args.command == "subscriptions":
-            rows = conn.execute(statements.subscription_list).all()
-            if not rows:
+            subscriptions = admin.subscriptions(conn, schema=schema)
+            if not subscriptions:
                 print("no subscriptions (a relay writes its registry's when it starts)")
-            for r in rows:
-                print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
-                      f" priority={r.priority}{' transactional' if r.transactional else ''}")
+            for sub in subscriptions:
+                print(f"{sub.topic:<32} {sub.consumer:<32} max_attempts={sub.max_attempts} "
+                      f"lease={sub.lease_seconds:g}s priority={sub.priority}{' transactional' if sub.transactional else ''}")
         elif args.command == "unsubscribe":
-            topics = list(conn.execute(statements.subscription_delete, {"consumer": args.consumer}).scalars())
+            topics = admin.unsubscribe(conn, args.consumer, schema=schema)
             if not topics:
                 raise UsageError(f"no subscription for consumer {args.consumer!r}")
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")
         elif args.command in ("pause", "resume"):
-            _pause_or_resume(conn, statements, args.command, args.consumer)
+            _pause_or_resume(conn, schema, args.command, args.consumer)
     return 0
 
 
@@ -660,7 +653,6 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
     """``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`):
     text or ``--json`` on stdout; nothing matched: one line on stderr, status 1."""
     from outbox import admin
-    from outbox.db import queries
 
     def out(result: Any, text: str) -> None:
         if args.json:
@@ -723,7 +715,7 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
         return 0
     if command == "replay":
         with engine.begin() as conn:
-            now = conn.execute(queries.in_schema(schema).database_now).scalar_one()
+            now = admin.database_now(conn, schema=schema)
         since = _time_arg("--since", args.since, now) if args.since else None
         until = _time_arg("--until", args.until, now) if args.until else None
         replayed = admin.replay(engine, args.consumer, since=since, from_event=args.from_event, until=until,
@@ -840,28 +832,29 @@ def _check_consumer_name(command: str, consumer: str) -> None:
         raise UsageError(f"{command}: {exc}") from None
 
 
-def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) -> None:
-    """Pause or resume ``consumer`` (architecture notes, "Flow control") and say what changed."""
+def _pause_or_resume(conn: Any, schema: str, command: str, consumer: str) -> None:
+    """Pause or resume ``consumer`` (:func:`outbox.admin.pause`, :func:`outbox.admin.resume`)
+    and say what changed."""
+    from outbox import admin
+
     if command == "pause":
-        row = conn.execute(statements.consumer_pause, {"consumer": consumer}).one()
-        since = row.paused_at.astimezone(UTC).isoformat()
-        if row.was_paused_at is not None:
+        paused = admin.pause(conn, consumer, schema=schema)
+        assert paused.paused_at is not None  # a pause always leaves the consumer paused
+        since = paused.paused_at.astimezone(UTC).isoformat()
+        if paused.was_paused_at is not None:
             print(f"consumer {consumer} was already paused (since {since}); nothing changed")
         else:
-            new = " (no relay has declared it yet)" if row.created else ""
+            new = " (no relay has declared it yet)" if paused.created else ""
             print(f"paused consumer {consumer}{new} at {since}: no relay claims its jobs until `outbox-relay resume "
                   f"{consumer}`; routing goes on, jobs already claimed finish")
         return
-    from outbox.db.tables import JOBS_CHANNEL, notify_channel
-
-    row = conn.execute(statements.consumer_resume, {"consumer": consumer}).one_or_none()
-    if row is None:
+    resumed = admin.resume(conn, consumer, schema=schema)
+    if not resumed.known:
         print(f"consumer {consumer} is unknown (never declared nor paused); nothing changed")
-    elif row.was_paused_at is None:
+    elif resumed.was_paused_at is None:
         print(f"consumer {consumer} was not paused; nothing changed")
     else:
-        conn.execute(statements.jobs_notify_head, {"channel": notify_channel(JOBS_CHANNEL, statements.schema)})
-        print(f"resumed consumer {consumer} (paused since {row.was_paused_at.astimezone(UTC).isoformat()}): "
+        print(f"resumed consumer {consumer} (paused since {resumed.was_paused_at.astimezone(UTC).isoformat()}): "
               "relays claim its jobs again")
 
 

@@ -1,4 +1,5 @@
-"""Maintenance: the reaper, the pruner, dead letters and redrive.
+"""Maintenance: the reaper and the pruner (dead letters and redrive are the operator's:
+:mod:`outbox.admin`).
 
 Reaper: a job whose lease expired (its worker crashed, hung or was paused longer than the
 lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, with
@@ -346,18 +347,3 @@ class Maintenance:
             vacuum_tables(conn, schema=self.schema)
         self.stats.add("vacuums")
 
-
-def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
-                 schema: str | None = None) -> Sequence[Any]:
-    """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
-    snoozes, finished_at, last_error."""
-    return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
-
-
-def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
-            schema: str | None = None) -> list[int]:
-    """Put dead jobs back to ``ready`` with a fresh attempt budget: the ones in ``ids``, or
-    all of ``consumer``, or (both None) every dead job. Returns the ids redriven; jobs
-    that are not dead are left alone."""
-    return list(conn.execute(queries.in_schema(schema).job_redrive_many, {
-        "ids": list(ids) if ids is not None else None, "consumer": consumer}).scalars())

@@ -123,7 +123,7 @@ from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.db.tables import JOB_STATUSES
 from outbox.relay import transaction
-from outbox.relay.maintenance import reap_expired, redrive
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import Failure, format_error
 from outbox.relay.relay import register_subscriptions
 from outbox.relay.router import route_batch
@@ -628,7 +628,8 @@ class JobLifecycle(RuleBasedStateMachine):
             ids = data.draw(st.lists(st.sampled_from(sorted(self.jobs)), max_size=4, unique=True), label="ids")
         if "consumer" in how:
             consumer = data.draw(st.sampled_from(CONSUMERS), label="consumer")
-        got, now, before, after = self.run(lambda conn, now: redrive(conn, ids=ids, consumer=consumer))
+        got, now, before, after = self.run(lambda conn, now: list(conn.execute(
+            queries.in_schema().job_redrive_many, {"ids": ids, "consumer": consumer}).scalars()))
         expected = {m.id for m in self.jobs.values() if m.status == "dead"
                     and (ids is None or m.id in ids) and (consumer is None or m.consumer == consumer)}
         assert sorted(got) == sorted(expected), f"redrive ids={ids} consumer={consumer}"

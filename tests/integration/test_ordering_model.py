@@ -62,12 +62,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from outbox import Job, Outbox, publish
+from outbox.admin import redrive, skip_dead_job
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.errors import NotBlockingError
 from outbox.relay.flow import FlowControl
-from outbox.relay.maintenance import reap_expired, redrive
-from outbox.relay.ordering import HeadSweeper, promote_finished, skip_dead_job
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.ordering import HeadSweeper, promote_finished
 from outbox.relay.outcomes import Failure, Snoozed
 from outbox.relay.router import register_subscriptions, route_batch
 from outbox.settings import OutboxSettings
@@ -224,7 +225,7 @@ class OrderingFlow(RuleBasedStateMachine):
     @rule()
     def redrive_all(self) -> None:
         with self.engine.begin() as conn:
-            redrive(conn)
+            redrive(conn, every=True)
 
     @rule(index=INDEX)
     def skip_blocked(self, index: int) -> None:

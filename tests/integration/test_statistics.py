@@ -358,7 +358,7 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
     all of them: both claim statements read about as many job rows as they claim. Before
     the claim's update probed the primary key, the planner, trusting the statistics, joined
     the picked ids to a scan of every ready job: 20,000 rows read per picked row."""
-    from outbox.relay.maintenance import redrive
+    from outbox.admin import redrive
 
     subscribe(engine, "t", ["x"])
     _no_autovacuum(engine)
