@@ -13,7 +13,7 @@ relay's row of ``outbox_relays`` by the same statement (architecture notes, "Att
 crashes"). A forwarder's jobs always join the buffer, listed: the starter unlists them
 just before the forwarder sends them, so an attempt is charged when its message is
 handed to the broker, not when it is claimed. A data error runs the completions and then the claim by halves
-(:mod:`outbox.relay.poison`): a ready job whose claim fails alone is dead-lettered naming the
+(:mod:`outbox.db.poison`): a ready job whose claim fails alone is dead-lettered naming the
 error, or quarantined.
 
 **The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
@@ -45,6 +45,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox import backoff
+from outbox.db import poison
 from outbox.db.engine import is_disconnect
 from outbox.db.jobs import (
     BufferMark,
@@ -55,7 +56,7 @@ from outbox.db.jobs import (
     relay_buffer_remove,
 )
 from outbox.registry import Subscriber
-from outbox.relay import flow, poison
+from outbox.relay import flow
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
