@@ -71,7 +71,10 @@ class Relay:
 
     ``route``, ``work``, ``maintain`` and ``schedule`` turn the router, the job runner, the
     reaper/pruner and the scheduler of the registry's schedules on or off (all on by
-    default). Use :meth:`run` in a process (handles
+    default); the parts are ``router`` (:class:`~outbox.relay.router.Router`), ``runner``
+    (:class:`~outbox.relay.runner.JobRunner`), ``maintenance``
+    (:class:`~outbox.relay.maintenance.Maintenance`) and ``scheduler``, each None when turned
+    off, and ``listener``, None when polling only. Use :meth:`run` in a process (handles
     signals), or :meth:`start` / :meth:`stop` when embedding it (tests, an app's own
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`

@@ -64,12 +64,13 @@ def test_the_loop_follows_a_full_batch_at_once_and_waits_for_a_wake_up_otherwise
     router = _router(engine, settings, route_batch=2, poll_interval=3600)  # the poll never comes
     router.start()
     try:
-        wait_for(lambda: _unrouted(engine) == 0, timeout=TIMEOUT, what="the backlog routed in full batches")
-        assert router.stats["events_routed"] == 5
+        # The counts follow the round's commit: wait for both.
+        wait_for(lambda: _unrouted(engine) == 0 and router.stats["events_routed"] == 5, timeout=TIMEOUT,
+                 what="the backlog routed in full batches")
         _publish(engine, "t", 1)
         router.wake.set()  # what the listener does on NOTIFY outbox_events
-        wait_for(lambda: _unrouted(engine) == 0, timeout=TIMEOUT, what="the event routed on the wake-up")
-        assert router.stats["jobs_created"] == 6
+        wait_for(lambda: _unrouted(engine) == 0 and router.stats["jobs_created"] == 6, timeout=TIMEOUT,
+                 what="the event routed on the wake-up")
     finally:
         router.stop()
         assert router.join(timeout=5)
@@ -81,9 +82,7 @@ def test_the_loop_polls_without_a_wake_up(engine, settings):
     router = _router(engine, settings, poll_interval=0.1)
     router.start()
     try:
-        wait_for(lambda: router.stats["events_routed"] == 0 and router.wake_workers.wait(0) == (False, False),
-                 timeout=TIMEOUT, what="a first round")
-        _publish(engine, "t", 2)
+        _publish(engine, "t", 2)  # no wake-up: only a poll finds them
         wait_for(lambda: _unrouted(engine) == 0, timeout=TIMEOUT, what="the events routed by a poll")
     finally:
         router.stop()
@@ -115,8 +114,8 @@ def test_the_statistics_keeper_runs_beside_the_loop(engine, settings):
     router.start()
     try:
         _publish(engine, "t", 10)  # 20 jobs: past the floor
-        wait_for(lambda: router.statistics.analyzed == 1, timeout=TIMEOUT, what="the keeper's ANALYZE")
-        assert router.statistics.pending == 0
+        wait_for(lambda: router.statistics.analyzed == 1 and router.statistics.pending == 0, timeout=TIMEOUT,
+                 what="the keeper's ANALYZE")
     finally:
         router.stop()
         assert router.join(timeout=5)
