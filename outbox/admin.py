@@ -10,7 +10,7 @@ renders them); besides, for the dashboard: a consumer's jobs in keyset pages
 It builds on the db layer only (the statements, their wrappers and the rules the relay
 shares: :mod:`outbox.db.retention`, :mod:`outbox.db.promotion`, :mod:`outbox.db.poison`)
 and imports no module of the relay, so the dashboard does not load the job runner
-(``tests/unit/test_layout.py`` holds it).
+(a test of the layout holds it).
 
 Each function takes an ``Engine`` (when it commits in batches, or must commit before a
 follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
