@@ -27,7 +27,7 @@ Every statement is fenced (``WHERE id AND fence AND status = 'running'``) and re
 rows it changed; a job missing from them was a stale report: dropped, nothing changed, and
 logged once per round for all of them (:meth:`Completer.report`: count, consumers, a few
 ids; each at DEBUG), unless the heartbeat or the starter already named it. A data error in a batch statement runs it by halves (:meth:`Completer.by_halves`,
-:mod:`outbox.relay.poison`) and dead-letters each job that fails alone, naming the error.
+:mod:`outbox.db.poison`) and dead-letters each job that fails alone, naming the error.
 
 After the outcomes of a round other than releases are written, :meth:`Completer.finished`
 is called with their jobs: the one place for a follow-up statement on them, the promotion
@@ -43,9 +43,10 @@ from typing import Any
 
 import psycopg
 
+from outbox.db import poison
 from outbox.db.jobs import bury_job, complete_jobs, fail_jobs, notify_head, release_jobs, snooze_jobs
 from outbox.registry import Subscriber
-from outbox.relay import ordering, poison
+from outbox.relay import ordering
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters
@@ -225,7 +226,7 @@ class Completer:
                   claim_of: Callable[[Any], Claim] = lambda item: item, merged: Any = None) -> tuple[Any, set[int]]:
         """Run a fenced batch statement over ``items`` (claims, or (claim, failure) pairs);
         returns its result merged (a set of ids, or a dict) and the ids of the jobs it
-        dead-lettered. On a data error it runs by halves (:func:`outbox.relay.poison.isolate`) and
+        dead-lettered. On a data error it runs by halves (:func:`outbox.db.poison.isolate`) and
         dead-letters each job that fails alone, naming the error (fenced); a job even that
         fails for is left to its lease (the reaper meets the same error and quarantines
         it). ``merged`` is the empty result to merge into (default: a set). Other errors

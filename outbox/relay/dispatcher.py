@@ -55,9 +55,10 @@ import psycopg
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import poison
 from outbox.db.engine import describe, is_disconnect
 from outbox.db.jobs import RelayInfo, relay_delete, relay_seen
-from outbox.relay import poison
+from outbox.db.tables import RELAY_SEEN_INTERVAL
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
@@ -68,10 +69,6 @@ from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
-
-#: Longest an idle dispatcher leaves its relay's row of ``outbox_relays`` unwritten, seconds
-#: (pruning forgets relays not seen for ``maintenance.RELAY_GONE_AFTER``).
-RELAY_SEEN_INTERVAL = 30.0
 
 
 class RelayRow:

@@ -15,7 +15,7 @@ workers at once, and the rest join the buffer, listed in the relay's row of
 forwarder's jobs always join the buffer, listed: the starter unlists them just before the
 forwarder sends them, so an attempt is charged when its message is handed to the broker,
 not when it is claimed. After a data error (the completer then writes the completions by
-halves) the claim runs alone, and by halves (:mod:`outbox.relay.poison`): a ready job whose
+halves) the claim runs alone, and by halves (:mod:`outbox.db.poison`): a ready job whose
 claim fails alone is dead-lettered naming the error, or quarantined.
 
 **The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
@@ -45,6 +45,7 @@ from typing import Any
 import psycopg
 
 from outbox import backoff
+from outbox.db import poison
 from outbox.db.jobs import (
     BufferMark,
     bury_ready_job,
@@ -53,7 +54,7 @@ from outbox.db.jobs import (
 )
 from outbox.job import Job
 from outbox.registry import Subscriber
-from outbox.relay import flow, poison
+from outbox.relay import flow
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters

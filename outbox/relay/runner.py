@@ -49,12 +49,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox.db import poison
 from outbox.db.engine import describe, make_async_engine
 from outbox.db.jobs import RelayInfo, notify_head, package_version, release_jobs
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
-from outbox.relay import poison, transaction
+from outbox.relay import transaction
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
