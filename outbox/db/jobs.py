@@ -117,7 +117,7 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     ``buffer``, when given, is written to the relay's row in the same statement (see
     :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
     forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
-    is given, takes only jobs among those ids (:mod:`outbox.relay.poison`)."""
+    is given, takes only jobs among those ids (:mod:`outbox.db.poison`)."""
     completed, claimed, last = complete_and_claim_rows(conn, done, leases, limit, worker_id, after, buffer=buffer,
                                                        skip=skip, only=only, keep_done=keep_done, schema=schema)
     return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last

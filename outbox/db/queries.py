@@ -140,7 +140,7 @@ in topic order, NULL when none), events held back
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
-poison handling (:mod:`outbox.relay.poison`) routes by halves of ``event_route_candidates``.
+poison handling (:mod:`outbox.db.poison`) routes by halves of ``event_route_candidates``.
 
 Ordering (architecture notes, "Ordering"; :mod:`outbox.relay.ordering`): a keyed event of a topic
 with an ordered subscription is routed only when no earlier event of its key is unrouted
@@ -599,7 +599,7 @@ completed (``completed`` true, only ``id`` set); claimed rows also carry ``prior
 ``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
 at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually none) and,
 unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
-bisection; :mod:`outbox.relay.poison`): a runner that remembers the last key it claimed skips the index entries of
+bisection; :mod:`outbox.db.poison`): a runner that remembers the last key it claimed skips the index entries of
 the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
 (performance notes).
 
@@ -680,7 +680,7 @@ job_claim_after_many: TextClause = text(
 ``id``, the claim-order key) starting after the key ``(:after_priority, :after_run_at,
 :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start at the head), leaving out the ids in
 ``:skip`` (quarantined poison rows, usually none) and, unless ``:only`` is NULL, taking only
-jobs whose id it lists (the poison handling's bisection; :mod:`outbox.relay.poison`). A
+jobs whose id it lists (the poison handling's bisection; :mod:`outbox.db.poison`). A
 runner that remembers the last key it claimed skips the index entries of the jobs claimed
 before, which a long-held snapshot elsewhere keeps from being removed (performance notes).
 
@@ -971,7 +971,7 @@ job_claim_candidates: TextClause = text(
     """
 )
 """Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
-what a claim would take, for finding the job that makes it fail (:mod:`outbox.relay.poison`).
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.db.poison`).
 Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
@@ -984,7 +984,7 @@ job_bury: TextClause = text(
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
-poison row (:mod:`outbox.relay.poison`); ``:error`` names the statement and the database error.
+poison row (:mod:`outbox.db.poison`); ``:error`` names the statement and the database error.
 Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
 ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
