@@ -4,9 +4,9 @@ Workers post how each handler ended (:class:`outbox.relay.outcomes.Outcome` or
 :class:`outbox.relay.outcomes.Failure`); each dispatcher round hands what was posted to
 :meth:`Completer.sort`, which splits it by the statement still to write:
 
-* completions (``Outcome.DONE``) ride on the round's claim (``job_complete_claim_many``,
-  run by the producer, one round trip for both); :meth:`Completer.completed` accounts for
-  what that statement returned;
+* completions (``Outcome.DONE``) ride with the round's claim (``job_complete_many`` then
+  ``job_claim_after_many``, run by the producer, one round trip for both);
+  :meth:`Completer.completed` accounts for what the completion returned;
 * failed attempts go to ``job_fail_many`` (:meth:`Completer.write_failures`): back to
   ``ready`` after the attempt's backoff, or ``dead`` when out of attempts or permanent;
 * snoozes (:class:`outbox.relay.outcomes.Snoozed`: the handler raised ``Snooze``) go to

@@ -2,8 +2,9 @@
 
 Each round takes every outcome the workers have posted, has the completer sort them, and,
 when the buffer has room, has the producer claim more. Completions and the claim travel in
-one statement (``job_complete_claim_many``): a busy runner pays one round trip and one
-commit per batch. Failures and releases, which are rare, follow in their own fenced
+one round trip and one transaction (``job_complete_many`` then ``job_claim_after_many``,
+pipelined: :func:`outbox.db.jobs.complete_and_claim_after`): a busy runner pays one round
+trip and one commit per batch. Failures and releases, which are rare, follow in their own fenced
 statements; then the completer's follow-up on the jobs the round finished. A claim that
 found fewer due jobs than it asked for marks the table drained: until a wake-up (NOTIFY,
 router, reaper) or ``poll_interval`` passes, only rounds that write completions also claim.

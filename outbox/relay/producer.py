@@ -5,11 +5,11 @@ not returned: ``concurrency`` running and up to ``prefetch`` in the buffer.
 :meth:`Producer.room` says how many to claim now (at most ``claim_batch``, none while
 claims are paused after a claim that fails for every job).
 
-**Claim rounds.** :meth:`Producer.claim` runs ``job_complete_claim_many``: the round's
-completions (the completer's) and the claim in one statement, one round trip and one
-commit. Before it, idle worker slots are reserved for the first ``start_now`` jobs it
+**Claim rounds.** :meth:`Producer.claim` runs the round's completions (the completer's,
+``job_complete_many``) and then the claim (``job_claim_after_many``) in one transaction,
+one round trip and one commit (:func:`outbox.db.jobs.complete_and_claim_after`). Before it, idle worker slots are reserved for the first ``start_now`` jobs it
 claims; those go to the workers at once, and the rest join the buffer, listed in the
-relay's row of ``outbox_relays`` by the same statement (architecture notes, "Attempts and
+relay's row of ``outbox_relays`` by the claim (architecture notes, "Attempts and
 crashes"). A forwarder's jobs always join the buffer, listed: the starter unlists them
 just before the forwarder sends them, so an attempt is charged when its message is
 handed to the broker, not when it is claimed. A data error runs the completions and then the claim by halves
@@ -24,7 +24,7 @@ back short (there may be ready jobs before the hint).
 
 **The consumers** a claim takes are :meth:`Producer.claim_leases`: every consumer of the
 registry, with its lease. A consumer claimed by a path of its own (in a transaction of its
-own) is left out of that list and claimed next to the combined statement in
+own) is left out of that list and claimed next to the combined round in
 :meth:`Producer.claim`.
 
 **The starter** (:class:`Starter`) hands buffered jobs to workers as they come free, on a
@@ -267,13 +267,13 @@ class Producer:
             raise
         if self.metrics is not None:
             self.metrics.claim_round_trip(time.monotonic() - sent)
-        claimed = [job_from_claim_row(r, self.leases[r[2]]) for r in rows]
+        claimed = [job_from_claim_row(r, self.leases[r.consumer]) for r in rows]
         self._hand_over(claimed, start_now, sent)
         return len(claimed)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Job], want: int,
                          mark: BufferMark) -> tuple[set[int], set[int], list[Job]]:
-        """After a data error of the combined statement: the completions by halves, then
+        """After a data error of the combined round: the completions by halves, then
         the claim (with the buffer list) alone and, if that fails too, by halves of its
         candidates, each half writing the buffer list as it then stands. A job that fails
         alone is dead-lettered naming the error (or quarantined); the others go on.
