@@ -18,7 +18,7 @@ relay meets after a burst, until autovacuum's analyze runs) and after ``ANALYZE`
 both plans: the claim's cost must not grow with the number of ready jobs.
 
 Redrive: ``scale_rows`` dead jobs, ANALYZE (the statistics now say nothing is ready),
-then ``outbox.relay.maintenance.redrive`` of a tenth of them, and claims of 50 timed at once,
+then ``outbox.admin.redrive`` of a tenth of them, and claims of 50 timed at once,
 with no ANALYZE between (issue 8, item 5: the claim's plan must not depend on how the
 ready jobs got there).
 """
@@ -154,7 +154,7 @@ def backlog(dbs: Databases, size: Size) -> dict[str, Any]:
 def redriven(dbs: Databases, size: Size) -> dict[str, Any]:
     """Claim time right after a redrive of a tenth of ``scale_rows`` dead jobs into a table
     analysed while they were all dead."""
-    from outbox.relay.maintenance import redrive
+    from outbox.admin import redrive
 
     claim = sql_for_psycopg(queries.job_claim_many)
     out: dict[str, Any] = {"dead": size.scale_rows, "redriven": size.scale_rows // 10}

@@ -1,9 +1,16 @@
-"""The operator's API: what ``outbox-relay status``, ``relays``, ``cancel``, ``retry``,
-``replay``, ``purge`` and ``prune`` do, as plain functions returning plain dataclasses (the
-command line prints them, ``--json`` dumps them, ``outbox-relay dashboard`` renders them);
-besides, for the dashboard: ``redrive``, ``pause`` and ``resume``, a consumer's jobs in
-keyset pages (``jobs_page``: no OFFSET, nothing counted), an event with its job for every
-consumer (``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
+"""The operator's API, the one place every operator action and query lives: what
+``outbox-relay status``, ``relays``, ``jobs``, ``dead``, ``redrive``, ``blocked``, ``skip``,
+``cancel``, ``retry``, ``replay``, ``purge``, ``prune``, ``subscriptions``, ``unsubscribe``,
+``pause`` and ``resume`` do, as plain functions returning plain dataclasses (the command
+line parses its arguments and prints them, ``--json`` dumps them, ``outbox-relay dashboard``
+renders them); besides, for the dashboard: a consumer's jobs in keyset pages
+(``jobs_page``: no OFFSET, nothing counted), an event with its job for every consumer
+(``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
+
+It builds on the db layer only (the statements, their wrappers and the rules the relay
+shares: :mod:`outbox.db.retention`, :mod:`outbox.db.promotion`, :mod:`outbox.db.poison`)
+and imports no module of the relay, so the dashboard does not load the job runner
+(a test of the layout holds it).
 
 Each function takes an ``Engine`` (when it commits in batches, or must commit before a
 follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
@@ -52,12 +59,12 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from outbox.db import queries
+from outbox.db import queries, retention
 from outbox.db.jobs import notify_head
-from outbox.errors import AdminError
-from outbox.relay import maintenance, ordering
-from outbox.relay.dispatcher import RELAY_SEEN_INTERVAL
-from outbox.relay.poison import Quarantine
+from outbox.db.poison import Quarantine
+from outbox.db.promotion import promote
+from outbox.db.tables import RELAY_SEEN_INTERVAL
+from outbox.errors import AdminError, NotBlockingError
 
 #: Below this many rows in ``outbox_jobs`` (the planner's estimate), ``status`` counts done
 #: jobs per consumer exactly (a scan of a small table).
@@ -300,7 +307,7 @@ def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | Non
             break
     if keys:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            result.promoted.extend(ordering.promote(conn, keys, schema=schema))
+            result.promoted.extend(promote(conn, keys, schema=schema))
             if result.promoted:
                 notify_head(conn, schema=schema)
     left = sorted(set(target or ()) - set(result.cancelled) - set(result.requested))
@@ -485,20 +492,20 @@ class PruneResult:
 
 
 def prune_now(engine: Engine, *, done_older_than: float, events_older_than: float,
-              relays_older_than: float = maintenance.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
-    """Prune now, by the relay's pruner's rules (:func:`outbox.relay.maintenance.prune`, then
-    :func:`outbox.relay.maintenance.prune_relays`), in rounds of ``maintenance.PRUNE_BATCH`` rows
+              relays_older_than: float = retention.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
+    """Prune now, by the relay's pruner's rules (:func:`outbox.db.retention.prune`, then
+    :func:`outbox.db.retention.prune_relays`), in rounds of ``retention.PRUNE_BATCH`` rows
     each its own transaction, until a round finds nothing more to delete."""
     jobs = events = 0
     quarantine = Quarantine("row")
     while True:
         with engine.begin() as conn:
-            j, e = maintenance.prune(conn, done_older_than, events_older_than, quarantine=quarantine, schema=schema)
+            j, e = retention.prune(conn, done_older_than, events_older_than, quarantine=quarantine, schema=schema)
         jobs, events = jobs + j, events + e
-        if j < maintenance.PRUNE_BATCH and e < maintenance.PRUNE_BATCH:
+        if j < retention.PRUNE_BATCH and e < retention.PRUNE_BATCH:
             break
     with engine.begin() as conn:
-        gone = maintenance.prune_relays(conn, relays_older_than, schema=schema)
+        gone = retention.prune_relays(conn, relays_older_than, schema=schema)
     return PruneResult(jobs, events, gone)
 
 
@@ -506,29 +513,102 @@ def prune_now(engine: Engine, *, done_older_than: float, events_older_than: floa
 
 
 def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
-            schema: str | None = None) -> list[int]:
+            every: bool = False, schema: str | None = None) -> list[int]:
     """Put dead jobs back to ``ready`` with a fresh attempt budget (``outbox-relay redrive``):
     the ones in ``ids``, or every dead job of ``consumer`` (both: only those of the ``ids``
-    that are jobs of ``consumer``, in the same statement); relays are woken on commit.
-    Returns the ids redriven (sorted); jobs that are not dead are left alone. Raises
-    :class:`AdminError` for neither ``ids`` nor ``consumer``."""
-    target = _one_target(ids, consumer, "redrive")
-    changed = sorted(maintenance.redrive(conn, target, consumer, schema=schema))
+    that are jobs of ``consumer``, in the same statement), or with ``every`` and neither,
+    every dead job (``--all``); relays are woken on commit. Returns the ids redriven
+    (sorted); jobs that are not dead are left alone; ``last_error`` is kept until the next
+    failure. Raises :class:`AdminError` for neither ``ids`` nor ``consumer`` without
+    ``every``."""
+    target = None if every and not ids and consumer is None else _one_target(ids, consumer, "redrive")
+    changed = sorted(conn.execute(queries.in_schema(schema).job_redrive_many,
+                                  {"ids": target, "consumer": consumer}).scalars())
     if changed:
         notify_head(conn, schema=schema)
     return changed
 
 
 @dataclass(frozen=True, slots=True)
+class DeadJob:
+    """A dead job (``outbox-relay dead``): its event, consumer, attempts of ``max_attempts``,
+    ``snoozes`` (not counted), when it died and its last error (type, message, bounded
+    traceback)."""
+
+    id: int
+    event_id: int
+    consumer: str
+    attempts: int
+    max_attempts: int
+    snoozes: int
+    finished_at: datetime | None
+    last_error: str | None
+
+
+def dead_jobs(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+              schema: str | None = None) -> list[DeadJob]:
+    """Dead jobs, of ``consumer`` or of all, oldest first (by id), at most ``limit``; read
+    through ``ix_outbox_jobs_dead``."""
+    rows = conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit})
+    return [DeadJob(**r._asdict()) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockedKey:
+    """One blocked key: ``consumer``, ``key``, the dead job holding it (``job_id``), since when
+    (``since``, its ``finished_at``) and how many ``pending`` jobs wait behind it."""
+
+    consumer: str
+    key: str
+    job_id: int
+    since: datetime | None
+    pending: int
+
+
+def blocked_keys(conn: Connection, consumer: str | None = None, limit: int = 100, *,
+                 schema: str | None = None) -> list[BlockedKey]:
+    """The ordered keys blocked by a dead job (``on_dead='block'``; ``outbox-relay
+    blocked``), of ``consumer`` or of all, longest blocked first, at most ``limit``."""
+    rows = conn.execute(queries.in_schema(schema).job_ordering_blocked_list,
+                        {"consumer": consumer, "limit": limit}).all()
+    return [BlockedKey(r.consumer, r.key, r.job_id, r.since, r.pending) for r in rows]
+
+
+def skip_dead_job(engine: Engine, job_id: int, *, schema: str | None = None) -> list[int]:
+    """Let the key blocked by dead job ``job_id`` go on (``outbox-relay skip``): the job drops
+    its ordering key (it stays dead) and, once that committed, the key's next job is
+    promoted (architecture notes, "Ordering"). Returns the ids promoted (empty when nothing
+    waited). Raises :class:`~outbox.errors.NotBlockingError`, having written nothing, when
+    ``job_id`` is not a dead job holding an ordered key (no such job, another status, already
+    skipped or unordered)."""
+    statements = queries.in_schema(schema)
+    with engine.begin() as conn:
+        row = conn.execute(statements.job_ordering_skip, {"id": job_id}).one_or_none()
+        if row is None:
+            found = conn.execute(statements.job_ordering_get, {"id": job_id}).one_or_none()
+            if found is None:
+                raise NotBlockingError(f"job {job_id}: no such job")
+            if found.status != "dead":
+                raise NotBlockingError(f"job {job_id} ({found.consumer}) is {found.status}, not dead: only a dead "
+                                       "job blocks its key")
+            raise NotBlockingError(f"job {job_id} ({found.consumer}) is dead but holds no ordering key (unordered, "
+                                   "on_dead='skip', or already skipped): it blocks nothing")
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return promote(conn, [(row.consumer, row.ordering_key)], schema=schema)
+
+
+@dataclass(frozen=True, slots=True)
 class PauseResult:
     """``pause`` or ``resume`` of ``consumer``: ``paused_at`` (when it is paused now; None:
     it runs), ``was_paused_at`` (when it had been paused before; None: it was not) and
-    ``known`` (False: ``resume`` of a consumer nobody declared nor paused; nothing changed)."""
+    ``known`` (False: ``resume`` of a consumer nobody declared nor paused; nothing changed),
+    ``created`` (``pause`` of a consumer no relay declared yet: its row was made now)."""
 
     consumer: str
     paused_at: datetime | None
     was_paused_at: datetime | None
     known: bool = True
+    created: bool = False
 
 
 def pause(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
@@ -536,7 +616,7 @@ def pause(conn: Connection, consumer: str, *, schema: str | None = None) -> Paus
     control"): once this commits no claim takes its jobs; routing goes on, jobs already
     claimed finish. A consumer no relay declared yet gets its row, so it starts paused."""
     row = conn.execute(queries.in_schema(schema).consumer_pause, {"consumer": consumer}).one()
-    return PauseResult(consumer, row.paused_at, row.was_paused_at)
+    return PauseResult(consumer, row.paused_at, row.was_paused_at, created=row.created)
 
 
 def resume(conn: Connection, consumer: str, *, schema: str | None = None) -> PauseResult:
@@ -548,6 +628,82 @@ def resume(conn: Connection, consumer: str, *, schema: str | None = None) -> Pau
     if row.was_paused_at is not None:
         notify_head(conn, schema=schema)
     return PauseResult(consumer, None, row.was_paused_at)
+
+
+# ------------------------------------------- flow control, subscriptions, schedules
+
+
+@dataclass(frozen=True, slots=True)
+class FlowControl:
+    """A consumer's row of flow control: paused since (None: not paused), its cap on running
+    jobs across relays (``concurrency``; None: none), its rate limit in claims per second
+    (None: none) and its jobs running now."""
+
+    consumer: str
+    paused_at: datetime | None
+    concurrency: int | None
+    rate_limit: float | None
+    running: int
+
+
+def flow_controls(conn: Connection, *, schema: str | None = None) -> list[FlowControl]:
+    """Every consumer's flow control (the rows relays declare and ``pause`` writes), by
+    name, as ``outbox-relay status`` shows them."""
+    rows = conn.execute(queries.in_schema(schema).consumer_list)
+    return [FlowControl(r.consumer, r.paused_at, r.concurrency, r.rate_limit, r.running) for r in rows]
+
+
+@dataclass(frozen=True, slots=True)
+class Subscription:
+    """A (topic, consumer) pair routing uses, with the consumer's options as its relay
+    declared them: ``max_attempts``, ``lease_seconds``, ``priority``, ``transactional``."""
+
+    topic: str
+    consumer: str
+    max_attempts: int
+    lease_seconds: float
+    priority: int
+    transactional: bool
+
+
+def subscriptions(conn: Connection, *, schema: str | None = None) -> list[Subscription]:
+    """Every subscription (``outbox-relay subscriptions``), by topic then consumer."""
+    return [Subscription(**r._asdict()) for r in conn.execute(queries.in_schema(schema).subscription_list)]
+
+
+def unsubscribe(conn: Connection, consumer: str, *, schema: str | None = None) -> list[str]:
+    """Remove ``consumer``'s subscriptions (``outbox-relay unsubscribe``): new events stop
+    producing its jobs; its existing jobs stay (``purge`` deletes them). Returns the topics
+    it was subscribed to (empty: it had none). A relay still declaring it writes them again
+    when it starts."""
+    return list(conn.execute(queries.in_schema(schema).subscription_delete, {"consumer": consumer}).scalars())
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleState:
+    """A schedule's row: its ``name``, ``cron`` expression and ``timezone``, the ``topic`` it
+    publishes on, ``catch_up`` (missed slots published after a gap), the last slot published
+    (None: none yet) and the next one."""
+
+    name: str
+    cron: str
+    timezone: str
+    topic: str
+    catch_up: bool
+    last_slot: datetime | None
+    next_slot: datetime
+
+
+def schedules(conn: Connection, *, schema: str | None = None) -> list[ScheduleState]:
+    """Every schedule relays publish (``outbox-relay status``), by name."""
+    return [ScheduleState(**r._asdict()) for r in conn.execute(queries.in_schema(schema).schedule_list)]
+
+
+def database_now(conn: Connection, *, schema: str | None = None) -> datetime:
+    """The database clock (``now()``: the start of ``conn``'s transaction), against which
+    operator commands measure ages (``replay --since 2h``)."""
+    value: datetime = conn.execute(queries.in_schema(schema).database_now).scalar_one()
+    return value
 
 
 # ------------------------------------------------------------------ jobs and events
@@ -616,6 +772,88 @@ def jobs_page(conn: Connection, consumer: str, status: str, *, before: int | Non
                                     "limit": limit + 1}).all()
     jobs = [JobRow(**r._asdict()) for r in rows[:limit]]
     return JobPage(consumer, status, jobs, jobs[-1].id if len(rows) > limit else None)
+
+
+#: Most jobs on one page of :func:`list_jobs` (``outbox-relay jobs --limit``).
+LIST_LIMIT = 1000
+#: The largest job or event id (the id columns are bigint).
+MAX_ID = 2**63 - 1
+#: The oldest age :func:`list_jobs` takes, seconds (1,000 years: far older, the database's
+#: timestamps end).
+MAX_AGE = 1000 * 365 * 86400
+
+
+@dataclass(frozen=True, slots=True)
+class ListedJob(JobRow):
+    """A job of :func:`list_jobs`: its row (:class:`JobRow`) with its event's ``topic`` and
+    ``key`` (both None when the event is gone)."""
+
+    topic: str | None
+    key: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class JobList:
+    """One keyset page of :func:`list_jobs`, in ascending id order; ``next_after``: the
+    ``after`` of the next page (the last id shown), None when this page is the last."""
+
+    jobs: list[ListedJob]
+    next_after: int | None
+
+
+def _check_text(value: str | None, argument: str) -> None:
+    if value is not None and (not value or "\x00" in value):
+        raise AdminError(f"jobs: {argument} must be a non-empty text without NUL characters, got {value!r}")
+
+
+def _check_age(value: float | None, argument: str) -> None:
+    if value is not None and not 0 <= value <= MAX_AGE:
+        raise AdminError(f"jobs: {argument} must be a number of seconds from 0 to {MAX_AGE}, got {value!r}")
+
+
+def list_jobs(conn: Connection, *, consumer: str | None = None, statuses: Sequence[str] | None = None,
+              key: str | None = None, event_id: int | None = None, older_than: float | None = None,
+              newer_than: float | None = None, after: int | None = None, limit: int = 50,
+              schema: str | None = None) -> JobList:
+    """Jobs matching every filter given (``outbox-relay jobs``), in ascending id order, one
+    keyset page at a time: ``after`` (a job id; None: from the first job) starts the page
+    above that id, and :attr:`JobList.next_after` is the ``after`` of the next page. Jobs
+    created while an operator pages land on later pages; none is shown twice.
+
+    Filters (None: any): ``consumer`` (a name), ``statuses`` (any of
+    :data:`JOB_STATUSES`), ``key`` (the event's key), ``event_id``, and the job's age by when
+    routing created it (database clock): ``older_than`` seconds or more ago, ``newer_than``
+    seconds or less ago. ``limit``: jobs per page, 1 to :data:`LIST_LIMIT` (default 50).
+    Cost: the statement walks jobs in id order from ``after`` until it has ``limit``
+    matches (:data:`outbox.db.queries.job_list`): a filter that matches few of many jobs
+    reads more rows per page.
+
+    Raises :class:`AdminError` naming the argument, before any statement runs, for an
+    unknown or empty ``statuses``, an empty name or one holding a NUL character, an id out
+    of the bigint range, an age below 0 or above :data:`MAX_AGE` (or NaN), an empty age window (``newer_than``
+    not above ``older_than``), or ``limit`` out of range."""
+    if statuses is not None:
+        unknown = [s for s in statuses if s not in JOB_STATUSES]
+        if unknown or not statuses:
+            raise AdminError(f"jobs: status must be among {', '.join(JOB_STATUSES)}, got "
+                             f"{', '.join(map(repr, unknown)) or 'none'}")
+    _check_text(consumer, "consumer")
+    _check_text(key, "key")
+    for argument, value in (("event_id", event_id), ("after", after)):
+        if value is not None and not 1 <= value <= MAX_ID:
+            raise AdminError(f"jobs: {argument} must be an id between 1 and {MAX_ID}, got {value}")
+    _check_age(older_than, "older_than")
+    _check_age(newer_than, "newer_than")
+    if older_than is not None and newer_than is not None and newer_than <= older_than:
+        raise AdminError(f"jobs: no job is both older than {older_than:g} s and newer than {newer_than:g} s")
+    if not 1 <= limit <= LIST_LIMIT:
+        raise AdminError(f"jobs: limit must be between 1 and {LIST_LIMIT}, got {limit}")
+    rows = conn.execute(queries.in_schema(schema).job_list, {
+        "after": after or 0, "consumer": consumer, "statuses": None if statuses is None else list(statuses),
+        "key": key, "event_id": event_id, "older_than": older_than, "newer_than": newer_than,
+        "limit": limit + 1}).all()
+    jobs = [ListedJob(**r._asdict()) for r in rows[:limit]]
+    return JobList(jobs, jobs[-1].id if len(rows) > limit else None)
 
 
 @dataclass(frozen=True, slots=True)

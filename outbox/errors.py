@@ -116,7 +116,7 @@ class DrainLimitError(OutboxError):
 
 
 class NotBlockingError(OutboxError):
-    """``outbox-relay skip`` (:func:`outbox.relay.ordering.skip_dead_job`) was given a job that is
+    """``outbox-relay skip`` (:func:`outbox.admin.skip_dead_job`) was given a job that is
     not a dead job holding an ordered key (no such job, another status, already skipped or
     unordered); nothing was written."""
 

@@ -14,7 +14,8 @@ _EVENT_LOCK = threading.Lock()
 
 
 class Job:
-    """One claimed job.
+    """One claimed job, as its handler sees it (the relay's bookkeeping of the claim is its
+    own: :class:`outbox.relay.claim.Claim`).
 
     ``id`` is the job row, ``event_id``/``topic``/``key``/``payload``/``headers`` come from
     the event, ``consumer`` is the subscriber's name. ``attempt`` counts from 1 and reaches
@@ -32,9 +33,8 @@ class Job:
     """
 
     __slots__ = ("id", "event_id", "consumer", "topic", "key", "_payload", "_headers", "attempt", "max_attempts",
-                 "fence", "lease_seconds", "event_created_at", "_lost", "_lost_event", "_lease_bound",
-                 "_claim_order", "_payload_json", "_headers_json", "_payload_undecoded", "_headers_undecoded",
-                 "_lease_until", "_claim_sent", "_started", "_ran", "_cancel_requested")
+                 "fence", "lease_seconds", "event_created_at", "_lost", "_lost_event", "_payload_json",
+                 "_headers_json", "_payload_undecoded", "_headers_undecoded", "_cancel_requested")
 
     def __init__(self, id: int, event_id: int, consumer: str, topic: str, key: str | None, payload: Any,
                  headers: dict[str, Any], attempt: int, max_attempts: int, fence: int, lease_seconds: float,
@@ -55,15 +55,6 @@ class Job:
         # Made on first use by wait_lease_lost: most jobs never wait, and a threading.Event
         # per claimed job was a measurable share of the relay's time (performance notes).
         self._lost_event: threading.Event | None = None
-        # time.monotonic() by which the lease has surely expired, if no heartbeat renewed
-        # it: the relay's own conservative bound, used only to not start a buffered job
-        # whose lease ran out while the process was paused; never to write anything.
-        self._lease_bound = float("inf")
-        # (priority, run_at, id): where the claim found the job in the queue. The relay's
-        # buffer keeps this order, so a job claimed late that sorts early (released by a
-        # relay that stopped, reaped) starts before the buffered backlog, as it would have
-        # in the table.
-        self._claim_order: tuple[Any, ...] = ()
         # The payload's and the headers' JSON text as PostgreSQL stores them, when the job
         # was claimed from them (None: built from Python values); the flags say whether
         # _payload and _headers still wait to be decoded from them (flags rather than a
@@ -72,13 +63,6 @@ class Job:
         self._headers_json: str | None = None
         self._payload_undecoded = False
         self._headers_undecoded = False
-        # Timings for the relay's metrics (outbox.telemetry.metrics): the claim's lease_until
-        # (database clock) and time.monotonic() when the claim was sent; when the handler
-        # started (0: not started, or already accounted for) and how long it ran, seconds.
-        self._lease_until: datetime | None = None
-        self._claim_sent = 0.0
-        self._started = 0.0
-        self._ran = 0.0
         # Set by the heartbeat when an operator asked to cancel this job (``outbox-relay cancel``).
         self._cancel_requested = False
 
@@ -104,8 +88,8 @@ class Job:
     def replace(self, **changes: Any) -> Job:
         """A copy of this job with the constructor arguments ``changes`` names set (what
         ``dataclasses.replace`` was used for when ``Job`` was a dataclass). The copy keeps the
-        claim's bookkeeping (the stored JSON texts, the claim order, the lease's timings);
-        its lease-lost and cancel-requested marks start clear. Raises ``TypeError`` for a name
+        stored JSON texts it was claimed from; its lease-lost and cancel-requested marks start
+        clear. Raises ``TypeError`` for a name
         that is not one of :attr:`FIELDS`."""
         unknown = sorted(set(changes) - set(self.FIELDS))
         if unknown:

@@ -25,7 +25,7 @@ Both tables here are queues, for which those proportional defaults fit badly:
   whose statistics say it holds none (never analysed, or analysed while quiet) makes the
   claim sort every ready job instead of reading ``ix_outbox_jobs_ready`` in order (7.1 ms
   instead of 0.9 ms per claim with 18,000 ready). The relay analyses the table itself
-  after routing many jobs (:class:`outbox.relay.router.StatisticsKeeper`); this is the safety
+  after routing many jobs (:class:`outbox.relay.statistics.StatisticsKeeper`); this is the safety
   net for jobs routed otherwise and for drift: analyse after 1,000 changed rows plus 2 %
   of the table. ANALYZE reads a bounded sample (30,000 rows at the default statistics
   target), so frequent analyses stay cheap.

@@ -5,9 +5,9 @@ the rows it touched.
 * **Claims**: :func:`claim_jobs`, :func:`complete_and_claim_after` (the runner's round: the
   completions it carries, then the claim after a key of the claim order, two statements in
   one transaction and one round trip, the relay's buffered claims listed by the claim,
-  :class:`BufferMark`),
-  :func:`claim_candidates`; the row -> job builders :func:`job_from_row` and
-  :func:`job_from_claim_row`.
+  :class:`BufferMark`; :func:`complete_and_claim_rows` for the rows themselves),
+  :func:`claim_candidates`; the row -> job builder :func:`job_from_row` and the claim-order
+  key of a claimed row, :func:`claim_order`.
 * **Outcomes of claimed jobs**: :func:`heartbeat_jobs`, :func:`complete_jobs`,
   :func:`fail_jobs`, :func:`snooze_jobs`, :func:`release_jobs`, :func:`bury_job`. Every write
   that changes a claimed job names its fence and requires ``status='running'``; a row that
@@ -36,7 +36,7 @@ one statement would. Where pipeline mode is missing (libpq before 14,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import psycopg
 from psycopg.rows import namedtuple_row
@@ -113,24 +113,14 @@ def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> i
 def job_from_row(row: Any, lease_seconds: float) -> Job:
     """A :class:`Job` from a row of ``job_claim_many`` (read by column name; payload and
     headers come as their stored JSON texts, which the job decodes on first use)."""
-    job = Job.from_json(row.id, row.event_id, row.consumer, row.topic, row.key, row.payload, row.headers,
-                        row.attempts, row.max_attempts, row.fence, lease_seconds, row.event_created_at)
-    job._lease_until = row.lease_until
-    return job
+    return Job.from_json(row.id, row.event_id, row.consumer, row.topic, row.key, row.payload, row.headers,
+                         row.attempts, row.max_attempts, row.fence, lease_seconds, row.event_created_at)
 
 
 def claim_order(row: Any) -> tuple[int, Any, int]:
     """The claim-order key ``(priority, run_at, id)`` of a claimed row that returned
     ``priority`` and ``run_at`` (``job_claim_after_many``, ``job_claim_limited_many``)."""
     return (row.priority, row.run_at, row.id)
-
-
-def job_from_claim_row(row: Any, lease_seconds: float) -> Job:
-    """:func:`job_from_row` for a claim that also returned ``priority`` and ``run_at``: the
-    job remembers its place in the queue (:func:`claim_order`), which the relay's buffer keeps."""
-    job = job_from_row(row, lease_seconds)
-    job._claim_order = claim_order(row)
-    return job
 
 
 def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
@@ -177,9 +167,26 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
     forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim
     leaves out the job ids in ``skip`` and, when ``only`` is given, takes only jobs among
-    those ids (:mod:`outbox.relay.poison`). With no job in ``done`` only the claim runs, with
-    ``limit`` 0 only the completion (a claim of none would change nothing). A database error
-    of either propagates; in autocommit neither is then kept."""
+    those ids (:mod:`outbox.db.poison`)."""
+    completed, claimed, last = complete_and_claim_rows(conn, done, leases, limit, worker_id, after, buffer=buffer,
+                                                       skip=skip, only=only, keep_done=keep_done, schema=schema)
+    return completed, [job_from_row(r, leases[r.consumer]) for r in claimed], last
+
+
+def complete_and_claim_rows(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
+                            worker_id: str, after: tuple[int, Any, int] | None, *,
+                            buffer: BufferMark | None = None, skip: list[int] | None = None,
+                            only: list[int] | None = None, keep_done: bool = True, schema: str | None = None,
+                            ) -> tuple[set[int], list[Any], tuple[int, Any, int] | None]:
+    """:func:`complete_and_claim_after` that returns the claimed jobs' rows (in claim order,
+    read by column name), for a caller that keeps what the claim returned beside the job:
+    ``lease_until``, ``priority`` and ``run_at`` (with the id, the claim-order key,
+    :func:`claim_order`).
+
+    ``buffer``, when given, is written to the relay's row by the claim (see
+    :class:`BufferMark`). With no job in ``done`` only the claim runs, with ``limit`` 0 only
+    the completion (a claim of none would change nothing). A database error of either
+    propagates; in autocommit neither is then kept."""
     statements = queries.in_schema(schema)
     steps: list[Step] = []
     if done:
@@ -200,7 +207,14 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     completed = {r.id for r in results[0]} if done else set()
     claimed = sorted(results[-1], key=claim_order) if limit > 0 else []
     last = claim_order(claimed[-1]) if claimed else None
-    return completed, [job_from_claim_row(r, leases[r.consumer]) for r in claimed], last
+    return completed, claimed, last
+
+
+class _HasConsumer(Protocol):
+    consumer: str
+
+
+_Claimed = TypeVar("_Claimed", bound=_HasConsumer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +230,7 @@ class BufferMark:
     start_now: int
     forwarding: frozenset[str] = frozenset()
 
-    def starts_now(self, claimed: list[Job]) -> list[Job]:
+    def starts_now(self, claimed: list[_Claimed]) -> list[_Claimed]:
         """Of ``claimed`` (in claim order), the jobs this mark did not list: the first
         ``start_now`` that are not a forwarder's."""
         return [job for job in claimed if job.consumer not in self.forwarding][:self.start_now]

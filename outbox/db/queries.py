@@ -140,7 +140,7 @@ in topic order, NULL when none), events held back
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
-poison handling (:mod:`outbox.relay.poison`) routes by halves of ``event_route_candidates``.
+poison handling (:mod:`outbox.db.poison`) routes by halves of ``event_route_candidates``.
 
 Ordering (architecture notes, "Ordering"; :mod:`outbox.relay.ordering`): a keyed event of a topic
 with an ordered subscription is routed only when no earlier event of its key is unrouted
@@ -565,7 +565,7 @@ job_claim_after_many: TextClause = text(
 ``id``, the claim-order key) starting after the key ``(:after_priority, :after_run_at,
 :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start at the head), leaving out the ids in
 ``:skip`` (quarantined poison rows, usually none) and, unless ``:only`` is NULL, taking only
-jobs whose id it lists (the poison handling's bisection; :mod:`outbox.relay.poison`). A
+jobs whose id it lists (the poison handling's bisection; :mod:`outbox.db.poison`). A
 runner that remembers the last key it claimed skips the index entries of the jobs claimed
 before, which a long-held snapshot elsewhere keeps from being removed (performance notes).
 
@@ -856,7 +856,7 @@ job_claim_candidates: TextClause = text(
     """
 )
 """Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
-what a claim would take, for finding the job that makes it fail (:mod:`outbox.relay.poison`).
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.db.poison`).
 Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
@@ -869,7 +869,7 @@ job_bury: TextClause = text(
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
-poison row (:mod:`outbox.relay.poison`); ``:error`` names the statement and the database error.
+poison row (:mod:`outbox.db.poison`); ``:error`` names the statement and the database error.
 Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
 ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
@@ -1894,6 +1894,40 @@ relay_list: TextClause = text(
 """The relay registry: every row of ``outbox_relays`` with how long since it was last seen
 (seconds, database clock), its buffered claims and the jobs running under it."""
 
+# ------------------------------------------------------------------------ job listing
+# ``outbox-relay jobs`` (:func:`outbox.admin.list_jobs`): jobs by any of consumer, status,
+# event key, event id and age, in keyset pages of ascending id.
+
+job_list: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested, e.topic, e.key
+    FROM outbox_jobs j
+    LEFT JOIN outbox_events e ON e.id = j.event_id
+    WHERE j.id > :after
+      AND (CAST(:consumer AS text) IS NULL OR j.consumer = :consumer)
+      AND (CAST(:statuses AS text[]) IS NULL OR j.status = ANY (CAST(:statuses AS text[])))
+      AND (CAST(:key AS text) IS NULL OR e.key = :key)
+      AND (CAST(:event_id AS bigint) IS NULL OR j.event_id = :event_id)
+      AND (CAST(:older_than AS double precision) IS NULL
+           OR j.created_at < now() - make_interval(secs => :older_than))
+      AND (CAST(:newer_than AS double precision) IS NULL
+           OR j.created_at >= now() - make_interval(secs => :newer_than))
+    ORDER BY j.id
+    LIMIT :limit
+    """
+)
+"""Up to ``:limit`` jobs with ids above ``:after``, in id order, with their event's topic and
+key (NULL when the event is gone), narrowed by each filter that is not NULL: ``:consumer``,
+``:statuses`` (any of them), the event's ``:key``, ``:event_id``, and the job's age by its
+``created_at`` (when routing made it; database clock): more than ``:older_than`` seconds, at
+most ``:newer_than`` seconds. A keyset page: the next one starts above the last id shown, so
+jobs created meanwhile land on later pages and none repeats (no OFFSET, nothing counted).
+Cost: a walk of the primary key from ``:after`` that stops at ``:limit`` matches (by event:
+``uq_outbox_jobs_event_id_consumer``); a filter that matches few of many jobs (a rare
+key: events have no index on their key) reads more rows for a page."""
+
 # ------------------------------------------------------------------------- dashboard
 
 
@@ -2193,6 +2227,9 @@ class Statements:
     job_purge_many: TextClause
     job_running_count_of: TextClause
     relay_list: TextClause
+
+    # job listing
+    job_list: TextClause
 
     # dashboard
     job_page_ready: TextClause

@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
             "pause", "resume", "psql", "grants")
 #: The operator's commands (:mod:`outbox.admin`).
-COMMANDS += ("relays", "cancel", "retry", "replay", "purge", "prune")
+ADMIN_COMMANDS = ("relays", "jobs", "cancel", "retry", "replay", "purge", "prune")
+COMMANDS += ADMIN_COMMANDS
 #: The web dashboard (extra ``[dashboard]``; :mod:`outbox.ops.dashboard`).
 COMMANDS += ("dashboard",)
 #: Exit status of a command that matched nothing (bad input and errors exit 2).
@@ -215,12 +216,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_admin_commands(add: Any) -> None:
     """The operator's commands (:mod:`outbox.admin`)."""
+    from outbox.admin import JOB_STATUSES, LIST_LIMIT
+
     relays = add("relays", "The relay registry: each relay running handlers, its host, pid, version, consumers, "
                            "concurrency, started and last seen; one silent for --gone-after seconds is shown gone "
                            "(the pruner forgets it later).")
     relays.add_argument("--gone-after", type=float, default=None, help="seconds without a sign of life after which a "
                                                                        "relay is shown gone (default 90)")
     relays.add_argument("--json", action="store_true", help="one JSON array")
+    jobs = add("jobs", "List jobs by consumer, status, event key, event id and age, in ascending id order, one "
+                       "page at a time: the last line names the --after of the next page. Nothing matched: status 1.")
+    jobs.add_argument("--consumer", help="only this consumer's jobs")
+    jobs.add_argument("--status", action="append", choices=JOB_STATUSES,
+                      help="only jobs in this status (repeatable: any of them)")
+    jobs.add_argument("--key", help="only jobs of events with this key")
+    jobs.add_argument("--event", type=_row_id, metavar="ID", help="only the jobs of this event")
+    jobs.add_argument("--older-than", metavar="AGE", help="only jobs created at least AGE ago: seconds, or a number "
+                                                          "with s, m, h or d (10m, 2h; database clock)")
+    jobs.add_argument("--newer-than", metavar="AGE", help="only jobs created at most AGE ago (as --older-than)")
+    jobs.add_argument("--after", type=_row_id, metavar="ID", help="the page after job ID (the cursor the previous "
+                                                                  "page printed)")
+    jobs.add_argument("--limit", type=_whole_number_to(LIST_LIMIT), default=50,
+                      help=f"jobs per page, 1 to {LIST_LIMIT} (default 50)")
+    jobs.add_argument("--json", action="store_true", help="one JSON object: jobs, next_after")
     cancel = add("cancel", "Cancel jobs: ready and pending ones become cancelled (kept, then pruned, like done "
                            "ones); a running one is asked to stop (job.cancel_requested) and its attempt's outcome "
                            "records cancelled.")
@@ -271,6 +289,20 @@ def _port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be between 1 and 65535, got {value}")
     return value
+
+
+def _whole_number_to(high: int) -> Any:
+    """An argparse type: a whole number from 1 to ``high``."""
+    def whole_number(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not 1 <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be between 1 and {high}, got {text[:40]}")
+        return value
+
+    return whole_number
 
 
 def _positive_int(text: str) -> int:
@@ -440,6 +472,8 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return serve(settings, host=args.host, port=args.port, read_only=args.read_only)
     if args.command in ("pause", "resume"):
         _check_consumer_name(args.command, args.consumer)  # before anything connects
+    if args.command == "jobs":
+        _check_jobs_args(args)
     engine = _engine(settings, demo_fallback=args.command != "migrate")
     schema = settings.schema_name
     with translate_errors(engine.url, schema):
@@ -534,30 +568,25 @@ def _psql_service_file(secrets: dict[str, str], target: URL, env: dict[str, str]
 
 
 def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxSettings) -> int:
-    from outbox.db import queries
+    """The inspecting commands: each a call of :mod:`outbox.admin`, printed."""
+    from outbox import admin
     from outbox.db.migrate import check_schema
-    from outbox.relay.maintenance import dead_letters, redrive
 
-    statements = queries.in_schema(schema)
-    if args.command in ("relays", "cancel", "retry", "replay", "purge", "prune"):
+    if args.command in ADMIN_COMMANDS:
         with engine.begin() as conn:
             check_schema(conn, schema)
         return _admin(args, engine, schema, settings)
     if args.command == "skip":
-        from outbox.relay.ordering import skip_dead_job
-
         with engine.begin() as conn:
             check_schema(conn, schema)
-        promoted = skip_dead_job(engine, args.job_id, schema=schema)
+        promoted = admin.skip_dead_job(engine, args.job_id, schema=schema)
         print(f"job {args.job_id} no longer blocks its key; "
               + (f"job {promoted[0]} is ready" if promoted else "no job was waiting behind it"))
         return 0
     with engine.begin() as conn:
         check_schema(conn, schema)
         if args.command == "blocked":
-            from outbox.relay.ordering import blocked_keys
-
-            keys = blocked_keys(conn, args.consumer, args.limit, schema=schema)
+            keys = admin.blocked_keys(conn, args.consumer, args.limit, schema=schema)
             if not keys:
                 print("no blocked keys" + (f" for consumer {args.consumer}" if args.consumer else ""))
             else:
@@ -566,37 +595,35 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
                 since = k.since.astimezone(UTC).isoformat() if k.since else "-"
                 print(f"{k.consumer:<32} {k.key:<32} {k.job_id:>10} {k.pending:>8}  {since}")
         elif args.command == "status":
-            from outbox.admin import as_dict, status
-
-            state = status(conn, exact=args.exact, schema=schema)
+            state = admin.status(conn, exact=args.exact, schema=schema)
             if args.json:
-                print(json.dumps(as_dict(state)))
+                print(json.dumps(admin.as_dict(state)))
                 return 0
             _print_status(state)
-            _print_flow(conn.execute(statements.consumer_list).all())
-            schedules = conn.execute(statements.schedule_list).all()
+            _print_flow(admin.flow_controls(conn, schema=schema))
+            schedules = admin.schedules(conn, schema=schema)
             if schedules:
                 print(f"{'schedule':<32} {'cron':<18} {'timezone':<16} {'last slot published':<26} next slot")
-            for r in schedules:
-                last = r.last_slot.astimezone(UTC).isoformat() if r.last_slot else "-"
-                print(f"{r.name:<32} {r.cron:<18} {r.timezone:<16} {last:<26} "
-                      f"{r.next_slot.astimezone(UTC).isoformat()}"
-                      f"{'  (catch_up)' if r.catch_up else ''}")
+            for schedule in schedules:
+                last = schedule.last_slot.astimezone(UTC).isoformat() if schedule.last_slot else "-"
+                print(f"{schedule.name:<32} {schedule.cron:<18} {schedule.timezone:<16} {last:<26} "
+                      f"{schedule.next_slot.astimezone(UTC).isoformat()}"
+                      f"{'  (catch_up)' if schedule.catch_up else ''}")
         elif args.command == "dead":
-            rows = dead_letters(conn, args.consumer, args.limit, schema=schema)
-            if not rows and not args.json:
+            dead = admin.dead_jobs(conn, args.consumer, args.limit, schema=schema)
+            if not dead and not args.json:
                 print("no dead jobs" + (f" for consumer {args.consumer}" if args.consumer else ""))
-            for r in rows:
+            for job in dead:
                 if args.json:
-                    print(json.dumps({**r._asdict(), "finished_at": str(r.finished_at)}))
+                    print(json.dumps({**admin.as_dict(job), "finished_at": str(job.finished_at)}))
                 else:
-                    first = (r.last_error or "").splitlines()[0] if r.last_error else ""
-                    print(f"job {r.id} event {r.event_id} {r.consumer} attempts {r.attempts}/{r.max_attempts}"
-                          f"{f' snoozes {r.snoozes}' if r.snoozes else ''}: {first}")
+                    first = (job.last_error or "").splitlines()[0] if job.last_error else ""
+                    print(f"job {job.id} event {job.event_id} {job.consumer} attempts {job.attempts}/"
+                          f"{job.max_attempts}{f' snoozes {job.snoozes}' if job.snoozes else ''}: {first}")
         elif args.command == "redrive":
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")
-            ids = redrive(conn, args.ids or None, args.consumer, schema=schema)
+            ids = admin.redrive(conn, args.ids or None, args.consumer, every=args.all, schema=schema)
             if not ids:
                 return _nothing("no job redriven: " + (f"none of {args.ids[:20]} is a dead job" if args.ids else
                                                        "no dead job" + (f" of consumer {args.consumer}"
@@ -606,19 +633,19 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
             if missing:
                 print(f"not redriven (no such job, or not dead): {missing[:20]}")
         elif args.command == "subscriptions":
-            rows = conn.execute(statements.subscription_list).all()
-            if not rows:
+            subscriptions = admin.subscriptions(conn, schema=schema)
+            if not subscriptions:
                 print("no subscriptions (a relay writes its registry's when it starts)")
-            for r in rows:
-                print(f"{r.topic:<32} {r.consumer:<32} max_attempts={r.max_attempts} lease={r.lease_seconds:g}s"
-                      f" priority={r.priority}{' transactional' if r.transactional else ''}")
+            for sub in subscriptions:
+                print(f"{sub.topic:<32} {sub.consumer:<32} max_attempts={sub.max_attempts} "
+                      f"lease={sub.lease_seconds:g}s priority={sub.priority}{' transactional' if sub.transactional else ''}")
         elif args.command == "unsubscribe":
-            topics = list(conn.execute(statements.subscription_delete, {"consumer": args.consumer}).scalars())
+            topics = admin.unsubscribe(conn, args.consumer, schema=schema)
             if not topics:
                 raise UsageError(f"no subscription for consumer {args.consumer!r}")
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")
         elif args.command in ("pause", "resume"):
-            _pause_or_resume(conn, statements, args.command, args.consumer)
+            _pause_or_resume(conn, schema, args.command, args.consumer)
     return 0
 
 
@@ -626,7 +653,6 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
     """``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`):
     text or ``--json`` on stdout; nothing matched: one line on stderr, status 1."""
     from outbox import admin
-    from outbox.db import queries
 
     def out(result: Any, text: str) -> None:
         if args.json:
@@ -652,6 +678,8 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
                          f"{seen:<10} {','.join(r.consumers) if r.consumers is not None else '?'}")
         out(rows, "\n".join(lines))
         return 0
+    if command == "jobs":
+        return _jobs(args, engine, schema)
     if command == "cancel":
         result = admin.cancel(engine, args.ids or None, args.consumer, statuses=args.status or admin.CANCELLABLE,
                               schema=schema)
@@ -687,7 +715,7 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
         return 0
     if command == "replay":
         with engine.begin() as conn:
-            now = conn.execute(queries.in_schema(schema).database_now).scalar_one()
+            now = admin.database_now(conn, schema=schema)
         since = _time_arg("--since", args.since, now) if args.since else None
         until = _time_arg("--until", args.until, now) if args.until else None
         replayed = admin.replay(engine, args.consumer, since=since, from_event=args.from_event, until=until,
@@ -715,13 +743,70 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
     return 0
 
 
+def _jobs(args: argparse.Namespace, engine: Any, schema: str) -> int:
+    """``jobs``: one page of :func:`outbox.admin.list_jobs`, as a table and the next page's
+    cursor, or one JSON object; nothing matched: one line on stderr, status 1."""
+    from outbox import admin
+
+    with engine.begin() as conn:
+        page = admin.list_jobs(conn, consumer=args.consumer, statuses=args.status, key=args.key,
+                               event_id=args.event, older_than=args.older_than_seconds,
+                               newer_than=args.newer_than_seconds, after=args.after, limit=args.limit, schema=schema)
+    if not page.jobs:
+        return _nothing("no job matches" + (f" after job {args.after}" if args.after else ""))
+    if args.json:
+        print(json.dumps(admin.as_dict(page)))
+        return 0
+    print(f"{'job':>10} {'event':>10} {'consumer':<24} {'status':<9} {'attempts':>8}  {'created':<25} "
+          f"{'key':<24} last error")
+    for j in page.jobs:
+        error = (j.last_error or "").splitlines()[0][:80] if j.last_error else ""
+        print(f"{j.id:>10} {j.event_id:>10} {j.consumer:<24} {j.status:<9} {f'{j.attempts}/{j.max_attempts}':>8}  "
+              f"{j.created_at.astimezone(UTC).isoformat(timespec='seconds'):<25} {j.key or '-':<24} {error}")
+    if page.next_after is not None:
+        print(f"next page: --after {page.next_after}")
+    return 0
+
+
+def _check_jobs_args(args: argparse.Namespace) -> None:
+    """Refuse ``jobs``' bad filters before anything connects, naming the flag; the ages go to
+    ``older_than_seconds`` and ``newer_than_seconds`` (None: not given)."""
+    if args.consumer is not None:
+        _check_consumer_name("jobs", args.consumer)
+    if args.key is not None and (not args.key or "\x00" in args.key):
+        raise UsageError(f"--key: must be a non-empty text without NUL characters, got {args.key[:40]!r}")
+    args.older_than_seconds = _age_arg("--older-than", args.older_than) if args.older_than is not None else None
+    args.newer_than_seconds = _age_arg("--newer-than", args.newer_than) if args.newer_than is not None else None
+    if None not in (args.older_than_seconds, args.newer_than_seconds) and \
+            args.newer_than_seconds <= args.older_than_seconds:
+        raise UsageError(f"--newer-than {args.newer_than} is not above --older-than {args.older_than}: "
+                         "no job is in that window")
+
+
+#: Seconds per unit of an age (``90s``, ``30m``, ``2h``, ``7d``).
+_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age_arg(flag: str, text: str) -> float:
+    """``flag``'s AGE in seconds: a number of seconds, or a number with s, m, h or d (``10m``);
+    at most :data:`outbox.admin.MAX_AGE`. Raises :class:`UsageError` naming ``flag``."""
+    from outbox.admin import MAX_AGE
+
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in _AGE_UNITS else (text, "s")
+    if not number.replace(".", "", 1).isdigit():
+        raise UsageError(f"{flag}: not an age: {text[:40]!r} (seconds, or a number with s, m, h or d: 10m, 2h)")
+    seconds = float(number) * _AGE_UNITS[unit]
+    if not seconds <= MAX_AGE:
+        raise UsageError(f"{flag}: {text[:40]!r} is more than {MAX_AGE // (365 * 86400)} years")
+    return seconds
+
+
 def _time_arg(flag: str, text: str, now: datetime) -> datetime:
     """``flag``'s TIME: ISO 8601 with a UTC offset, or an age (``90s``, ``30m``, ``2h``, ``7d``)
     before ``now`` (the database clock)."""
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-    if text and text[-1] in units and text[:-1].replace(".", "", 1).isdigit():
+    if text and text[-1] in _AGE_UNITS and text[:-1].replace(".", "", 1).isdigit():
         try:
-            return now - timedelta(seconds=float(text[:-1]) * units[text[-1]])
+            return now - timedelta(seconds=float(text[:-1]) * _AGE_UNITS[text[-1]])
         except OverflowError:  # beyond timedelta's or datetime's range (about 2.7 million years)
             raise UsageError(f"{flag}: {text!r} reaches before the year 1") from None
     try:
@@ -747,28 +832,29 @@ def _check_consumer_name(command: str, consumer: str) -> None:
         raise UsageError(f"{command}: {exc}") from None
 
 
-def _pause_or_resume(conn: Any, statements: Any, command: str, consumer: str) -> None:
-    """Pause or resume ``consumer`` (architecture notes, "Flow control") and say what changed."""
+def _pause_or_resume(conn: Any, schema: str, command: str, consumer: str) -> None:
+    """Pause or resume ``consumer`` (:func:`outbox.admin.pause`, :func:`outbox.admin.resume`)
+    and say what changed."""
+    from outbox import admin
+
     if command == "pause":
-        row = conn.execute(statements.consumer_pause, {"consumer": consumer}).one()
-        since = row.paused_at.astimezone(UTC).isoformat()
-        if row.was_paused_at is not None:
+        paused = admin.pause(conn, consumer, schema=schema)
+        assert paused.paused_at is not None  # a pause always leaves the consumer paused
+        since = paused.paused_at.astimezone(UTC).isoformat()
+        if paused.was_paused_at is not None:
             print(f"consumer {consumer} was already paused (since {since}); nothing changed")
         else:
-            new = " (no relay has declared it yet)" if row.created else ""
+            new = " (no relay has declared it yet)" if paused.created else ""
             print(f"paused consumer {consumer}{new} at {since}: no relay claims its jobs until `outbox-relay resume "
                   f"{consumer}`; routing goes on, jobs already claimed finish")
         return
-    from outbox.db.tables import JOBS_CHANNEL, notify_channel
-
-    row = conn.execute(statements.consumer_resume, {"consumer": consumer}).one_or_none()
-    if row is None:
+    resumed = admin.resume(conn, consumer, schema=schema)
+    if not resumed.known:
         print(f"consumer {consumer} is unknown (never declared nor paused); nothing changed")
-    elif row.was_paused_at is None:
+    elif resumed.was_paused_at is None:
         print(f"consumer {consumer} was not paused; nothing changed")
     else:
-        conn.execute(statements.jobs_notify_head, {"channel": notify_channel(JOBS_CHANNEL, statements.schema)})
-        print(f"resumed consumer {consumer} (paused since {row.was_paused_at.astimezone(UTC).isoformat()}): "
+        print(f"resumed consumer {consumer} (paused since {resumed.was_paused_at.astimezone(UTC).isoformat()}): "
               "relays claim its jobs again")
 
 

@@ -44,7 +44,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from outbox.job import Job
+from outbox.relay.claim import Claim
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +74,8 @@ class HeldClaims:
         self.forward_issued = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
-        self.inflight: dict[int, Job] = {}
-        self.buffer: collections.deque[Job] = collections.deque()
+        self.inflight: dict[int, Claim] = {}
+        self.buffer: collections.deque[Claim] = collections.deque()
         self.buffered: set[int] = set()
         self.issued = 0
         self.expected = 0
@@ -83,6 +83,11 @@ class HeldClaims:
         self.finishing: set[int] = set()
         self.released: set[int] = set()
         self.reported: set[int] = set()
+
+    def get(self, fence: int) -> Claim | None:
+        """The claim held with ``fence`` (None: not held, or no longer)."""
+        with self.lock:
+            return self.inflight.get(fence)
 
     def count(self) -> int:
         """Claims held: buffered, running, or waiting for their outcome to be written."""
@@ -125,9 +130,9 @@ class HeldClaims:
         with self.lock:
             return self.concurrency - self.issued + self.window - self.forward_issued > len(self.buffer)
 
-    def is_forwarded(self, job: Job) -> bool:
-        """Whether ``job`` belongs to a forwarder (its sink sends it; no worker runs it)."""
-        return job.consumer in self.forwarding
+    def is_forwarded(self, claim: Claim) -> bool:
+        """Whether ``claim`` belongs to a forwarder (its sink sends it; no worker runs it)."""
+        return claim.consumer in self.forwarding
 
     def can_start(self) -> bool:
         """(Caller holds the lock.) Whether a buffered job could start now: one for a
@@ -139,7 +144,7 @@ class HeldClaims:
         if not self.forwarding:
             return workers
         window = self.forward_room() > 0
-        return any(window if job.consumer in self.forwarding else workers for job in self.buffer)
+        return any(window if claim.consumer in self.forwarding else workers for claim in self.buffer)
 
     def forward_room(self) -> int:
         """(Caller holds the lock.) How many buffered jobs may go to the forwarder now: the
@@ -158,21 +163,21 @@ class HeldClaims:
         with self.lock:
             return list(self.buffered)
 
-    def take_buffer(self) -> list[Job]:
+    def take_buffer(self) -> list[Claim]:
         """Everything still buffered, off the buffer (to be released)."""
         with self.lock:
-            jobs = list(self.buffer)
+            claims = list(self.buffer)
             self.buffer.clear()
-            for job in jobs:
-                self.buffered.discard(job.fence)
-        return jobs
+            for claim in claims:
+                self.buffered.discard(claim.fence)
+        return claims
 
     def abandon_buffer(self) -> int:
         """Forget the buffered claims (closing without a database); returns how many."""
         with self.lock:
             n = len(self.buffer)
-            for job in self.buffer:
-                self.inflight.pop(job.fence, None)
+            for claim in self.buffer:
+                self.inflight.pop(claim.fence, None)
             self.buffered.clear()
             self.buffer.clear()
         return n
@@ -193,87 +198,87 @@ class HeldClaims:
                 if self.buffer:
                     self.changed.notify()
 
-    def issue(self, jobs: list[Job]) -> None:
+    def issue(self, claims: list[Claim]) -> None:
         """Hold jobs just claimed for the worker slots reserved for them (never listed as
         buffered). A forwarder's jobs never come here: they are always buffered, and the
         starter hands them to the forwarder (:meth:`take_startable`)."""
         with self.lock:
-            for job in jobs:
-                self.inflight[job.fence] = job
+            for claim in claims:
+                self.inflight[claim.fence] = claim
 
-    def hold(self, jobs: list[Job]) -> None:
+    def hold(self, claims: list[Claim]) -> None:
         """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
         claim order: jobs claimed from the head after a hint (handed back by another relay)
         sort before the backlog already buffered, and start first."""
-        if not jobs:
+        if not claims:
             return
         with self.changed:
-            for job in jobs:
-                self.inflight[job.fence] = job
-                self.buffered.add(job.fence)
-            if self.buffer and jobs[0]._claim_order < self.buffer[-1]._claim_order:
-                merged = heapq.merge(self.buffer, jobs, key=lambda j: j._claim_order)
+            for claim in claims:
+                self.inflight[claim.fence] = claim
+                self.buffered.add(claim.fence)
+            if self.buffer and claims[0].order < self.buffer[-1].order:
+                merged = heapq.merge(self.buffer, claims, key=lambda j: j.order)
                 self.buffer = collections.deque(merged)
             else:
-                self.buffer.extend(jobs)
+                self.buffer.extend(claims)
             self.changed.notify()
 
-    def take_startable(self, now: float) -> tuple[list[Job], list[Job], list[Job]]:
+    def take_startable(self, now: float) -> tuple[list[Claim], list[Claim], list[Claim]]:
         """(Caller holds the lock.) Off the buffer, in claim order: as many jobs for the
         workers as slots are idle, and as many forwarded jobs as the window has room for,
         their places taken; and the ones whose lease ran out (by monotonic ``now``) while
         they waited. Returns (jobs for the workers, jobs for the forwarder, expired)."""
-        jobs: list[Job] = []
-        forwards: list[Job] = []
-        expired: list[Job] = []
+        claims: list[Claim] = []
+        forwards: list[Claim] = []
+        expired: list[Claim] = []
         free = self.concurrency - self.issued
         room = self.forward_room() if self.forwarding else 0
-        kept: collections.deque[Job] = collections.deque()
+        kept: collections.deque[Claim] = collections.deque()
         while self.buffer and (free > 0 or room > 0):
-            job = self.buffer.popleft()
-            forwarded = job.consumer in self.forwarding
+            claim = self.buffer.popleft()
+            forwarded = claim.consumer in self.forwarding
             if (room if forwarded else free) <= 0:
-                kept.append(job)
-            elif job.lease_lost or now >= job._lease_bound:
-                self.buffered.discard(job.fence)
-                expired.append(job)
+                kept.append(claim)
+            elif claim.lease_lost or now >= claim.lease_bound:
+                self.buffered.discard(claim.fence)
+                expired.append(claim)
             elif forwarded:
-                forwards.append(job)
+                forwards.append(claim)
                 room -= 1
             else:
-                jobs.append(job)
+                claims.append(claim)
                 free -= 1
         if kept:
             self.buffer.extendleft(reversed(kept))
-        self.issued += len(jobs)
+        self.issued += len(claims)
         self.forward_issued += len(forwards)
-        return jobs, forwards, expired
+        return claims, forwards, expired
 
-    def put_back(self, jobs: list[Job]) -> None:
+    def put_back(self, claims: list[Claim]) -> None:
         """Jobs the starter took could not be unlisted: back at the head, still listed, their
         places given back."""
         with self.changed:
-            forwarded = sum(1 for job in jobs if job.consumer in self.forwarding)
-            self.issued -= len(jobs) - forwarded
+            forwarded = sum(1 for claim in claims if claim.consumer in self.forwarding)
+            self.issued -= len(claims) - forwarded
             self.forward_issued -= forwarded
-            self.buffer.extendleft(reversed(jobs))
+            self.buffer.extendleft(reversed(claims))
 
-    def unlisted(self, jobs: list[Job]) -> None:
-        """The starter's statement unlisted ``jobs`` from the relay's row."""
+    def unlisted(self, claims: list[Claim]) -> None:
+        """The starter's statement unlisted ``claims`` from the relay's row."""
         with self.lock:
-            for job in jobs:
-                self.buffered.discard(job.fence)
+            for claim in claims:
+                self.buffered.discard(claim.fence)
 
-    def slot_freed(self, job: Job) -> None:
-        """``job``'s handler returned (a forwarded job: its broker answered): its slot is
+    def slot_freed(self, claim: Claim) -> None:
+        """``claim``'s handler returned (a forwarded job: its broker answered): its slot is
         free, its outcome about to be written."""
         with self.changed:
-            forwarded = job.consumer in self.forwarding
+            forwarded = claim.consumer in self.forwarding
             if forwarded:
                 self.forward_issued -= 1
             else:
                 self.issued -= 1
-            self.finishing.add(job.fence)
+            self.finishing.add(claim.fence)
             # The starter sleeps while the buffer is empty, and needs no wake-up for a place
             # in the window before it is worth a hand-off.
             if self.buffer and (not forwarded or self.forward_room() > 0):
@@ -300,60 +305,60 @@ class HeldClaims:
         with self.lock:
             return self.hung >= self.concurrency
 
-    def mark_finishing(self, job: Job) -> None:
-        """``job``'s outcome is about to be written: a heartbeat that misses the row from
-        now on must not take it for a lost lease."""
+    def mark_finishing(self, fence: int) -> None:
+        """The outcome of claim ``fence`` is about to be written: a heartbeat that misses the
+        row from now on must not take it for a lost lease."""
         with self.lock:
-            self.finishing.add(job.fence)
+            self.finishing.add(fence)
 
-    def unmark_finishing(self, job: Job) -> None:
+    def unmark_finishing(self, fence: int) -> None:
         with self.lock:
-            self.finishing.discard(job.fence)
+            self.finishing.discard(fence)
 
-    def forget(self, jobs: Iterable[Job]) -> None:
-        """``jobs``' outcomes are written (or given up): no longer held."""
+    def forget(self, claims: Iterable[Claim]) -> None:
+        """``claims``' outcomes are written (or given up): no longer held."""
         with self.lock:
-            for job in jobs:
-                self.inflight.pop(job.fence, None)
-                self.finishing.discard(job.fence)
-                self.reported.discard(job.fence)
+            for claim in claims:
+                self.inflight.pop(claim.fence, None)
+                self.finishing.discard(claim.fence)
+                self.reported.discard(claim.fence)
 
-    def renewable(self) -> list[Job]:
+    def renewable(self) -> list[Claim]:
         """The claims a heartbeat should renew: every one held whose lease is not lost."""
         with self.lock:
             return [j for j in self.inflight.values() if not j.lease_lost]
 
-    def lost(self, jobs: list[Job], owned: set[int]) -> list[Job]:
-        """Of ``jobs`` just heartbeated, those still held and not finishing whose fence is
+    def lost(self, claims: list[Claim], owned: set[int]) -> list[Claim]:
+        """Of ``claims`` just heartbeated, those still held and not finishing whose fence is
         not in ``owned``: their lease is lost."""
         with self.lock:
-            return [j for j in jobs
+            return [j for j in claims
                     if j.fence not in owned and j.fence in self.inflight and j.fence not in self.finishing]
 
-    def first_reports(self, jobs: Iterable[Job]) -> list[Job]:
-        """Of ``jobs``, whose claims this relay no longer owns, those no summary line has
+    def first_reports(self, claims: Iterable[Claim]) -> list[Claim]:
+        """Of ``claims``, which this relay no longer owns, those no summary line has
         named yet, now marked named (until forgotten): a job lost in one fault is summarised
         once, by the first part that notices (heartbeat, starter or completer)."""
         with self.lock:
-            first = [j for j in jobs if j.fence not in self.reported]
+            first = [j for j in claims if j.fence not in self.reported]
             self.reported.update(j.fence for j in first)
             return first
 
-    def unfinished(self) -> list[Job]:
+    def unfinished(self) -> list[Claim]:
         """Claims neither buffered nor finishing: handlers still running (shutdown)."""
         with self.lock:
             return [j for j in self.inflight.values() if j.fence not in self.finishing and j.fence not in self.buffered]
 
-    def released_at_shutdown(self, jobs: list[Job]) -> None:
-        """``jobs`` were released while their handlers ran: no longer held."""
+    def released_at_shutdown(self, claims: list[Claim]) -> None:
+        """``claims`` were released while their handlers ran: no longer held."""
         with self.lock:
-            for job in jobs:
-                if self.inflight.pop(job.fence, None) is not None:
-                    self.released.add(job.fence)
+            for claim in claims:
+                if self.inflight.pop(claim.fence, None) is not None:
+                    self.released.add(claim.fence)
 
-    def was_released(self, job: Job) -> bool:
+    def was_released(self, claim: Claim) -> bool:
         with self.lock:
-            return job.fence in self.released
+            return claim.fence in self.released
 
     def wake_all(self) -> None:
         with self.changed:

@@ -1,10 +1,11 @@
 """The dispatcher: one thread, one connection, the rounds that claim jobs and write outcomes.
 
-Each round takes every outcome the workers have posted, has the completer sort them, and,
-when the buffer has room, has the producer claim more. Completions and the claim travel in
-one round trip and one transaction (``job_complete_many`` then ``job_claim_after_many``,
-pipelined: :func:`outbox.db.jobs.complete_and_claim_after`): a busy runner pays one round
-trip and one commit per batch. Failures and releases, which are rare, follow in their own fenced
+Each round takes every outcome the workers have posted, has the completer sort them into
+the round's object, and, when the buffer has room, has the producer shape a claim that the
+completer sends with the completions (``job_complete_many`` then ``job_claim_after_many``,
+one round trip and one transaction: :func:`outbox.db.jobs.complete_and_claim_rows`) and the
+producer then hands out: a busy runner pays one round trip and one
+commit per batch. Failures and releases, which are rare, follow in their own fenced
 statements; then the completer's follow-up on the jobs the round finished. A claim that
 found fewer due jobs than it asked for marks the table drained: until a wake-up (NOTIFY,
 router, reaper) or ``poll_interval`` passes, only rounds that write completions also claim.
@@ -55,10 +56,11 @@ import psycopg
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import poison
 from outbox.db.engine import describe, is_disconnect
 from outbox.db.jobs import RelayInfo, relay_delete, relay_seen
-from outbox.job import Job
-from outbox.relay import poison
+from outbox.db.tables import RELAY_SEEN_INTERVAL
+from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.notify import Cooldown, Wakeup
@@ -68,10 +70,6 @@ from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
-
-#: Longest an idle dispatcher leaves its relay's row of ``outbox_relays`` unwritten, seconds
-#: (pruning forgets relays not seen for ``maintenance.RELAY_GONE_AFTER``).
-RELAY_SEEN_INTERVAL = 30.0
 
 
 class RelayRow:
@@ -225,7 +223,7 @@ class Dispatcher:
     this dispatcher is in flight after that."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, producer: Producer, completer: Completer,
-                 connection: RelayConnection, outcomes: queue.SimpleQueue[tuple[Job, Any] | None],
+                 connection: RelayConnection, outcomes: queue.SimpleQueue[tuple[Claim, Any] | None],
                  wake: Wakeup, signals: Signals, reconnect: Reconnector) -> None:
         self.settings = settings
         self.claims = claims
@@ -242,7 +240,7 @@ class Dispatcher:
     def run(self) -> None:
         failures = 0
         drained_until = 0.0  # monotonic time before which a bare claim is not worth a round trip
-        carry: list[tuple[Job, Any]] = []  # outcomes a failed round could not write
+        carry: list[tuple[Claim, Any]] = []  # outcomes a failed round could not write
         closing = False
         signals = self.signals
         cooldown = Cooldown(self.settings.wake_cooldown)
@@ -319,7 +317,7 @@ class Dispatcher:
         self.connection.row.leave(self.connection.get, self.abandoned)
         self.connection.close()
 
-    def _until_outcome(self, seconds: float, carry: list[tuple[Job, Any]]) -> None:
+    def _until_outcome(self, seconds: float, carry: list[tuple[Claim, Any]]) -> None:
         """Wait up to ``seconds``, less if outcomes are waiting (posted, or ``carry``: a
         failed round's) or claiming stops: the wake-up cooldown holds claims, never outcomes
         (a process killed meanwhile would lose them, and their jobs would run again)."""
@@ -364,11 +362,11 @@ class Dispatcher:
             batch.append(item)
         return batch
 
-    def round(self, pending: list[tuple[Job, Any]], want: int, limited: int = 0) -> bool:
+    def round(self, pending: list[tuple[Claim, Any]], want: int, limited: int = 0) -> bool:
         """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and, after the
         outcomes, up to ``limited`` of the capped or rate-limited consumers on their own path,
         :meth:`Producer.claim_limited`); returns whether the main claim found the table
-        drained (:meth:`Producer.claim`). While
+        drained (:meth:`Producer.hand_over`). While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
         try:
@@ -376,27 +374,28 @@ class Dispatcher:
         finally:
             self.completer.report()  # the round's stale reports, in one line
 
-    def _round(self, pending: list[tuple[Job, Any]], want: int, limited: int) -> bool:
-        finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
-        done, failed, snoozed, release = self.completer.sort(pending)
-        release += self.claims.take_buffer() if self._buffer_to_release() else []
+    def _round(self, pending: list[tuple[Claim, Any]], want: int, limited: int) -> bool:
+        this = self.completer.sort(pending)
+        if self._buffer_to_release():
+            this.release += self.claims.take_buffer()
         # Off the buffer now: carried like any outcome if a statement below fails.
-        pending[:] = [(j, Outcome.DONE) for j in done] + failed + snoozed + [(j, Outcome.RELEASE) for j in release]
+        pending[:] = this.pending()
         drained = False
-        if done or want:
-            completed, buried, drained = self.producer.claim(self.connection.get(), done, want)
-            self.completer.completed(done, completed, buried)
-            del pending[:len(done)]
-        if failed:
-            self.completer.write_failures(failed)
-            del pending[:len(failed)]
-        if snoozed:
-            self.completer.write_snoozes(snoozed)
-            del pending[:len(snoozed)]
-        if finishing:
-            self.completer.finished(finishing)
-        if release:
-            self.completer.write_releases(release)
+        if this.done or want:
+            with self.producer.claiming(want) as claim:
+                self.completer.write_completions(this, claim)
+                del pending[:len(this.done)]
+                drained = self.producer.hand_over(self.connection.get(), claim)
+        if this.failed:
+            self.completer.write_failures(this.failed)
+            del pending[:len(this.failed)]
+        if this.snoozed:
+            self.completer.write_snoozes(this.snoozed)
+            del pending[:len(this.snoozed)]
+        if this.finishing:
+            self.completer.finished(this.finishing)
+        if this.release:
+            self.completer.write_releases(this.release)
             pending[:] = []
         if limited:  # flow control: capped and rate-limited consumers, a claim of their own, after the outcomes
             self.producer.claim_limited(self.connection.get(), limited)

@@ -28,7 +28,7 @@ notes):
   attempt not counted. What the broker has not answered when the send's ``timeout`` ends
   fails, or counts as an outage (below).
 * **Nothing is sent for a claim that may be lost.** A claim's lease runs out, by the
-  database's clock, no earlier than the relay's own bound of it (``Job._lease_bound``: the
+  database's clock, no earlier than the relay's own bound of it (``Claim.lease_bound``: the
   monotonic time the claim or the last heartbeat was sent, plus the lease). A message's
   ``deadline`` is that bound less a safety margin (:func:`send_deadline`), and it is
   checked immediately before each hand-off to the broker: here, and by the sink right
@@ -77,6 +77,7 @@ from outbox import backoff
 from outbox.errors import ForwardingError, UndeliverableError
 from outbox.job import Job
 from outbox.registry import Subscriber
+from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.counters import Counters
 from outbox.relay.outcomes import Outcome
@@ -118,38 +119,39 @@ POST_QUIET = 0.005
 POST_INTERVAL = 0.1
 
 
-def send_deadline(job: Job) -> float:
-    """The ``time.monotonic()`` after which ``job``'s message must not be handed to the
+def send_deadline(claim: Claim) -> float:
+    """The ``time.monotonic()`` after which ``claim``'s message must not be handed to the
     broker: the relay's bound of its claim's lease (from the claim's or the last heartbeat's
     send time, so never later than the database's ``lease_until``) less a safety margin of
     :data:`SEND_MARGIN` seconds, or :data:`SEND_MARGIN_SHARE` of the lease when that is less.
     The margin covers what happens after the check: the event loop's delay before the bytes
     are written, their way to the broker, and the two clocks' drift over a lease."""
-    return job._lease_bound - min(SEND_MARGIN, job.lease_seconds * SEND_MARGIN_SHARE)
+    return claim.lease_bound - min(SEND_MARGIN, claim.job.lease_seconds * SEND_MARGIN_SHARE)
 
 
-def message_for(job: Job) -> Message:
-    """The broker message of ``job``: its payload's stored JSON text as the body, its event's
+def message_for(claim: Claim) -> Message:
+    """The broker message of ``claim``'s job: its payload's stored JSON text as the body, its event's
     headers as strings (a value that is not a string as its JSON text), and its
     :func:`send_deadline`."""
+    job = claim.job
     headers = {str(k): v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
                for k, v in (job.headers or {}).items()}
     created = job.event_created_at or datetime.now(UTC)
     return Message(job_id=job.id, event_id=job.event_id, consumer=job.consumer, topic=job.topic, key=job.key,
                    idempotency_key=job.idempotency_key, created_at=created,
-                   body=job.payload_json.encode("utf-8"), headers=headers, deadline=send_deadline(job))
+                   body=job.payload_json.encode("utf-8"), headers=headers, deadline=send_deadline(claim))
 
 
 class Forwarder:
     """Sends the jobs of ``forwarders`` (consumer -> its :class:`Subscriber` with a sink) held
-    in ``claims`` (see the module notes). ``post(job, outcome)`` hands an outcome to the
+    in ``claims`` (see the module notes). ``post(claim, outcome)`` hands an outcome to the
     dispatcher (and frees the job's place in the window); ``failure(job, exc)`` makes the
     outcome of a failed attempt (the executor's: backoff, permanent errors); ``wake()`` is
     called when a sink comes back, so claims resume at once. Runs in its own thread
     (:meth:`run`) until ``signals.stopped``."""
 
     def __init__(self, forwarders: Mapping[str, Subscriber], claims: HeldClaims,
-                 post: Callable[[Job, Any], None], failure: Callable[[Job, BaseException], Any],
+                 post: Callable[[Claim, Any], None], failure: Callable[[Job, BaseException], Any],
                  signals: Signals, wake: Callable[[], None], stats: Counters, *,
                  metrics: RelayMetrics | None = None) -> None:
         self.forwarders = dict(forwarders)
@@ -160,7 +162,7 @@ class Forwarder:
         self.signals = signals
         self.wake = wake
         self.stats = stats
-        self._inbox: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Claim] = queue.SimpleQueue()
         self._down: set[str] = set(self.forwarders)  # until its sink first connects
         self._announced: dict[str, bool] = {}  # consumer -> the last state logged (True: up)
         # Outages a batch found while the connection looked up (silent broker, missing
@@ -179,19 +181,19 @@ class Forwarder:
         self._answered_at: dict[str, float] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._arrived: asyncio.Event | None = None
-        self._posting: list[tuple[Job, Any]] = []  # outcomes gathered for the next post (POST_INTERVAL)
+        self._posting: list[tuple[Claim, Any]] = []  # outcomes gathered for the next post (POST_INTERVAL)
         self._post_timer: asyncio.TimerHandle | None = None
         self._first_gathered = self._last_gathered = 0.0  # monotonic
         self._in_flight = 0  # messages handed to a sink whose outcome is not made yet
 
     # ------------------------------------------------------------- other threads
 
-    def submit(self, jobs: list[Job]) -> None:
+    def submit(self, claims: list[Claim]) -> None:
         """Queue claimed jobs of forwarders for sending (any thread)."""
-        for job in jobs:
-            self._inbox.put(job)
+        for claim in claims:
+            self._inbox.put(claim)
         loop, arrived = self._loop, self._arrived
-        if jobs and loop is not None and arrived is not None:
+        if claims and loop is not None and arrived is not None:
             try:
                 loop.call_soon_threadsafe(arrived.set)
             except RuntimeError:  # the loop has closed: the relay is stopping
@@ -220,15 +222,15 @@ class Forwarder:
                 except TimeoutError:
                     pass
                 self._arrived.clear()
-                arrived: dict[str, list[Job]] = {}
+                arrived: dict[str, list[Claim]] = {}
                 while True:
                     try:
-                        job = self._inbox.get_nowait()
+                        claim = self._inbox.get_nowait()
                     except queue.Empty:
                         break
-                    arrived.setdefault(job.consumer, []).append(job)
-                for consumer, jobs in arrived.items():
-                    task = asyncio.create_task(self._send(self.forwarders[consumer], jobs))
+                    arrived.setdefault(claim.consumer, []).append(claim)
+                for consumer, claims in arrived.items():
+                    task = asyncio.create_task(self._send(self.forwarders[consumer], claims))
                     sending.add(task)
                     task.add_done_callback(sending.discard)
         finally:
@@ -244,36 +246,36 @@ class Forwarder:
                 except Exception:  # noqa: BLE001 - closing on the way out
                     log.debug("closing the sink of %s failed", sub.consumer, exc_info=True)
 
-    async def _send(self, sub: Subscriber, jobs: list[Job]) -> None:
+    async def _send(self, sub: Subscriber, claims: list[Claim]) -> None:
         """Send one hand-off of ``sub``'s jobs and post each job's outcome as its answer
         arrives (module notes); for a sink that takes no ``answered``, one send at a time."""
         lock = self._one_at_a_time.get(sub.consumer)
         async with lock if lock is not None else contextlib.nullcontext():
-            await self._send_now(sub, jobs)
+            await self._send_now(sub, claims)
 
-    async def _send_now(self, sub: Subscriber, jobs: list[Job]) -> None:
+    async def _send_now(self, sub: Subscriber, claims: list[Claim]) -> None:
         sink = _sink(sub)
-        sendable: list[Job] = []
-        expired: list[Job] = []
+        sendable: list[Claim] = []
+        expired: list[Claim] = []
         now = time.monotonic()
-        for job in jobs:
-            if self.signals.draining.is_set() or job.lease_lost:
-                self.post(job, Outcome.RELEASE)  # not sent: the claim goes back, attempt not counted
-            elif now >= send_deadline(job):
-                expired.append(job)
+        for claim in claims:
+            if self.signals.draining.is_set() or claim.lease_lost:
+                self.post(claim, Outcome.RELEASE)  # not sent: the claim goes back, attempt not counted
+            elif now >= send_deadline(claim):
+                expired.append(claim)
             else:
-                sendable.append(job)
+                sendable.append(claim)
         self._release_expired(sub, expired)
         if not sendable:
             return
         if not sink.connected:
             self._mark_down(sub, "not connected")
-            for job in sendable:
-                self.post(job, Outcome.RELEASE)
+            for claim in sendable:
+                self.post(claim, Outcome.RELEASE)
             return
         started = time.monotonic()
-        for job in sendable:
-            job._started = started  # the broker round trip is a forwarded job's "handler" (metrics)
+        for claim in sendable:
+            claim.started = started  # the broker round trip is a forwarded job's "handler" (metrics)
         tally = dict.fromkeys(FORWARD_RESULTS, 0)
         settled = [False] * len(sendable)
         self._in_flight += len(sendable)
@@ -284,11 +286,11 @@ class Forwarder:
                 self._answered_at[sub.consumer] = time.monotonic()
                 self._settle(sendable[index], result, started, tally)
 
-        span = (tracing.send_span(sub.consumer, sink.extra or tracing.SYSTEM, sink.describe(), sendable)
+        span = (tracing.send_span(sub.consumer, sink.extra or tracing.SYSTEM, sink.describe(), jobs_of(sendable))
                 if tracing.active() else contextlib.nullcontext())
         with span as current:
             try:
-                messages = [message_for(job) for job in sendable]
+                messages = [message_for(claim) for claim in sendable]
                 results = await (sink.send_many(messages, sub.timeout or 10.0, answered)
                                  if self._tells_answers[sub.consumer] else sink.send_many(messages, sub.timeout or 10.0))
                 if len(results) != len(sendable):
@@ -331,11 +333,11 @@ class Forwarder:
             self._outages.pop(sub.consumer, None)
             self._mark_delivered(sub)
 
-    def _settle(self, job: Job, result: SendResult, started: float, tally: dict[str, int]) -> None:
+    def _settle(self, claim: Claim, result: SendResult, started: float, tally: dict[str, int]) -> None:
         """Make ``job``'s outcome of the broker's ``result``, to be posted with others (the
         rule at :data:`POST_QUIET`; its place in the window is free from then), and count it
         in ``tally`` (results by :data:`FORWARD_RESULTS` name)."""
-        job._ran = time.monotonic() - started
+        claim.ran = time.monotonic() - started
         outcome: Any
         if isinstance(result, Delivered):
             tally["duplicate" if result.duplicate else "delivered"] += 1
@@ -350,9 +352,9 @@ class Forwarder:
             tally["failed"] += 1
             error: ForwardingError = (UndeliverableError(result.error) if result.permanent
                                       else ForwardingError(result.error))
-            outcome = self.failure(job, error)
+            outcome = self.failure(claim.job, error)
         self._in_flight -= 1
-        self._posting.append((job, outcome))
+        self._posting.append((claim, outcome))
         self._last_gathered = time.monotonic()
         if self._in_flight <= 0 or len(self._posting) >= self.claims.refill:
             self._post_gathered()
@@ -377,22 +379,22 @@ class Forwarder:
             self._post_timer.cancel()
             self._post_timer = None
         posting, self._posting = self._posting, []
-        for job, outcome in posting:
-            self.post(job, outcome)
+        for claim, outcome in posting:
+            self.post(claim, outcome)
 
-    def _release_expired(self, sub: Subscriber, jobs: list[Job]) -> None:
+    def _release_expired(self, sub: Subscriber, claims: list[Claim]) -> None:
         """Release ``jobs``, not sent because their message's deadline had passed (fenced,
         attempt not counted: another relay may hold their claims by now); one line for all."""
-        if not jobs:
+        if not claims:
             return
-        self.stats.add("forward_expired", len(jobs))
-        for job in jobs:
-            self.post(job, Outcome.RELEASE)
-        ids = ", ".join(str(job.id) for job in jobs[:IDS_LOGGED]) + (", ..." if len(jobs) > IDS_LOGGED else "")
+        self.stats.add("forward_expired", len(claims))
+        for claim in claims:
+            self.post(claim, Outcome.RELEASE)
+        ids = ", ".join(str(claim.id) for claim in claims[:IDS_LOGGED]) + (", ..." if len(claims) > IDS_LOGGED else "")
         log.warning("forwarder %s: %d messages not sent, their claims' leases (less a safety margin) had run out "
                     "before the hand-off to the broker (this relay was paused or starved); released, attempts not "
-                    "counted (jobs %s)", sub.consumer, len(jobs), ids,
-                    extra={"job_ids": [job.id for job in jobs], "outcome": "released"})
+                    "counted (jobs %s)", sub.consumer, len(claims), ids,
+                    extra={"job_ids": [claim.id for claim in claims], "outcome": "released"})
 
     # ------------------------------------------------------------- connections
 

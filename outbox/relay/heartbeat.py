@@ -11,7 +11,7 @@ DEBUG. A claim
 that is renewed gets a new local bound (``sent + lease``), which the starter and the
 transactional executor check before they rely on the claim.
 
-A data error confines itself to the jobs that cause it (:mod:`outbox.relay.poison`): each is
+A data error confines itself to the jobs that cause it (:mod:`outbox.db.poison`): each is
 dead-lettered naming the error (fenced) or, where even that fails, reported not owned so
 its lease runs out. Database errors are retried, never more than half a second apart:
 leases are at stake.
@@ -25,9 +25,10 @@ import time
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import poison
 from outbox.db.jobs import bury_job, heartbeat_jobs
 from outbox.job import Job
-from outbox.relay import poison
+from outbox.relay.claim import jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.counters import Counters
 from outbox.relay.reconnect import Reconnector
@@ -57,34 +58,34 @@ class Heartbeater:
     def run(self) -> None:
         failures = 0
         while not self.signals.stopped.wait(self.interval if not failures else 0):
-            jobs = self.claims.renewable()
-            if not jobs:
+            claims = self.claims.renewable()
+            if not claims:
                 continue
             sent = time.monotonic()
             try:
                 with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                    owned = self.beat(conn, jobs)
+                    owned = self.beat(conn, jobs_of(claims))
                 failures = self.reconnect.recovered(failures, "heartbeat")
             except (DBAPIError, poison.SystemicError) as exc:
                 failures = self.reconnect.backoff(failures, "heartbeat", exc, self.signals.stopped, cap=0.5)
                 continue
-            for job in jobs:
-                if job.fence in owned:
-                    job._lease_bound = sent + job.lease_seconds
-            lost = self.claims.lost(jobs, owned)
-            for job in lost:
-                job.mark_lease_lost()
+            for claim in claims:
+                if claim.fence in owned:
+                    claim.renewed(sent)
+            lost = self.claims.lost(claims, owned)
+            for claim in lost:
+                claim.job.mark_lease_lost()
                 self.stats.add("lease_lost")
                 log.debug("lease lost: job %s (%s) fence %s was taken back; its result will be dropped",
-                          job.id, job.consumer, job.fence, extra=job_fields(job, outcome="lease_lost"))
+                          claim.id, claim.consumer, claim.fence, extra=claim.fields(outcome="lease_lost"))
             first = self.claims.first_reports(lost)
             if first:
-                text, fields = job_summary(first, "lease_lost")
+                text, fields = job_summary(jobs_of(first), "lease_lost")
                 log.warning("lease lost on %s: the claims were taken back (this relay paused, or cut off from its "
                             "database, for longer than the lease); what their handlers report will be dropped",
                             text, extra=fields)
             if self.metrics is not None and lost:
-                self.metrics.jobs("lease_lost", (job.consumer for job in lost))
+                self.metrics.jobs("lease_lost", (claim.consumer for claim in lost))
 
     def beat(self, conn: Connection, jobs: list[Job]) -> set[int]:
         """Renew the leases of ``jobs``; returns the fences still owned. A data error is

@@ -1,4 +1,5 @@
-"""Maintenance: the reaper, the pruner, dead letters and redrive.
+"""Maintenance: the reaper and the pruner (dead letters and redrive are the operator's:
+:mod:`outbox.admin`).
 
 Reaper: a job whose lease expired (its worker crashed, hung or was paused longer than the
 lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, with
@@ -6,20 +7,25 @@ lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, wi
 relays may reap at once, and a job being completed at that very moment (its row locked)
 is skipped rather than overwritten; the completion's own fence check then decides.
 
-Pruner: deletes done and cancelled jobs older than ``retention_done`` seconds, then events older than
-``retention_events`` seconds that have no job left, then the rows of relays gone for
-``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned: they wait
-for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
-batches, so pruning never holds long locks. When the server's autovacuum is off (for the
-server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
-round, and says so once at start.
+Pruner: what it deletes, and how a row that cannot be deleted is kept, are the rules of
+:mod:`outbox.db.retention` (``outbox-relay prune`` applies them too). When the server's
+autovacuum is off (for the server or for ``outbox_jobs``), the relay vacuums both tables
+itself after each pruning round, and says so once at start.
 
-Upkeep that needs ownership: ``ANALYZE`` (the router's :class:`outbox.relay.router.StatisticsKeeper`)
+Upkeep that needs ownership: ``ANALYZE`` (:class:`outbox.relay.statistics.StatisticsKeeper`)
 and ``VACUUM`` (above) of the queue's tables are allowed only to their owner (the role that
 ran ``outbox-relay migrate``), the database's owner, a superuser or, on PostgreSQL 17 and
 later, a role granted ``MAINTAIN`` on them. A relay running as a role of its own without it
 skips both, saying so in one WARNING (:class:`TableUpkeep`), and leaves them to autovacuum
 (operations notes, "Roles").
+
+The loop (:class:`Maintenance`, thread ``outbox-maintenance``): every ``reap_interval``
+seconds a reaper round, then the ordered keys' sweep (heads left pending, promoted:
+:class:`outbox.relay.ordering.HeadSweeper`), in a transaction after the reaping's; every
+``prune_interval`` seconds (the first 5 s after start at most) a pruning round, the gone
+relays' rows, and the vacuum when autovacuum is off. Jobs handed back wake this relay's
+workers and, through ``NOTIFY``, every relay. A database error never ends the loop: it
+retries at once, then through the relay's :class:`~outbox.relay.reconnect.Reconnector`.
 
 Every function works on the tables of its ``schema`` argument (None: the process default,
 :func:`outbox.settings.default_schema`).
@@ -29,28 +35,33 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
-from outbox.relay.poison import (
+from outbox.db.jobs import notify_head
+from outbox.db.poison import (
     Quarantine,
+    SystemicError,
     describe_error,
     try_record,
     whole_or_halves,
 )
+from outbox.db.retention import prune, prune_relays
+from outbox.relay.counters import Counters
+from outbox.relay.notify import Wakeup
+from outbox.relay.ordering import HeadSweeper
+from outbox.relay.reconnect import Reconnector
+from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 1000
-PRUNE_BATCH = 5000
-#: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
-#: one does at least every ``dispatcher.RELAY_SEEN_INTERVAL``) and holds no running job is
-#: forgotten by the pruner.
-RELAY_GONE_AFTER = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +80,7 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
     transaction; logs one line per job dead-lettered.
 
-    A data error is confined to the jobs that cause it (:mod:`outbox.relay.poison`): the expired
+    A data error is confined to the jobs that cause it (:mod:`outbox.db.poison`): the expired
     jobs are reaped by halves, each try in a SAVEPOINT, and a job whose reaping fails alone
     is dead-lettered with a ``last_error`` naming the error, or, where even that fails,
     kept in ``quarantine`` (skipped by later rounds for a while)."""
@@ -124,50 +135,6 @@ def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], stat
     return buried
 
 
-def prune(conn: Connection, done_older_than: float, events_older_than: float,
-          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
-          schema: str | None = None) -> tuple[int, int]:
-    """Delete up to ``limit`` done jobs and up to ``limit`` cancelled jobs finished more than
-    ``done_older_than`` seconds ago (counted together) and up to
-    ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
-    (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
-    the application's pointing at an event) is found by halves (:mod:`outbox.relay.poison`) and
-    kept in ``quarantine``: it stays, logged, and every other row is pruned."""
-    quarantine = quarantine if quarantine is not None else Quarantine("row")
-    statements = queries.in_schema(schema)
-    jobs = _prune_by_halves(conn, statements.job_prune_done_many, statements.job_prune_candidates,
-                            done_older_than, limit, quarantine, "pruning the done job")
-    jobs += _prune_by_halves(conn, statements.job_prune_cancelled_many, statements.job_prune_cancelled_candidates,
-                             done_older_than, limit, quarantine, "pruning the cancelled job")
-    events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
-                              events_older_than, limit, quarantine, "pruning the event")
-    return jobs, events
-
-
-def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than: float, limit: int,
-                     quarantine: Quarantine, doing: str) -> int:
-    skip = quarantine.ids()
-
-    def run(only: Sequence[int] | None) -> int:
-        with conn.begin_nested():
-            return len(conn.execute(delete, {"older_than": older_than, "limit": limit, "skip": skip,
-                                             "only": None if only is None else list(only)}).all())
-
-    parts, poisoned = whole_or_halves(
-        doing, lambda: run(None),
-        lambda: list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars()), run)
-    for row_id, exc in poisoned:
-        quarantine.add(row_id, exc, doing)
-    return sum(parts)
-
-
-def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER, *, schema: str | None = None) -> int:
-    """Forget relays (rows of ``outbox_relays``) not seen for ``older_than`` seconds that
-    hold no running job: killed relays, whose buffer lists no claim the reaper could still
-    meet. Returns how many were removed."""
-    return conn.execute(queries.in_schema(schema).relay_prune_many, {"older_than": older_than}).rowcount
-
-
 def autovacuum_enabled(conn: Connection, *, schema: str | None = None) -> bool:
     """True when the server's autovacuum will visit ``outbox_jobs`` (on globally, not off
     for the table)."""
@@ -212,17 +179,120 @@ def vacuum_tables(conn: Connection, *, schema: str | None = None) -> None:
     conn.execute(queries.in_schema(schema).job_tables_vacuum)
 
 
-def dead_letters(conn: Connection, consumer: str | None = None, limit: int = 100, *,
-                 schema: str | None = None) -> Sequence[Any]:
-    """Dead jobs, oldest first: rows with id, event_id, consumer, attempts, max_attempts,
-    snoozes, finished_at, last_error."""
-    return conn.execute(queries.in_schema(schema).job_dead_list, {"consumer": consumer, "limit": limit}).all()
+class Maintenance:
+    """The maintenance loop (see the module notes): reaper, ordered keys' sweep, pruner and,
+    when autovacuum is off, vacuum, for the tables of ``settings.schema_name``, until
+    ``stop`` is set (the relay's stop event, shared by its parts: :meth:`stop` sets it).
 
+    ``wake_workers`` is set after a round that handed jobs back or promoted heads;
+    ``reconnect`` paces the retries after a database error; ``upkeep`` (default: one of
+    its own) says whether this role may VACUUM, shared with the statistics keeper so the
+    warning comes once. Settings read: ``reap_interval``, ``prune_interval``,
+    ``retention_done``, ``retention_events`` (seconds).
 
-def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | None = None, *,
-            schema: str | None = None) -> list[int]:
-    """Put dead jobs back to ``ready`` with a fresh attempt budget: the ones in ``ids``, or
-    all of ``consumer``, or (both None) every dead job. Returns the ids redriven; jobs
-    that are not dead are left alone."""
-    return list(conn.execute(queries.in_schema(schema).job_redrive_many, {
-        "ids": list(ids) if ids is not None else None, "consumer": consumer}).scalars())
+    ``stats`` counts ``reaped`` (every job taken back), ``reaped_dead``,
+    ``reaped_unstarted``, ``promoted``, ``pruned_jobs``, ``pruned_events``, ``vacuums`` and
+    ``vacuums_skipped`` (not permitted). :meth:`reap` and :meth:`prune` are one round of
+    each, for tests and callers without a thread; they raise the database's errors.
+    """
+
+    #: The names ``stats`` counts, from 0.
+    COUNTS = ("reaped", "reaped_dead", "reaped_unstarted", "pruned_jobs", "pruned_events", "vacuums", "vacuums_skipped",
+              "promoted")
+
+    def __init__(self, engine: Engine, settings: OutboxSettings, *, stop: threading.Event, wake_workers: Wakeup,
+                 reconnect: Reconnector, upkeep: TableUpkeep | None = None) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.schema = settings.schema_name
+        self.stop_event = stop
+        self.wake_workers = wake_workers
+        self.reconnect = reconnect
+        self.upkeep = upkeep if upkeep is not None else TableUpkeep(self.schema)
+        # Rows each round skips for a while: their statement fails alone and recording it did too (poison.py).
+        self.reap_quarantine = Quarantine("job")
+        self.prune_quarantine = Quarantine("row")
+        self.head_sweeper = HeadSweeper()  # ordered keys' heads left pending (outbox.relay.ordering, "Sweep")
+        self.stats = Counters(self.COUNTS)
+        self._warned_autovacuum = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the loop's thread (``outbox-maintenance``)."""
+        self._thread = threading.Thread(target=self.run, name="outbox-maintenance", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Set the stop event; returns at once (:meth:`join` waits). A round under way finishes."""
+        self.stop_event.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end, up to ``timeout`` seconds; True when it has (or never started)."""
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+        return self._thread is None or not self._thread.is_alive()
+
+    def run(self) -> None:
+        """The loop: rounds until the stop event is set; never raises for database errors."""
+        failures = 0
+        next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
+        while not self.stop_event.wait(self.settings.reap_interval if not failures else 0):
+            try:
+                self.reap()
+                if time.monotonic() >= next_prune:
+                    self.prune()
+                    next_prune = time.monotonic() + self.settings.prune_interval
+                failures = self.reconnect.recovered(failures, "maintenance")
+            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
+                failures = self.reconnect.backoff(failures, "maintenance", exc, self.stop_event)
+
+    def reap(self) -> ReapResult:
+        """One reaper round (:func:`reap_expired`, then ``NOTIFY`` every relay when jobs went
+        back to ready), then, once that committed, one pass of the ordered keys' sweep; wakes
+        this relay's workers when either handed jobs back, and counts both in ``stats``."""
+        with self.engine.begin() as conn:
+            reaped = reap_expired(conn, quarantine=self.reap_quarantine, schema=self.schema)
+            if reaped.retried or reaped.unstarted:  # back with their early place: every relay claims from the head
+                notify_head(conn, schema=self.schema)
+        with self.engine.begin() as conn:  # after the reaping committed (outbox.relay.ordering, "Sweep")
+            promoted = self.head_sweeper.sweep(conn, schema=self.schema)
+        if promoted:
+            self.stats.add("promoted", len(promoted))
+            self.wake_workers.set()
+        self.stats.add("reaped", reaped.retried + reaped.dead + reaped.unstarted)
+        self.stats.add("reaped_dead", reaped.dead)
+        self.stats.add("reaped_unstarted", reaped.unstarted)
+        if reaped.retried or reaped.unstarted:
+            self.wake_workers.rewind()
+        return reaped
+
+    def prune(self) -> tuple[int, int]:
+        """One pruning round (:func:`prune` with ``retention_done`` and ``retention_events``,
+        then :func:`prune_relays`, one transaction), then the vacuum when autovacuum is off;
+        returns (jobs, events) deleted and counts them in ``stats``."""
+        with self.engine.begin() as conn:
+            jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,
+                                 quarantine=self.prune_quarantine, schema=self.schema)
+            prune_relays(conn, schema=self.schema)
+        self.stats.add("pruned_jobs", jobs)
+        self.stats.add("pruned_events", events)
+        if jobs or events:
+            log.info("pruned %d done or cancelled jobs and %d finished events", jobs, events)
+        self._vacuum_if_autovacuum_is_off()
+        return jobs, events
+
+    def _vacuum_if_autovacuum_is_off(self) -> None:
+        """Vacuum the queue's tables when autovacuum will not (see the module notes)."""
+        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            if autovacuum_enabled(conn, schema=self.schema):
+                return
+            if not self._warned_autovacuum:
+                self._warned_autovacuum = True
+                log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
+                            "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
+            if not self.upkeep.permitted(conn):
+                self.stats.add("vacuums_skipped")
+                return
+            vacuum_tables(conn, schema=self.schema)
+        self.stats.add("vacuums")
+

@@ -16,7 +16,7 @@ blocked key. "Unfinished" means ready, running, pending, or dead while still hol
   it keeps its place.
 * ``on_dead='block'`` (default): a dead job keeps its key and blocks it (only it) until it
   is redriven (it is the head, so it becomes ``ready`` and runs first) or skipped
-  (``outbox-relay skip``, :func:`skip_dead_job`: the key is dropped and the next job goes).
+  (``outbox-relay skip``, :func:`outbox.admin.skip_dead_job`: the key is dropped and the next job goes).
   ``on_dead='skip'``: every statement that makes a job dead (``job_fail_many``,
   ``job_reap_many``, the poison bury statements) drops its ``ordering_key`` in the same
   update, so it no longer counts, and the next job is promoted.
@@ -86,14 +86,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from datetime import datetime
 
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection
 
 from outbox.db import queries
 from outbox.db.jobs import Executor, promote_keys
-from outbox.errors import NotBlockingError
+from outbox.db.promotion import promote, promote_params
 from outbox.job import Job
 from outbox.registry import Subscriber
 
@@ -103,42 +101,12 @@ log = logging.getLogger(__name__)
 SWEEP_KEYS = 500
 
 
-@dataclass(frozen=True, slots=True)
-class BlockedKey:
-    """One blocked key: ``consumer``, ``key``, the dead job holding it (``job_id``), since when
-    (``since``, its ``finished_at``) and how many ``pending`` jobs wait behind it."""
-
-    consumer: str
-    key: str
-    job_id: int
-    since: datetime | None
-    pending: int
-
-
-def promote_params(keys: Iterable[tuple[str, str]]) -> dict[str, list[str]] | None:
-    """The parameters of ``job_promote_many`` for the (consumer, key) pairs ``keys``, sorted
-    and without repeats; None when there are none (then no statement needs to run)."""
-    pairs = sorted(set(keys))
-    if not pairs:
-        return None
-    return {"consumers": [c for c, _ in pairs], "keys": [k for _, k in pairs]}
-
-
 def promotion_params(jobs: Iterable[Job], subscribers: Mapping[str, Subscriber]) -> dict[str, list[str]] | None:
     """``promote_params`` for the keys of ``jobs`` whose consumer (in ``subscribers``) is
     ordered; None when no job is ordered and keyed. Jobs whose outcome did not finish them (a
     retry) may be passed: their promotion finds the head ready and changes nothing."""
     return promote_params((j.consumer, j.key) for j in jobs
                           if j.key is not None and (sub := subscribers.get(j.consumer)) is not None and sub.ordered)
-
-
-def promote(conn: Executor, keys: Iterable[tuple[str, str]], *, schema: str | None = None) -> list[int]:
-    """Promote the pending head of each (consumer, key) in ``keys`` whose head is pending
-    (``job_promote_many``); returns the ids promoted. ``conn`` should be autocommit, or the
-    caller commits: run it after the outcomes that finished the keys' jobs committed (see
-    the module notes)."""
-    params = promote_params(keys)
-    return [] if params is None else promote_keys(conn, params, schema=schema)
 
 
 def promote_finished(conn: Executor, jobs: Iterable[Job], subscribers: Mapping[str, Subscriber], *,
@@ -171,33 +139,3 @@ class HeadSweeper:
             log.info("ordering: %d pending heads promoted by the sweep", len(promoted))
         return promoted
 
-
-def blocked_keys(conn: Connection, consumer: str | None = None, limit: int = 100, *,
-                 schema: str | None = None) -> list[BlockedKey]:
-    """The keys blocked by a dead job (``on_dead='block'``), of ``consumer`` or of all,
-    longest blocked first, at most ``limit``."""
-    rows = conn.execute(queries.in_schema(schema).job_ordering_blocked_list,
-                        {"consumer": consumer, "limit": limit}).all()
-    return [BlockedKey(r.consumer, r.key, r.job_id, r.since, r.pending) for r in rows]
-
-
-def skip_dead_job(engine: Engine, job_id: int, *, schema: str | None = None) -> list[int]:
-    """Let the key blocked by dead job ``job_id`` go on: the job drops its ordering key (it
-    stays dead) and, once that committed, the key's next job is promoted. Returns the ids
-    promoted (empty when nothing waited). Raises :class:`~outbox.errors.NotBlockingError`, having written
-    nothing, when ``job_id`` is not a dead job holding an ordered key (no such job, another
-    status, already skipped or unordered)."""
-    statements = queries.in_schema(schema)
-    with engine.begin() as conn:
-        row = conn.execute(statements.job_ordering_skip, {"id": job_id}).one_or_none()
-        if row is None:
-            found = conn.execute(statements.job_ordering_get, {"id": job_id}).one_or_none()
-            if found is None:
-                raise NotBlockingError(f"job {job_id}: no such job")
-            if found.status != "dead":
-                raise NotBlockingError(f"job {job_id} ({found.consumer}) is {found.status}, not dead: only a dead "
-                                       "job blocks its key")
-            raise NotBlockingError(f"job {job_id} ({found.consumer}) is dead but holds no ordering key (unordered, "
-                                   "on_dead='skip', or already skipped): it blocks nothing")
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return promote(conn, [(row.consumer, row.ordering_key)], schema=schema)

@@ -1,15 +1,19 @@
 """Relay: the process that runs the router, the job runner, the reaper and the pruner.
 
-Start-up: connect (an unreachable database or a missing/old schema is an error, reported
-in one line), write this registry's subscriptions, then start the threads:
+This module only wires the parts: it builds them, starts them and stops them; each part's
+loop lives with the part. Start-up: connect (an unreachable database or a missing/old
+schema is an error, reported in one line), write this registry's subscriptions, then start
+the parts and their threads:
 
-* ``outbox-router``: route events until none are left, then wait for ``NOTIFY
-  outbox_events`` or ``poll_interval``;
-* ``outbox-statistics`` (with the router): ``ANALYZE outbox_jobs`` after bursts of routed
-  jobs (:class:`outbox.relay.router.StatisticsKeeper`), beside the router rather than in its loop;
-* the job runner's threads (:mod:`outbox.relay.runner`), woken by ``NOTIFY outbox_jobs`` or by
-  the router of this process;
-* ``outbox-maintenance``: reaper and the ordered keys' promotion sweep every ``reap_interval``, pruner every ``prune_interval``;
+* the router (:class:`outbox.relay.router.Router`): ``outbox-router`` routes events until
+  none are left, then waits for ``NOTIFY outbox_events`` or ``poll_interval``;
+  ``outbox-statistics`` beside it runs ``ANALYZE outbox_jobs`` after bursts of routed jobs
+  (:class:`outbox.relay.statistics.StatisticsKeeper`);
+* the job runner (:class:`outbox.relay.runner.JobRunner`), woken by ``NOTIFY outbox_jobs``
+  or by the router of this process;
+* maintenance (:class:`outbox.relay.maintenance.Maintenance`): ``outbox-maintenance``
+  runs the reaper and the ordered keys' promotion sweep every ``reap_interval``, the pruner
+  every ``prune_interval``;
 * ``outbox-scheduler`` when the registry declares schedules (:mod:`outbox.schedule`): wakes
   at the next slot by the database clock and publishes it, once across all relays;
 * ``outbox-listener`` (:mod:`outbox.relay.notify`) when ``listen`` is on.
@@ -26,19 +30,14 @@ return exit status 0. A second signal skips the rest of the grace period.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from types import FrameType
-
-from sqlalchemy.engine import Connection
-from sqlalchemy.exc import DBAPIError
 
 from outbox.db.engine import (
     make_engine,
@@ -46,30 +45,15 @@ from outbox.db.engine import (
     redact,
     translate_errors,
 )
-from outbox.db.jobs import notify_head
 from outbox.db.migrate import check_schema
 from outbox.registry import Outbox
-from outbox.relay.counters import Counters
-from outbox.relay.maintenance import (
-    TableUpkeep,
-    autovacuum_enabled,
-    prune,
-    prune_relays,
-    reap_expired,
-    vacuum_tables,
-)
-from outbox.relay.notify import Cooldown, Listener, Wakeup
-from outbox.relay.ordering import HeadSweeper
-from outbox.relay.poison import Quarantine, SystemicError
+from outbox.relay.maintenance import Maintenance, TableUpkeep
+from outbox.relay.notify import Listener, Wakeup
 from outbox.relay.reconnect import Reconnector
-from outbox.relay.router import (
-    StatisticsKeeper,
-    UnsubscribedTopics,
-    register_subscriptions,
-    route_round,
-)
+from outbox.relay.router import Router, register_subscriptions
 from outbox.relay.runner import JobRunner
 from outbox.relay.scheduler import Scheduler, register_schedules
+from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import (
     GaugeGatherer,
@@ -80,10 +64,6 @@ from outbox.telemetry.metrics import (
 
 log = logging.getLogger(__name__)
 
-#: Seconds the router waits before routing again after a round that held keyed events back
-#: behind an earlier event another router held (it is routed by then, or about to be).
-HELD_BACK_RETRY = 0.05
-
 
 class Relay:
     """One relay: ``registry``'s handlers plus routing and maintenance for the whole
@@ -91,7 +71,10 @@ class Relay:
 
     ``route``, ``work``, ``maintain`` and ``schedule`` turn the router, the job runner, the
     reaper/pruner and the scheduler of the registry's schedules on or off (all on by
-    default). Use :meth:`run` in a process (handles
+    default); the parts are ``router`` (:class:`~outbox.relay.router.Router`), ``runner``
+    (:class:`~outbox.relay.runner.JobRunner`), ``maintenance``
+    (:class:`~outbox.relay.maintenance.Maintenance`) and ``scheduler``, each None when turned
+    off, and ``listener``, None when polling only. Use :meth:`run` in a process (handles
     signals), or :meth:`start` / :meth:`stop` when embedding it (tests, an app's own
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
@@ -118,11 +101,10 @@ class Relay:
         self.url = parse_url(url)
         self.registry = registry
         self.settings = settings
-        self.schema = settings.schema_name
         self.worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
-        self.stop_event = threading.Event()
-        self.wake_router = threading.Event()
+        self.stop_event = threading.Event()  # ends every part's loop
         self.wake_workers = Wakeup()
+        wake_router = threading.Event()
         self.reconnect = Reconnector(settings.reconnect_max)  # shared by every loop below
         pool_size, overflow = settings.pool_limits()
         self.engine = make_engine(self.url, pool_size=pool_size, max_overflow=overflow, application_name="outbox-relay",
@@ -138,39 +120,42 @@ class Relay:
             self.gauges = GaugeGatherer(
                 make_engine(self.url, pool_size=1, max_overflow=0, application_name="outbox-relay-metrics",
                             prepared_statements=settings.pooler == "none"),
-                self.metrics, settings.metrics_interval, self.stop_event, schema=self.schema)
+                self.metrics, settings.metrics_interval, self.stop_event, schema=settings.schema_name)
+        listen_url = settings.listen_target()
+        self.listener = (Listener(parse_url(listen_url), wake_router, self.wake_workers, self.stop_event,
+                                  reconnect=self.reconnect, schema=settings.schema_name) if listen_url else None)
+        upkeep = TableUpkeep(settings.schema_name)  # may this role ANALYZE / VACUUM? (warns once if not)
+        self.router = (Router(self.engine, settings, stop=self.stop_event, wake=wake_router,
+                              wake_workers=self.wake_workers, reconnect=self.reconnect, metrics=self.metrics,
+                              statistics=StatisticsKeeper(self.engine, schema=settings.schema_name, upkeep=upkeep))
+                       if route else None)
         self.runner = (JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers,
                                  reconnect=self.reconnect, metrics=self.metrics) if work else None)
-        listen_url = settings.listen_target()
-        self.listener = (Listener(parse_url(listen_url), self.wake_router, self.wake_workers, self.stop_event,
-                                  reconnect=self.reconnect, schema=self.schema) if listen_url else None)
-        self._route = route
-        self.upkeep = TableUpkeep(self.schema)  # may this role ANALYZE / VACUUM? (warns once if not)
-        self.job_statistics = StatisticsKeeper(self.engine, schema=self.schema,  # ANALYZE after bursts, in its own thread
-                                               upkeep=self.upkeep)
-        self.unsubscribed_topics = UnsubscribedTopics()  # the router loop's warnings about topics with no subscriber
-        # Rows each loop skips for a while: their statement fails alone and recording it did too (poison.py).
-        self.route_quarantine = Quarantine("event")
-        self.reap_quarantine = Quarantine("job")
-        self.prune_quarantine = Quarantine("row")
-        self.head_sweeper = HeadSweeper()  # ordered keys' heads left pending (outbox.relay.ordering, "Sweep")
-        self._maintain = maintain
+        self.maintenance = (Maintenance(self.engine, settings, stop=self.stop_event, wake_workers=self.wake_workers,
+                                        reconnect=self.reconnect, upkeep=upkeep) if maintain else None)
         self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect,
-                                    schema=self.settings.schema_name)
+                                    schema=settings.schema_name)
                           if schedule and registry.schedules else None)
-        self._threads: list[threading.Thread] = []
-        self.stats = Counters(("events_routed", "jobs_created", "events_unsubscribed", "reaped", "reaped_dead",
-                               "reaped_unstarted", "pruned_jobs", "pruned_events", "vacuums", "vacuums_skipped",
-                               "promoted"))
-        self._warned_autovacuum = False
+        self._threads: list[threading.Thread] = []  # the gauges' and the scheduler's
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """The relay's tallies of routing and maintenance: the router's ``events_routed``,
+        ``jobs_created``, ``events_unsubscribed`` and maintenance's ``reaped``,
+        ``reaped_dead``, ``reaped_unstarted``, ``pruned_jobs``, ``pruned_events``,
+        ``vacuums``, ``vacuums_skipped``, ``promoted`` (0 for a part turned off). The job
+        runner's are in ``runner.stats``."""
+        return {**dict.fromkeys(Router.COUNTS + Maintenance.COUNTS, 0), **(self.router.stats if self.router else {}),
+                **(self.maintenance.stats if self.maintenance else {})}
 
     # ---------------------------------------------------------------- lifecycle
 
     def start(self) -> None:
         """Check the database and schema, register subscriptions, start every thread."""
-        with translate_errors(self.url, self.schema):
+        schema = self.settings.schema_name
+        with translate_errors(self.url, schema):
             with self.engine.connect() as conn:
-                check_schema(conn, self.schema)
+                check_schema(conn, schema)
             register_subscriptions(self.engine, self.registry, self.settings)
             if self.scheduler:
                 register_schedules(self.engine, self.registry.schedules, self.settings.schema_name)
@@ -183,7 +168,7 @@ class Relay:
         log.info("relay started: worker %s, consumers %s, concurrency %d, dispatchers %d, prefetch %d, claim_batch %d, "
                  "database %s, pooler %s, schema %s; at most %d connections (pool %d + overflow %d%s%s); %s",
                  self.worker_id, self.registry.consumers or "none", self.settings.concurrency, self.settings.dispatchers,
-                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, self.schema,
+                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, schema,
                  pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
                  f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
         for sub in self.registry:
@@ -198,13 +183,12 @@ class Relay:
             self._spawn("outbox-metrics", self.gauges.run)
         if self.listener:
             self.listener.start()
-        if self._route:
-            self._spawn("outbox-router", self._router_loop)
-            self._spawn("outbox-statistics", lambda: self.job_statistics.run(self.stop_event))
+        if self.router:
+            self.router.start()
         if self.runner:
             self.runner.start()
-        if self._maintain:
-            self._spawn("outbox-maintenance", self._maintenance_loop)
+        if self.maintenance:
+            self.maintenance.start()
         if self.scheduler:
             self._spawn("outbox-scheduler", self.scheduler.run)
 
@@ -214,10 +198,15 @@ class Relay:
         early), release the rest (fenced), stop every thread, close the pool."""
         grace = self.settings.shutdown_grace if grace is None else grace
         self.stop_event.set()
-        self.wake_router.set()
-        self.job_statistics.wake()
+        if self.router:
+            self.router.stop()  # wakes its loop and the statistics keeper's
+        if self.maintenance:
+            self.maintenance.stop()
         if self.runner:
             self.runner.stop(grace, cut_short)
+        for part in (self.router, self.maintenance):
+            if part:
+                part.join(timeout=5)
         for thread in self._threads:
             thread.join(timeout=5)
         if self.listener:
@@ -265,97 +254,3 @@ class Relay:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
-
-    # ---------------------------------------------------------------- loops
-
-    def _router_loop(self) -> None:
-        failures = 0
-        limit = self.settings.route_batch
-        cooldown = Cooldown(self.settings.wake_cooldown)
-        conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
-        while not self.stop_event.is_set():
-            cooldown.wait(self.stop_event.wait)  # NOTIFYs closer than the cooldown share a round
-            cooldown.started()
-            try:
-                if conn is None:
-                    # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
-                    conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
-                result = route_round(conn, limit, self.route_quarantine, schema=self.schema)
-                failures = self.reconnect.recovered(failures, "router")
-            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
-                if conn is not None:
-                    with contextlib.suppress(Exception):  # it is being thrown away
-                        conn.invalidate()  # whatever broke, the next round starts on a fresh connection
-                        conn.close()
-                    conn = None
-                failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
-                continue
-            if result.jobs:
-                self.wake_workers.set()
-            self.job_statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
-            self.stats.add("events_routed", result.events)
-            self.stats.add("jobs_created", result.jobs)
-            if self.metrics is not None and result.events:
-                self.metrics.routed(result.events, result.unsubscribed)
-            if result.unsubscribed:
-                self.stats.add("events_unsubscribed", result.unsubscribed)
-                self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
-            if result.events >= limit:
-                cooldown.skip()  # a full batch: more events may be waiting
-            else:
-                # Events held back behind another router's batch (architecture notes, "Ordering")
-                # go once it commits, which sends no NOTIFY: look again soon.
-                self.wake_router.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
-                                      else self.settings.poll_interval)
-                self.wake_router.clear()
-        if conn is not None:
-            conn.close()
-
-    def _vacuum_if_autovacuum_is_off(self) -> None:
-        """Vacuum the queue's tables when autovacuum will not (see :mod:`outbox.relay.maintenance`)."""
-        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            if autovacuum_enabled(conn, schema=self.schema):
-                return
-            if not self._warned_autovacuum:
-                self._warned_autovacuum = True
-                log.warning("autovacuum is off for outbox_jobs; this relay vacuums outbox_jobs and outbox_events "
-                            "itself after each pruning round (every %.0fs)", self.settings.prune_interval)
-            if not self.upkeep.permitted(conn):
-                self.stats.add("vacuums_skipped")
-                return
-            vacuum_tables(conn, schema=self.schema)
-        self.stats.add("vacuums")
-
-    def _maintenance_loop(self) -> None:
-        failures = 0
-        next_prune = time.monotonic() + min(5.0, self.settings.prune_interval)
-        while not self.stop_event.wait(self.settings.reap_interval if not failures else 0):
-            try:
-                with self.engine.begin() as conn:
-                    reaped = reap_expired(conn, quarantine=self.reap_quarantine, schema=self.schema)
-                    if reaped.retried or reaped.unstarted:  # back with their early place: every relay claims from the head
-                        notify_head(conn, schema=self.schema)
-                with self.engine.begin() as conn:  # after the reaping committed (outbox.relay.ordering, "Sweep")
-                    promoted = self.head_sweeper.sweep(conn, schema=self.schema)
-                if promoted:
-                    self.stats.add("promoted", len(promoted))
-                    self.wake_workers.set()
-                self.stats.add("reaped", reaped.retried + reaped.dead + reaped.unstarted)
-                self.stats.add("reaped_dead", reaped.dead)
-                self.stats.add("reaped_unstarted", reaped.unstarted)
-                if reaped.retried or reaped.unstarted:
-                    self.wake_workers.rewind()
-                if time.monotonic() >= next_prune:
-                    with self.engine.begin() as conn:
-                        jobs, events = prune(conn, self.settings.retention_done, self.settings.retention_events,
-                                             quarantine=self.prune_quarantine, schema=self.schema)
-                        prune_relays(conn, schema=self.schema)
-                    self.stats.add("pruned_jobs", jobs)
-                    self.stats.add("pruned_events", events)
-                    if jobs or events:
-                        log.info("pruned %d done or cancelled jobs and %d finished events", jobs, events)
-                    self._vacuum_if_autovacuum_is_off()
-                    next_prune = time.monotonic() + self.settings.prune_interval
-                failures = self.reconnect.recovered(failures, "maintenance")
-            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
-                failures = self.reconnect.backoff(failures, "maintenance", exc, self.stop_event)

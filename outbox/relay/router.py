@@ -15,37 +15,49 @@ created ``pending`` behind the unfinished jobs of its key (:mod:`outbox.relay.or
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
 
-Statistics (:class:`StatisticsKeeper`): the router is the one part that knows when
-``outbox_jobs`` has just received many ready jobs, so it keeps the planner's statistics
-of that table current. Without them a burst into a table that was never analysed (or
-analysed while quiet) makes every claim sort the whole ready backlog instead of reading
-``ix_outbox_jobs_ready`` in claim order, and autovacuum's analyze comes a minute or more
-later (performance notes, finding 1). An ANALYZE that cannot get its lock at once, or
-fails, is skipped and tried again later; it never stops routing.
+The loop (:class:`Router`, thread ``outbox-router``): a round routes up to ``route_batch``
+events on one autocommit connection kept between rounds. After a full batch the next round
+follows at once; otherwise the loop waits for a wake-up (``NOTIFY outbox_events`` through
+the listener) or ``poll_interval`` seconds, or 0.05 s when the round held keyed events back
+behind another router's batch (that batch's commit sends no NOTIFY). Wake-ups closer than
+``wake_cooldown`` share one round. Jobs created wake this relay's workers. A database error
+never ends the loop: the connection is thrown away and the loop retries through the relay's
+:class:`~outbox.relay.reconnect.Reconnector`. The router counts the jobs it creates for the
+statistics keeper (:mod:`outbox.relay.statistics`), whose thread (``outbox-statistics``) it
+starts and stops beside its own.
 """
 
 from __future__ import annotations
 
 import collections
-import enum
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy.exc import DBAPIError
 
-from outbox import backoff
 from outbox.db import queries
-from outbox.db.engine import describe
+from outbox.db.poison import Quarantine, SystemicError, whole_or_halves
 from outbox.registry import Outbox
-from outbox.relay.maintenance import TableUpkeep
-from outbox.relay.poison import Quarantine, whole_or_halves
+from outbox.relay.counters import Counters
+from outbox.relay.notify import Cooldown, Wakeup
+from outbox.relay.reconnect import Reconnector
+from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings
 
+if TYPE_CHECKING:
+    from outbox.telemetry.metrics import RelayMetrics
+
 log = logging.getLogger(__name__)
+
+#: Seconds the router waits before routing again after a round that held keyed events back
+#: behind an earlier event another router held (it is routed by then, or about to be).
+HELD_BACK_RETRY = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +137,7 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
     """One routing round on an autocommit connection: :func:`route_batch` of up to
     ``limit`` events, leaving out the events in ``quarantine``. A data error (a trigger or
     constraint of the application's on the jobs or events table failing for one event) is
-    confined to the events that cause it (:mod:`outbox.relay.poison`): the batch is routed by
+    confined to the events that cause it (:mod:`outbox.db.poison`): the batch is routed by
     halves, and an event that fails alone is quarantined, logged with the database error:
     it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
     ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals. ``schema``
@@ -206,184 +218,114 @@ def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) ->
             return RouteResult(events, jobs, unsubscribed)
 
 
-class AnalyzeOutcome(enum.Enum):
-    """What one call of :meth:`StatisticsKeeper.routed` did."""
+class Router:
+    """The router's loop (see the module notes) and the statistics keeper's thread beside it.
 
-    #: Nothing: too few jobs routed since the last ANALYZE, or waiting to retry.
-    NOT_DUE = "not due"
-    #: ``ANALYZE outbox_jobs`` ran and committed.
-    ANALYZED = "analyzed"
-    #: Another session held a conflicting lock for longer than ``lock_timeout``
-    #: (autovacuum, another relay's ANALYZE, a schema change): tried again later.
-    SKIPPED = "skipped"
-    #: Any other database error (logged at INFO): tried again later.
-    FAILED = "failed"
-    #: This role may not ANALYZE the table (not its owner: :class:`outbox.relay.maintenance.TableUpkeep`
-    #: warned once); asked again after ``retry_cap`` seconds.
-    NOT_PERMITTED = "not permitted"
+    Routes the events of ``settings.schema_name`` through ``engine`` until ``stop`` is set
+    (the relay's stop event, shared by its parts: :meth:`stop` sets it). ``wake`` is set by
+    the listener on ``NOTIFY outbox_events``; ``wake_workers`` is set after a round that
+    created jobs; ``reconnect`` paces the retries after a database error; ``statistics``
+    (default: a :class:`~outbox.relay.statistics.StatisticsKeeper` of the same schema)
+    counts the jobs created and runs its ANALYZEs in its own thread; ``metrics``, when
+    given, counts the events routed. Settings read: ``route_batch``, ``poll_interval``,
+    ``wake_cooldown`` (seconds).
 
-
-class StatisticsKeeper:
-    """Runs ``ANALYZE outbox_jobs`` after the router has created many jobs relative to
-    what the table held at its last analyze, so the claim's plan follows bursts.
-
-    Rule: ANALYZE once the jobs routed since this keeper's last ANALYZE exceed
-    ``max(floor, min(fraction * reltuples, at_most))``, where ``reltuples`` is
-    ``pg_class.reltuples`` of ``outbox_jobs`` (the row count at the last ANALYZE or VACUUM
-    by anyone; a table never analysed counts as 0). ``floor`` (jobs, default 1,000) spares a
-    nearly empty table an ANALYZE every round; ``fraction`` (default 1.0: once the table
-    may have doubled) scales the trigger with the table, and ``at_most`` (jobs, default
-    100,000) caps it, so a table of done jobs kept for a day still gets an ANALYZE after
-    every 100,000 new ready jobs. What the claim's plan needs is only that the statistics
-    do not say "almost no ready jobs" while a burst has put many there: a count off by
-    half picks the same plan. ANALYZE reads every page below 3,000 pages and a sample of
-    30,000 rows above (default statistics target), so it costs in proportion to the table
-    up to tens of milliseconds: with autovacuum's fraction of 0.1 a burst of 150,000 jobs
-    into an empty table runs about 40 of them by the rule's arithmetic, doubling about 8
-    (measured: 15 % less database CPU per job, +14 % end to end; performance notes, "Issue 14"). ``reltuples`` is read only
-    when the count passes the trigger computed from the previous read, so a round that is
-    not due costs no query. With several relays each counts the jobs it routed itself; an
-    ANALYZE by any of them, or by autovacuum, raises ``reltuples`` and so the others' trigger.
-
-    The first of these ANALYZEs also analyses ``outbox_events`` if it never was (``reltuples``
-    -1: a new database, autovacuum off or not yet awake); later ones leave it to autovacuum.
-    Without any statistics the planner rates ``routed_at IS NULL`` at 0.5 % of the table, and
-    with a backlog the route's pick of 500 then read and sorted every unrouted event through a
-    bitmap scan; with statistics from any moment (a few unrouted: an estimate of a handful; a
-    burst: thousands) it walks ``ix_outbox_events_unrouted`` in id order and stops at the
-    batch (performance notes, "Issue 14"). ``events_analyzed`` counts those.
-
-    In a relay the keeper has a thread of its own (:meth:`run`): the router's loop only
-    counts (:meth:`count`, no query) and the ANALYZE runs beside it. Run inline, each
-    ANALYZE held up routing for its duration (tens of milliseconds at 100,000 jobs, up to
-    hundreds on a large table), then once per 10 % of growth: during a steady stream, dozens
-    of stalls a minute, each one adding its length to the commit-to-handler latency of every
-    event published meanwhile (performance notes, "Issue 14", latency). :meth:`routed`
-    counts and analyses in the caller's thread: for tests and a caller without a thread.
-
-    Each ANALYZE runs in a short transaction of its own on a pooled connection, with a
-    transaction-local ``lock_timeout`` (seconds, default 0.1). ANALYZE takes a SHARE
-    UPDATE EXCLUSIVE lock, which conflicts with autovacuum and with another relay's
-    ANALYZE, but not with routing, claiming or any other job statement. A lock timeout
-    means someone else is vacuuming or analysing the table: the keeper skips quietly
-    (DEBUG) and tries again after a capped, jittered backoff (``retry_base`` doubling up to
-    ``retry_cap`` seconds) on a later call. Keeping the timeout below the server's
-    ``deadlock_timeout`` (1 s by default) also means the keeper never waits long enough to
-    make PostgreSQL cancel an autovacuum that holds the lock ("Routine Vacuuming", "The
-    Autovacuum Daemon": a conflicting lock request interrupts autovacuum). Any other
-    database error is logged at INFO and retried the same way; nothing is raised.
-
-    The relay's role must own ``outbox_jobs`` (it does when it ran the migrations);
-    otherwise (``upkeep``, :class:`outbox.relay.maintenance.TableUpkeep`, says so once) the
-    ANALYZE is not sent and the statistics are left to autovacuum. One keeper per router
-    loop: :meth:`count` may be called from the router's thread while :meth:`run` runs in
-    another; :meth:`routed` is not to be called while :meth:`run` runs. ``analyzed``,
-    ``skipped``, ``failed`` and ``denied`` (not permitted) count the outcomes; ``pending``
-    is the jobs routed since the last ANALYZE.
+    ``stats`` counts ``events_routed``, ``jobs_created`` and ``events_unsubscribed``;
+    ``quarantine`` holds the events whose routing fails alone (:mod:`outbox.db.poison`);
+    ``unsubscribed_topics`` warns about topics with no subscriber. :meth:`run_round` is one
+    round, for tests and callers without a thread.
     """
 
-    def __init__(self, engine: Engine, *, floor: int = 1000, fraction: float = 1.0, at_most: int = 100_000,
-                 lock_timeout: float = 0.1, retry_base: float = 1.0, retry_cap: float = 60.0, schema: str | None = None,
-                 upkeep: TableUpkeep | None = None) -> None:
+    #: The names ``stats`` counts, from 0.
+    COUNTS = ("events_routed", "jobs_created", "events_unsubscribed")
+
+    def __init__(self, engine: Engine, settings: OutboxSettings, *, stop: threading.Event, wake: threading.Event,
+                 wake_workers: Wakeup, reconnect: Reconnector, statistics: StatisticsKeeper | None = None,
+                 metrics: RelayMetrics | None = None) -> None:
         self.engine = engine
-        self.statements = queries.in_schema(schema)  # outbox_jobs of this schema
-        self.upkeep = upkeep if upkeep is not None else TableUpkeep(schema)
-        self.floor = floor
-        self.fraction = fraction
-        self.at_most = at_most
-        self.lock_timeout = lock_timeout
-        self.retry_base = retry_base
-        self.retry_cap = retry_cap
-        self.pending = 0
-        self.analyzed = self.skipped = self.failed = self.denied = self.events_analyzed = 0
-        self._trigger = float(floor)  # from the last reltuples read
-        self._misses = 0  # skips and failures in a row
-        self._events_have_statistics = False  # outbox_events analysed, by anyone, seen once
-        self._retry_at = 0.0  # time.monotonic() before which no ANALYZE is tried
-        self._lock = threading.Lock()  # pending: added to by the router's thread, taken by the keeper's
-        self._due = threading.Event()  # count() saw pending pass the trigger, or wake() was called
+        self.settings = settings
+        self.stop_event = stop
+        self.wake = wake
+        self.wake_workers = wake_workers
+        self.reconnect = reconnect
+        self.statistics = statistics if statistics is not None else StatisticsKeeper(
+            engine, schema=settings.schema_name)
+        self.metrics = metrics
+        self.quarantine = Quarantine("event")
+        self.unsubscribed_topics = UnsubscribedTopics()
+        self.stats = Counters(self.COUNTS)
+        self._threads: list[threading.Thread] = []
 
-    def count(self, jobs: int) -> None:
-        """Count ``jobs`` just created by the router; no query. When they take ``pending`` past
-        the trigger, :meth:`run` (in its own thread) wakes and runs the ANALYZE."""
-        with self._lock:
-            self.pending += jobs
-            due = self.pending > self._trigger
-        if due:
-            self._due.set()
+    def start(self) -> None:
+        """Start the router's thread (``outbox-router``) and the keeper's (``outbox-statistics``)."""
+        for name, target in (("outbox-router", self.run), ("outbox-statistics", self._keep_statistics)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
-    def wake(self) -> None:
-        """Wake :meth:`run` now (the relay stopping: it then sees its ``stop`` event set)."""
-        self._due.set()
+    def stop(self) -> None:
+        """Set the stop event and wake both threads; returns at once (:meth:`join` waits).
+        A round under way finishes (it is one statement)."""
+        self.stop_event.set()
+        self.wake.set()
+        self.statistics.wake()
 
-    def run(self, stop: threading.Event, poll: float = 1.0) -> None:
-        """The keeper's thread: wait until :meth:`count` finds an ANALYZE due, or ``poll``
-        seconds (a skipped one is retried after its backoff even with no more jobs routed),
-        then ANALYZE if the rule says so; until ``stop`` is set (and :meth:`wake` called, or
-        ``poll`` passed). Never raises for database errors (see :meth:`routed`)."""
-        while not stop.is_set():
-            self._due.wait(poll)
-            self._due.clear()
-            if stop.is_set():
-                return
-            self.routed(0)
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for both threads to end, up to ``timeout`` seconds each; True when they have."""
+        for thread in self._threads:
+            thread.join(timeout=timeout)
+        return not any(thread.is_alive() for thread in self._threads)
 
-    def routed(self, jobs: int) -> AnalyzeOutcome:
-        """Count ``jobs`` just created by the router and ANALYZE ``outbox_jobs`` if the rule
-        says so. Call it after every routing round, also with 0: a skipped ANALYZE is
-        retried on a later call even when no more jobs arrive. Never raises for database
-        errors; returns what it did."""
-        with self._lock:
-            self.pending += jobs
-            taken = self.pending  # jobs counted while the ANALYZE runs count towards the next one
-        if taken <= self._trigger or time.monotonic() < self._retry_at:
-            return AnalyzeOutcome.NOT_DUE
-        started = time.perf_counter()
-        try:
-            with self.engine.begin() as conn:
-                before = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                self._trigger = self._trigger_for(before)
-                if taken <= self._trigger:  # analysed or vacuumed by someone else meanwhile
-                    return AnalyzeOutcome.NOT_DUE
-                if not self.upkeep.permitted(conn):  # PostgreSQL would skip it with a warning of its own
-                    self.denied += 1
-                    self._retry_at = time.monotonic() + self.retry_cap
-                    return AnalyzeOutcome.NOT_PERMITTED
-                timeout = f"{max(1, round(self.lock_timeout * 1000))}ms"
-                conn.execute(self.statements.lock_timeout_set_local, {"timeout": timeout})
-                conn.execute(self.statements.job_table_analyze)
-                after = conn.execute(self.statements.job_table_reltuples).scalar_one()
-                events_analyzed = not self._events_have_statistics and not conn.execute(
-                    self.statements.event_table_analysed).scalar_one()
-                if events_analyzed:
-                    conn.execute(self.statements.event_table_analyze)
-        except SQLAlchemyError as exc:
-            return self._missed(exc)
-        self._events_have_statistics = True  # analysed by someone, or just now: they keep them
-        self.events_analyzed += events_analyzed
-        log.debug("analysed outbox_jobs after %d routed jobs (%.0f rows before, %.0f now) in %.1f ms",
-                  taken, before, after, (time.perf_counter() - started) * 1000)
-        self.analyzed += 1
-        with self._lock:
-            self.pending -= taken
-        self._trigger = self._trigger_for(after)
-        self._misses = 0
-        self._retry_at = 0.0
-        return AnalyzeOutcome.ANALYZED
+    def run(self) -> None:
+        """The loop: rounds until the stop event is set; never raises for database errors."""
+        failures = 0
+        cooldown = Cooldown(self.settings.wake_cooldown)
+        conn: Connection | None = None  # kept between rounds: no pool checkout and pre-ping per round
+        while not self.stop_event.is_set():
+            cooldown.wait(self.stop_event.wait)  # NOTIFYs closer than the cooldown share a round
+            cooldown.started()
+            try:
+                if conn is None:
+                    # One statement, atomic by itself: no BEGIN/COMMIT round trips needed.
+                    conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+                result = self.run_round(conn)
+                failures = self.reconnect.recovered(failures, "router")
+            except (DBAPIError, SystemicError) as exc:  # SystemicError: a statement that fails for every row
+                if conn is not None:
+                    with contextlib.suppress(Exception):  # it is being thrown away
+                        conn.invalidate()  # whatever broke, the next round starts on a fresh connection
+                        conn.close()
+                    conn = None
+                failures = self.reconnect.backoff(failures, "router", exc, self.stop_event)
+                continue
+            if result.events >= self.settings.route_batch:
+                cooldown.skip()  # a full batch: more events may be waiting
+            else:
+                # Events held back behind another router's batch (architecture notes, "Ordering")
+                # go once it commits, which sends no NOTIFY: look again soon.
+                self.wake.wait(min(HELD_BACK_RETRY, self.settings.poll_interval) if result.held_back
+                               else self.settings.poll_interval)
+                self.wake.clear()
+        if conn is not None:
+            conn.close()
 
-    def _trigger_for(self, reltuples: float) -> float:
-        """Jobs routed after which the next ANALYZE is due, for a table of ``reltuples`` rows."""
-        return max(float(self.floor), min(self.fraction * reltuples, float(self.at_most)))
+    def run_round(self, conn: Connection) -> RouteResult:
+        """One round on ``conn`` (autocommit): :func:`route_round` of up to ``route_batch``
+        events, then wake the workers when jobs were created, count the jobs for the
+        statistics keeper (no query), and add to ``stats``, the metrics and the warnings
+        about topics with no subscriber. Raises what :func:`route_round` raises."""
+        result = route_round(conn, self.settings.route_batch, self.quarantine, schema=self.settings.schema_name)
+        if result.jobs:
+            self.wake_workers.set()
+        self.statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
+        self.stats.add("events_routed", result.events)
+        self.stats.add("jobs_created", result.jobs)
+        if self.metrics is not None and result.events:
+            self.metrics.routed(result.events, result.unsubscribed)
+        if result.unsubscribed:
+            self.stats.add("events_unsubscribed", result.unsubscribed)
+            self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
+        return result
 
-    def _missed(self, exc: SQLAlchemyError) -> AnalyzeOutcome:
-        self._misses += 1
-        delay = backoff.retry_delay(self._misses, base=self.retry_base, cap=self.retry_cap, jitter=0.5)
-        self._retry_at = time.monotonic() + delay
-        if isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) == "55P03":  # lock_not_available
-            self.skipped += 1
-            log.debug("ANALYZE outbox_jobs skipped: another session holds a conflicting lock (autovacuum or "
-                      "another relay's ANALYZE); next try in %.1fs", delay)
-            return AnalyzeOutcome.SKIPPED
-        self.failed += 1
-        log.info("ANALYZE outbox_jobs failed (%s); routing goes on, next try in %.1fs", describe(exc), delay)
-        return AnalyzeOutcome.FAILED
+    def _keep_statistics(self) -> None:
+        self.statistics.run(self.stop_event)

@@ -8,7 +8,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   room, the claim-order hint, claims, the prefetch buffer) claims, the **completer**
   (:class:`outbox.relay.completer.Completer`) writes outcomes; completions and the next claim go
   in one round trip (``job_complete_many`` then ``job_claim_after_many``) when both are due;
-* the **starter** (:class:`outbox.relay.producer.Starter`) hands buffered jobs to workers as
+* the **starter** (:class:`outbox.relay.starter.Starter`) hands buffered jobs to workers as
   they come free, on its own connection;
 * ``concurrency`` **worker threads** run handlers through the **executor**
   (:class:`outbox.relay.executor.JobExecutor`, which runs one job and says how it ended;
@@ -49,12 +49,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox.db import poison
 from outbox.db.engine import describe, make_async_engine
 from outbox.db.jobs import RelayInfo, notify_head, package_version, release_jobs
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
-from outbox.relay import poison, transaction
+from outbox.relay import transaction
+from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
 from outbox.relay.counters import Counters
@@ -64,8 +66,9 @@ from outbox.relay.forwarder import Forwarder
 from outbox.relay.heartbeat import Heartbeater
 from outbox.relay.notify import Wakeup
 from outbox.relay.outcomes import Failure, Outcome
-from outbox.relay.producer import ClaimHint, Producer, Starter
+from outbox.relay.producer import ClaimHint, Producer
 from outbox.relay.reconnect import Reconnector
+from outbox.relay.starter import Starter
 from outbox.relay.watchdog import Watchdog
 from outbox.settings import OutboxSettings
 from outbox.sinks import resend_span
@@ -125,8 +128,8 @@ class JobRunner:
             sub.sink.expect_resends(within, f"forwarder {consumer}: {why}")
         self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
         self.signals = Signals()
-        self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self._outcomes: queue.SimpleQueue[tuple[Job, Any] | None] = queue.SimpleQueue()
+        self._todo: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
+        self._outcomes: queue.SimpleQueue[tuple[Claim, Any] | None] = queue.SimpleQueue()
         hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
         self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
         row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
@@ -143,8 +146,8 @@ class JobRunner:
                          if any(s.timeout is not None and s.sink is None for s in registry) else None)
         self.executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                                     held=self._holds, stopping=self.signals.draining,
-                                    completing=self.claims.mark_finishing,
-                                    abandoned=self.claims.unmark_finishing, stats=self.stats,
+                                    completing=lambda job: self.claims.mark_finishing(job.fence),
+                                    abandoned=lambda job: self.claims.unmark_finishing(job.fence), stats=self.stats,
                                     watchdog=self.watchdog)
         self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
                                    wake.poke, self.stats, metrics=metrics) if forwarders else None
@@ -158,10 +161,10 @@ class JobRunner:
         dispatchers share is the runner's claims, the relay's row and the outcomes queue."""
         connection = RelayConnection(engine, row)
         completer = Completer(self.claims, connection.get, self.stats, self.schema,
-                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics)
-        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, completer,
-                            self.stats, subscribers=self.subscribers, metrics=self.metrics, hint=hint,
-                            quarantine=self.quarantine)
+                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics,
+                              keep_done=self.settings.keep_done)
+        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, self.stats,
+                            subscribers=self.subscribers, metrics=self.metrics, hint=hint, quarantine=self.quarantine)
         return Dispatcher(self.settings, self.claims, producer, completer, connection, self._outcomes, wake,
                           self.signals, self.reconnect)
 
@@ -216,8 +219,8 @@ class JobRunner:
             time.sleep(0.02)
         left = self.claims.unfinished()  # buffered claims are the dispatcher's to release (at once, draining)
         if left:
-            for job in left:
-                job.mark_lease_lost()
+            for claim in left:
+                claim.job.mark_lease_lost()
             self._release_now(left)
         for _ in range(self.settings.concurrency):
             self._todo.put(None)
@@ -236,35 +239,36 @@ class JobRunner:
             else:
                 thread.join(timeout=0.05)
 
-    def _release_now(self, jobs: list[Job]) -> None:
+    def _release_now(self, claims: list[Claim]) -> None:
         """Release, in one autocommit statement of their own, claims whose handlers are
         still running at the end of the grace period."""
         try:
             with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-                released = release_jobs(conn, jobs, schema=self.schema)
+                released = release_jobs(conn, jobs_of(claims), schema=self.schema)
                 if released:
                     notify_head(conn, schema=self.schema)
         except DBAPIError as exc:
-            log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(jobs), describe(exc))
+            log.warning("could not release %d jobs on shutdown (%s); their leases will expire", len(claims),
+                        describe(exc))
             return
         self.stats.add("released", len(released))
         if self.metrics is not None:
-            self.metrics.jobs("released", (j.consumer for j in jobs if j.id in released))
+            self.metrics.jobs("released", (c.consumer for c in claims if c.id in released))
         log.info("released %d jobs still running after the grace period", len(released),
                  extra={"job_ids": sorted(released)})
-        self.claims.released_at_shutdown(jobs)
+        self.claims.released_at_shutdown(claims)
 
     # ------------------------------------------------------------- workers
 
-    def _start(self, jobs: list[Job]) -> None:
+    def _start(self, claims: list[Claim]) -> None:
         """Start claimed jobs whose places are taken: forwarders' to the forwarder, the
         others to the worker threads."""
         forwarded = []
-        for job in jobs:
-            if self.claims.is_forwarded(job):
-                forwarded.append(job)
+        for claim in claims:
+            if self.claims.is_forwarded(claim):
+                forwarded.append(claim)
             else:
-                self._todo.put(job)
+                self._todo.put(claim)
         if forwarded and self.forwarder is not None:
             self.forwarder.submit(forwarded)
 
@@ -272,33 +276,33 @@ class JobRunner:
         context = WorkerContext(self._async_engine)
         try:
             while True:
-                job = self._todo.get()
-                if job is None:
+                claim = self._todo.get()
+                if claim is None:
                     break
-                if self.signals.draining.is_set() or job.lease_lost:
-                    self._post(job, Outcome.RELEASE)
+                if self.signals.draining.is_set() or claim.lease_lost:
+                    self._post(claim, Outcome.RELEASE)
                     continue
-                started = job._started = time.monotonic()  # for metrics and the job's log lines
-                outcome = self.executor.run(job, self.subscribers[job.consumer], context)
-                job._ran = time.monotonic() - started
+                started = claim.started = time.monotonic()  # for metrics and the job's log lines
+                outcome = self.executor.run(claim.job, self.subscribers[claim.consumer], context)
+                claim.ran = time.monotonic() - started
                 if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
                     hung = self.claims.unhang()
                     log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
-                             "slots still held by hung handlers)", job.id, job.consumer, hung, self.settings.concurrency,
-                             extra=job_fields(job))
+                             "slots still held by hung handlers)", claim.id, claim.consumer, hung,
+                             self.settings.concurrency, extra=claim.fields())
                 else:
-                    self._post(job, outcome)
+                    self._post(claim, outcome)
         finally:
             context.close()
 
-    def _post(self, job: Job, outcome: Any) -> None:
+    def _post(self, claim: Claim, outcome: Any) -> None:
         """Hand a finished handler's outcome to the dispatcher; its worker slot is free now
         (the claim stays held, and heartbeated, until the outcome is written)."""
-        self.claims.slot_freed(job)
-        self._post_outcome(job, outcome)
+        self.claims.slot_freed(claim)
+        self._post_outcome(claim, outcome)
 
-    def _post_outcome(self, job: Job, outcome: Any) -> None:
-        self._outcomes.put((job, outcome))
+    def _post_outcome(self, claim: Claim, outcome: Any) -> None:
+        self._outcomes.put((claim, outcome))
         self.wake.poke()
 
     def _timed_out(self, job: Job, seconds: float) -> None:
@@ -320,13 +324,19 @@ class JobRunner:
             log.error("every worker slot (%d) is held by a hung handler: this relay claims nothing, and hands its "
                       "buffered jobs back, until one returns (restart it to free them)", hung)
         outcome = self.executor.failure(job, HandlerTimeoutError(seconds))
+        claim = self.claims.get(job.fence)
+        if claim is None:  # released at shutdown meanwhile: nothing held any more
+            return
         if isinstance(outcome, Failure):
-            self.claims.mark_finishing(job)
-            self._post_outcome(job, replace(outcome, timed_out=True))
+            self.claims.mark_finishing(claim.fence)
+            self._post_outcome(claim, replace(outcome, timed_out=True))
         else:  # the claim was lost meanwhile: nothing to write, and nothing held any more
-            self.claims.forget([job])
+            self.claims.forget([claim])
 
     def _holds(self, job: Job) -> bool:
-        """Whether this runner still holds ``job``'s claim: not lost to a heartbeat, and its
-        lease not past the local bound renewed by each heartbeat."""
-        return not job.lease_lost and time.monotonic() < job._lease_bound
+        """Whether this runner still holds ``job``'s claim: held, not lost to a heartbeat,
+        and its lease not past the local bound renewed by each heartbeat."""
+        if job.lease_lost:
+            return False
+        claim = self.claims.get(job.fence)
+        return claim is not None and time.monotonic() < claim.lease_bound

@@ -68,13 +68,14 @@ CLIENT_NOISE = (
 _RECORD_ATTRIBUTES = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
 
-def job_fields(job: Job, **more: Any) -> dict[str, Any]:
-    """The structured fields of a log line about ``job`` (see the module notes), with ``more``."""
+def job_fields(job: Job, duration: float = 0.0, **more: Any) -> dict[str, Any]:
+    """The structured fields of a log line about ``job`` (see the module notes), with
+    ``duration_seconds`` when ``duration`` (how long its handler ran, seconds) is not 0, and ``more``."""
     fields: dict[str, Any] = {"job_id": job.id, "event_id": job.event_id, "consumer": job.consumer,
                               "topic": job.topic, "fence": job.fence, "attempt": job.attempt,
                               "max_attempts": job.max_attempts}
-    if job._ran:
-        fields["duration_seconds"] = round(job._ran, 6)
+    if duration:
+        fields["duration_seconds"] = round(duration, 6)
     fields.update(more)
     return fields
 

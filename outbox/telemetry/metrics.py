@@ -43,7 +43,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
@@ -53,9 +53,26 @@ from outbox.db.engine import describe
 from outbox.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from outbox.job import Job
 
 log = logging.getLogger(__name__)
+
+
+class HandlerRun(Protocol):
+    """What :meth:`RelayMetrics.handlers_finished` reads of a claim whose handler ran (the
+    runner's :class:`outbox.relay.claim.Claim`): its ``job``, the claim's ``lease_until``
+    (database clock), the ``time.monotonic()`` readings of when the claim was ``sent`` and
+    the handler ``started`` (0: not started, or already accounted for) and how long it
+    ``ran``, seconds."""
+
+    job: Job
+    consumer: str
+    lease_until: datetime | None
+    sent: float
+    started: float
+    ran: float
 
 #: The outcomes ``outbox_jobs_total`` counts (label ``outcome``).
 JOB_OUTCOMES = ("claimed", "done", "retried", "dead", "cancelled", "stale", "lease_lost", "released", "snoozed",
@@ -161,29 +178,30 @@ class RelayMetrics:
                     key = (consumer, result)
                     self._forwarded[key] = self._forwarded.get(key, 0) + n
 
-    def handlers_finished(self, jobs: Iterable[Job]) -> None:
-        """Observe the handler duration and the start latency of ``jobs`` whose handlers ran
-        (``job._started`` set; reset here, so a job carried to a later round counts once).
+    def handlers_finished(self, runs: Iterable[HandlerRun]) -> None:
+        """Observe the handler duration and the start latency of ``runs`` whose handlers ran
+        (``started`` set; reset here, so a claim carried to a later round counts once).
         Inlined: it runs for every job, in the dispatcher's thread."""
         handlers, latencies = self._handler, self._latency
         bisect_left = bisect.bisect_left
         with self._lock:
-            for job in jobs:
-                started = job._started
+            for run in runs:
+                started = run.started
                 if not started:
                     continue
-                job._started = 0.0
-                consumer = job.consumer
+                run.started = 0.0
+                consumer = run.consumer
                 hist = handlers.get(consumer)
                 if hist is None:
                     hist = handlers[consumer] = Histogram(HANDLER_BUCKETS)
-                ran = job._ran
+                ran = run.ran
                 hist.counts[bisect_left(HANDLER_BUCKETS, ran)] += 1
                 hist.total += ran
-                lease_until, created = job._lease_until, job.event_created_at
+                job = run.job
+                lease_until, created = run.lease_until, job.event_created_at
                 if lease_until is None or created is None:
                     continue
-                latency = (lease_until - created).total_seconds() - job.lease_seconds + (started - job._claim_sent)
+                latency = (lease_until - created).total_seconds() - job.lease_seconds + (started - run.sent)
                 if latency < 0.0:
                     latency = 0.0
                 hist = latencies.get(consumer)

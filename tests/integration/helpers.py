@@ -1,16 +1,18 @@
 """Small helpers shared by the router, job, handler and fencing tests: subscriptions,
-events, routed jobs, and reading job rows back, all on a real PostgreSQL."""
+events, routed jobs, reading job rows back, and a relay running in the test's process, all
+on a real PostgreSQL."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, publish_many
-from outbox.relay.relay import register_subscriptions
+from outbox.relay.relay import Relay, register_subscriptions
 from outbox.relay.router import route_all
 from outbox.settings import OutboxSettings
 
@@ -59,3 +61,34 @@ def expire_lease(conn: sa.Connection, job_id: int) -> None:
 def db_now(conn: sa.Connection) -> Any:
     """The database clock in ``conn``'s transaction (``now()``: the transaction's start)."""
     return conn.execute(sa.text("SELECT now()")).scalar_one()
+
+
+@contextlib.contextmanager
+def running_relay(registry: Outbox, settings: OutboxSettings, **parts: Any) -> Iterator[Relay]:
+    """A relay of ``registry`` (``Relay(registry, settings, **parts)``: ``route``, ``work``,
+    ``maintain``, ``schedule``, ``worker_id``) started in this process for the block, and
+    stopped as on SIGTERM when the block ends, however it ends. The relay stays readable
+    after the block (its ``stats`` are final then)."""
+    relay = Relay(registry, settings, **parts)
+    relay.start()
+    try:
+        yield relay
+    finally:
+        relay.stop()
+
+
+@contextlib.contextmanager
+def running_relays(n: int, registry: Outbox, settings: OutboxSettings, **parts: Any) -> Iterator[list[Relay]]:
+    """``n`` relays of ``registry`` alike (``Relay(registry, settings, **parts)`` each), all
+    built, then started in turn for the block; the ones started are stopped in the same
+    order when the block ends, however it ends."""
+    relays = [Relay(registry, settings, **parts) for _ in range(n)]
+    started: list[Relay] = []
+    try:
+        for relay in relays:
+            relay.start()
+            started.append(relay)
+        yield relays
+    finally:
+        for relay in started:
+            relay.stop()

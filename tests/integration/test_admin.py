@@ -21,15 +21,15 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, admin, publish
 from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs
+from outbox.db.retention import prune
 from outbox.errors import AdminError
 from outbox.ops.cli import main
-from outbox.relay.maintenance import prune, reap_expired
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import Failure
-from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
 
-from .helpers import expire_lease, job_row, publish_events, subscribe
+from .helpers import expire_lease, job_row, publish_events, running_relay, subscribe
 
 
 def _url(db_url) -> list[str]:
@@ -131,17 +131,13 @@ def test_cancel_of_a_running_job_reaches_its_handler_and_records_cancelled(engin
         saw.append(job.cancel_requested)  # then returns normally: the outcome is a completion
 
     publish_events(engine, "slow", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1, prefetch=0))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1, prefetch=0)):
         assert started.wait(30)
         job_id = seen[0].id
         assert main(["cancel", "--consumer", "slow", *_url(db_url)]) == 0
         assert f"asked 1 running job to stop (cancelled when the attempt ends): [{job_id}]" in capsys.readouterr().out
         assert job_row(engine, job_id)["status"] == "running"  # the claim is the worker's until it reports
         wait_for(lambda: job_row(engine, job_id)["status"] == "cancelled", timeout=30, what="outcome cancelled")
-    finally:
-        relay.stop()
     assert saw == [True]  # the handler learnt it from the heartbeat
     row = job_row(engine, job_id)
     assert row["cancel_requested"] and row["finished_at"] is not None and row["attempts"] == 1
@@ -263,6 +259,117 @@ def test_replay_to_an_ordered_consumer_is_refused(engine):
     subscribe(engine, "t", ["ord"], ordered=True)
     with pytest.raises(AdminError, match="is ordered on t"):
         admin.replay(engine, "ord", from_event=ids[0])
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def _jobs_seed(engine: sa.Engine) -> dict[str, list[int]]:
+    """Jobs of consumers ``mail`` and ``bill`` for events with keys ``k1`` (3), ``k2`` (2) and
+    none (1); ``mail``'s second job dead, its third done; ``bill``'s first two created two
+    hours ago. Returns each consumer's job ids in id order."""
+    subscribe(engine, "order.placed", ["mail", "bill"])
+    with Session(engine) as s, s.begin():
+        for key in ("k1", "k1", "k2", "k1", "k2", None):
+            publish(s, "order.placed", {"key": key}, key=key)
+    route_all(engine)
+    ids = {c: list(_statuses(engine, c)) for c in ("mail", "bill")}
+    with engine.begin() as c:
+        c.execute(sa.text("UPDATE outbox_jobs SET status = 'dead', finished_at = now(), last_error = 'E: boom\nline 2' "
+                          "WHERE id = :i"), {"i": ids["mail"][1]})
+        c.execute(sa.text("UPDATE outbox_jobs SET status = 'done', finished_at = now() WHERE id = :i"),
+                  {"i": ids["mail"][2]})
+        c.execute(sa.text("UPDATE outbox_jobs SET created_at = now() - interval '2 hours' WHERE id = ANY(:i)"),
+                  {"i": ids["bill"][:2]})
+    return ids
+
+
+def test_list_jobs_by_every_filter(engine):
+    ids = _jobs_seed(engine)
+    mail, bill = ids["mail"], ids["bill"]
+
+    def listed(**filters) -> list[int]:
+        with engine.connect() as c:
+            page = admin.list_jobs(c, **filters)
+        assert page.next_after is None
+        return [j.id for j in page.jobs]
+
+    assert listed() == sorted(mail + bill)
+    assert listed(consumer="mail") == mail
+    assert listed(statuses=["dead"]) == [mail[1]]
+    assert listed(statuses=["dead", "done"]) == [mail[1], mail[2]]
+    assert listed(consumer="bill", statuses=["dead"]) == []
+    assert listed(key="k2") == sorted([mail[2], mail[4], bill[2], bill[4]])
+    assert listed(key="k2", consumer="bill") == [bill[2], bill[4]]
+    with engine.connect() as c:
+        event = c.execute(sa.text("SELECT event_id FROM outbox_jobs WHERE id = :i"), {"i": mail[3]}).scalar_one()
+    assert listed(event_id=event) == sorted([mail[3], bill[3]])
+    assert listed(older_than=3600) == bill[:2]
+    assert listed(newer_than=3600) == sorted(mail + bill[2:])
+    assert listed(older_than=60, newer_than=3 * 3600) == bill[:2]
+    assert listed(after=mail[4]) == [j for j in sorted(mail + bill) if j > mail[4]]
+    with engine.connect() as c:
+        [dead] = admin.list_jobs(c, statuses=["dead"]).jobs
+    assert (dead.consumer, dead.status, dead.topic, dead.key, dead.last_error) == (
+        "mail", "dead", "order.placed", "k1", "E: boom\nline 2")
+
+
+def test_list_jobs_refuses_bad_arguments_naming_them(engine):
+    with engine.connect() as c:
+        for arguments, fragment in [
+            ({"statuses": ["deadd"]}, "status must be among"), ({"statuses": []}, "status must be among"),
+            ({"consumer": ""}, "consumer must be"), ({"key": "a\x00b"}, "key must be"),
+            ({"event_id": 0}, "event_id must be an id"), ({"after": 2**63}, "after must be an id"),
+            ({"older_than": -1}, "older_than must be"), ({"newer_than": float("nan")}, "newer_than must be"),
+            ({"older_than": float("inf")}, "older_than must be"),
+            ({"older_than": 60, "newer_than": 60}, "no job is both older than 60 s and newer than 60 s"),
+            ({"limit": 0}, "limit must be between 1 and 1000"), ({"limit": 1001}, "limit must be"),
+        ]:
+            with pytest.raises(AdminError, match=fragment):
+                admin.list_jobs(c, **arguments)
+
+
+def test_jobs_command_pages_without_gaps_or_repeats_while_new_jobs_arrive(engine, db_url, capsys):
+    subscribe(engine, "t", ["a", "b"])
+    publish_events(engine, "t", [{"n": i} for i in range(9)])
+    route_all(engine)
+    seen: list[int] = []
+    after: list[str] = []
+    pages = 0
+    while True:
+        page = _cli_json(capsys, "jobs", "--consumer", "a", "--limit", "4", "--json", *after, *_url(db_url))
+        assert set(page) == {"jobs", "next_after"} and len(page["jobs"]) <= 4
+        assert all(j["consumer"] == "a" and j["topic"] == "t" for j in page["jobs"])
+        seen += [j["id"] for j in page["jobs"]]
+        pages += 1
+        if pages <= 3:  # new jobs arrive while the operator pages
+            publish_events(engine, "t", [{"n": 100 + pages}, {"n": 200 + pages}])
+            route_all(engine)
+        if page["next_after"] is None:
+            break
+        assert page["next_after"] == seen[-1]
+        after = ["--after", str(page["next_after"])]
+    assert seen == sorted(set(seen)) == list(_statuses(engine, "a"))  # every job once, in order
+    assert len(seen) == 15 and pages == 4
+
+
+def test_jobs_command_text_table_cursor_and_nothing_matched(engine, db_url, capsys):
+    ids = _jobs_seed(engine)
+    capsys.readouterr()
+    assert main(["jobs", "--consumer", "mail", "--limit", "2", *_url(db_url)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:5] == ["job", "event", "consumer", "status", "attempts"]
+    assert [line.split()[0] for line in lines[1:3]] == [str(i) for i in ids["mail"][:2]]
+    assert lines[2].split()[2:5] == ["mail", "dead", "0/5"] and lines[2].endswith("k1                       E: boom")
+    assert lines[3] == f"next page: --after {ids['mail'][1]}" and len(lines) == 4
+    assert main(["jobs", "--status", "dead", "--status", "done", "--older-than", "0", "--newer-than", "1h",
+                 *_url(db_url)]) == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == [str(i) for i in ids["mail"][1:3]]
+    assert main(["jobs", "--key", "k2", "--older-than", "90m", *_url(db_url)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == "outbox-relay: no job matches\n"
+    assert main(["jobs", "--consumer", "mail", "--after", str(ids["mail"][-1]), "--json", *_url(db_url)]) == 1
+    assert capsys.readouterr().err == f"outbox-relay: no job matches after job {ids['mail'][-1]}\n"
 
 
 # ---------------------------------------------------------------------------- purge

@@ -9,8 +9,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
+
+from .helpers import running_relay
 
 
 def test_sync_and_async_handlers_share_worker_threads(engine, settings):
@@ -38,16 +39,12 @@ def test_sync_and_async_handlers_share_worker_threads(engine, settings):
     with Session(engine) as s, s.begin():
         ids = [publish(s, "t", {"i": i}) for i in range(5)]
 
-    relay = Relay(ob, settings(concurrency=1))  # one thread runs all three kinds in turn
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1)):  # one thread runs all three kinds in turn
         def finished() -> bool:
             with engine.connect() as conn:
                 return conn.execute(sa.text(
                     "SELECT count(*) FROM outbox_jobs WHERE status IN ('done', 'dead')")).scalar() == 15
         wait_for(finished, timeout=30, what="15 finished jobs")
-    finally:
-        relay.stop()
     with engine.connect() as conn:
         rows = conn.execute(sa.text("SELECT consumer, status, attempts FROM outbox_jobs")).all()
     assert {(status, attempts) for _, status, attempts in rows} == {("done", 1)}, rows

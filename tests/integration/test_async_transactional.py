@@ -14,10 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from outbox import ConfigurationError, HandlerMisuseError, Job, Outbox
 from outbox.relay.maintenance import reap_expired
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
-from .helpers import expire_lease, job_row, publish_events
+from .helpers import expire_lease, job_row, publish_events, running_relay
 
 TIMEOUT = 20
 
@@ -64,12 +63,8 @@ def test_async_transactional_writes_commit_with_the_completion(engine, settings,
         await asyncio.sleep(0)  # a real suspension point inside the transaction
 
     publish_events(engine, "t", [{"n": i} for i in range(10)])
-    relay = Relay(ob, settings(concurrency=3))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=3)):
         wait_for(lambda: _statuses(engine) == ["done"] * 10, timeout=TIMEOUT, what="10 done")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         jobs = dict(c.execute(sa.text("SELECT id, fence FROM outbox_jobs")).all())
     assert sorted(effects()) == sorted((i, 1, f) for i, f in jobs.items())
@@ -89,22 +84,20 @@ def test_async_transactional_writes_roll_back_when_the_fence_no_longer_matches(e
             await asyncio.to_thread(go.wait, TIMEOUT)  # paused past its lease
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=2), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
-        first = started[1]
-        with engine.begin() as conn:  # another worker's reaper takes the job back
-            expire_lease(conn, first.id)
-            assert reap_expired(conn).retried == 1
-        # The job is re-claimed (attempt 2, higher fence) and done while attempt 1 still waits.
-        wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
-        go.set()
-        wait_for(lambda: any(r.getMessage().startswith(f"stale reports dropped for 1 job (tx 1; id {first.id})")
-                             for r in caplog.records), timeout=TIMEOUT, what="stale completion dropped")
-    finally:
-        go.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=2), maintain=False):
+        try:
+            wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
+            first = started[1]
+            with engine.begin() as conn:  # another worker's reaper takes the job back
+                expire_lease(conn, first.id)
+                assert reap_expired(conn).retried == 1
+            # The job is re-claimed (attempt 2, higher fence) and done while attempt 1 still waits.
+            wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
+            go.set()
+            wait_for(lambda: any(r.getMessage().startswith(f"stale reports dropped for 1 job (tx 1; id {first.id})")
+                                 for r in caplog.records), timeout=TIMEOUT, what="stale completion dropped")
+        finally:
+            go.set()
     row = _only_job(engine)
     assert row["status"] == "done" and row["attempts"] == 2 and row["fence"] == started[2].fence > first.fence
     assert effects() == [(first.id, 2, started[2].fence)]  # attempt 1's write never became visible
@@ -121,12 +114,8 @@ def test_async_transactional_handler_that_raises_rolls_back_and_retries(engine, 
             raise RuntimeError("downstream said no")
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _statuses(engine) == ["done"], timeout=TIMEOUT, what="done")
-    finally:
-        relay.stop()
     row = _only_job(engine)
     assert row["attempts"] == 2
     assert row["last_error"].startswith("RuntimeError: downstream said no")
@@ -147,12 +136,8 @@ def test_async_transactional_handler_may_not_commit(engine, settings, effects):
             raise
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _statuses(engine) == ["dead"], timeout=TIMEOUT, what="dead")
-    finally:
-        relay.stop()
     assert len(raised) == 1 and isinstance(raised[0], HandlerMisuseError)  # a ConfigurationError too
     assert isinstance(raised[0], ConfigurationError)
     assert "must not commit" in _only_job(engine)["last_error"]
@@ -175,12 +160,8 @@ def test_async_transactional_serialization_failure_is_retried_in_place(engine, s
                 "DO $$ BEGIN RAISE EXCEPTION 'conflict' USING ERRCODE = 'serialization_failure'; END $$"))
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()) as relay:
         wait_for(lambda: _statuses(engine) == ["done"], timeout=TIMEOUT, what="done")
-    finally:
-        relay.stop()
     row = _only_job(engine)
     assert row["attempts"] == 1 and runs == [row["fence"]] * 2 and relay.runner.stats["retried_in_place"] == 1
     assert [(a, f) for _, a, f in effects()] == [(1, row["fence"])]
@@ -201,12 +182,8 @@ def test_sync_and_async_transactional_handlers_side_by_side(engine, settings, ef
         await _write_effect(session, job)
 
     publish_events(engine, "t", [{"n": i} for i in range(5)])
-    relay = Relay(ob, settings(concurrency=1))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1)):
         wait_for(lambda: _statuses(engine) == ["done"] * 10, timeout=TIMEOUT, what="10 done")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         jobs = dict(c.execute(sa.text("SELECT id, fence FROM outbox_jobs")).all())
     assert sorted(effects()) == sorted((i, 1, f) for i, f in jobs.items())

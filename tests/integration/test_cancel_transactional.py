@@ -34,7 +34,7 @@ from outbox.ops.cli import main
 from outbox.relay.relay import Relay
 from outbox.testing import drain, wait_for
 
-from .helpers import job_row, publish_events
+from .helpers import job_row, publish_events, running_relay
 
 TIMEOUT = 30
 #: The advisory lock key the deferred trigger waits on (test B holds it to delay a commit).
@@ -292,10 +292,8 @@ def test_a_hundred_cancels_racing_their_handlers_end_each_job_truthfully(engine,
 
     publish_events(engine, "race", [{"n": n, "seconds": rng.uniform(0.0, 1.0), "watch": n % 2 == 0}
                                     for n in range(50)])
-    relay = Relay(ob, settings(concurrency=10, prefetch=0))
     timers: list[threading.Timer] = []
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=10, prefetch=0)):
         deadline = time.monotonic() + 120
         while len(timers) < 100:
             job_id = started.get(timeout=max(0.0, deadline - time.monotonic()))
@@ -306,8 +304,6 @@ def test_a_hundred_cancels_racing_their_handlers_end_each_job_truthfully(engine,
             timer.join(TIMEOUT)
         wait_for(lambda: _statuses(engine) and all(s in ("done", "cancelled") for s in _statuses(engine).values()),
                  timeout=60, what="every job done or cancelled")
-    finally:
-        relay.stop()
     statuses = _statuses(engine)
     written = effects()
     assert len(statuses) == 100 and set(written.values()) <= {1}

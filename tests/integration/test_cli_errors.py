@@ -389,3 +389,28 @@ def test_pause_and_resume_refuse_a_name_no_registry_could_declare_before_connect
     unreachable = {"OUTBOX_DATABASE_URL": "postgresql://postgres@127.0.0.1:1/nowhere"}
     for command in ("pause", "resume"):
         assert_one_error_line(cli(command, name, env=unreachable), command, fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--older-than", "ten minutes"], "--older-than: not an age: 'ten minutes'"),
+    (["--newer-than=-5m"], "--newer-than: not an age: '-5m'"),
+    (["--older-than", "1" * 400], "--older-than: '111"),
+    (["--older-than", "99999999999d"], "is more than 1000 years"),
+    (["--older-than", "1h", "--newer-than", "30m"], "--newer-than 30m is not above --older-than 1h"),
+    (["--consumer", ""], "jobs needs a consumer name"),
+    (["--key", ""], "--key: must be a non-empty text"),
+])
+def test_jobs_refuses_a_bad_filter_naming_the_flag_before_connecting(cli, args, fragment):
+    assert_one_error_line(cli("jobs", *args, "--database-url", UNREACHABLE), fragment)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--limit", "0"], "argument --limit: must be between 1 and 1000, got 0"),
+    (["--limit", "1001"], "argument --limit: must be between 1 and 1000, got 1001"),
+    (["--after", "0"], "argument --after: must be between 1 and"),
+    (["--event", "x"], "argument --event: not a whole number: 'x'"),
+    (["--status", "deadd"], "argument --status: invalid choice: 'deadd'"),
+])
+def test_jobs_argument_out_of_range_is_a_usage_error(app_dir, args, fragment):
+    result = run_cli("jobs", *args, "--database-url", UNREACHABLE, cwd=app_dir)
+    assert result.returncode == 2 and fragment in result.stderr and "Traceback" not in result.stderr

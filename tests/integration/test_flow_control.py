@@ -11,10 +11,9 @@ import sqlalchemy as sa
 
 from outbox import Job, Outbox
 from outbox.ops.cli import main
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
-from .helpers import publish_events
+from .helpers import publish_events, running_relay, running_relays
 
 TIMEOUT = 60.0
 
@@ -67,15 +66,11 @@ def test_a_concurrency_cap_holds_across_two_relays(engine, settings):
             state["now"] -= 1
 
     publish_events(engine, "t", [{"n": i} for i in range(40)])
-    relays = [Relay(ob, settings(concurrency=8, prefetch=8, claim_batch=50, poll_interval=0.2)) for _ in range(2)]
     sampler = _Sampler(engine, "capped")
-    for relay in relays:
-        relay.start()
     try:
-        wait_for(lambda: _counts(engine, "capped").get("done") == 40, timeout=TIMEOUT, what="all 40 jobs done")
+        with running_relays(2, ob, settings(concurrency=8, prefetch=8, claim_batch=50, poll_interval=0.2)) as relays:
+            wait_for(lambda: _counts(engine, "capped").get("done") == 40, timeout=TIMEOUT, what="all 40 jobs done")
     finally:
-        for relay in relays:
-            relay.stop()
         sampler.stop()
     assert sampler.samples > 10
     assert sampler.most <= 3, f"{sampler.most} running at once, cap 3"
@@ -96,14 +91,8 @@ def test_a_rate_limit_holds_across_two_relays_by_the_database_clock(engine, sett
     ob = Outbox()
     ob.subscriber("t", consumer="limited", rate_limit="5/s")(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(25)])
-    relays = [Relay(ob, settings(concurrency=8, prefetch=8, poll_interval=0.5)) for _ in range(2)]
-    for relay in relays:
-        relay.start()
-    try:
+    with running_relays(2, ob, settings(concurrency=8, prefetch=8, poll_interval=0.5)):
         wait_for(lambda: _counts(engine, "limited").get("done") == 25, timeout=TIMEOUT, what="all 25 jobs done")
-    finally:
-        for relay in relays:
-            relay.stop()
     with engine.connect() as c:
         times = [t.timestamp() for t in c.execute(sa.text("SELECT at FROM claim_log ORDER BY at")).scalars()]
     assert len(times) == 25
@@ -127,20 +116,14 @@ def test_a_paused_consumer_is_never_claimed_across_a_restart_and_resume_drains_i
     assert "no relay has declared it yet" in capsys.readouterr().out
     seen: list[int] = []
     publish_events(engine, "t", [{"n": i} for i in range(10)])
-    relay = Relay(_paused_app(seen), settings(poll_interval=0.2))
-    relay.start()
-    try:
+    with running_relay(_paused_app(seen), settings(poll_interval=0.2)):
         # The free consumer's jobs all ran: the relay had every chance to claim the paused ones.
         wait_for(lambda: _counts(engine, "free").get("done") == 10, timeout=TIMEOUT, what="free consumer done")
         assert _counts(engine, "paused") == {"ready": 10}
         assert _counts(engine, "paused_capped") == {"ready": 10}
-    finally:
-        relay.stop()
     # The pause outlives the relay: a new one (whose start writes the registry's options) claims none either.
     publish_events(engine, "t", [{"n": i} for i in range(10, 15)])
-    relay = Relay(_paused_app(seen), settings(poll_interval=0.2))
-    relay.start()
-    try:
+    with running_relay(_paused_app(seen), settings(poll_interval=0.2)):
         wait_for(lambda: _counts(engine, "free").get("done") == 15, timeout=TIMEOUT, what="free consumer done again")
         assert _counts(engine, "paused") == {"ready": 15}
         assert _counts(engine, "paused_capped") == {"ready": 15}
@@ -156,8 +139,6 @@ def test_a_paused_consumer_is_never_claimed_across_a_restart_and_resume_drains_i
         assert out.count("resumed consumer") == 2, out
         wait_for(lambda: _counts(engine, "paused").get("done") == 15 and _counts(engine, "paused_capped").get("done")
                  == 15, timeout=TIMEOUT, what="paused consumers drained after resume")
-    finally:
-        relay.stop()
     assert sorted(seen) == sorted(set(seen)) and len(seen) == 30
     assert _cli(db_url, "resume", "paused") == 0
     assert "was not paused" in capsys.readouterr().out
@@ -229,12 +210,8 @@ def test_an_empty_bucket_makes_the_dispatcher_wait_for_the_next_token_not_spin(e
     ob = Outbox()
     ob.subscriber("t", consumer="slow", rate_limit="4/s")(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(12)])
-    relay = Relay(ob, settings(concurrency=4, poll_interval=1.0))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=4, poll_interval=1.0)) as relay:
         wait_for(lambda: _counts(engine, "slow").get("done") == 12, timeout=TIMEOUT, what="all 12 jobs done")
-    finally:
-        relay.stop()
     # 4 at once from the full bucket, then one per token (every 0.25 s): about 9 limited
     # claims, each after the next token is due; a dispatcher retrying an empty bucket at
     # once would run thousands in the ~2 s this takes.
@@ -246,20 +223,18 @@ def test_a_full_cap_makes_the_dispatcher_wait_for_a_slot_not_spin(engine, settin
     ob = Outbox()
     ob.subscriber("t", consumer="one", concurrency=1)(lambda job: gate.wait(TIMEOUT))
     publish_events(engine, "t", [{"n": i} for i in range(3)])
-    relay = Relay(ob, settings(concurrency=4, poll_interval=0.3))
-    relay.start()
-    try:
-        wait_for(lambda: _counts(engine, "one").get("running") == 1, timeout=TIMEOUT, what="the cap full")
-        flow = relay.runner.producer.flow
-        seen = [flow.claims]
-        # While the cap is full the dispatcher tries again once per poll_interval: sampled every
-        # 50 ms, the count of limited claims rises by one at a time (a spinning one jumps by dozens).
-        wait_for(lambda: seen.append(flow.claims) or len(set(seen)) >= 3, timeout=TIMEOUT,
-                 what="two more limited claims")
-        assert max(b - a for a, b in zip(seen, seen[1:], strict=False)) <= 2, seen
-        assert _counts(engine, "one") == {"running": 1, "ready": 2}
-        gate.set()
-        wait_for(lambda: _counts(engine, "one").get("done") == 3, timeout=TIMEOUT, what="all 3 jobs done")
-    finally:
-        gate.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=4, poll_interval=0.3)) as relay:
+        try:
+            wait_for(lambda: _counts(engine, "one").get("running") == 1, timeout=TIMEOUT, what="the cap full")
+            flow = relay.runner.producer.flow
+            seen = [flow.claims]
+            # While the cap is full the dispatcher tries again once per poll_interval: sampled every
+            # 50 ms, the count of limited claims rises by one at a time (a spinning one jumps by dozens).
+            wait_for(lambda: seen.append(flow.claims) or len(set(seen)) >= 3, timeout=TIMEOUT,
+                     what="two more limited claims")
+            assert max(b - a for a, b in zip(seen, seen[1:], strict=False)) <= 2, seen
+            assert _counts(engine, "one") == {"running": 1, "ready": 2}
+            gate.set()
+            wait_for(lambda: _counts(engine, "one").get("done") == 3, timeout=TIMEOUT, what="all 3 jobs done")
+        finally:
+            gate.set()

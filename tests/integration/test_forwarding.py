@@ -25,6 +25,8 @@ from outbox.testing import wait_for
 from tests.acceptance.brokers import NATS_URL, Tap, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
+from .helpers import running_relay
+
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
 
 from outbox import JetStream  # noqa: E402 (after the skip)
@@ -132,12 +134,8 @@ def test_a_thousand_events_land_once_each_byte_for_byte_and_every_job_completes(
     ob.forward(["order.placed", "order.paid"], to=JetStream(NATS_URL, subject=stream.name + ".{topic}.{key}",
                                                              stream=stream.name), consumer="to_nats")
     ids = _publish(engine, "order.placed", 600) + _publish(engine, "order.paid", 400, start=600)
-    relay = Relay(ob, settings(claim_batch=100, prefetch=100))
-    relay.start()
-    try:
+    with running_relay(ob, settings(claim_batch=100, prefetch=100)) as relay:
         wait_for(lambda: _statuses(engine, "to_nats").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
-    finally:
-        relay.stop()
     stored = _stored_payloads(engine)
     messages = stream.messages()
     assert len(messages) == 1000
@@ -166,13 +164,9 @@ def test_a_message_the_stream_refuses_is_dead_at_once_and_the_rest_of_its_batch_
         _publish(engine, "t", 20)
         with Session(engine) as s, s.begin():
             [poison] = publish_many(s, [{"topic": "t", "payload": {"blob": "x" * 2000}}])
-        relay = Relay(ob, settings(claim_batch=100))
-        relay.start()
-        try:
+        with running_relay(ob, settings(claim_batch=100)):
             wait_for(lambda: _statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
                      what="20 delivered and the oversized one dead")
-        finally:
-            relay.stop()
         with engine.connect() as c:
             dead = c.execute(sa.text("SELECT attempts, last_error FROM outbox_jobs WHERE event_id = :e"),
                              {"e": poison}).one()
@@ -193,29 +187,27 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
     ob = Outbox()
     ob.forward("t", to=JetStream(f"nats://127.0.0.1:{proxy.port}", subject=stream.name + ".{topic}",
                                  connect_timeout=1.0), consumer="fwd", max_attempts=2)
-    relay = Relay(ob, settings(claim_batch=20, prefetch=20))
-    relay.start()
     try:
-        _publish(engine, "t", 100)
-        wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
-        time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
-        assert _statuses(engine, "fwd") == {"ready": 100}
-        with engine.connect() as c:
-            assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
-        proxy.start()
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
-        proxy.stop()  # the broker is unreachable from here on
-        _publish(engine, "t", 200, start=100)
-        outage_until = time.monotonic() + 10.0
-        while time.monotonic() < outage_until:  # ~10 s of outage while events keep coming
-            assert relay.runner.forwarder is not None
-            time.sleep(0.5)
-        assert "fwd" in relay.runner.forwarder.unavailable()
-        assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
-        proxy.start()
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
+        with running_relay(ob, settings(claim_batch=20, prefetch=20)) as relay:
+            _publish(engine, "t", 100)
+            wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
+            time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
+            assert _statuses(engine, "fwd") == {"ready": 100}
+            with engine.connect() as c:
+                assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
+            proxy.start()
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
+            proxy.stop()  # the broker is unreachable from here on
+            _publish(engine, "t", 200, start=100)
+            outage_until = time.monotonic() + 10.0
+            while time.monotonic() < outage_until:  # ~10 s of outage while events keep coming
+                assert relay.runner.forwarder is not None
+                time.sleep(0.5)
+            assert "fwd" in relay.runner.forwarder.unavailable()
+            assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
+            proxy.start()
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
     finally:
-        relay.stop()
         proxy.stop()
     assert _statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
     assert stream.count() == 300
@@ -237,17 +229,15 @@ def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
     ob.forward("t", to=JetStream(NATS_URL, subject=stream.name + ".{topic}"), consumer="fwd")
     with Session(engine) as s, s.begin():
         publish_many(s, [{"topic": "slow", "payload": {}}])
-    relay = Relay(ob, settings(concurrency=1, prefetch=0))
-    relay.start()
-    try:
-        wait_for(lambda: _statuses(engine, "blocker").get("running") == 1, timeout=TIMEOUT, what="the slot taken")
-        _publish(engine, "t", 50)
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 50, timeout=TIMEOUT,
-                 what="50 forwarded while the only worker is busy")
-        assert _statuses(engine, "blocker") == {"running": 1}
-    finally:
-        release.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=1, prefetch=0)):
+        try:
+            wait_for(lambda: _statuses(engine, "blocker").get("running") == 1, timeout=TIMEOUT, what="the slot taken")
+            _publish(engine, "t", 50)
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 50, timeout=TIMEOUT,
+                     what="50 forwarded while the only worker is busy")
+            assert _statuses(engine, "blocker") == {"running": 1}
+        finally:
+            release.set()
     assert stream.count() == 50
 
 
@@ -311,9 +301,7 @@ def test_a_duplicate_window_shorter_than_the_resend_span_is_warned_about_once(en
         ob = Outbox()
         ob.forward("t", to=JetStream(NATS_URL, subject=short.name + ".{topic}", stream=short.name if named else None),
                    consumer="fwd", lease=8, timeout=1)
-        relay = Relay(ob, settings(reap_interval=1.0, poll_interval=0.5))
-        relay.start()
-        try:
+        with running_relay(ob, settings(reap_interval=1.0, poll_interval=0.5)):
             if named:  # at start, before anything is sent
                 wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning at start")
                 assert short.count() == 0
@@ -322,8 +310,6 @@ def test_a_duplicate_window_shorter_than_the_resend_span_is_warned_about_once(en
             wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning")
             _publish(engine, "t", 10, start=10)  # more batches, the same stream and window: no new line
             wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="20 done")
-        finally:
-            relay.stop()
     finally:
         short.delete()
     [warning] = _window_lines(caplog, short)
@@ -339,15 +325,11 @@ def test_a_duplicate_window_longer_than_the_resend_span_is_not_warned_about(engi
     ob = Outbox()
     ob.forward("t", to=JetStream(NATS_URL, subject=stream.name + ".{topic}", stream=stream.name), consumer="fwd",
                lease=8)
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         _publish(engine, "t", 10)
         wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
         sink = ob["fwd"].sink
         wait_for(lambda: sink._windows.get(stream.name) == 120.0, timeout=TIMEOUT, what="the window read")
-    finally:
-        relay.stop()
     assert [r.getMessage() for r in caplog.records if r.name == "outbox.sinks.jetstream"] == []
 
 
@@ -406,20 +388,18 @@ def test_a_silent_message_holds_no_other_job_for_its_timeout(engine, settings, s
     with Session(engine) as s, s.begin():  # the silent event first: one claim, one hand-off with the others
         [silent] = publish_many(s, [{"topic": f"{mute}.x", "payload": {"n": -1}}])
         publish_many(s, [{"topic": f"{stream.name}.ok", "payload": {"n": n}} for n in range(9)])
-    relay = Relay(ob, settings())
-    relay.start()
     try:
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
-                 what="the 9 jobs claimed with the silent one done")
-        _publish(engine, f"{stream.name}.ok", 10, start=9)
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
-                 what="the 10 jobs claimed after it done")
-        with engine.connect() as c:
-            row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "
-                                    "WHERE j.event_id = :e"), {"e": silent}).one()
-        assert len(tap.ids()) == 1  # it was sent, once, and is still waiting for its answer
+        with running_relay(ob, settings()):
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
+                     what="the 9 jobs claimed with the silent one done")
+            _publish(engine, f"{stream.name}.ok", 10, start=9)
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
+                     what="the 10 jobs claimed after it done")
+            with engine.connect() as c:
+                row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "
+                                        "WHERE j.event_id = :e"), {"e": silent}).one()
+            assert len(tap.ids()) == 1  # it was sent, once, and is still waiting for its answer
     finally:
-        relay.stop()
         tap.close()
     assert tuple(row) == ("running", 1, None), row
     assert stream.count() == 19

@@ -18,9 +18,10 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, publish_many
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
+
+from .helpers import running_relay
 
 URL = AMQP_URL
 TIMEOUT = 90.0
@@ -115,12 +116,8 @@ def test_a_thousand_events_reach_the_bound_queue_once_each_with_their_properties
         ids = publish_many(s, [{"topic": "order.placed" if i % 3 else "order.paid", "key": f"order:{i}",
                                 "payload": {"n": i, "note": "\u00e9t\u00e9", "x": [1.5, None, True]},
                                 "headers": {"traceparent": f"00-{i:032x}-{i:016x}-01"}} for i in range(1000)])
-    relay = Relay(ob, settings(claim_batch=100, prefetch=100))
-    relay.start()
-    try:
+    with running_relay(ob, settings(claim_batch=100, prefetch=100)):
         wait_for(lambda: _statuses(engine, "to_rabbit").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         events = {r.id: r for r in c.execute(sa.text("SELECT id, topic, key, payload::text AS body FROM outbox_events"))}
     messages = broker.drain()
@@ -151,9 +148,7 @@ def test_an_unroutable_message_is_retried_not_dropped_and_an_ordered_key_waits_f
                    ordered=True, max_attempts=1000)
         with Session(engine) as s, s.begin():
             publish_many(s, [{"topic": "t", "key": f"k{i % 2}", "payload": {"n": i}} for i in range(20)])
-        relay = Relay(ob, settings(backoff_base=0.05, backoff_cap=0.3))
-        relay.start()
-        try:
+        with running_relay(ob, settings(backoff_base=0.05, backoff_cap=0.3)):
             wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="k0's 10 done")
 
             def k1_retried() -> bool:
@@ -168,8 +163,6 @@ def test_an_unroutable_message_is_retried_not_dropped_and_an_ordered_key_waits_f
                 statuses
             broker.bind("k1")
             wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="all 20 done")
-        finally:
-            relay.stop()
         messages = broker.drain()
         order = {k: [int(m.headers["Outbox-Event-Id"]) for m in messages if m.headers["Outbox-Key"] == k]
                  for k in ("k0", "k1")}

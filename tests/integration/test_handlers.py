@@ -13,10 +13,9 @@ from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, HandlerMisuseError, Job, LeaseLostError, Outbox
 from outbox.relay.maintenance import reap_expired
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
-from .helpers import expire_lease, job_row, publish_events
+from .helpers import expire_lease, job_row, publish_events, running_relay
 
 TIMEOUT = 15
 
@@ -85,48 +84,46 @@ def test_lost_lease_is_detected_and_the_late_result_dropped(engine, settings, ca
 
     publish_events(engine, "t", [{"n": 1}])
     # Two worker slots, so this same relay re-claims the job while attempt 1 still runs.
-    relay = Relay(ob, settings(concurrency=2), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
-        first = started[1]
-        _take_back(engine, first.id)
-        wait_for(lambda: 2 in started, timeout=TIMEOUT, what="attempt 2 re-claimed")
-        second = started[2]
-        assert second.id == first.id and second.fence > first.fence
-        wait_for(lambda: first.lease_lost, timeout=TIMEOUT, what="heartbeat noticing the lost lease")
-        assert not second.lease_lost
-        with pytest.raises(LeaseLostError):
-            first.check_lease()
+    with running_relay(ob, settings(concurrency=2), maintain=False) as relay:
+        try:
+            wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
+            first = started[1]
+            _take_back(engine, first.id)
+            wait_for(lambda: 2 in started, timeout=TIMEOUT, what="attempt 2 re-claimed")
+            second = started[2]
+            assert second.id == first.id and second.fence > first.fence
+            wait_for(lambda: first.lease_lost, timeout=TIMEOUT, what="heartbeat noticing the lost lease")
+            assert not second.lease_lost
+            with pytest.raises(LeaseLostError):
+                first.check_lease()
 
-        before = _only_job(engine)
-        assert (before["status"], before["fence"], before["attempts"]) == ("running", second.fence, 2)
-        go[1].set()  # the paused worker wakes and reports
-        wait_for(lambda: _stale_dropped(caplog, first), timeout=TIMEOUT, what="stale report dropped")
-        after = _only_job(engine)
-        assert {k: after[k] for k in ("status", "fence", "attempts", "finished_at", "last_error")} == \
-               {k: before[k] for k in ("status", "fence", "attempts", "finished_at", "last_error")}
-        assert isinstance(check[0], LeaseLostError)
-        # The old claim's report did not make the relay forget the new claim of the same
-        # job: it is still counted in flight and its lease keeps being renewed.
-        assert relay.runner.in_flight() == 1
-        wait_for(lambda: _only_job(engine)["lease_until"] > after["lease_until"], timeout=TIMEOUT,
-                 what="heartbeat renewing attempt 2's lease")
-        assert not second.lease_lost
+            before = _only_job(engine)
+            assert (before["status"], before["fence"], before["attempts"]) == ("running", second.fence, 2)
+            go[1].set()  # the paused worker wakes and reports
+            wait_for(lambda: _stale_dropped(caplog, first), timeout=TIMEOUT, what="stale report dropped")
+            after = _only_job(engine)
+            assert {k: after[k] for k in ("status", "fence", "attempts", "finished_at", "last_error")} == \
+                   {k: before[k] for k in ("status", "fence", "attempts", "finished_at", "last_error")}
+            assert isinstance(check[0], LeaseLostError)
+            # The old claim's report did not make the relay forget the new claim of the same
+            # job: it is still counted in flight and its lease keeps being renewed.
+            assert relay.runner.in_flight() == 1
+            wait_for(lambda: _only_job(engine)["lease_until"] > after["lease_until"], timeout=TIMEOUT,
+                     what="heartbeat renewing attempt 2's lease")
+            assert not second.lease_lost
 
-        go[2].set()
-        wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
-        assert _only_job(engine)["fence"] == second.fence
-        assert any("lease lost: job" in r.getMessage() for r in caplog.records)
-        # One WARNING for the lost lease, naming the job; its late report adds none.
-        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert warned == [f"lease lost on 1 job (slow 1; id {first.id}): the claims were taken back (this relay "
-                          "paused, or cut off from its database, for longer than the lease); what their handlers "
-                          "report will be dropped"], warned
-    finally:
-        for e in go.values():
-            e.set()
-        relay.stop()
+            go[2].set()
+            wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
+            assert _only_job(engine)["fence"] == second.fence
+            assert any("lease lost: job" in r.getMessage() for r in caplog.records)
+            # One WARNING for the lost lease, naming the job; its late report adds none.
+            warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+            assert warned == [f"lease lost on 1 job (slow 1; id {first.id}): the claims were taken back (this relay "
+                              "paused, or cut off from its database, for longer than the lease); what their handlers "
+                              "report will be dropped"], warned
+        finally:
+            for e in go.values():
+                e.set()
 
 
 def test_async_lease_mode_handler(engine, settings):
@@ -139,13 +136,9 @@ def test_async_lease_mode_handler(engine, settings):
         seen.append((job.payload["n"], job.idempotency_key))
 
     ids = publish_events(engine, "t", [{"n": i} for i in range(5)])
-    relay = Relay(ob, settings(concurrency=2))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2)):
         wait_for(lambda: len(seen) == 5, timeout=TIMEOUT, what="5 async runs")
         wait_for(lambda: _statuses(engine) == ["done"] * 5, timeout=TIMEOUT, what="5 done")
-    finally:
-        relay.stop()
     assert sorted(seen) == [(i, f"async:{ids[i]}") for i in range(5)]
 
 
@@ -165,12 +158,8 @@ def test_transactional_writes_commit_with_the_completion(engine, settings, effec
         _write_effect(session, job)
 
     publish_events(engine, "t", [{"n": i} for i in range(10)])
-    relay = Relay(ob, settings(concurrency=3))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=3)):
         wait_for(lambda: _statuses(engine) == ["done"] * 10, timeout=TIMEOUT, what="10 done")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         jobs = dict(c.execute(sa.text("SELECT id, fence FROM outbox_jobs")).all())
     assert sorted(effects()) == sorted((i, 1, f) for i, f in jobs.items())
@@ -189,19 +178,17 @@ def test_transactional_writes_roll_back_when_the_fence_no_longer_matches(engine,
         _write_effect(session, job)
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
-        first = started[1]
-        _take_back(engine, first.id)
-        go.set()
-        wait_for(lambda: _stale_dropped(caplog, first), timeout=TIMEOUT, what="stale completion dropped")
-        # Attempt 1's write never became visible; the re-claimed attempt 2 writes once.
-        wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
-    finally:
-        go.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=1), maintain=False):
+        try:
+            wait_for(lambda: 1 in started, timeout=TIMEOUT, what="attempt 1 running")
+            first = started[1]
+            _take_back(engine, first.id)
+            go.set()
+            wait_for(lambda: _stale_dropped(caplog, first), timeout=TIMEOUT, what="stale completion dropped")
+            # Attempt 1's write never became visible; the re-claimed attempt 2 writes once.
+            wait_for(lambda: _only_job(engine)["status"] == "done", timeout=TIMEOUT, what="attempt 2 done")
+        finally:
+            go.set()
     row = _only_job(engine)
     assert row["attempts"] == 2 and row["fence"] == started[2].fence > first.fence
     assert effects() == [(first.id, 2, started[2].fence)]
@@ -218,12 +205,8 @@ def test_transactional_handler_that_raises_rolls_back_and_retries(engine, settin
             raise RuntimeError("downstream said no")
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _statuses(engine) == ["done"], timeout=TIMEOUT, what="done")
-    finally:
-        relay.stop()
     row = _only_job(engine)
     assert row["attempts"] == 2
     assert row["last_error"].startswith("RuntimeError: downstream said no")
@@ -244,12 +227,8 @@ def test_transactional_handler_may_not_commit(engine, settings, effects):
             raise
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _statuses(engine) == ["dead"], timeout=TIMEOUT, what="dead")
-    finally:
-        relay.stop()
     assert len(raised) == 1 and isinstance(raised[0], HandlerMisuseError)  # a ConfigurationError too
     assert isinstance(raised[0], ConfigurationError)
     assert "must not commit" in _only_job(engine)["last_error"]
@@ -272,12 +251,8 @@ def test_transactional_job_whose_connection_breaks_is_released_not_failed(engine
             session.execute(sa.text("SELECT pg_terminate_backend(pg_backend_pid())"))
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _statuses(engine) == ["done"], timeout=TIMEOUT, what="done despite the broken connection")
-    finally:
-        relay.stop()
     row = _only_job(engine)
     # max_attempts=1: had the broken run counted as a failure, the job would be dead.
     assert row["attempts"] == 1 and len(runs) == 2

@@ -12,15 +12,16 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox, PermanentError
+from outbox.admin import redrive
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
-from outbox.relay.maintenance import prune, reap_expired, redrive
+from outbox.db.retention import prune
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import MAX_ERROR_CHARS, Failure, format_error
-from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
 
-from .helpers import db_now, expire_lease, job_row, publish_events, routed_jobs, subscribe
+from .helpers import db_now, expire_lease, job_row, publish_events, routed_jobs, running_relay, subscribe
 
 LEASES = {"a": 30.0}
 
@@ -262,12 +263,8 @@ def test_permanent_error_in_a_handler_dead_letters_via_the_relay(engine, setting
         raise PermanentError("order 7 does not exist")
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: _status(engine) and set(_status(engine).values()) == {"dead"}, what="dead job")
-    finally:
-        relay.stop()
     [row] = _rows(engine)
     assert row["attempts"] == 1 and calls == [1]
     assert row["last_error"].startswith("PermanentError: order 7 does not exist")
@@ -342,7 +339,7 @@ def test_redrive_puts_dead_jobs_back_with_a_fresh_budget(engine):
     assert job_row(engine, ids[1])["status"] == "dead"
     assert job_row(engine, ids[2])["status"] == "done"
     with engine.begin() as conn:
-        assert redrive(conn) == [ids[1]]
+        assert redrive(conn, every=True) == [ids[1]]
     assert sorted(j.id for j in _claim(engine)) == ids[:2]
 
 
@@ -415,12 +412,8 @@ def test_last_error_is_bounded_and_stored_for_any_exception_text(engine, setting
 
         ob.subscriber("t", consumer=name, max_attempts=1)(handler)
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: list(_status(engine).values()).count("dead") == len(NASTY), what="all dead")
-    finally:
-        relay.stop()
     errors = {r["consumer"]: r["last_error"] for r in _rows(engine)}
     for name, text in errors.items():
         assert 0 < len(text) <= MAX_ERROR_CHARS, name
@@ -456,12 +449,8 @@ def test_handler_returning_a_value_logs_a_warning_and_is_done(engine, settings, 
         return "something"
 
     publish_events(engine, "t", [{"n": 1}, {"n": 2}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: set(_status(engine).values()) == {"done"} and len(_status(engine)) == 2, what="done")
-    finally:
-        relay.stop()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "returned str" in r.getMessage()]
     assert len(warnings) == 1 and "returns" in warnings[0].getMessage()
 

@@ -68,11 +68,13 @@ completion deletes the job's row in the statement that completes it, and the mod
 job; stale claims of deleted jobs stay with their workers, and their reports must change
 nothing.
 
-Settings: ``max_examples=200`` (60 for the second run), ``stateful_step_count=40``, ``deadline=None`` (database
+Settings: ``max_examples=200`` (60 for the second run), scaled by the hypothesis profile
+(tests/hypothesis_profiles.py), ``stateful_step_count=40``, ``deadline=None`` (database
 round trips vary), ``database=None`` (no example database is written, so nothing lands in
 the repository; a failure prints its steps). One database per test run (the ``engine``
 fixture); each example empties the tables and restarts the identities and the fence
-sequence (``DELETE`` and ``setval``, far cheaper than ``TRUNCATE``). Runtime on a 2-core
+sequence (``DELETE`` and ``setval``, far cheaper than ``TRUNCATE``). Runtime (every example,
+the ``thorough`` profile) on a 2-core
 machine with other suites running: about 35 s against a local PostgreSQL 15, about 25 s
 against the embedded server. A typical run makes some 8,000 operations: ~2,000 claims,
 ~300 complete-and-claims (~250 jobs completed and ~230 claimed by them, a third of them with
@@ -121,11 +123,12 @@ from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
 from outbox.db.tables import JOB_STATUSES
 from outbox.relay import transaction
-from outbox.relay.maintenance import reap_expired, redrive
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import Failure, format_error
 from outbox.relay.relay import register_subscriptions
 from outbox.relay.router import route_batch
 from outbox.settings import OutboxSettings
+from tests.hypothesis_profiles import examples
 
 from .helpers import db_now, publish_events
 
@@ -140,7 +143,7 @@ MAX_WORK = 6  # no publishing while this many events and jobs are open: the step
 COLUMNS = ("id", "event_id", "consumer", "status", "priority", "run_at", "attempts", "max_attempts",
            "lease_until", "fence", "locked_by", "created_at", "updated_at", "finished_at")
 
-SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(200), stateful_step_count=40, deadline=None, database=None)
 
 
 @dataclasses.dataclass
@@ -626,7 +629,8 @@ class JobLifecycle(RuleBasedStateMachine):
             ids = data.draw(st.lists(st.sampled_from(sorted(self.jobs)), max_size=4, unique=True), label="ids")
         if "consumer" in how:
             consumer = data.draw(st.sampled_from(CONSUMERS), label="consumer")
-        got, now, before, after = self.run(lambda conn, now: redrive(conn, ids=ids, consumer=consumer))
+        got, now, before, after = self.run(lambda conn, now: list(conn.execute(
+            queries.in_schema().job_redrive_many, {"ids": ids, "consumer": consumer}).scalars()))
         expected = {m.id for m in self.jobs.values() if m.status == "dead"
                     and (ids is None or m.id in ids) and (consumer is None or m.consumer == consumer)}
         assert sorted(got) == sorted(expected), f"redrive ids={ids} consumer={consumer}"
@@ -711,4 +715,4 @@ def test_job_lifecycle_deleting_done_jobs_matches_the_model(engine):
     rows kept; a stale completion of a deleted job changes nothing. Fewer examples: the
     rules are the same, only the completions differ."""
     machine = type("JobLifecycleDeletingDone", (JobLifecycle,), {"engine": engine, "keep_done": False})
-    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=60))
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=examples(60)))

@@ -17,7 +17,7 @@ from outbox.relay.relay import Relay
 from outbox.telemetry.metrics import read_gauges
 from outbox.testing import wait_for
 
-from .helpers import publish_events
+from .helpers import publish_events, running_relay
 
 parser = pytest.importorskip("prometheus_client.parser", reason="the extra 'metrics' (prometheus_client) is not "
                              "installed")
@@ -89,9 +89,7 @@ def workload_app(engine: sa.Engine) -> Outbox:
 
 def test_metrics_after_a_known_workload_agree_with_the_database(engine, settings):
     ob = workload_app(engine)
-    relay = Relay(ob, settings(metrics_port=0, metrics_interval=1.0, backoff_base=0.01, backoff_cap=0.02))
-    relay.start()
-    try:
+    with running_relay(ob, settings(metrics_port=0, metrics_interval=1.0, backoff_base=0.01, backoff_cap=0.02)) as relay:
         publish_events(engine, "t", [{"n": i} for i in range(N)])
         publish_events(engine, "nobody.listens", [{"n": i} for i in range(3)])
         final = {("ok", "done"): N, ("flaky", "dead"): N, ("perm", "dead"): N, ("tx", "done"): N}
@@ -103,8 +101,6 @@ def test_metrics_after_a_known_workload_agree_with_the_database(engine, settings
                          and value(s, "outbox_jobs_total", consumer="tx", outcome="done") == N) else None
 
         samples = wait_for(settled, timeout=TIMEOUT, what="metrics to show the final state")
-    finally:
-        relay.stop()
 
     def jobs(consumer: str, outcome: str) -> float | None:
         return value(samples, "outbox_jobs_total", consumer=consumer, outcome=outcome)

@@ -16,17 +16,19 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, publish, publish_many
+from outbox.admin import blocked_keys, redrive, skip_dead_job
 from outbox.db import queries
 from outbox.db.jobs import bury_job, claim_jobs, complete_jobs
+from outbox.db.promotion import promote
 from outbox.errors import NotBlockingError
 from outbox.ops.cli import main
-from outbox.relay.maintenance import reap_expired, redrive
-from outbox.relay.ordering import HeadSweeper, blocked_keys, promote, skip_dead_job
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.ordering import HeadSweeper
 from outbox.relay.router import route_all, route_batch
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for
 
-from .helpers import expire_lease
+from .helpers import expire_lease, running_relays
 
 
 def _settings(**overrides: Any) -> OutboxSettings:
@@ -441,8 +443,6 @@ def test_two_relays_run_each_key_one_job_at_a_time_in_order(engine, settings):
     """Two relays with eight workers each: per key, the handler never runs twice at once and
     sees its events in publish order, through failed attempts; the dispatcher's promotion
     (after each round of outcomes) moves every key on."""
-    from outbox.relay.relay import Relay
-
     lock = threading.Lock()
     running: dict[str, int] = defaultdict(int)
     overlaps: list[str] = []
@@ -467,19 +467,12 @@ def test_two_relays_run_each_key_one_job_at_a_time_in_order(engine, settings):
                 running[key] -= 1
 
     events = [(f"k{n % 10}", n) for n in range(200)]
-    relays = [Relay(ob, settings(concurrency=8, prefetch=8, backoff_base=0.01, backoff_cap=0.02,
-                                reap_interval=60.0))  # no sweep: only the dispatcher promotes
-              for _ in range(2)]
-    for relay in relays:
-        relay.start()
-    try:
+    with running_relays(2, ob, settings(concurrency=8, prefetch=8, backoff_base=0.01, backoff_cap=0.02,
+                                        reap_interval=60.0)):  # no sweep: only the dispatcher promotes
         for start in range(0, len(events), 20):
             _publish(engine, events[start:start + 20])
         wait_for(lambda: set(_status(engine).values()) == {"done"} and len(_status(engine)) == 200, timeout=60,
                  what="every job done")
-    finally:
-        for relay in relays:
-            relay.stop()
     assert overlaps == []
     for key, ns in _per_key(seen).items():
         assert ns == sorted(ns), key

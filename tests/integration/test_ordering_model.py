@@ -47,8 +47,8 @@ claims depend on elapsed time (tests/integration/test_flow_control.py covers the
 
 A second run repeats it with ``retention_done = 0``: each completion deletes its job.
 
-Settings: ``max_examples=150`` (40 for the second run), ``stateful_step_count=40``, ``deadline=None``,
-``database=None`` (no example database lands in the repository).
+Settings: ``max_examples=150`` (40 for the second run), scaled by the hypothesis profile
+(tests/hypothesis_profiles.py), ``stateful_step_count=40``, ``deadline=None``, ``database=None`` (no example database lands in the repository).
 """
 
 from __future__ import annotations
@@ -62,15 +62,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from outbox import Job, Outbox, publish
+from outbox.admin import redrive, skip_dead_job
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, snooze_jobs
 from outbox.errors import NotBlockingError
 from outbox.relay.flow import FlowControl
-from outbox.relay.maintenance import reap_expired, redrive
-from outbox.relay.ordering import HeadSweeper, promote_finished, skip_dead_job
+from outbox.relay.maintenance import reap_expired
+from outbox.relay.ordering import HeadSweeper, promote_finished
 from outbox.relay.outcomes import Failure, Snoozed
 from outbox.relay.router import register_subscriptions, route_batch
 from outbox.settings import OutboxSettings
+from tests.hypothesis_profiles import examples
 
 TOPIC = "t"
 ORDERED = ("ob", "os")
@@ -78,7 +80,7 @@ CAP = 2
 KEYS = ("k0", "k1", "k2", None)
 RELAYS = ("r0", "r1")
 LEASE = 300.0
-SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None, database=None)
+SETTINGS = settings(max_examples=examples(150), stateful_step_count=40, deadline=None, database=None)
 
 INDEX = st.integers(min_value=0, max_value=10**6)
 
@@ -223,7 +225,7 @@ class OrderingFlow(RuleBasedStateMachine):
     @rule()
     def redrive_all(self) -> None:
         with self.engine.begin() as conn:
-            redrive(conn)
+            redrive(conn, every=True)
 
     @rule(index=INDEX)
     def skip_blocked(self, index: int) -> None:
@@ -292,4 +294,4 @@ def test_ordering_and_flow_control_model_deleting_done_jobs(engine: sa.Engine) -
     finished head leaves no row behind, and every invariant must hold as before (fewer
     examples: only the completions differ)."""
     machine = type("OrderingFlowDeletingDone", (OrderingFlow,), {"engine": engine, "keep_done": False})
-    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=40))
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=examples(40)))

@@ -23,7 +23,7 @@ from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
 from . import pgbouncer as bouncer_process
-from .helpers import publish_events
+from .helpers import publish_events, running_relay
 
 TIMEOUT = 60
 
@@ -81,13 +81,9 @@ def test_relay_through_pgbouncer_runs_lease_mode_and_transactional_jobs(engine, 
         session.execute(sa.text("INSERT INTO effects (job_id, fence) VALUES (:j, :f)"), {"j": job.id, "f": job.fence})
 
     extra = {"listen_url": _text(db_url)} if listen.startswith("LISTEN") else {}
-    relay = Relay(ob, settings(database_url=_text(through), pooler="transaction", concurrency=8, **extra))
-    relay.start()
-    try:
+    with running_relay(ob, settings(database_url=_text(through), pooler="transaction", concurrency=8, **extra)) as relay:
         publish_events(engine, "t", [{"n": i} for i in range(300)])
         wait_for(lambda: _finished(engine, 600), timeout=TIMEOUT, what="600 jobs finished")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         jobs = c.execute(sa.text("SELECT id, consumer, status, attempts, fence, last_error FROM outbox_jobs")).all()
         effects = dict(c.execute(sa.text("SELECT job_id, fence FROM effects")).all())
@@ -119,12 +115,8 @@ def test_idle_in_transaction_limit_ends_a_handler_through_pgbouncer(engine, thro
         job.wait_lease_lost(1.8)  # idle inside the transaction past its lease
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(database_url=_text(through), pooler="transaction", concurrency=1, default_lease=1))
-    relay.start()
-    try:
+    with running_relay(ob, settings(database_url=_text(through), pooler="transaction", concurrency=1, default_lease=1)):
         wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         job = c.execute(sa.text("SELECT status, attempts, last_error FROM outbox_jobs")).one()
         assert c.execute(sa.text("SELECT count(*) FROM effects")).scalar() == 0

@@ -1,4 +1,4 @@
-"""Poison rows (:mod:`outbox.relay.poison`): one row that makes a batch statement fail with a data
+"""Poison rows (:mod:`outbox.db.poison`): one row that makes a batch statement fail with a data
 error is confined to itself. A trigger of the test's raises for chosen jobs at a chosen
 transition (claim, completion, failure, heartbeat, reaping, routing) or a foreign key
 keeps an event from being pruned; every other job goes on and runs exactly once, and the
@@ -16,13 +16,14 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
-from outbox.relay.maintenance import prune, reap_expired
-from outbox.relay.poison import Quarantine, is_data_error, isolate
+from outbox.db.poison import Quarantine, is_data_error, isolate
+from outbox.db.retention import prune
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.relay import Relay
 from outbox.relay.router import route_all, route_round
 from outbox.testing import wait_for
 
-from .helpers import publish_events, subscribe
+from .helpers import publish_events, running_relay, subscribe
 
 TIMEOUT = 20
 
@@ -228,17 +229,15 @@ def test_a_heartbeat_that_fails_for_one_job_dead_letters_it_and_renews_the_rest(
         seen.append(job)
         gate.wait(TIMEOUT)
 
-    relay = Relay(ob, settings(concurrency=3, listen=False, reap_interval=0.1))
-    relay.start()
-    try:
-        wait_for(lambda: _jobs(engine)[bad].status == "dead", timeout=TIMEOUT, what="the poison job dead")
-        wait_for(lambda: len(seen) == 3, timeout=TIMEOUT, what="three handlers running")
-        lost = {j.id for j in seen if j.lease_lost}
-        assert lost == {bad}  # the other two kept their leases through the heartbeats
-        assert "Renewing the lease failed for this job" in _jobs(engine)[bad].last_error
-    finally:
-        gate.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=3, listen=False, reap_interval=0.1)):
+        try:
+            wait_for(lambda: _jobs(engine)[bad].status == "dead", timeout=TIMEOUT, what="the poison job dead")
+            wait_for(lambda: len(seen) == 3, timeout=TIMEOUT, what="three handlers running")
+            lost = {j.id for j in seen if j.lease_lost}
+            assert lost == {bad}  # the other two kept their leases through the heartbeats
+            assert "Renewing the lease failed for this job" in _jobs(engine)[bad].last_error
+        finally:
+            gate.set()
     assert {i: _jobs(engine)[i].status for i in jobs["c"] if i != bad} == {i: "done" for i in jobs["c"] if i != bad}
 
 
@@ -343,17 +342,13 @@ def test_a_claim_that_fails_for_every_job_pauses_claiming_and_buries_nothing(poi
     for job_id in jobs:
         _poison(engine, "running", job_id=job_id)
     ob, runs, _ = _app(["c"])
-    relay = Relay(ob, settings(concurrency=2, listen=False, reconnect_max=0.5))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2, listen=False, reconnect_max=0.5)):
         wait_for(lambda: any("claiming paused" in r.message for r in caplog.records), timeout=TIMEOUT,
                  what="the pause to be logged")
         assert {r.status for r in _jobs(engine).values() if r.id in jobs} == {"ready"}
         with engine.begin() as conn:
             conn.execute(sa.text("DELETE FROM poison_rules"))
         wait_for(lambda: all(_jobs(engine)[i].status == "done" for i in jobs), timeout=TIMEOUT, what="every job done")
-    finally:
-        relay.stop()
     assert sum("claiming paused" in r.message for r in caplog.records) == 1
     assert all(runs[i] == 1 for i in jobs) and all(_jobs(engine)[i].last_error is None for i in jobs)
 
@@ -361,7 +356,7 @@ def test_a_claim_that_fails_for_every_job_pauses_claiming_and_buries_nothing(poi
 def test_routing_that_fails_for_every_event_quarantines_none(poison_db):
     """A trigger that refuses every job insert: the router backs off instead of
     quarantining every event one by one (adversary: 11,500 ERROR lines in 90 s)."""
-    from outbox.relay.poison import SystemicError
+    from outbox.db.poison import SystemicError
 
     engine = poison_db
     subscribe(engine, "t", ["c"])

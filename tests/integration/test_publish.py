@@ -30,6 +30,9 @@ from sqlalchemy.orm import Session
 from outbox import InvalidEventError, publish, publish_many
 from outbox.db.tables import EVENTS_CHANNEL
 from outbox.publish import DEFAULT_MAX_PAYLOAD_BYTES, MAX_DEPTH
+from tests.hypothesis_profiles import examples as example_count  # hypothesis' settings is `examples` here
+
+from .helpers import running_relay
 
 # --------------------------------------------------------------------------- helpers
 
@@ -662,7 +665,7 @@ NUMBERS = {
 }
 
 
-@examples(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@examples(max_examples=example_count(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(payload=st.fixed_dictionaries({
     "f": st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=12),
     "big": st.lists(st.floats(min_value=1e15, allow_infinity=False), max_size=4),
@@ -690,7 +693,6 @@ def test_numbers_reach_the_handler_with_their_type_and_value(engine, settings):
     and publish_many, in payload and headers, as a relay's handler receives them; -0.0
     arrives as 0.0 (a float, equal under ==, positive)."""
     from outbox import Outbox
-    from outbox.relay.relay import Relay
     from outbox.testing import wait_for
 
     received: list[tuple[Any, Any]] = []
@@ -703,12 +705,8 @@ def test_numbers_reach_the_handler_with_their_type_and_value(engine, settings):
     with Session(engine) as s, s.begin():
         publish(s, "numbers", NUMBERS, headers={"h": NUMBERS["floats"]})
         publish_many(s, [("numbers", NUMBERS, None, {"h": NUMBERS["floats"]})])
-    relay = Relay(ob, settings(concurrency=1), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1), maintain=False):
         wait_for(lambda: len(received) == 2, timeout=15, what="both events handled")
-    finally:
-        relay.stop()
     for payload, headers in received:
         assert typed(payload) == typed(NUMBERS)
         assert typed(headers) == typed({"h": NUMBERS["floats"]})

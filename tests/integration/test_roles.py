@@ -36,7 +36,7 @@ from outbox.db.migrate import upgrade
 from outbox.ops.cli import main
 from outbox.ops.grants import PUBLISHER_EVENT_INSERT_COLUMNS, grant_statements, render
 from outbox.relay.relay import Relay
-from outbox.relay.router import AnalyzeOutcome, StatisticsKeeper
+from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
 SCHEMA = "shop"
@@ -44,7 +44,7 @@ TIMEOUT = 20
 #: Seconds the clean-up waits for an unreachable server (:func:`_drop_roles_after`).
 CLEANUP_WAIT = 60
 ROOT = Path(__file__).resolve().parents[2]
-OPERATIONS = ROOT / "docs" / "operations.md"
+ROLES_PAGE = ROOT / "docs" / "schemas-and-roles.md"
 
 
 @pytest.fixture
@@ -150,8 +150,8 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     caplog.set_level(logging.INFO)
     relay = Relay(ob, settings(database_url=_url_text(roles["relay"]), schema_name=SCHEMA, prune_interval=0.2))
     # ANALYZE due after every routed job, asked again at once: the warning must still come once.
-    relay.job_statistics = StatisticsKeeper(relay.engine, floor=0, retry_cap=0.0, schema=SCHEMA,
-                                            upkeep=relay.upkeep)
+    relay.router.statistics = StatisticsKeeper(relay.engine, floor=0, retry_cap=0.0, schema=SCHEMA,
+                                               upkeep=relay.maintenance.upkeep)
     relay.start()
     publisher = make_engine(roles["publisher"])
     try:
@@ -165,7 +165,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
         assert more[1] == again
         wait_for(lambda: len(done) == 6, timeout=TIMEOUT, what="the jobs of three events, two consumers each")
         assert [p["n"] for c, p in done if c == "ledger"] == [1, 2, 3]
-        wait_for(lambda: relay.job_statistics.denied >= 2 and relay.stats["vacuums_skipped"] >= 2,
+        wait_for(lambda: relay.router.statistics.denied >= 2 and relay.stats["vacuums_skipped"] >= 2,
                  timeout=TIMEOUT, what="ANALYZE and VACUUM each skipped twice")
         # The relay keeps working after the skips.
         with Session(publisher) as s, s.begin():
@@ -176,7 +176,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "may not ANALYZE or VACUUM" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert names["relay"] in warnings[0].getMessage()
-    assert relay.stats["vacuums"] == 0 and relay.job_statistics.analyzed == 0
+    assert relay.stats["vacuums"] == 0 and relay.router.statistics.analyzed == 0
 
     # The relay role runs the inspecting commands too.
     relay_url = _url_text(roles["relay"])
@@ -369,12 +369,13 @@ def test_headers_that_are_not_a_json_object_are_refused_for_every_writer(engine,
 
 
 def _roles_example() -> tuple[str, list[str]]:
-    """The Roles section of docs/operations.md as written: its first SQL block (the
+    """The Roles section of docs/schemas-and-roles.md as written: its first SQL block (the
     superuser's) and the commands of its shell block (continued lines joined, comments left
     out)."""
-    text = OPERATIONS.read_text(encoding="utf-8")
+    text = ROLES_PAGE.read_text(encoding="utf-8")
     section = text[text.index("\n## Roles\n"):]
-    section = section[:section.index("\n## ", 1)]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     sql = re.search(r"```sql\n(.*?)```", section, re.S)
     shell = re.search(r"```bash\n(.*?)```", section, re.S)
     assert sql and shell, "the Roles section has an SQL block and a shell block"
@@ -385,7 +386,7 @@ def _roles_example() -> tuple[str, list[str]]:
 
 @pytest.mark.parametrize("where", ["public", "own schema"])
 def test_the_roles_example_runs_as_written(empty_db_url, tmp_path, where):
-    """Issue 26 item 6 (b): the Roles example of docs/operations.md, run as written on a
+    """Issue 26 item 6 (b): the Roles example of docs/schemas-and-roles.md (docs/operations.md before), run as written on a
     fresh database of its own (PostgreSQL 15 and later: ``GRANT CREATE ON DATABASE`` alone
     left ``migrate`` with "permission denied for schema public"), with role names made
     unique: the superuser's SQL, then every command of the shell block (migrate as the owner,

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from outbox import Outbox, OutboxSettings, publish
 from outbox.relay.router import RouteResult, route_all, route_batch
 
-from .helpers import publish_events, subscribe
+from .helpers import publish_events, running_relay, subscribe
 
 
 def _route(engine: sa.Engine, limit: int = 500) -> RouteResult:
@@ -146,7 +146,6 @@ def test_redeclaring_a_subscription_differently_is_logged(engine, caplog):
 
 def test_hostile_topic_and_consumer_names_are_routed_and_run(engine, settings):
     """Names full of quotes, semicolons and SQL are data, never SQL: routed and run end to end."""
-    from outbox.relay.relay import Relay
     from outbox.testing import wait_for
 
     topic = "order'; DROP TABLE outbox_jobs; --"
@@ -155,12 +154,8 @@ def test_hostile_topic_and_consumer_names_are_routed_and_run(engine, settings):
     ob = Outbox()
     ob.subscriber(topic, consumer=consumer)(lambda job: seen.append(job.consumer))
     publish_events(engine, topic, [{"n": 1}, {"n": 2}])
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: len(seen) == 2, timeout=15, what="both jobs run")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         rows = c.execute(sa.text("SELECT consumer, status FROM outbox_jobs")).all()
     assert seen == [consumer, consumer] and sorted(rows) == [(consumer, "done")] * 2

@@ -20,7 +20,7 @@ from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
 
-from .helpers import job_row, publish_events, routed_jobs, subscribe
+from .helpers import job_row, publish_events, routed_jobs, running_relay, subscribe
 
 TIMEOUT = 15
 LEASES = {"a": 30.0}
@@ -224,46 +224,42 @@ def test_buffered_jobs_are_heartbeated(engine, settings):
         gate.wait(TIMEOUT)
 
     publish_events(engine, "t", [{"n": i} for i in range(4)])
-    relay = Relay(ob, settings(concurrency=1, prefetch=3))
-    relay.start()
-    try:
-        wait_for(lambda: list(_statuses(engine).values()).count("running") == 4, timeout=TIMEOUT,
-                 what="1 running + 3 buffered")
-        with engine.connect() as c:
-            first = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
-
-        def renewed() -> bool:
+    with running_relay(ob, settings(concurrency=1, prefetch=3)) as relay:
+        try:
+            wait_for(lambda: list(_statuses(engine).values()).count("running") == 4, timeout=TIMEOUT,
+                     what="1 running + 3 buffered")
             with engine.connect() as c:
-                now = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
-            return all(now[i] is not None and now[i] > first[i] for i in first)
+                first = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
 
-        # Lease 1.5 s, heartbeat every 0.5 s: within 3 s every claim, buffered ones included,
-        # has been renewed, and the reaper (every 0.2 s) has taken none back.
-        wait_for(renewed, timeout=TIMEOUT, what="every held lease renewed")
-        assert relay.stats["reaped"] == 0
-        gate.set()
-        wait_for(lambda: set(_statuses(engine).values()) == {"done"}, timeout=TIMEOUT, what="all done")
-        with engine.connect() as c:
-            attempts = set(c.execute(sa.text("SELECT attempts FROM outbox_jobs")).scalars())
-        assert attempts == {1}
-    finally:
-        gate.set()
-        relay.stop()
+            def renewed() -> bool:
+                with engine.connect() as c:
+                    now = dict(c.execute(sa.text("SELECT id, lease_until FROM outbox_jobs")).all())
+                return all(now[i] is not None and now[i] > first[i] for i in first)
+
+            # Lease 1.5 s, heartbeat every 0.5 s: within 3 s every claim, buffered ones included,
+            # has been renewed, and the reaper (every 0.2 s) has taken none back.
+            wait_for(renewed, timeout=TIMEOUT, what="every held lease renewed")
+            assert relay.stats["reaped"] == 0
+            gate.set()
+            wait_for(lambda: set(_statuses(engine).values()) == {"done"}, timeout=TIMEOUT, what="all done")
+            with engine.connect() as c:
+                attempts = set(c.execute(sa.text("SELECT attempts FROM outbox_jobs")).scalars())
+            assert attempts == {1}
+        finally:
+            gate.set()
 
 
 def test_prefetch_zero_claims_only_for_idle_workers(engine, settings):
     ob, gate, running = _blocking_app()
     publish_events(engine, "t", [{"n": i} for i in range(10)])
-    relay = Relay(ob, settings(concurrency=3, prefetch=0))
-    relay.start()
-    try:
-        wait_for(lambda: len(running) == 3, timeout=TIMEOUT, what="three workers busy")
-        relay.wake_workers.set()  # a wake-up must not make it claim past its idle workers
-        wait_for(lambda: relay.runner.in_flight() == 3, timeout=TIMEOUT, what="three claims")
-        assert list(_statuses(engine).values()).count("running") == 3
-    finally:
-        gate.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=3, prefetch=0)) as relay:
+        try:
+            wait_for(lambda: len(running) == 3, timeout=TIMEOUT, what="three workers busy")
+            relay.wake_workers.set()  # a wake-up must not make it claim past its idle workers
+            wait_for(lambda: relay.runner.in_flight() == 3, timeout=TIMEOUT, what="three claims")
+            assert list(_statuses(engine).values()).count("running") == 3
+        finally:
+            gate.set()
     wait_for(lambda: set(_statuses(engine).values()) <= {"done", "ready"}, timeout=TIMEOUT, what="settled")
 
 
@@ -279,9 +275,7 @@ def test_dispatcher_reconnects_when_its_connection_is_terminated(engine, setting
     def handler(job: Job) -> None:
         done.append(job.id)
 
-    relay = Relay(ob, settings(concurrency=2))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2)):
         publish_events(engine, "t", [{"n": 1}])
         wait_for(lambda: len(done) == 1, timeout=TIMEOUT, what="first job")
         with engine.connect() as c:  # end every session of the relay, the dispatcher's included
@@ -292,8 +286,6 @@ def test_dispatcher_reconnects_when_its_connection_is_terminated(engine, setting
         publish_events(engine, "t", [{"n": i} for i in range(2, 12)])
         wait_for(lambda: list(_statuses(engine).values()) == ["done"] * 11,  # one snapshot, not two
                  timeout=TIMEOUT, what="jobs published after the kill done")
-    finally:
-        relay.stop()
     assert len(done) == len(set(done)) == 11  # none ran twice: no completion was lost
 
 
@@ -313,21 +305,19 @@ def test_a_buffered_job_whose_lease_ran_out_is_handed_back_not_started(engine, s
             gate.wait(TIMEOUT)
 
     publish_events(engine, "t", [{"n": 0}])
-    relay = Relay(ob, settings(concurrency=1, prefetch=3))
-    relay.start()
-    try:
-        wait_for(lambda: len(seen) == 1, timeout=TIMEOUT, what="the first job blocking the only worker")
-        publish_events(engine, "t", [{"n": 1}])
-        wait_for(lambda: relay.runner.in_flight() == 2, timeout=TIMEOUT, what="the second job in the buffer")
-        with relay.runner.claims.lock:  # as if the process had been paused past the buffered job's lease
-            [buffered] = [j for j in relay.runner.claims.inflight.values() if j.payload["n"] == 1]
-        buffered._lease_bound = 0.0
-        gate.set()
-        wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(seen) == 2, timeout=TIMEOUT,
-                 what="both jobs done")
-    finally:
-        gate.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=1, prefetch=3)) as relay:
+        try:
+            wait_for(lambda: len(seen) == 1, timeout=TIMEOUT, what="the first job blocking the only worker")
+            publish_events(engine, "t", [{"n": 1}])
+            wait_for(lambda: relay.runner.in_flight() == 2, timeout=TIMEOUT, what="the second job in the buffer")
+            with relay.runner.claims.lock:  # as if the process had been paused past the buffered job's lease
+                [buffered] = [c for c in relay.runner.claims.inflight.values() if c.job.payload["n"] == 1]
+            buffered.lease_bound = 0.0
+            gate.set()
+            wait_for(lambda: set(_statuses(engine).values()) == {"done"} and len(seen) == 2, timeout=TIMEOUT,
+                     what="both jobs done")
+        finally:
+            gate.set()
     second = [s for s in seen if s[0] == buffered.id]
     assert len(second) == 1 and second[0][1] > buffered.fence  # never started under the stale claim
     assert second[0][2] == 1  # the hand-back did not count an attempt
@@ -343,9 +333,7 @@ def test_wake_ups_closer_than_the_cooldown_share_a_routing_round(engine, setting
     ``routed_at``); without a cooldown each NOTIFY started a round of its own."""
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
-    relay = Relay(ob, settings(wake_cooldown=0.5, poll_interval=5.0))
-    relay.start()
-    try:
+    with running_relay(ob, settings(wake_cooldown=0.5, poll_interval=5.0)):
         ids = []
         for i in range(10):
             ids += publish_events(engine, "t", [{"n": i}])
@@ -357,8 +345,6 @@ def test_wake_ups_closer_than_the_cooldown_share_a_routing_round(engine, setting
             wait_for(routed, timeout=TIMEOUT, what="the ten events routed")
             rounds = c.execute(sa.text("SELECT count(DISTINCT routed_at) FROM outbox_events WHERE id = ANY(:ids)"),
                                {"ids": ids}).scalar_one()
-    finally:
-        relay.stop()
     assert 1 <= rounds <= 3
 
 
@@ -371,17 +357,12 @@ def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
     for consumer in ("a", "b", "c"):
         ob.subscriber("t", consumer=consumer)(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(300)])
-    relay = Relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0))
-
     def all_done() -> bool:
         statuses = _statuses(engine)
         return len(statuses) == 900 and set(statuses.values()) == {"done"}
 
-    relay.start()
-    try:
+    with running_relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0)):
         wait_for(all_done, timeout=15, what="the backlog done without a cooldown between full batches")
-    finally:
-        relay.stop()
 
 
 # ------------------------------------------------------------- claim-order hint
@@ -417,15 +398,11 @@ def test_a_more_urgent_job_is_claimed_from_the_head_while_a_backlog_runs_after_t
         finished["urgent"].append(job.id)
 
     publish_events(engine, "bulk", [{"n": i} for i in range(1500)])
-    relay = Relay(ob, settings(concurrency=2, prefetch=10, claim_batch=10))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2, prefetch=10, claim_batch=10)):
         wait_for(lambda: len(finished["bulk"]) >= 100, timeout=TIMEOUT, what="the backlog under way")
         publish_events(engine, "urgent", [{"n": 0}])
         wait_for(lambda: finished["urgent"], timeout=TIMEOUT, what="the urgent job")
         assert len(finished["bulk"]) < 1500  # it did not wait for the backlog to drain
-    finally:
-        relay.stop()
 
 
 # ------------------------------------------------------------- stop during a claim
@@ -573,17 +550,13 @@ def test_a_busy_relay_keeps_its_row_seen(engine, settings, monkeypatch):
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     subscribe(engine, "t", ["a"])
-    relay = Relay(ob, settings(concurrency=1, prefetch=0))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1, prefetch=0)) as relay:
         wait_for(lambda: _relay_age(engine, relay.worker_id) is not None, timeout=TIMEOUT, what="the relay's row")
         seen = set()
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:  # a steady trickle: a round every few milliseconds
             publish_events(engine, "t", [{"n": 0}])
             seen.add(_relay_seen_at(engine, relay.worker_id))
-    finally:
-        relay.stop()
     # Refreshed while busy (about every 0.3 s; a loaded machine may stretch that, so no bound
     # on the age): a relay that refreshed its row only when idle shows one value here.
     assert len(seen) >= 3, sorted(seen)

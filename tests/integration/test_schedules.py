@@ -21,6 +21,8 @@ from outbox.relay.scheduler import register_schedules
 from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 
+from .helpers import running_relays
+
 EVERY_SECOND = "* * * * * *"  # croniter: a 6th field is seconds
 
 
@@ -41,14 +43,8 @@ def db_now(engine: sa.Engine) -> datetime:
 @contextmanager
 def relays(ob: Outbox, settings: Callable[..., OutboxSettings], n: int) -> Iterator[list[Relay]]:
     """``n`` relays running only their schedulers (no routing, workers or maintenance)."""
-    running = [Relay(ob, settings(listen=False), route=False, work=False, maintain=False) for _ in range(n)]
-    try:
-        for relay in running:
-            relay.start()
+    with running_relays(n, ob, settings(listen=False), route=False, work=False, maintain=False) as running:
         yield running
-    finally:
-        for relay in running:
-            relay.stop()
 
 
 def test_three_relays_publish_each_slot_exactly_once(engine, settings):

@@ -8,8 +8,9 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish
-from outbox.relay.relay import Relay
 from outbox.testing import wait_for
+
+from .helpers import running_relay
 
 
 def test_publish_route_run(engine, settings):
@@ -32,14 +33,10 @@ def test_publish_route_run(engine, settings):
         for n in range(20):
             publish(s, "order.placed", {"n": n}, key=f"order:{n}")
 
-    relay = Relay(ob, settings())
-    relay.start()
-    try:
+    with running_relay(ob, settings()):
         wait_for(lambda: len(seen) >= 40, what="40 handler runs")
         def all_done():
             with engine.connect() as c:
                 return c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = 'done'")).scalar() == 40
         wait_for(all_done, what="40 done jobs")
-    finally:
-        relay.stop()
     assert sorted(seen) == sorted([(c, n) for c in "ab" for n in range(20)])

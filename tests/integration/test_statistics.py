@@ -1,4 +1,4 @@
-"""Planner statistics of ``outbox_jobs``: the router's :class:`StatisticsKeeper` analyses
+"""Planner statistics of ``outbox_jobs``: the statistics keeper (:class:`StatisticsKeeper`) analyses
 the table after bursts, so the claim keeps reading ``ix_outbox_jobs_ready`` in claim order
 instead of sorting the whole ready backlog (docs/performance.md, finding 1); an ANALYZE
 that cannot get its lock is skipped and never holds routing up.
@@ -14,10 +14,11 @@ import sqlalchemy as sa
 from outbox import Outbox
 from outbox.db import queries
 from outbox.relay.relay import Relay
-from outbox.relay.router import AnalyzeOutcome, StatisticsKeeper, route_all, route_batch
+from outbox.relay.router import route_all, route_batch
+from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
-from .helpers import publish_events, subscribe
+from .helpers import publish_events, running_relay, subscribe
 
 CONSUMERS = ["a", "b", "c"]
 
@@ -87,7 +88,7 @@ def test_claim_reads_the_ready_index_after_a_burst_into_a_never_analysed_table(e
     finally:
         relay.stop()
     assert relay.stats["jobs_created"] == 21_000
-    assert relay.job_statistics.analyzed >= 1
+    assert relay.router.statistics.analyzed >= 1
     assert _reltuples(engine) > 20_000
 
     # 42,000 ready jobs: the claim takes the first `limit` in (priority, run_at, id) order
@@ -231,20 +232,20 @@ def test_analyze_is_skipped_while_another_session_holds_a_conflicting_lock(engin
         _publish(engine, 3000)
         relay = _route_with_relay(ob, settings)
         try:
-            wait_for(lambda: _unrouted(engine) == 0 and relay.job_statistics.skipped >= 1, timeout=30,
+            wait_for(lambda: _unrouted(engine) == 0 and relay.router.statistics.skipped >= 1, timeout=30,
                      what="every event routed while the ANALYZE is skipped")
             assert relay.stats["jobs_created"] == 3000
-            assert (relay.job_statistics.analyzed, relay.job_statistics.failed) == (0, 0)
+            assert (relay.router.statistics.analyzed, relay.router.statistics.failed) == (0, 0)
             assert _reltuples(engine) == -1
 
             holder.rollback()  # the lock goes; the keeper tries again on a later round
-            wait_for(lambda: relay.job_statistics.analyzed == 1, timeout=30, what="the retried ANALYZE")
+            wait_for(lambda: relay.router.statistics.analyzed == 1, timeout=30, what="the retried ANALYZE")
         finally:
             relay.stop()
     finally:
         holder.close()
     assert _reltuples(engine) == 3000
-    assert relay.job_statistics.pending == 0
+    assert relay.router.statistics.pending == 0
 
 
 def test_routing_goes_on_while_the_keepers_analyze_waits_for_its_lock(engine, settings):
@@ -258,7 +259,7 @@ def test_routing_goes_on_while_the_keepers_analyze_waits_for_its_lock(engine, se
     holder.begin()
     holder.execute(sa.text("LOCK TABLE outbox_jobs IN SHARE UPDATE EXCLUSIVE MODE"))
     relay = Relay(ob, settings(route_batch=1000), work=False, maintain=False)
-    relay.job_statistics = StatisticsKeeper(relay.engine, floor=500, lock_timeout=60.0)
+    relay.router.statistics = StatisticsKeeper(relay.engine, floor=500, lock_timeout=60.0)
     try:
         _publish(engine, 3000)
         relay.start()
@@ -271,15 +272,15 @@ def test_routing_goes_on_while_the_keepers_analyze_waits_for_its_lock(engine, se
 
         wait_for(analyze_waiting, timeout=30, what="the keeper's ANALYZE waiting for its lock")
         wait_for(lambda: _unrouted(engine) == 0, timeout=30, what="every event routed while the ANALYZE waits")
-        assert analyze_waiting() and relay.job_statistics.analyzed == 0
+        assert analyze_waiting() and relay.router.statistics.analyzed == 0
         assert relay.stats["jobs_created"] == 3000
         holder.rollback()  # the lock goes: the waiting ANALYZE runs
-        wait_for(lambda: _reltuples(engine) == 3000 and relay.job_statistics.analyzed >= 1, timeout=30,
+        wait_for(lambda: _reltuples(engine) == 3000 and relay.router.statistics.analyzed >= 1, timeout=30,
                  what="the ANALYZE once the lock went")
     finally:
         holder.close()
         relay.stop()
-    assert relay.job_statistics.analyzed >= 1 and relay.job_statistics.failed == 0
+    assert relay.router.statistics.analyzed >= 1 and relay.router.statistics.failed == 0
 
 
 def test_keeper_reports_a_lock_timeout_as_skipped_and_waits_before_retrying(engine):
@@ -316,14 +317,10 @@ def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, se
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     _publish(engine, 2000)
-    relay = Relay(ob, settings(retention_done=0.001, prune_interval=0.5))  # 0 would delete at completion
     caplog.set_level("WARNING", logger="outbox.relay")
-    relay.start()
-    try:
+    with running_relay(ob, settings(retention_done=0.001, prune_interval=0.5)) as relay:  # 0 would delete at completion
         wait_for(lambda: relay.stats["pruned_jobs"] == 2000 and relay.stats["vacuums"] >= 2, timeout=30,
                  what="jobs done and pruned, then a vacuum")
-    finally:
-        relay.stop()
 
     def vacuumed() -> bool:  # the server's own count: the VACUUM really ran on outbox_jobs
         with engine.connect() as conn:
@@ -357,7 +354,7 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
     all of them: both claim statements read about as many job rows as they claim. Before
     the claim's update probed the primary key, the planner, trusting the statistics, joined
     the picked ids to a scan of every ready job: 20,000 rows read per picked row."""
-    from outbox.relay.maintenance import redrive
+    from outbox.admin import redrive
 
     subscribe(engine, "t", ["x"])
     _no_autovacuum(engine)

@@ -19,10 +19,9 @@ from sqlalchemy.orm import Session
 
 from outbox import ConfigurationError, Job, Outbox, PermanentError, Snooze
 from outbox.ops.cli import main
-from outbox.relay.relay import Relay
 from outbox.testing import drain, wait_for
 
-from .helpers import job_row, publish_events
+from .helpers import job_row, publish_events, running_relay
 
 TIMEOUT = 20
 
@@ -62,26 +61,24 @@ def test_a_sync_handler_that_hangs_forever_ends_dead_and_the_relay_keeps_serving
 
     _healthy(ob)
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=4, prefetch=2), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: _jobs(engine, "hangs") and _jobs(engine, "hangs")[0]["status"] == "dead",
-                 timeout=TIMEOUT, what="the hanging job dead")
-        [row] = _jobs(engine, "hangs")
-        assert row["attempts"] == 3 and started == [1, 2, 3]
-        assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"]
-        # Three hung threads hold three of the four slots; the fourth still serves others.
-        assert relay.runner.claims.hung == 3
-        assert relay.runner.stats["timed_out"] == 3
-        _serves_others(engine)
-        assert any("3 of 4 slots held by hung handlers" in r.getMessage() for r in caplog.records)
-        release.set()  # the hung threads return at last: their results are dropped, slots freed
-        wait_for(lambda: relay.runner.claims.hung == 0, timeout=TIMEOUT, what="the hung slots freed")
-        assert job_row(engine, row["id"])["status"] == "dead"
-        assert relay.runner.stats["stale"] == 0
-    finally:
-        release.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=4, prefetch=2), maintain=False) as relay:
+        try:
+            wait_for(lambda: _jobs(engine, "hangs") and _jobs(engine, "hangs")[0]["status"] == "dead",
+                     timeout=TIMEOUT, what="the hanging job dead")
+            [row] = _jobs(engine, "hangs")
+            assert row["attempts"] == 3 and started == [1, 2, 3]
+            assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"]
+            # Three hung threads hold three of the four slots; the fourth still serves others.
+            assert relay.runner.claims.hung == 3
+            assert relay.runner.stats["timed_out"] == 3
+            _serves_others(engine)
+            assert any("3 of 4 slots held by hung handlers" in r.getMessage() for r in caplog.records)
+            release.set()  # the hung threads return at last: their results are dropped, slots freed
+            wait_for(lambda: relay.runner.claims.hung == 0, timeout=TIMEOUT, what="the hung slots freed")
+            assert job_row(engine, row["id"])["status"] == "dead"
+            assert relay.runner.stats["stale"] == 0
+        finally:
+            release.set()
 
 
 def test_a_relay_whose_slots_all_hang_claims_nothing_and_hands_its_buffer_back(engine, settings):
@@ -93,20 +90,18 @@ def test_a_relay_whose_slots_all_hang_claims_nothing_and_hands_its_buffer_back(e
         release.wait()
 
     publish_events(engine, "t", [{"n": 1}, {"n": 2}, {"n": 3}])
-    relay = Relay(ob, settings(concurrency=1, prefetch=5), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: relay.runner.claims.hung == 1, timeout=TIMEOUT, what="the one slot hung")
-        # Nothing it holds could run: every job is back in the table, none held by this relay.
-        wait_for(lambda: relay.runner.in_flight() == 0 and all(r["status"] == "ready" for r in _jobs(engine, "hangs")),
-                 timeout=TIMEOUT, what="the buffer handed back")
-        assert sum(r["attempts"] for r in _jobs(engine, "hangs")) == 1  # only the hung attempt counted
-        release.set()
-        wait_for(lambda: _all_done(engine, "hangs", 3), timeout=TIMEOUT, what="claiming again once the slot is free")
-        assert relay.runner.claims.hung == 0
-    finally:
-        release.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=1, prefetch=5), maintain=False) as relay:
+        try:
+            wait_for(lambda: relay.runner.claims.hung == 1, timeout=TIMEOUT, what="the one slot hung")
+            # Nothing it holds could run: every job is back in the table, none held by this relay.
+            wait_for(lambda: relay.runner.in_flight() == 0 and all(r["status"] == "ready" for r in _jobs(engine, "hangs")),
+                     timeout=TIMEOUT, what="the buffer handed back")
+            assert sum(r["attempts"] for r in _jobs(engine, "hangs")) == 1  # only the hung attempt counted
+            release.set()
+            wait_for(lambda: _all_done(engine, "hangs", 3), timeout=TIMEOUT, what="claiming again once the slot is free")
+            assert relay.runner.claims.hung == 0
+        finally:
+            release.set()
 
 
 def test_an_async_handler_that_hangs_forever_is_cancelled_and_ends_dead(engine, settings):
@@ -123,9 +118,7 @@ def test_an_async_handler_that_hangs_forever_is_cancelled_and_ends_dead(engine, 
 
     _healthy(ob)
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=2), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2), maintain=False) as relay:
         wait_for(lambda: _jobs(engine, "hangs") and _jobs(engine, "hangs")[0]["status"] == "dead",
                  timeout=TIMEOUT, what="the hanging job dead")
         [row] = _jobs(engine, "hangs")
@@ -133,8 +126,6 @@ def test_an_async_handler_that_hangs_forever_is_cancelled_and_ends_dead(engine, 
         assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"]
         assert relay.runner.claims.hung == 0  # cancelled: no slot kept
         _serves_others(engine)
-    finally:
-        relay.stop()
 
 
 def test_an_async_handler_that_blocks_its_event_loop_is_failed_naming_its_own_timeout(engine, settings):
@@ -152,16 +143,14 @@ def test_an_async_handler_that_blocks_its_event_loop_is_failed_naming_its_own_ti
             release.wait(TIMEOUT)  # blocks the loop: cancellation cannot end it
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=2), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: _jobs(engine, "blocks") and _jobs(engine, "blocks")[0]["status"] == "dead",
-                 timeout=TIMEOUT, what="the blocking job dead")
-        [row] = _jobs(engine, "blocks")
-        assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"], row["last_error"]
-    finally:
-        release.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=2), maintain=False):
+        try:
+            wait_for(lambda: _jobs(engine, "blocks") and _jobs(engine, "blocks")[0]["status"] == "dead",
+                     timeout=TIMEOUT, what="the blocking job dead")
+            [row] = _jobs(engine, "blocks")
+            assert "HandlerTimeoutError: handler timed out after 0.3 s" in row["last_error"], row["last_error"]
+        finally:
+            release.set()
 
 
 @pytest.fixture
@@ -187,19 +176,17 @@ def test_a_hung_transactional_handler_is_failed_and_its_writes_never_commit(engi
         release.wait()
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=3), maintain=False)
-    relay.start()
-    try:
-        wait_for(lambda: _jobs(engine, "hangs") and _jobs(engine, "hangs")[0]["status"] == "dead",
-                 timeout=TIMEOUT, what="the hanging job dead")
-        assert _jobs(engine, "hangs")[0]["attempts"] == 2
-        release.set()  # the handlers return: their transactions roll back instead of completing
-        wait_for(lambda: relay.runner.claims.hung == 0, timeout=TIMEOUT, what="the hung slots freed")
-        assert effects() == 0
-        assert _jobs(engine, "hangs")[0]["status"] == "dead"
-    finally:
-        release.set()
-        relay.stop()
+    with running_relay(ob, settings(concurrency=3), maintain=False) as relay:
+        try:
+            wait_for(lambda: _jobs(engine, "hangs") and _jobs(engine, "hangs")[0]["status"] == "dead",
+                     timeout=TIMEOUT, what="the hanging job dead")
+            assert _jobs(engine, "hangs")[0]["attempts"] == 2
+            release.set()  # the handlers return: their transactions roll back instead of completing
+            wait_for(lambda: relay.runner.claims.hung == 0, timeout=TIMEOUT, what="the hung slots freed")
+            assert effects() == 0
+            assert _jobs(engine, "hangs")[0]["status"] == "dead"
+        finally:
+            release.set()
 
 
 # ------------------------------------------------------------------- snooze
@@ -216,12 +203,8 @@ def test_snooze_puts_the_job_back_without_counting_the_attempt(engine, settings)
             raise Snooze(0.1)
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1), maintain=False) as relay:
         wait_for(lambda: _all_done(engine, "snoozes", 1), timeout=TIMEOUT, what="the snoozed job done")
-    finally:
-        relay.stop()
     [row] = _jobs(engine, "snoozes")
     # max_attempts=1: had a snooze counted, the job would have died on its first snooze.
     assert (row["attempts"], row["snoozes"], row["last_error"]) == (1, 2, None)
@@ -239,13 +222,9 @@ def test_a_transactional_snooze_rolls_the_handlers_writes_back(engine, settings,
         raise Snooze(3600)
 
     publish_events(engine, "t", [{"n": 1}])
-    relay = Relay(ob, settings(concurrency=1), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1), maintain=False):
         wait_for(lambda: [r["snoozes"] for r in _jobs(engine, "snoozes")] == [1], timeout=TIMEOUT,
                  what="the job snoozed")
-    finally:
-        relay.stop()
     [row] = _jobs(engine, "snoozes")
     assert (row["status"], row["attempts"], effects()) == ("ready", 0, 0)
     with engine.connect() as c:

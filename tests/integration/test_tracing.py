@@ -17,9 +17,10 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.publish import MAX_HEADERS_BYTES
-from outbox.relay.relay import Relay
 from outbox.sinks import Delivered, Failed, Message, SendResult, Sink
 from outbox.testing import drain, wait_for
+
+from .helpers import running_relay
 
 trace = pytest.importorskip("opentelemetry.trace", reason="opentelemetry-api is not installed")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace", reason="opentelemetry-sdk is not installed")
@@ -230,12 +231,8 @@ def test_relay_runs_each_job_in_a_span(engine, settings, spans):
     ob.subscriber("t", consumer="c")(lambda job: done.append(job.id))
     with _tracer().start_as_current_span("publisher") as publisher, Session(engine) as s, s.begin():
         publish_many(s, [("t", {"n": n}) for n in range(3)])
-    relay = Relay(ob, settings(concurrency=2), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=2), maintain=False):
         wait_for(lambda: len(done) == 3 and len(_job_spans(spans)) == 3, timeout=15, what="three job spans")
-    finally:
-        relay.stop()
     assert {s.parent.span_id for s in _job_spans(spans)} == {publisher.get_span_context().span_id}
     assert sorted(s.attributes["outbox.job.id"] for s in _job_spans(spans)) == sorted(done)
 
@@ -294,14 +291,10 @@ def test_forwarded_batches_are_producer_spans_linked_to_the_publishers(engine, s
     ob.forward("t", to=sink, consumer="to_memory", max_attempts=1)
     with _tracer().start_as_current_span("publisher") as publisher, Session(engine) as s, s.begin():
         publish_many(s, [("t", {"n": 1}), ("t", {"refuse": True})])
-    relay = Relay(ob, settings(), maintain=False)
-    relay.start()
-    try:
+    with running_relay(ob, settings(), maintain=False):
         wait_for(lambda: len(sink.messages) == 2 and any(s.kind is trace.SpanKind.PRODUCER
                                                          for s in spans.get_finished_spans()),
                  timeout=15, what="the batch sent")
-    finally:
-        relay.stop()
     sends = [s for s in spans.get_finished_spans() if s.kind is trace.SpanKind.PRODUCER]
     assert sum(s.attributes["messaging.batch.message_count"] for s in sends) == 2
     assert {s.name for s in sends} == {"send to_memory"}

@@ -19,7 +19,7 @@ from outbox import Job, Outbox, publish
 from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
-from .helpers import publish_events
+from .helpers import publish_events, running_relay
 
 TIMEOUT = 30
 
@@ -94,14 +94,10 @@ def test_transactional_handlers_work_whatever_the_default_isolation(engine, db_u
         _write_effect(session, job)
 
     publish_events(engine, "t", [{"n": i} for i in range(8)])
-    relay = Relay(ob, settings(concurrency=8))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=8)) as relay:
         with relay.engine.connect() as conn:  # the database's default is in force for the relay's sessions
             assert conn.exec_driver_sql("SHOW default_transaction_isolation").scalar() == level
         wait_for(lambda: _finished(engine, 8), timeout=TIMEOUT, what="8 jobs finished")
-    finally:
-        relay.stop()
     _all_done_once(engine, effects)
     assert set(seen) == {"read committed"}
 
@@ -153,13 +149,9 @@ def test_deadlock_in_a_transactional_handler_is_retried_in_place(engine, setting
     publish_events(engine, "t", [{"n": 1}])
     other = threading.Thread(target=other_session, daemon=True)
     other.start()
-    relay = Relay(ob, settings(concurrency=1))
-    relay.start()
-    try:
+    with running_relay(ob, settings(concurrency=1)):
         wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
         other.join(TIMEOUT)
-    finally:
-        relay.stop()
     _all_done_once(engine, effects)
     assert runs == [1, 1]  # the same attempt, run twice
     with engine.connect() as c:
@@ -229,16 +221,12 @@ def test_transaction_limits_are_set_in_the_handlers_transaction_only(engine, set
 
     base = settings()
     url = sa.engine.make_url(base.url()).update_query_dict({"options": "-csearch_path=app,public"})
-    relay = Relay(ob, settings(database_url=url.render_as_string(hide_password=False)))
     publish_events(engine, "t", [{"n": 1}])
-    relay.start()
-    try:
+    with running_relay(ob, settings(database_url=url.render_as_string(hide_password=False))) as relay:
         wait_for(lambda: _finished(engine, 1), timeout=TIMEOUT, what="the job finished")
         with relay.engine.connect() as conn:  # outside a handler's transaction: the server's defaults
             assert conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar() == "0"
             assert conn.exec_driver_sql("SHOW search_path").scalar() == "app,public"
-    finally:
-        relay.stop()
     assert seen == {"idle_in_transaction_session_timeout": "2500ms", "transaction_isolation": "read committed",
                     "search_path": "app,public"}
 
@@ -308,12 +296,8 @@ def test_transactional_jobs_wait_for_a_connection_under_a_role_connection_limit(
 
     n = 300
     publish_events(engine, "t", [{"n": i} for i in range(n)])
-    relay = Relay(ob, settings(database_url=limited_role.render_as_string(hide_password=False), concurrency=16))
-    relay.start()
-    try:
+    with running_relay(ob, settings(database_url=limited_role.render_as_string(hide_password=False), concurrency=16)):
         wait_for(lambda: _finished(engine, n), timeout=120, interval=0.2, what=f"{n} jobs finished")
-    finally:
-        relay.stop()
     with engine.connect() as c:
         effects = dict(c.execute(sa.text("SELECT job_id, fence FROM effects")).all())
     _all_done_once(engine, lambda: effects)

@@ -12,6 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from outbox.backoff import retry_delay
+from tests.hypothesis_profiles import examples
 
 MAX_ATTEMPT = 10**6
 
@@ -46,7 +47,7 @@ def assert_within(delay: float, attempt: int, base: float, cap: float, jitter: f
     assert delay >= 0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(attempt=attempts, b=practical_base, c=practical_cap, jitter=jitters, seed=st.integers(0, 2**32))
 @example(attempt=MAX_ATTEMPT, b=1.0, c=3600.0, jitter=0.25, seed=0)
 @example(attempt=1025, b=1.0, c=30 * 86_400.0, jitter=0.0, seed=0)
@@ -56,7 +57,7 @@ def test_delay_within_bounds_for_practical_settings(attempt, b, c, jitter, seed)
     assert_within(delay, attempt, base, cap, jitter)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(attempt=attempts, b=positive, c=positive, jitter=jitters, seed=st.integers(0, 2**32))
 @example(attempt=MAX_ATTEMPT, b=5e-324, c=1.7976931348623157e308, jitter=0.0, seed=0)
 @example(attempt=2000, b=5e-324, c=1e308, jitter=0.5, seed=1)
@@ -69,7 +70,7 @@ def test_delay_never_overflows_for_any_finite_base_and_cap(attempt, b, c, jitter
     assert_within(delay, attempt, base, cap, jitter)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(attempt=st.integers(1, MAX_ATTEMPT - 1), step=st.integers(1, 2000), b=practical_base, c=practical_cap)
 def test_monotone_without_jitter(attempt, step, b, c):
     base, cap = base_cap(b, c)
@@ -114,7 +115,7 @@ def test_invalid_arguments_raise_value_error(kwargs):
         retry_delay(attempt, **kwargs)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(attempt=st.integers(max_value=0), jitter=jitters)
 def test_any_attempt_below_one_is_refused(attempt, jitter):
     with pytest.raises(ValueError, match="attempt"):

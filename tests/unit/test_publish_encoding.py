@@ -34,6 +34,7 @@ from outbox.publish import (
     _encode_many,
     make_event,
 )
+from tests.hypothesis_profiles import examples
 
 publish_module = sys.modules["outbox.publish"]  # outbox.publish the attribute is the function
 
@@ -262,7 +263,7 @@ names = st.one_of(
 # ------------------------------------------------------------------- properties
 
 
-@settings(max_examples=2000, deadline=None)
+@settings(max_examples=examples(2000), deadline=None)
 @given(payload=payloads, limit=st.sampled_from([DEFAULT_MAX_PAYLOAD_BYTES, 2, 40, 100]))
 @example(payload={"a": "\x00"}, limit=100)
 @example(payload="\\u0000", limit=100)
@@ -278,19 +279,19 @@ def test_payload_same_as_reference(payload: Any, limit: int) -> None:
     assert_same("t", payload, max_payload_bytes=limit)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(headers=st.one_of(st.none(), json_like, containers(json_like)))
 def test_headers_same_as_reference(headers: Any) -> None:
     assert_same("t", {}, headers=headers)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(topic=names, key=st.one_of(st.none(), names))
 def test_names_same_as_reference(topic: Any, key: Any) -> None:
     assert_same(topic, {"n": 1}, key=key)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(topic=names, key=st.one_of(st.none(), names), payload=payloads, headers=st.one_of(st.none(), json_like))
 def test_whole_event_same_as_reference(topic: Any, key: Any, payload: Any, headers: Any) -> None:
     """Several problems at once: the first one reported is the same (topic, key, headers'
@@ -390,7 +391,7 @@ good_items = st.tuples(st.sampled_from(["order.placed", "a", "ünï", 'q"uote\\'
                        st.one_of(st.none(), st.text(min_size=1, max_size=8).filter(str.strip)))
 
 
-@settings(max_examples=800, deadline=None)
+@settings(max_examples=examples(800), deadline=None)
 @given(events=st.lists(st.one_of(good_items, good_items, good_items, items), max_size=6))
 def test_publish_many_same_as_reference(events: list[Any]) -> None:
     """Same first refusal, and else one document holding exactly the reference's encoding."""
@@ -455,7 +456,7 @@ def test_strings_holding_e_plus_are_left_alone(payload: Any, text: str) -> None:
     assert json.loads(text) == payload
 
 
-@settings(max_examples=3000, deadline=None)
+@settings(max_examples=examples(3000), deadline=None)
 @given(value=st.floats(allow_nan=False, allow_infinity=False))
 def test_every_finite_float_is_written_with_a_fraction_or_a_negative_exponent(value: float) -> None:
     """What numeric keeps as a number with digits after the point (so it reads back as a

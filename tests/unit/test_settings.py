@@ -3,6 +3,8 @@ validated with errors that name the field; the CLI's flags win over the environm
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import ValidationError
 
@@ -163,3 +165,33 @@ def test_listen_target_behind_a_transaction_pooler(monkeypatch):
     assert "s3cret" not in repr(OutboxSettings(listen_url="postgresql://a:s3cret@db/x"))
     with pytest.raises(ValidationError):
         OutboxSettings(pooler="session")
+
+
+#: What a setting's description may not hold: a measurement (a speed-up such as "1.21x", a
+#: rate, "measured", a benchmark) or a pointer into the performance history ("lever 14",
+#: "finding 1", "issue 14", the performance page). Descriptions state behaviour, unit and
+#: default; the measurements behind a default belong in the performance notes.
+MEASUREMENT = re.compile(r"\b\d+(?:\.\d+)?x\b|\blevers?\b|\bmeasur\w*|\bbench\w*|\bjobs/s\b|performance\.md"
+                         r"|\bfinding \d|\bissue \d", re.IGNORECASE)
+
+
+def test_descriptions_state_behaviour_unit_and_default_not_measurements():
+    offenders = {name: match[0] for name, field in OutboxSettings.model_fields.items()
+                 for match in MEASUREMENT.finditer(field.description or "")}
+    assert offenders == {}
+    assert all(field.description for field in OutboxSettings.model_fields.values())
+
+
+@pytest.mark.parametrize("text", [
+    "it pays with large claims (1.21x measured)", "0.79x at concurrency 32", "docs/performance.md, lever 14",
+    "levers 13-15", "the benchmark shows", "in bench runs", "28,896 jobs/s", "performance notes, finding 1",
+    "since issue 14", "Measurements say"])
+def test_the_measurement_pattern_catches_what_it_is_for(text):
+    assert MEASUREMENT.search(text)
+
+
+@pytest.mark.parametrize("text", [
+    "Worker threads per relay. Default 8.", "Default 0.005 (5 ms).", "at most 100 years", "concurrency + 6",
+    "0 picks a free port", "Python logging level name. Default INFO.", "a round per wake-up"])
+def test_the_measurement_pattern_lets_behaviour_units_and_defaults_pass(text):
+    assert not MEASUREMENT.search(text)
