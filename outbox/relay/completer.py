@@ -8,7 +8,8 @@ order:
 
 * completions (``Outcome.DONE``, :meth:`Completer.write_completions`): the round's claim
   (:class:`outbox.relay.producer.ClaimRequest`, as the producer shaped it) rides in the same
-  statement (``job_complete_claim_many``: one round trip and one commit for both); the
+  round trip and transaction (``job_complete_many`` then ``job_claim_after_many``,
+  pipelined: one round trip and one commit for both); the
   producer then hands the claimed jobs out. The flow goes one way: the producer shapes the
   claim, the completer sends it with the completions, the producer hands over what it
   returned;
@@ -62,8 +63,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Round:
     """The outcomes one dispatcher round writes (:meth:`Completer.sort`), by statement:
-    completions (``done``: ``job_complete_claim_many``, the round's claim riding with
-    them), failed attempts, snoozes and releases (each a statement of its own); and
+    completions (``done``: ``job_complete_many``, the round's claim, ``job_claim_after_many``,
+    riding with them), failed attempts, snoozes and releases (each a statement of its own); and
     ``finishing``: every claim of the round but the releases, whose ordered keys are
     promoted once their outcomes are written (:meth:`Completer.finished`)."""
 

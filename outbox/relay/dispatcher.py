@@ -2,7 +2,8 @@
 
 Each round takes every outcome the workers have posted, has the completer sort them into
 the round's object, and, when the buffer has room, has the producer shape a claim that the
-completer sends with the completions (one statement, ``job_complete_claim_many``) and the
+completer sends with the completions (``job_complete_many`` then ``job_claim_after_many``,
+one round trip and one transaction: :func:`outbox.db.jobs.complete_and_claim_rows`) and the
 producer then hands out: a busy runner pays one round trip and one
 commit per batch. Failures and releases, which are rare, follow in their own fenced
 statements; then the completer's follow-up on the jobs the round finished. A claim that

@@ -7,7 +7,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   connection and runs the rounds: the **producer** (:class:`outbox.relay.producer.Producer`:
   room, the claim-order hint, claims, the prefetch buffer) claims, the **completer**
   (:class:`outbox.relay.completer.Completer`) writes outcomes; completions and the next claim go
-  in one statement (``job_complete_claim_many``) when both are due;
+  in one round trip (``job_complete_many`` then ``job_claim_after_many``) when both are due;
 * the **starter** (:class:`outbox.relay.starter.Starter`) hands buffered jobs to workers as
   they come free, on its own connection;
 * ``concurrency`` **worker threads** run handlers through the **executor**

@@ -368,11 +368,10 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
     with engine.begin() as conn:
         assert len(redrive(conn, consumer="x")) == 20_000
     claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
-    combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
-                "after_id": 0, "relay": None, "start_now": 0, "forwarding": [], "skip": [], "only": None,
-                "keep_done": True}
+    after = {**claim, "after_priority": -32768, "after_run_at": "-infinity", "after_id": 0, "relay": None,
+             "start_now": 0, "forwarding": [], "skip": [], "only": None}
     public = queries.in_schema("public")
-    for statement, params in ((public.job_claim_many, claim), (public.job_complete_claim_many, combined)):
+    for statement, params in ((public.job_claim_many, claim), (public.job_claim_after_many, after)):
         with engine.connect() as conn:
             [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
             conn.rollback()
