@@ -2,11 +2,16 @@
 
 Workers post how each handler ended (:class:`outbox.relay.outcomes.Outcome` or
 :class:`outbox.relay.outcomes.Failure`); each dispatcher round hands what was posted to
-:meth:`Completer.sort`, which splits it by the statement still to write:
+:meth:`Completer.sort`, which makes the round's :class:`Round`: its outcomes split by the
+statement still to write. The completer writes every one of them from that object, in this
+order:
 
-* completions (``Outcome.DONE``) ride on the round's claim (``job_complete_claim_many``,
-  run by the producer, one round trip for both); :meth:`Completer.completed` accounts for
-  what that statement returned;
+* completions (``Outcome.DONE``, :meth:`Completer.write_completions`): the round's claim
+  (:class:`outbox.relay.producer.ClaimRequest`, as the producer shaped it) rides in the same
+  statement (``job_complete_claim_many``: one round trip and one commit for both); the
+  producer then hands the claimed jobs out. The flow goes one way: the producer shapes the
+  claim, the completer sends it with the completions, the producer hands over what it
+  returned;
 * failed attempts go to ``job_fail_many`` (:meth:`Completer.write_failures`): back to
   ``ready`` after the attempt's backoff, or ``dead`` when out of attempts or permanent;
 * snoozes (:class:`outbox.relay.outcomes.Snoozed`: the handler raised ``Snooze``) go to
@@ -33,12 +38,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 
 from outbox.db import poison
-from outbox.db.jobs import bury_job, fail_jobs, notify_head, release_jobs, snooze_jobs
+from outbox.db.jobs import bury_job, complete_jobs, fail_jobs, notify_head, release_jobs, snooze_jobs
 from outbox.registry import Subscriber
 from outbox.relay import ordering
 from outbox.relay.claim import Claim, jobs_of
@@ -46,10 +52,31 @@ from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
 from outbox.relay.outcomes import Failure, Outcome, Snoozed
+from outbox.relay.producer import ClaimRequest
 from outbox.telemetry.logs import job_summary
 from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Round:
+    """The outcomes one dispatcher round writes (:meth:`Completer.sort`), by statement:
+    completions (``done``: ``job_complete_claim_many``, the round's claim riding with
+    them), failed attempts, snoozes and releases (each a statement of its own); and
+    ``finishing``: every claim of the round but the releases, whose ordered keys are
+    promoted once their outcomes are written (:meth:`Completer.finished`)."""
+
+    done: list[Claim]
+    failed: list[tuple[Claim, Failure]]
+    snoozed: list[tuple[Claim, Snoozed]]
+    release: list[Claim]
+    finishing: list[Claim]
+
+    def pending(self) -> list[tuple[Claim, Any]]:
+        """The round's outcomes still to write, in the order they are written."""
+        return ([(c, Outcome.DONE) for c in self.done] + list(self.failed) + list(self.snoozed)
+                + [(c, Outcome.RELEASE) for c in self.release])
 
 
 class Completer:
@@ -61,8 +88,9 @@ class Completer:
 
     def __init__(self, claims: HeldClaims, connection: Callable[[], psycopg.Connection[Any]],
                  stats: Counters, schema: str, *, subscribers: Mapping[str, Subscriber] | None = None,
-                 wake: Wakeup | None = None, metrics: RelayMetrics | None = None) -> None:
+                 wake: Wakeup | None = None, metrics: RelayMetrics | None = None, keep_done: bool = True) -> None:
         self.claims = claims
+        self.keep_done = keep_done  # a completion marks the job done (False: deletes its row)
         self.metrics = metrics
         self.connection = connection
         self.stats = stats
@@ -71,10 +99,10 @@ class Completer:
         self.wake = wake
         self._unreported: list[Claim] = []  # this round's stale reports for its summary line (report)
 
-    def sort(self, pending: list[tuple[Claim, Any]]) -> tuple[
-            list[Claim], list[tuple[Claim, Failure]], list[tuple[Claim, Snoozed]], list[Claim]]:
-        """Split posted outcomes into (completions, failures, snoozes, releases) still to
-        write; the ones with nothing to write are accounted for and forgotten here."""
+    def sort(self, pending: list[tuple[Claim, Any]]) -> Round:
+        """The round of ``pending`` (posted outcomes): split by the statement still to write
+        them; the ones with nothing to write are accounted for and forgotten here."""
+        finishing = [claim for claim, outcome in pending if outcome is not Outcome.RELEASE]
         unwritten: list[tuple[Claim, Any]] = []
         done: list[Claim] = []
         failed: list[tuple[Claim, Failure]] = []
@@ -107,7 +135,27 @@ class Completer:
                          extra=claim.fields(outcome="cancelled"))
             self.stale([c for c, o in unwritten if o is not Outcome.COMMITTED and o is not Outcome.CANCELLED])
             self.claims.forget(c for c, _ in unwritten)
-        return done, failed, snoozed, release
+        return Round(done, failed, snoozed, release, finishing)
+
+    def write_completions(self, this: Round, claim: ClaimRequest) -> None:
+        """Write the completions of round ``this`` (fenced) with ``claim`` riding in the same
+        statement (:meth:`ClaimRequest.send`: one round trip, one commit), and account for
+        them (:meth:`completed`). On a data error the completions are written by halves
+        (:meth:`by_halves`) and ``claim`` is left unsent, for the producer to make alone.
+        Other errors propagate, nothing written."""
+        done = this.done
+        conn = self.connection()
+        buried: set[int] = set()
+        try:
+            completed = claim.send(conn, jobs_of(done), keep_done=self.keep_done, schema=self.schema)
+        except psycopg.Error as exc:
+            if not poison.is_data_error(exc):
+                raise
+            log.warning("claim and completion failed (%s); running them by halves to find the rows that cause it",
+                        poison.describe_error(exc))
+            completed, buried = self.by_halves("completing", done, lambda part: complete_jobs(
+                conn, jobs_of(part), keep_done=self.keep_done, schema=self.schema))
+        self.completed(done, completed, buried)
 
     def completed(self, done: list[Claim], completed: set[int], buried: set[int]) -> None:
         """The claim statement completed the ids ``completed`` of ``done`` (and the

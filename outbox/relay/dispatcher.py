@@ -1,8 +1,9 @@
 """The dispatcher: one thread, one connection, the rounds that claim jobs and write outcomes.
 
-Each round takes every outcome the workers have posted, has the completer sort them, and,
-when the buffer has room, has the producer claim more. Completions and the claim travel in
-one statement (``job_complete_claim_many``): a busy runner pays one round trip and one
+Each round takes every outcome the workers have posted, has the completer sort them into
+the round's object, and, when the buffer has room, has the producer shape a claim that the
+completer sends with the completions (one statement, ``job_complete_claim_many``) and the
+producer then hands out: a busy runner pays one round trip and one
 commit per batch. Failures and releases, which are rare, follow in their own fenced
 statements; then the completer's follow-up on the jobs the round finished. A claim that
 found fewer due jobs than it asked for marks the table drained: until a wake-up (NOTIFY,
@@ -364,7 +365,7 @@ class Dispatcher:
         """Write the outcomes in ``pending`` and claim up to ``want`` jobs (and, after the
         outcomes, up to ``limited`` of the capped or rate-limited consumers on their own path,
         :meth:`Producer.claim_limited`); returns whether the main claim found the table
-        drained (:meth:`Producer.claim`). While
+        drained (:meth:`Producer.hand_over`). While
         draining, the buffer is released. Outcomes leave ``pending`` as their statement
         commits, so after an error ``pending`` holds exactly what is still to write."""
         try:
@@ -373,26 +374,27 @@ class Dispatcher:
             self.completer.report()  # the round's stale reports, in one line
 
     def _round(self, pending: list[tuple[Claim, Any]], want: int, limited: int) -> bool:
-        finishing = [job for job, outcome in pending if outcome is not Outcome.RELEASE]  # promoted once written
-        done, failed, snoozed, release = self.completer.sort(pending)
-        release += self.claims.take_buffer() if self._buffer_to_release() else []
+        this = self.completer.sort(pending)
+        if self._buffer_to_release():
+            this.release += self.claims.take_buffer()
         # Off the buffer now: carried like any outcome if a statement below fails.
-        pending[:] = [(j, Outcome.DONE) for j in done] + failed + snoozed + [(j, Outcome.RELEASE) for j in release]
+        pending[:] = this.pending()
         drained = False
-        if done or want:
-            completed, buried, drained = self.producer.claim(self.connection.get(), done, want)
-            self.completer.completed(done, completed, buried)
-            del pending[:len(done)]
-        if failed:
-            self.completer.write_failures(failed)
-            del pending[:len(failed)]
-        if snoozed:
-            self.completer.write_snoozes(snoozed)
-            del pending[:len(snoozed)]
-        if finishing:
-            self.completer.finished(finishing)
-        if release:
-            self.completer.write_releases(release)
+        if this.done or want:
+            with self.producer.claiming(want) as claim:
+                self.completer.write_completions(this, claim)
+                del pending[:len(this.done)]
+                drained = self.producer.hand_over(self.connection.get(), claim)
+        if this.failed:
+            self.completer.write_failures(this.failed)
+            del pending[:len(this.failed)]
+        if this.snoozed:
+            self.completer.write_snoozes(this.snoozed)
+            del pending[:len(this.snoozed)]
+        if this.finishing:
+            self.completer.finished(this.finishing)
+        if this.release:
+            self.completer.write_releases(this.release)
             pending[:] = []
         if limited:  # flow control: capped and rate-limited consumers, a claim of their own, after the outcomes
             self.producer.claim_limited(self.connection.get(), limited)

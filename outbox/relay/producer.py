@@ -5,16 +5,18 @@ not returned: ``concurrency`` running and up to ``prefetch`` in the buffer.
 :meth:`Producer.room` says how many to claim now (at most ``claim_batch``, none while
 claims are paused after a claim that fails for every job).
 
-**Claim rounds.** :meth:`Producer.claim` runs ``job_complete_claim_many``: the round's
-completions (the completer's) and the claim in one statement, one round trip and one
-commit. Before it, idle worker slots are reserved for the first ``start_now`` jobs it
-claims; those go to the workers at once, and the rest join the buffer, listed in the
-relay's row of ``outbox_relays`` by the same statement (architecture notes, "Attempts and
-crashes"). A forwarder's jobs always join the buffer, listed: the starter unlists them
-just before the forwarder sends them, so an attempt is charged when its message is
-handed to the broker, not when it is claimed. A data error runs the completions and then the claim by halves
-(:mod:`outbox.db.poison`): a ready job whose claim fails alone is dead-lettered naming the
-error, or quarantined.
+**Claim rounds.** :meth:`Producer.claiming` shapes a round's claim (a
+:class:`ClaimRequest`): it reserves idle worker slots for the first ``start_now`` jobs the
+claim returns and counts the room it asks for as taken. The completer sends it in the
+statement that writes the round's completions (``job_complete_claim_many``: one round trip
+and one commit); :meth:`Producer.hand_over` then gives the first ``start_now`` jobs to the
+workers at once, and the rest join the buffer, listed in the relay's row of
+``outbox_relays`` by the same statement (architecture notes, "Attempts and crashes"). A
+forwarder's jobs always join the buffer, listed: the starter unlists them just before the
+forwarder sends them, so an attempt is charged when its message is handed to the broker,
+not when it is claimed. After a data error (the completer then writes the completions by
+halves) the claim runs alone, and by halves (:mod:`outbox.db.poison`): a ready job whose
+claim fails alone is dead-lettered naming the error, or quarantined.
 
 **The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
 of the last job claimed, so a backlog is not rescanned from the head every round; for at
@@ -24,48 +26,40 @@ back short (there may be ready jobs before the hint).
 
 **The consumers** a claim takes are :meth:`Producer.claim_leases`: every consumer of the
 registry, with its lease. A consumer claimed by a path of its own (in a transaction of its
-own) is left out of that list and claimed next to the combined statement in
-:meth:`Producer.claim`.
+own) is left out of that list and claimed after the round's outcomes in
+:meth:`Producer.claim_limited`.
 
-**The starter** (:class:`Starter`) hands buffered jobs to workers as they come free, on a
-connection of its own: one small statement unlists all it hands over at once
-(``relay_buffer_remove``), and only then do their handlers start.
+The starter (:mod:`outbox.relay.starter`) hands the buffered jobs to workers as they come free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
-from sqlalchemy.engine import Engine
-from sqlalchemy.exc import DBAPIError
 
 from outbox import backoff
 from outbox.db import poison
-from outbox.db.engine import is_disconnect
 from outbox.db.jobs import (
     BufferMark,
     bury_ready_job,
     claim_candidates,
     complete_and_claim_rows,
-    complete_jobs,
-    relay_buffer_remove,
 )
+from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import flow
-from outbox.relay.claim import Claim, jobs_of
-from outbox.relay.claims import HeldClaims, Signals
-from outbox.relay.completer import Completer
+from outbox.relay.claim import Claim
+from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
-from outbox.relay.outcomes import Outcome
-from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
-from outbox.telemetry.logs import job_summary
 from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
@@ -109,6 +103,45 @@ class ClaimHint:
             self._key = None if (hinted and short) else last
 
 
+@dataclass(slots=True)
+class ClaimRequest:
+    """One claim of a dispatcher round, as the producer shaped it (:meth:`Producer.claiming`):
+    up to ``want`` jobs of ``leases``' consumers (consumer -> lease seconds) for relay
+    ``worker_id``, after the claim-order key ``after`` (None: from the head), leaving out the
+    quarantined ids ``skip``, the relay's row written by ``mark`` (``mark.start_now``
+    worker slots were reserved for the first jobs). The completer sends it in the statement
+    that writes the round's completions (:meth:`send`: one round trip, one commit), which
+    fills in ``rows`` (the claimed jobs' rows, in claim order; None: not sent), ``last``
+    (the key of the last one) and ``returned``; the producer then hands the jobs over
+    (:meth:`Producer.hand_over`)."""
+
+    want: int
+    start_now: int
+    leases: dict[str, float]
+    worker_id: str
+    after: tuple[int, Any, int] | None
+    mark: BufferMark
+    skip: list[int]
+    #: time.monotonic() when the request was made: the database's now() of the claim is
+    #: later, so the claims' lease bounds count from here (a safe lower bound).
+    sent: float = field(default_factory=time.monotonic)
+    rows: list[Any] | None = None
+    last: tuple[int, Any, int] | None = None
+    returned: float = 0.0
+    handed_over: bool = False
+
+    def send(self, conn: psycopg.Connection[Any], done: list[Job], *, keep_done: bool, schema: str) -> set[int]:
+        """Complete ``done`` (fenced; ``keep_done`` false: deleted) and make this claim, in one
+        statement (``job_complete_claim_many``) on ``conn``; returns the ids completed (a job
+        of ``done`` missing from them was a stale report). Raises what the statement raises,
+        the claim then not made."""
+        completed, self.rows, self.last = complete_and_claim_rows(
+            conn, done, self.leases, self.want, self.worker_id, self.after, buffer=self.mark, skip=self.skip,
+            keep_done=keep_done, schema=schema)
+        self.returned = time.monotonic()
+        return completed
+
+
 class Producer:
     """Claims jobs of ``leases``' consumers (consumer -> lease seconds) for the runner
     holding ``claims``; jobs for idle slots go to ``start`` (the workers' queue, or the
@@ -119,8 +152,7 @@ class Producer:
     any of them quarantined."""
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
-                 wake: Wakeup, start: Callable[[list[Claim]], None], completer: Completer,
-                 stats: Counters, *, hint: ClaimHint, quarantine: poison.Quarantine,
+                 wake: Wakeup, start: Callable[[list[Claim]], None], stats: Counters, *, hint: ClaimHint, quarantine: poison.Quarantine,
                  subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -129,7 +161,6 @@ class Producer:
         self.worker_id = worker_id
         self.wake = wake
         self.start = start
-        self.completer = completer
         self.stats = stats
         self.schema = settings.schema_name
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
@@ -179,57 +210,58 @@ class Producer:
         return self.claims.has_idle_worker() or want >= max(
             1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
 
-    def claim(self, conn: psycopg.Connection[Any], done: list[Claim], want: int) -> tuple[set[int], set[int], bool]:
-        """Complete ``done`` (fenced) and claim up to ``want`` jobs on ``conn`` (fewer when
-        another dispatcher's claim in flight took the room meanwhile: :meth:`HeldClaims.expect`);
-        returns (ids completed, ids of ``done`` dead-lettered, whether the table is drained:
-        a claim from the head of the ready jobs found fewer than it asked for; a short claim
-        after the hint says nothing). Claimed jobs go to idle workers at once (their slots
-        were reserved before the statement, so they were never listed as buffered) and the
-        rest into the buffer, listed by the same statement."""
+    @contextlib.contextmanager
+    def claiming(self, want: int) -> Iterator[ClaimRequest]:
+        """A claim of up to ``want`` jobs for this round (fewer when another dispatcher's
+        claim in flight took the room meanwhile: :meth:`HeldClaims.expect`), counted as taken
+        until the block ends, with idle worker slots reserved for the first jobs it returns.
+        Inside the block the completer sends it with the round's completions
+        (:meth:`ClaimRequest.send`), then :meth:`hand_over` gives its jobs out; a block left
+        before the hand-over (an error) gives the reserved slots back."""
         want = self.claims.expect(want, self.limit())
         try:
-            return self._claim(conn, done, want)
+            start_now = self.claims.reserve(want)
+            rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
+            request = ClaimRequest(
+                want, start_now, self.claim_leases(), self.worker_id,
+                self.hint.get() if want > 0 and not rewound else None,
+                BufferMark(self.worker_id, start_now, self.claims.forwarding), self.quarantine.ids())
+            try:
+                yield request
+            except BaseException:
+                if not request.handed_over:
+                    self.claims.unreserve(start_now)
+                raise
         finally:
             self.claims.unexpect(want)
 
-    def _claim(self, conn: psycopg.Connection[Any], done: list[Claim], want: int) -> tuple[set[int], set[int], bool]:
-        start_now = self.claims.reserve(want)
-        sent = time.monotonic()  # the database's now() of the claim is later: a safe lower bound
-        rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
-        after = self.hint.get() if want > 0 and not rewound else None
-        hinted = after is not None
-        mark = BufferMark(self.worker_id, start_now, self.claims.forwarding)
-        buried: set[int] = set()
-        try:
-            try:
-                leases = self.claim_leases()
-                completed, rows, last = complete_and_claim_rows(
-                    conn, jobs_of(done), leases, want, self.worker_id, after,
-                    buffer=mark, skip=self.quarantine.ids(), keep_done=self.settings.keep_done,
-                    schema=self.schema)
-                claimed = [Claim.from_row(r, leases[r[2]]) for r in rows]
-            except psycopg.Error as exc:
-                if not poison.is_data_error(exc):
-                    raise
-                log.warning("claim and completion failed (%s); running them by halves to find the rows that "
-                            "cause it", poison.describe_error(exc))
-                completed, buried, claimed = self._claim_by_halves(conn, done, want, mark)
-                last, hinted = None, True  # claim from the head next time
-            else:
-                if want:
-                    self.claim_failures = 0
-        except BaseException:
-            self.claims.unreserve(start_now)
-            raise
+    def hand_over(self, conn: psycopg.Connection[Any], request: ClaimRequest) -> bool:
+        """The jobs ``request`` claimed to the workers reserved for them and the rest into
+        the buffer, listed by the same statement (:meth:`_hand_over`); returns whether the
+        table is drained: a claim from the head of the ready jobs found fewer than it asked
+        for (a short claim after the hint says nothing). A request the completer could not
+        send (a data error in its statement: it wrote the completions by halves) is claimed
+        here first, alone, on ``conn`` (:meth:`_claim_by_halves`)."""
+        want = request.want
+        hinted = request.after is not None
+        if request.rows is None:
+            claimed = self._claim_by_halves(conn, request)
+            last, hinted = None, True  # claim from the head next time
+            returned = time.monotonic()
+        else:
+            claimed = [Claim.from_row(r, request.leases[r[2]]) for r in request.rows]
+            last, returned = request.last, request.returned
+            if want:
+                self.claim_failures = 0
+        request.handed_over = True
         if self.metrics is not None:
-            self.metrics.claim_round_trip(time.monotonic() - sent)
+            self.metrics.claim_round_trip(returned - request.sent)
         if want:
             # Found fewer than asked after the hint: there may be ready jobs before it
             # (released, retried early, more urgent); the next claim starts at the head.
             self.hint.claimed(hinted, len(claimed) < want, last)
-        self._hand_over(claimed, start_now, sent)
-        return completed, buried, want > 0 and len(claimed) < want and not hinted
+        self._hand_over(claimed, request.start_now, request.sent)
+        return want > 0 and len(claimed) < want and not hinted
 
     def _hand_over(self, claimed: list[Claim], start_now: int, sent: float) -> None:
         """Claims just made (a statement sent at ``sent``, monotonic), in claim order: the
@@ -272,19 +304,15 @@ class Producer:
         self._hand_over(claimed, start_now, sent)
         return len(claimed)
 
-    def _claim_by_halves(self, conn: psycopg.Connection[Any], done: list[Claim], want: int,
-                         mark: BufferMark) -> tuple[set[int], set[int], list[Claim]]:
-        """After a data error of the combined statement: the completions by halves, then
-        the claim (with the buffer list) alone and, if that fails too, by halves of its
-        candidates, each half writing the buffer list as it then stands. A job that fails
-        alone is dead-lettered naming the error (or quarantined); the others go on.
-        Returns (ids completed, ids of ``done`` dead-lettered, jobs claimed in claim order)."""
-        completed, buried = self.completer.by_halves(
-            "completing", done, lambda part: complete_jobs(conn, jobs_of(part), keep_done=self.settings.keep_done,
-                                                           schema=self.schema))
+    def _claim_by_halves(self, conn: psycopg.Connection[Any], request: ClaimRequest) -> list[Claim]:
+        """After a data error of the round's statement (the completer has written the
+        completions by halves): the claim (with the buffer list) alone and, if that fails
+        too, by halves of its candidates, each half writing the buffer list as it then
+        stands. A job that fails alone is dead-lettered naming the error (or quarantined);
+        the others go on. Returns the claims made, in claim order."""
+        mark, want, leases = request.mark, request.want, request.leases
         start_left = mark.start_now
         claimed: list[Claim] = []
-        leases = self.claim_leases()
 
         def claim(only: list[int] | None) -> list[Claim]:
             nonlocal start_left
@@ -297,7 +325,7 @@ class Producer:
             return got
 
         if not want:  # only the buffer list to write: no row of a job to blame
-            return completed, buried, claim(None)
+            return claim(None)
         try:
             parts, poisoned = poison.whole_or_halves(
                 "claiming", lambda: claim(None),
@@ -305,7 +333,7 @@ class Producer:
                 lambda part: claim(list(part)))
         except poison.SystemicError as exc:
             self.pause(exc)
-            return completed, buried, claimed
+            return claimed
         self.claim_failures = 0
         for part in parts:
             claimed += part
@@ -318,7 +346,7 @@ class Producer:
                 self.stats.add("dead")
                 log.error("dead-lettered job %s: %s", job_id, error,
                           extra={"job_id": job_id, "outcome": "dead", "error": error})
-        return completed, buried, claimed
+        return claimed
 
     def pause(self, exc: poison.SystemicError) -> None:
         """Every job a claim takes fails: claim nothing for a capped, growing while (the
@@ -330,81 +358,3 @@ class Producer:
         if self.claim_failures == 1:
             log.error("claiming paused: the claim fails for every job it takes, so none is dead-lettered (%s); "
                       "trying again with backoff", exc)
-
-
-class Starter:
-    """Hands buffered jobs of ``claims`` to idle workers (``start``: the workers' queue, or
-    the forwarder for a forwarder's jobs), on a connection of
-    its own from ``engine``; a buffered claim whose lease ran out is posted for release
-    through ``release(claim, Outcome.RELEASE)``. Runs in its own thread (:meth:`run`) until ``signals.stopped``."""
-
-    def __init__(self, engine: Engine, settings: OutboxSettings, claims: HeldClaims, worker_id: str,
-                 start: Callable[[list[Claim]], None], release: Callable[[Claim, Outcome], None], signals: Signals,
-                 reconnect: Reconnector) -> None:
-        self.engine = engine
-        self.settings = settings
-        self.claims = claims
-        self.worker_id = worker_id
-        self.start = start
-        self.release = release
-        self.signals = signals
-        self.reconnect = reconnect
-
-    def run(self) -> None:
-        """Take as many jobs from the head of the buffer as workers are idle, unlist them in
-        the relay's row (``relay_buffer_remove``, one small statement for all of them), and
-        only once that has committed give them to the workers. So a job whose handler may
-        have started is never listed, and a worker that finishes waits one short round trip,
-        shared by every worker that came free meanwhile, not for the dispatcher's claim. A
-        buffered job whose lease ran out while it waited (the process was paused, or
-        starved) is released instead (fenced: a no-op if it was reaped or re-claimed); the
-        ones found together are logged in one WARNING line, each at DEBUG."""
-        claims, signals = self.claims, self.signals
-        failures = 0
-        conn: Any = None
-        while True:
-            with claims.changed:
-                while not signals.stopped.is_set() and (signals.draining.is_set() or not claims.can_start()):
-                    claims.changed.wait(0.5)
-                if signals.stopped.is_set():
-                    break
-                jobs, forwards, expired = claims.take_startable(time.monotonic())
-                jobs += forwards
-            for claim in expired:
-                log.debug("job %s (%s) fence %s not started: its lease ran out while it waited in the buffer",
-                          claim.id, claim.consumer, claim.fence, extra=claim.fields(outcome="released"))
-            first = claims.first_reports(expired)
-            if first:
-                text, fields = job_summary(jobs_of(first), "released")
-                log.warning("%s not started: the claims' leases ran out while they waited in the buffer (a pause, "
-                            "or a starved process); handing them back", text, extra=fields)
-            for claim in expired:
-                claims.mark_finishing(claim.fence)
-                self.release(claim, Outcome.RELEASE)
-            if not jobs:
-                continue
-            try:
-                if conn is None:
-                    conn = self.engine.raw_connection()
-                    conn.driver_connection.autocommit = True
-                relay_buffer_remove(conn.driver_connection, self.worker_id, [j.fence for j in jobs],
-                                    schema=self.settings.schema_name)
-                failures = self.reconnect.recovered(failures, "starting buffered jobs")
-            except (DBAPIError, psycopg.Error) as exc:
-                claims.put_back(jobs)
-                if conn is not None and (is_disconnect(exc) or conn.driver_connection is None
-                                         or conn.driver_connection.closed or conn.driver_connection.broken):
-                    try:
-                        conn.invalidate()
-                    except Exception:  # noqa: BLE001 - it is being thrown away
-                        pass
-                    conn = None
-                failures = self.reconnect.backoff(failures, "starting buffered jobs", exc, signals.stopped)
-                continue
-            claims.unlisted(jobs)
-            self.start(jobs)
-        if conn is not None:
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001
-                pass

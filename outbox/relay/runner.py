@@ -8,7 +8,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   room, the claim-order hint, claims, the prefetch buffer) claims, the **completer**
   (:class:`outbox.relay.completer.Completer`) writes outcomes; completions and the next claim go
   in one statement (``job_complete_claim_many``) when both are due;
-* the **starter** (:class:`outbox.relay.producer.Starter`) hands buffered jobs to workers as
+* the **starter** (:class:`outbox.relay.starter.Starter`) hands buffered jobs to workers as
   they come free, on its own connection;
 * ``concurrency`` **worker threads** run handlers through the **executor**
   (:class:`outbox.relay.executor.JobExecutor`, which runs one job and says how it ended;
@@ -66,8 +66,9 @@ from outbox.relay.forwarder import Forwarder
 from outbox.relay.heartbeat import Heartbeater
 from outbox.relay.notify import Wakeup
 from outbox.relay.outcomes import Failure, Outcome
-from outbox.relay.producer import ClaimHint, Producer, Starter
+from outbox.relay.producer import ClaimHint, Producer
 from outbox.relay.reconnect import Reconnector
+from outbox.relay.starter import Starter
 from outbox.relay.watchdog import Watchdog
 from outbox.settings import OutboxSettings
 from outbox.sinks import resend_span
@@ -160,10 +161,10 @@ class JobRunner:
         dispatchers share is the runner's claims, the relay's row and the outcomes queue."""
         connection = RelayConnection(engine, row)
         completer = Completer(self.claims, connection.get, self.stats, self.schema,
-                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics)
-        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, completer,
-                            self.stats, subscribers=self.subscribers, metrics=self.metrics, hint=hint,
-                            quarantine=self.quarantine)
+                              subscribers=self.subscribers, wake=self.wake, metrics=self.metrics,
+                              keep_done=self.settings.keep_done)
+        producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, self.stats,
+                            subscribers=self.subscribers, metrics=self.metrics, hint=hint, quarantine=self.quarantine)
         return Dispatcher(self.settings, self.claims, producer, completer, connection, self._outcomes, wake,
                           self.signals, self.reconnect)
 

@@ -332,17 +332,12 @@ def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
     for consumer in ("a", "b", "c"):
         ob.subscriber("t", consumer=consumer)(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(300)])
-    relay = Relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0))
-
     def all_done() -> bool:
         statuses = _statuses(engine)
         return len(statuses) == 900 and set(statuses.values()) == {"done"}
 
-    relay.start()
-    try:
+    with running_relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0)):
         wait_for(all_done, timeout=15, what="the backlog done without a cooldown between full batches")
-    finally:
-        relay.stop()
 
 
 # ------------------------------------------------------------- claim-order hint

@@ -18,7 +18,7 @@ from outbox.relay.router import route_all, route_batch
 from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
-from .helpers import publish_events, subscribe
+from .helpers import publish_events, running_relay, subscribe
 
 CONSUMERS = ["a", "b", "c"]
 
@@ -317,14 +317,10 @@ def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, se
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     _publish(engine, 2000)
-    relay = Relay(ob, settings(retention_done=0.001, prune_interval=0.5))  # 0 would delete at completion
     caplog.set_level("WARNING", logger="outbox.relay")
-    relay.start()
-    try:
+    with running_relay(ob, settings(retention_done=0.001, prune_interval=0.5)) as relay:  # 0 would delete at completion
         wait_for(lambda: relay.stats["pruned_jobs"] == 2000 and relay.stats["vacuums"] >= 2, timeout=30,
                  what="jobs done and pruned, then a vacuum")
-    finally:
-        relay.stop()
 
     def vacuumed() -> bool:  # the server's own count: the VACUUM really ran on outbox_jobs
         with engine.connect() as conn:
