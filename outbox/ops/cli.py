@@ -1,13 +1,14 @@
 """``outbox-relay``: the command line.
 
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
-reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
-``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
-``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
-``psql``, ``grants`` (the relay and publisher roles: :mod:`outbox.ops.grants`); the operator's commands
-``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`); ``dashboard``, the web
-dashboard on top of them (:mod:`outbox.ops.dashboard`, extra ``[dashboard]``). Settings come from
-``OUTBOX_*`` environment variables
+reaper and pruner), ``migrate``, ``demo``, ``psql``, ``grants`` (the relay and publisher
+roles: :mod:`outbox.ops.grants`), ``dashboard`` (the web dashboard, :mod:`outbox.ops.dashboard`,
+extra ``[dashboard]``), and the operator's commands, each a call of :mod:`outbox.admin` that
+this module only parses and prints: ``status``, ``dead``, ``redrive``, ``blocked``, ``skip``
+(ordered keys held by a dead job: architecture notes, "Ordering"), ``subscriptions``,
+``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"), ``relays``,
+``jobs``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune``. Only ``run`` imports the
+relay (:mod:`outbox.relay.relay`). Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
