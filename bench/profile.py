@@ -53,6 +53,7 @@ class RoundTrips:
         self.rows: collections.Counter[str] = collections.Counter()
         self._originals = (psycopg.generators.execute, psycopg._cursor_base.execute)
         self._rows_of = jobs._rows
+        self._rows_together_of = jobs._rows_together
 
     def install(self) -> None:
         original = self._originals[0]
@@ -80,9 +81,26 @@ class RoundTrips:
 
         jobs._rows = named
 
+        # The runner's round (completions, then the claim) is pipelined: one round trip that
+        # psycopg.generators.execute does not see, for two statements.
+        rows_together_of = jobs._rows_together
+
+        def named_together(conn: Any, steps: Any) -> Any:
+            results = rows_together_of(conn, steps)
+            if isinstance(conn, psycopg.Connection) and threading.current_thread().name.startswith("outbox-"):
+                if jobs.PIPELINE:
+                    counter[_thread_group(threading.current_thread().name)] += 1
+                for (statement, _, _), result in zip(steps, results, strict=True):
+                    statements[names.get(id(statement), "?")] += 1
+                    rows[names.get(id(statement), "?")] += len(result)
+            return results
+
+        jobs._rows_together = named_together
+
     def uninstall(self) -> None:
         psycopg.generators.execute, psycopg._cursor_base.execute = self._originals
         jobs._rows = self._rows_of
+        jobs._rows_together = self._rows_together_of
 
     def watch(self, eng: sa.Engine) -> None:
         @sa.event.listens_for(eng, "after_cursor_execute")

@@ -42,9 +42,11 @@ Guarantees:
 
 Documentation: the design notes cited by name in docstrings ("architecture notes",
 "forwarding notes", "performance notes", "reliability notes", with a section name) are the
-documents ``architecture.md``, ``forwarding.md``, ``performance.md`` and ``reliability.md``
-that ship with the package,
-in the folder :func:`docs_dir` returns (``outbox/docs`` of an installed package).
+documents ``architecture.md``, ``forwarding.md``, ``performance.md`` (the levers and the
+measurements of each round are in its history page, which it links) and ``reliability.md``
+that ship with the package, beside one page per topic (publishing, consumers, ordering,
+flow control, schedules, operations, configuration, ...), in the folder :func:`docs_dir`
+returns (``outbox/docs`` of an installed package).
 """
 
 from outbox.errors import (

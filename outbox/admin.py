@@ -1,9 +1,16 @@
-"""The operator's API: what ``outbox-relay status``, ``relays``, ``cancel``, ``retry``,
-``replay``, ``purge`` and ``prune`` do, as plain functions returning plain dataclasses (the
-command line prints them, ``--json`` dumps them, ``outbox-relay dashboard`` renders them);
-besides, for the dashboard: ``redrive``, ``pause`` and ``resume``, a consumer's jobs in
-keyset pages (``jobs_page``: no OFFSET, nothing counted), an event with its job for every
-consumer (``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
+"""The operator's API, the one place every operator action and query lives: what
+``outbox-relay status``, ``relays``, ``jobs``, ``dead``, ``redrive``, ``blocked``, ``skip``,
+``cancel``, ``retry``, ``replay``, ``purge``, ``prune``, ``subscriptions``, ``unsubscribe``,
+``pause`` and ``resume`` do, as plain functions returning plain dataclasses (the command
+line parses its arguments and prints them, ``--json`` dumps them, ``outbox-relay dashboard``
+renders them); besides, for the dashboard: a consumer's jobs in keyset pages
+(``jobs_page``: no OFFSET, nothing counted), an event with its job for every consumer
+(``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
+
+It builds on the db layer only (the statements, their wrappers and the rules the relay
+shares: :mod:`outbox.db.retention`, :mod:`outbox.db.promotion`, :mod:`outbox.db.poison`)
+and imports no module of the relay, so the dashboard does not load the job runner
+(a test of the layout holds it).
 
 Each function takes an ``Engine`` (when it commits in batches, or must commit before a
 follow-up statement) or a ``Connection`` (one statement or a few, in the caller's
@@ -52,12 +59,12 @@ from typing import Any
 
 from sqlalchemy.engine import Connection, Engine
 
-from outbox.db import queries
+from outbox.db import queries, retention
 from outbox.db.jobs import notify_head
+from outbox.db.poison import Quarantine
+from outbox.db.promotion import promote
+from outbox.db.tables import RELAY_SEEN_INTERVAL
 from outbox.errors import AdminError, NotBlockingError
-from outbox.relay import maintenance, ordering
-from outbox.relay.dispatcher import RELAY_SEEN_INTERVAL
-from outbox.relay.poison import Quarantine
 
 #: Below this many rows in ``outbox_jobs`` (the planner's estimate), ``status`` counts done
 #: jobs per consumer exactly (a scan of a small table).
@@ -300,7 +307,7 @@ def cancel(engine: Engine, ids: Sequence[int] | None = None, consumer: str | Non
             break
     if keys:
         with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            result.promoted.extend(ordering.promote(conn, keys, schema=schema))
+            result.promoted.extend(promote(conn, keys, schema=schema))
             if result.promoted:
                 notify_head(conn, schema=schema)
     left = sorted(set(target or ()) - set(result.cancelled) - set(result.requested))
@@ -485,20 +492,20 @@ class PruneResult:
 
 
 def prune_now(engine: Engine, *, done_older_than: float, events_older_than: float,
-              relays_older_than: float = maintenance.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
-    """Prune now, by the relay's pruner's rules (:func:`outbox.relay.maintenance.prune`, then
-    :func:`outbox.relay.maintenance.prune_relays`), in rounds of ``maintenance.PRUNE_BATCH`` rows
+              relays_older_than: float = retention.RELAY_GONE_AFTER, schema: str | None = None) -> PruneResult:
+    """Prune now, by the relay's pruner's rules (:func:`outbox.db.retention.prune`, then
+    :func:`outbox.db.retention.prune_relays`), in rounds of ``retention.PRUNE_BATCH`` rows
     each its own transaction, until a round finds nothing more to delete."""
     jobs = events = 0
     quarantine = Quarantine("row")
     while True:
         with engine.begin() as conn:
-            j, e = maintenance.prune(conn, done_older_than, events_older_than, quarantine=quarantine, schema=schema)
+            j, e = retention.prune(conn, done_older_than, events_older_than, quarantine=quarantine, schema=schema)
         jobs, events = jobs + j, events + e
-        if j < maintenance.PRUNE_BATCH and e < maintenance.PRUNE_BATCH:
+        if j < retention.PRUNE_BATCH and e < retention.PRUNE_BATCH:
             break
     with engine.begin() as conn:
-        gone = maintenance.prune_relays(conn, relays_older_than, schema=schema)
+        gone = retention.prune_relays(conn, relays_older_than, schema=schema)
     return PruneResult(jobs, events, gone)
 
 
@@ -587,7 +594,7 @@ def skip_dead_job(engine: Engine, job_id: int, *, schema: str | None = None) -> 
             raise NotBlockingError(f"job {job_id} ({found.consumer}) is dead but holds no ordering key (unordered, "
                                    "on_dead='skip', or already skipped): it blocks nothing")
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-        return ordering.promote(conn, [(row.consumer, row.ordering_key)], schema=schema)
+        return promote(conn, [(row.consumer, row.ordering_key)], schema=schema)
 
 
 @dataclass(frozen=True, slots=True)
@@ -792,6 +799,24 @@ class JobList:
 
     jobs: list[ListedJob]
     next_after: int | None
+
+
+#: Seconds per unit of an age (``90s``, ``30m``, ``2h``, ``7d``).
+AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def age_seconds(text: str, what: str) -> float:
+    """An age as operators write it, in seconds: a number of seconds (``90``), or a number
+    with ``s``, ``m``, ``h`` or ``d`` (``10m``, ``2h``). Raises :class:`AdminError`, its
+    message starting with ``what`` (the flag or field), for anything else or an age over
+    :data:`MAX_AGE`."""
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in AGE_UNITS else (text, "s")
+    if not number.replace(".", "", 1).isdigit():
+        raise AdminError(f"{what}: not an age: {text[:40]!r} (seconds, or a number with s, m, h or d: 10m, 2h)")
+    seconds = float(number) * AGE_UNITS[unit]
+    if not seconds <= MAX_AGE:
+        raise AdminError(f"{what}: {text[:40]!r} is more than {MAX_AGE // (365 * 86400)} years")
+    return seconds
 
 
 def _check_text(value: str | None, argument: str) -> None:

@@ -335,7 +335,7 @@ def _claim_one(engine: sa.Engine, leases: dict[str, float], skip: set[int], sche
         rows = limited.claim(cast(psycopg.Connection, conn.connection.driver_connection), 1, None, 0)
         if not rows:
             return None
-        job: Job = job_from_row(rows[0], leases[rows[0][2]])
+        job: Job = job_from_row(rows[0], leases[rows[0].consumer])
         if job.id in skip:
             release_jobs(conn, [job], schema=schema)
             return None

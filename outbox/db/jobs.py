@@ -3,10 +3,11 @@ returns what the statement changed, as :class:`~outbox.job.Job` s or as the ids 
 the rows it touched.
 
 * **Claims**: :func:`claim_jobs`, :func:`complete_and_claim_after` (the runner's round: the
-  completions it carries and the claim in one statement, the claim after a key of the claim
-  order, the relay's buffered claims listed in the same statement, :class:`BufferMark`;
-  :func:`complete_and_claim_rows` for the rows themselves), :func:`claim_candidates`; the
-  row -> job builder :func:`job_from_row`.
+  completions it carries, then the claim after a key of the claim order, two statements in
+  one transaction and one round trip, the relay's buffered claims listed by the claim,
+  :class:`BufferMark`; :func:`complete_and_claim_rows` for the rows themselves),
+  :func:`claim_candidates`; the row -> job builder :func:`job_from_row` and the claim-order
+  key of a claimed row, :func:`claim_order`.
 * **Outcomes of claimed jobs**: :func:`heartbeat_jobs`, :func:`complete_jobs`,
   :func:`fail_jobs`, :func:`snooze_jobs`, :func:`release_jobs`, :func:`bury_job`. Every write
   that changes a claimed job names its fence and requires ``status='running'``; a row that
@@ -20,7 +21,16 @@ Each function takes either a SQLAlchemy ``Connection`` (tests, tools, the heartb
 bare psycopg ``Connection`` (the runner's dispatcher, which skips SQLAlchemy's per-statement
 work on its hot path); the SQL is the same named statement either way, for the tables of
 ``schema`` (None: the process default, ``outbox.settings.default_schema``). The caller owns
-the transaction and commits.
+the transaction and commits. Rows are read by column name (``row.fence``): SQLAlchemy's rows
+and psycopg's named tuples (:func:`psycopg.rows.namedtuple_row`) both have them.
+
+Two statements in one round trip. :func:`complete_and_claim_after` sends the completion and
+the claim together on a psycopg connection in pipeline mode (psycopg docs, "Pipeline mode
+support"): both are queued and one Sync follows, so the server runs them one after the other
+in one transaction (in autocommit, the implicit transaction that the Sync ends: one commit)
+and the client waits once. An error in the first aborts the second and rolls both back, as
+one statement would. Where pipeline mode is missing (libpq before 14,
+:data:`PIPELINE`), the two run in ``conn.transaction()``, one round trip each.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import TextClause
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 from sqlalchemy.engine import Connection
@@ -54,11 +65,42 @@ def _psycopg_sql(statement: TextClause) -> str:
     return sql
 
 
+#: Whether this psycopg can send several statements in one round trip (pipeline mode, which
+#: needs libpq 14 or later); without it :func:`complete_and_claim_after` pays one per statement.
+PIPELINE = psycopg.Pipeline.is_supported()
+
+
 def _rows(conn: Executor, statement: TextClause, params: dict[str, Any]) -> list[Any]:
-    """Run ``statement`` on ``conn`` and return its rows (indexable by column position)."""
+    """Run ``statement`` on ``conn`` and return its rows, read by column name (``row.id``)."""
     if isinstance(conn, psycopg.Connection):
-        return conn.execute(_psycopg_sql(statement), params).fetchall()
+        return conn.cursor(row_factory=namedtuple_row).execute(_psycopg_sql(statement), params).fetchall()
     return list(conn.execute(statement, params).all())
+
+
+#: One statement of :func:`_rows_together`: the statement, its parameters, and whether psycopg
+#: may prepare it (None: psycopg's rule, prepared from its fifth run; False: never, so the
+#: server plans it for the parameters of each run).
+Step = tuple[TextClause, dict[str, Any], bool | None]
+
+
+def _rows_together(conn: Executor, steps: list[Step]) -> list[list[Any]]:
+    """Run ``steps`` in order, in one transaction, and return the rows of each (by column
+    name). On a psycopg connection they are pipelined: one round trip (see the module
+    notes), or one each inside ``conn.transaction()`` without pipeline mode. A SQLAlchemy
+    connection runs them one after the other in its transaction. A database error in any
+    step propagates, and nothing of the steps is kept when ``conn`` is in autocommit."""
+    if isinstance(conn, psycopg.Connection):
+        if PIPELINE:
+            with conn.pipeline():
+                cursors = [conn.cursor(row_factory=namedtuple_row).execute(_psycopg_sql(statement), params,
+                                                                          prepare=prepare)
+                           for statement, params, prepare in steps]
+            return [cursor.fetchall() for cursor in cursors]
+        with conn.transaction():
+            return [conn.cursor(row_factory=namedtuple_row).execute(_psycopg_sql(statement), params,
+                                                                   prepare=prepare).fetchall()
+                    for statement, params, prepare in steps]
+    return [list(conn.execute(statement, params).all()) for statement, params, _ in steps]
 
 
 def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> int:
@@ -69,10 +111,16 @@ def _execute(conn: Executor, statement: TextClause, params: dict[str, Any]) -> i
 
 
 def job_from_row(row: Any, lease_seconds: float) -> Job:
-    """A :class:`Job` from a row of ``job_claim_many`` (columns in its ``RETURNING`` order;
-    payload and headers come as their stored JSON texts, which the job decodes on first use)."""
-    return Job.from_json(row[0], row[1], row[2], row[7], row[8], row[9], row[10], row[3], row[4], row[5],
-                         lease_seconds, row[11])
+    """A :class:`Job` from a row of ``job_claim_many`` (read by column name; payload and
+    headers come as their stored JSON texts, which the job decodes on first use)."""
+    return Job.from_json(row.id, row.event_id, row.consumer, row.topic, row.key, row.payload, row.headers,
+                         row.attempts, row.max_attempts, row.fence, lease_seconds, row.event_created_at)
+
+
+def claim_order(row: Any) -> tuple[int, Any, int]:
+    """The claim-order key ``(priority, run_at, id)`` of a claimed row that returned
+    ``priority`` and ``run_at`` (``job_claim_after_many``, ``job_claim_limited_many``)."""
+    return (row.priority, row.run_at, row.id)
 
 
 def _claim_params(leases: dict[str, float], limit: int, worker_id: str) -> dict[str, Any]:
@@ -85,7 +133,7 @@ def claim_jobs(conn: Executor, leases: dict[str, float], limit: int, worker_id: 
     """Claim up to ``limit`` due jobs of the consumers in ``leases`` (consumer -> lease
     seconds) in ``conn``'s transaction; the caller commits."""
     rows = _rows(conn, queries.in_schema(schema).job_claim_many, _claim_params(leases, limit, worker_id))
-    return [job_from_row(r, leases[r[2]]) for r in rows]
+    return [job_from_row(r, leases[r.consumer]) for r in rows]
 
 
 #: The lowest claim-order key (priority, run_at, id): a claim "after" it starts at the head.
@@ -96,9 +144,10 @@ def complete_and_claim_jobs(conn: Executor, done: list[Job], leases: dict[str, f
                             worker_id: str, *, keep_done: bool = True,
                             schema: str | None = None) -> tuple[set[int], list[Job]]:
     """Mark ``done`` completed (fenced; deleted instead when ``keep_done`` is false, see
-    :func:`complete_jobs`) and claim up to ``limit`` due jobs, in one statement
-    (``job_complete_claim_many``); returns (ids completed, jobs claimed). A job of ``done``
-    missing from the ids was a stale report and changed nothing."""
+    :func:`complete_jobs`), then claim up to ``limit`` due jobs, in one transaction and one
+    round trip (``job_complete_many``, ``job_claim_after_many``: module notes); returns (ids
+    completed, jobs claimed). A job of ``done`` missing from the ids was a stale report and
+    changed nothing."""
     completed, claimed, _ = complete_and_claim_after(conn, done, leases, limit, worker_id, None,
                                                      keep_done=keep_done, schema=schema)
     return completed, claimed
@@ -114,13 +163,14 @@ def complete_and_claim_after(conn: Executor, done: list[Job], leases: dict[str, 
     also returns the key of the last job it claimed (None when it claimed none). The jobs
     claimed come back in claim order.
 
-    ``buffer``, when given, is written to the relay's row in the same statement (see
+    ``buffer``, when given, is written to the relay's row by the claim (see
     :class:`BufferMark`): the first ``buffer.start_now`` jobs claimed that are not of a
-    forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim leaves out the job ids in ``skip`` and, when ``only``
-    is given, takes only jobs among those ids (:mod:`outbox.relay.poison`)."""
+    forwarder in ``buffer.forwarding`` are taken as started, the rest as buffered. The claim
+    leaves out the job ids in ``skip`` and, when ``only`` is given, takes only jobs among
+    those ids (:mod:`outbox.db.poison`)."""
     completed, claimed, last = complete_and_claim_rows(conn, done, leases, limit, worker_id, after, buffer=buffer,
                                                        skip=skip, only=only, keep_done=keep_done, schema=schema)
-    return completed, [job_from_row(r, leases[r[2]]) for r in claimed], last
+    return completed, [job_from_row(r, leases[r.consumer]) for r in claimed], last
 
 
 def complete_and_claim_rows(conn: Executor, done: list[Job], leases: dict[str, float], limit: int,
@@ -128,20 +178,35 @@ def complete_and_claim_rows(conn: Executor, done: list[Job], leases: dict[str, f
                             buffer: BufferMark | None = None, skip: list[int] | None = None,
                             only: list[int] | None = None, keep_done: bool = True, schema: str | None = None,
                             ) -> tuple[set[int], list[Any], tuple[int, Any, int] | None]:
-    """:func:`complete_and_claim_after` that returns the claimed jobs' rows (in claim order),
-    for a caller that keeps what the claim returned beside the job: ``lease_until``
-    (column 6), ``priority`` and ``run_at`` (columns 12 and 13; with the id, the claim-order
-    key)."""
-    key = after or HEAD_KEY
-    mark = buffer or BufferMark(None, 0)
-    rows = _rows(conn, queries.in_schema(schema).job_complete_claim_many, {
-        **_ids_fences(done), **_claim_params(leases, limit, worker_id), "keep_done": keep_done,
-        "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
-        "relay": mark.relay, "start_now": mark.start_now, "forwarding": list(mark.forwarding),
-        "skip": skip or [], "only": only})
-    completed = {r[0] for r in rows if r[14]}
-    claimed = sorted((r for r in rows if not r[14]), key=lambda r: (r[12], r[13], r[0]))
-    last = (claimed[-1][12], claimed[-1][13], claimed[-1][0]) if claimed else None
+    """:func:`complete_and_claim_after` that returns the claimed jobs' rows (in claim order,
+    read by column name), for a caller that keeps what the claim returned beside the job:
+    ``lease_until``, ``priority`` and ``run_at`` (with the id, the claim-order key,
+    :func:`claim_order`).
+
+    ``buffer``, when given, is written to the relay's row by the claim (see
+    :class:`BufferMark`). With no job in ``done`` only the claim runs, with ``limit`` 0 only
+    the completion (a claim of none would change nothing). A database error of either
+    propagates; in autocommit neither is then kept."""
+    statements = queries.in_schema(schema)
+    steps: list[Step] = []
+    if done:
+        # Never prepared: the generic plan PostgreSQL would settle on rates the unnested
+        # (id, fence) pairs at 10 rows and joins the lock step to them by a nested loop, a
+        # rescan of every pair per job (a batch of 500: 165 ms against 6 ms planned for the
+        # parameters). The one statement this round replaced was planned per run too.
+        steps.append((statements.job_complete_many, {**_ids_fences(done), "keep_done": keep_done}, False))
+    if limit > 0:
+        key = after or HEAD_KEY
+        mark = buffer or BufferMark(None, 0)
+        steps.append((statements.job_claim_after_many, {
+            **_claim_params(leases, limit, worker_id),
+            "after_priority": key[0], "after_run_at": key[1], "after_id": key[2],
+            "relay": mark.relay, "start_now": mark.start_now, "forwarding": list(mark.forwarding),
+            "skip": skip or [], "only": only}, None))
+    results = _rows_together(conn, steps) if steps else []
+    completed = {r.id for r in results[0]} if done else set()
+    claimed = sorted(results[-1], key=claim_order) if limit > 0 else []
+    last = claim_order(claimed[-1]) if claimed else None
     return completed, claimed, last
 
 
@@ -174,7 +239,7 @@ class BufferMark:
 def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: list[int], *,
                      schema: str | None = None) -> list[int]:
     """Ids of up to ``limit`` due ready jobs of ``consumers`` in claim order, not locked."""
-    return [r[0] for r in _rows(conn, queries.in_schema(schema).job_claim_candidates,
+    return [r.id for r in _rows(conn, queries.in_schema(schema).job_claim_candidates,
                                 {"consumers": consumers, "limit": limit, "skip": skip})]
 
 
@@ -247,7 +312,7 @@ def notify_head(conn: Executor, *, schema: str | None = None) -> None:
 def promote_keys(conn: Executor, params: dict[str, list[str]], *, schema: str | None = None) -> list[int]:
     """Run ``job_promote_many`` with ``params`` (``consumers``, ``keys``: the ordered keys of
     finished jobs, :func:`outbox.relay.ordering.promotion_params`); returns the ids promoted."""
-    return [r[0] for r in _rows(conn, queries.in_schema(schema).job_promote_many, params)]
+    return [r.id for r in _rows(conn, queries.in_schema(schema).job_promote_many, params)]
 
 
 def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:
@@ -259,11 +324,11 @@ def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None
         return set()
     params = {**_ids_fences(jobs), "leases": [j.lease_seconds for j in jobs]}
     rows = _rows(conn, queries.in_schema(schema).job_heartbeat_many, params)
-    cancelled = {r[1] for r in rows if r[2]}
+    cancelled = {r.fence for r in rows if r.cancel_requested}
     for job in jobs:
         if job.fence in cancelled:
             job.mark_cancel_requested()
-    return {r[1] for r in rows}
+    return {r.fence for r in rows}
 
 
 def complete_jobs(conn: Executor, jobs: list[Job], *, keep_done: bool = True, schema: str | None = None) -> set[int]:
@@ -273,7 +338,7 @@ def complete_jobs(conn: Executor, jobs: list[Job], *, keep_done: bool = True, sc
     is still kept, ``cancelled``."""
     if not jobs:
         return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_complete_many,
+    return {r.id for r in _rows(conn, queries.in_schema(schema).job_complete_many,
                                 {**_ids_fences(jobs), "keep_done": keep_done})}
 
 
@@ -281,7 +346,7 @@ def release_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) 
     """Hand ``jobs`` back as ready now, attempt not counted (fenced); returns changed ids."""
     if not jobs:
         return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_release_many, _ids_fences(jobs))}
+    return {r.id for r in _rows(conn, queries.in_schema(schema).job_release_many, _ids_fences(jobs))}
 
 
 class FailedAttempt(Protocol):
@@ -315,7 +380,7 @@ def snooze_jobs(conn: Executor, snoozed: list[tuple[Job, SnoozedAttempt]], *, sc
     (fenced, ``job_snooze_many``); returns the ids that changed."""
     if not snoozed:
         return set()
-    return {r[0] for r in _rows(conn, queries.in_schema(schema).job_snooze_many, {
+    return {r.id for r in _rows(conn, queries.in_schema(schema).job_snooze_many, {
         "ids": [j.id for j, _ in snoozed], "fences": [j.fence for j, _ in snoozed],
         "delays": [s.seconds for _, s in snoozed]})}
 
@@ -329,4 +394,4 @@ def fail_jobs(conn: Executor, failures: list[tuple[Job, FailedAttempt]], *, sche
         "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
         "errors": [f.error for _, f in failures],
     })
-    return {r[0]: r[1] for r in rows}
+    return {r.id: r.status for r in rows}

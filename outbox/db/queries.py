@@ -140,7 +140,7 @@ in topic order, NULL when none), events held back
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
-poison handling (:mod:`outbox.relay.poison`) routes by halves of ``event_route_candidates``.
+poison handling (:mod:`outbox.db.poison`) routes by halves of ``event_route_candidates``.
 
 Ordering (architecture notes, "Ordering"; :mod:`outbox.relay.ordering`): a keyed event of a topic
 with an ordered subscription is routed only when no earlier event of its key is unrouted
@@ -345,12 +345,11 @@ subscription_list: TextClause = text(
 # copies identical); its notes are here, once:
 #
 # * ``wanted`` (the claims): the consumers asked for and the lease of each, in seconds.
-# * The main claims' pick (``picked`` of ``job_claim_many``, ``job_claim_after_many`` and
-#   ``job_complete_claim_many``) leaves out the consumers no main claim takes (flow control,
-#   architecture notes "Flow control"): ``consumer NOT IN (SELECT c.consumer FROM
-#   outbox_consumers c WHERE ...)``, paused ones and those with a concurrency cap or a rate
-#   limit, which the limited claim (``job_claim_limited_many``) takes instead;
-#   ``job_claim_candidates`` has the same test.
+# * The main claims' pick (``picked`` of ``job_claim_many`` and ``job_claim_after_many``)
+#   leaves out the consumers no main claim takes (flow control, architecture notes "Flow
+#   control"): ``consumer NOT IN (SELECT c.consumer FROM outbox_consumers c WHERE ...)``,
+#   paused ones and those with a concurrency cap or a rate limit, which the limited claim
+#   (``job_claim_limited_many``) takes instead; ``job_claim_candidates`` has the same test.
 #   ``NOT IN`` a subquery becomes a hashed SubPlan over a table of a few rows, built once per
 #   statement and probed as a filter, which the planner rates at half the rows: the claim
 #   keeps reading ``ix_outbox_jobs_ready`` in order. ``consumer <> ALL (ARRAY(SELECT ...))``
@@ -386,7 +385,7 @@ subscription_list: TextClause = text(
 #   jobs running, against 1-2 ms by primary key (performance notes, "Issue 14"; found by the
 #   ceiling scenario's lean completion). The UPDATEs that follow it say ``(j.status =
 #   'running') IS TRUE`` for the same reason.
-# * ``kept``, ``deleted``, ``completed`` (the completion, after ``args`` and ``locked``):
+# * ``kept``, ``deleted``, ``completed`` (``job_complete_many``, after ``args`` and ``locked``):
 #   each job (id, fence) still running under that fence becomes ``done`` (``cancelled``
 #   when an operator asked to cancel it while it ran), or with ``:keep_done`` false is
 #   deleted instead (``retention_done = 0``: no done row is written, so none is pruned
@@ -508,120 +507,6 @@ job_complete_many: TextClause = text(
 ``:keep_done`` false a done job is deleted instead of kept (``retention_done = 0``). Jobs
 missing from the result were stale reports and changed nothing."""
 
-job_complete_claim_many: TextClause = text(
-    """
-    WITH args AS (
-        SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[])) AS a(id, fence)
-    ), locked AS (
-        SELECT j.id, j.cancel_requested
-        FROM outbox_jobs j
-        JOIN args a ON a.id = j.id AND a.fence = j.fence
-        WHERE j.id = ANY (ARRAY(SELECT id FROM args))
-          AND (j.status = 'running') IS TRUE
-        ORDER BY j.id
-        FOR UPDATE OF j
-    ), kept AS (
-        UPDATE outbox_jobs j
-        SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
-            lease_until = NULL, finished_at = now(), updated_at = now()
-        FROM locked l, args a
-        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
-          AND (CAST(:keep_done AS boolean) OR l.cancel_requested)
-        RETURNING j.id
-    ), deleted AS (
-        DELETE FROM outbox_jobs j
-        USING locked l, args a
-        WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
-          AND NOT CAST(:keep_done AS boolean) AND NOT l.cancel_requested
-        RETURNING j.id
-    ), completed AS (
-        SELECT id FROM kept UNION ALL SELECT id FROM deleted
-    ), wanted AS (
-        SELECT *
-        FROM unnest(CAST(:consumers AS text[]), CAST(:leases AS float8[])) AS w(consumer, lease_seconds)
-    ), picked AS (
-        SELECT id
-        FROM outbox_jobs
-        WHERE status = 'ready'
-          AND run_at <= now()
-          AND consumer = ANY (CAST(:consumers AS text[]))
-          AND consumer NOT IN (
-              SELECT c.consumer FROM outbox_consumers c
-              WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
-          AND (priority, run_at, id) > (CAST(:after_priority AS smallint), CAST(:after_run_at AS timestamptz),
-                                        CAST(:after_id AS bigint))
-          AND id <> ALL (CAST(:skip AS bigint[]))
-          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
-          AND id NOT IN (SELECT id FROM completed)
-        ORDER BY priority, run_at, id
-        LIMIT :limit
-        FOR NO KEY UPDATE SKIP LOCKED
-    ), claimed AS (
-        UPDATE outbox_jobs j
-        SET status = 'running',
-            attempts = j.attempts + 1,
-            fence = nextval('outbox_fence_seq'),
-            lease_until = now() + make_interval(secs => w.lease_seconds),
-            locked_by = :worker,
-            updated_at = now()
-        FROM wanted w, outbox_events e
-        WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
-          AND w.consumer = j.consumer
-          AND e.id = j.event_id
-        RETURNING j.id, j.event_id, j.consumer, j.attempts, j.max_attempts, j.fence, j.lease_until,
-                  e.topic, e.key, CAST(e.payload AS text) AS payload, CAST(e.headers AS text) AS headers,
-                  e.created_at AS event_created_at, j.priority, j.run_at
-    ), listed AS (
-        SELECT x.fence
-        FROM (SELECT c.fence, c.consumer = ANY (CAST(:forwarding AS text[])) AS forwarded,
-                     row_number() OVER (PARTITION BY c.consumer = ANY (CAST(:forwarding AS text[]))
-                                        ORDER BY c.priority, c.run_at, c.id) AS place
-              FROM claimed c) x
-        WHERE x.forwarded OR x.place > :start_now
-    ), marked AS (
-        UPDATE outbox_relays r
-        SET buffered = r.buffered || ARRAY(SELECT fence FROM listed),
-            last_seen_at = now()
-        WHERE r.id = :relay
-          AND EXISTS (SELECT 1 FROM listed)
-        RETURNING 1
-    )
-    SELECT c.*, false AS completed FROM claimed c
-    UNION ALL
-    SELECT id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, true FROM completed
-    """
-)
-"""``job_complete_many`` (``:keep_done`` as there) and ``job_claim_many`` in one statement,
-so a runner that has finished jobs and wants more pays one round trip and one commit for both. Returns the
-claimed jobs (``completed`` false, columns as ``job_claim_many``) and one row per job
-completed (``completed`` true, only ``id`` set); claimed rows also carry ``priority`` and
-``run_at``: with ``id``, the claim-order key. The claim starts after the key
-``(:after_priority, :after_run_at, :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start
-at the head), leaves out the ids in ``:skip`` (quarantined poison rows, usually none) and,
-unless ``:only`` is NULL, takes only jobs whose id it lists (the poison handling's
-bisection; :mod:`outbox.relay.poison`): a runner that remembers the last key it claimed skips the index entries of
-the jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
-(performance notes).
-
-It also updates this relay's row of ``outbox_relays`` (``:relay``; no row, no write):
-the fences of the claimed jobs that start later join ``buffered`` (``listed``: every job
-of a forwarder in ``:forwarding``, and of the others all but the first ``:start_now`` in
-claim order, which go to idle workers); the starter takes jobs off it with
-``relay_buffer_remove`` before it hands them over (to a worker, or to the forwarder, which
-sends at once). So the list the reaper reads (``job_reap_many``) never holds a job whose
-handler may have started or whose message may have been sent, and every buffered claim
-is listed from the moment it exists. It is
-changed, never overwritten: a claim whose reply never reached the relay (the connection
-broke after the commit) stays listed, so the reaper gives it its attempt back; the
-relay's periodic ``relay_seen`` drops fences no longer running under it. Both halves keep their guarantees: the
-completion is fenced and locks its rows in id order; the claim only takes rows that were
-``ready`` in the statement's snapshot (never one being completed, which was ``running``)
-and skips locked rows, so it never waits (PostgreSQL docs, "Data-Modifying Statements in
-WITH": sub-statements run on one snapshot and must not update the same row twice). The pick
-reads ``completed`` (``id NOT IN``), so the completion has taken every lock it waits for
-before the claim locks a row: a statement that holds claimed rows while it waits could
-deadlock with a heartbeat waiting for one of them."""
-
 job_claim_after_many: TextClause = text(
     """
     WITH wanted AS (
@@ -680,7 +565,7 @@ job_claim_after_many: TextClause = text(
 ``id``, the claim-order key) starting after the key ``(:after_priority, :after_run_at,
 :after_id)`` (pass ``(-32768, '-infinity', 0)`` to start at the head), leaving out the ids in
 ``:skip`` (quarantined poison rows, usually none) and, unless ``:only`` is NULL, taking only
-jobs whose id it lists (the poison handling's bisection; :mod:`outbox.relay.poison`). A
+jobs whose id it lists (the poison handling's bisection; :mod:`outbox.db.poison`). A
 runner that remembers the last key it claimed skips the index entries of the jobs claimed
 before, which a long-held snapshot elsewhere keeps from being removed (performance notes).
 
@@ -786,9 +671,9 @@ by ``statement_timestamp()``; a new bucket starts full), computes the allowance 
 min(concurrency - running jobs, floor(tokens), ``:limit``) (a missing cap or limit bounds
 nothing), claims up to it in claim order (priority, run_at, id; ``FOR NO KEY UPDATE SKIP LOCKED``),
 ``:limit`` in all, exactly as ``job_claim_many`` sets a claim (running, attempts + 1, new
-fence, lease), takes one token per claimed job and, like ``job_complete_claim_many``, lists
+fence, lease), takes one token per claimed job and, like ``job_claim_after_many``, lists
 the claims that start later (every forwarder's job in ``:forwarding``, the others after the
-first ``:start_now`` in claim order) as buffered in relay ``:relay``'s row of ``outbox_relays``. Returns the claimed rows as ``job_complete_claim_many`` does (columns
+first ``:start_now`` in claim order) as buffered in relay ``:relay``'s row of ``outbox_relays``. Returns the claimed rows as ``job_claim_after_many`` does (columns
 of ``job_claim_many`` plus ``priority``, ``run_at``)."""
 
 job_complete: TextClause = text(
@@ -971,7 +856,7 @@ job_claim_candidates: TextClause = text(
     """
 )
 """Ids of up to ``:limit`` due ready jobs of ``:consumers`` in claim order, none locked:
-what a claim would take, for finding the job that makes it fail (:mod:`outbox.relay.poison`).
+what a claim would take, for finding the job that makes it fail (:mod:`outbox.db.poison`).
 Like the main claim it leaves out paused, capped and rate-limited consumers."""
 
 job_bury: TextClause = text(
@@ -984,7 +869,7 @@ job_bury: TextClause = text(
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
-poison row (:mod:`outbox.relay.poison`); ``:error`` names the statement and the database error.
+poison row (:mod:`outbox.db.poison`); ``:error`` names the statement and the database error.
 Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
 ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
 
@@ -2242,7 +2127,6 @@ class Statements:
     job_claim_many: TextClause
     job_heartbeat_many: TextClause
     job_complete_many: TextClause
-    job_complete_claim_many: TextClause
     job_claim_after_many: TextClause
     job_claim_limited_many: TextClause
     job_complete: TextClause

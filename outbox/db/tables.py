@@ -185,6 +185,12 @@ consumers = Table(
     CheckConstraint("rate_limit IS NULL OR rate_limit > 0", name="rate_limit_positive"),
 )
 
+#: Longest a live relay leaves its row of ``outbox_relays`` unwritten, seconds: its dispatchers
+#: refresh ``last_seen_at`` at least this often, busy or idle. ``outbox-relay relays`` shows a
+#: relay silent for three times this as gone; the pruner forgets its row after
+#: :data:`outbox.db.retention.RELAY_GONE_AFTER`.
+RELAY_SEEN_INTERVAL = 30.0
+
 #: One row per running relay (the relay registry: ``outbox-relay relays``). ``buffered``: fences of the claims the relay holds whose
 #: handler has not started (its prefetch buffer), rewritten by the dispatcher in the
 #: statement that claims and before a buffered job is handed to a worker; the reaper gives

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
-from outbox.db.jobs import job_from_row
+from outbox.db.jobs import claim_order, job_from_row
 from outbox.job import Job
 from outbox.telemetry.logs import job_fields
 
@@ -62,8 +62,9 @@ class Claim:
     @classmethod
     def from_row(cls, row: Any, lease_seconds: float) -> Claim:
         """The claim of a row of a claim statement that returned ``priority`` and ``run_at``
-        (columns 12 and 13) after the columns of ``job_claim_many`` (``lease_until``: column 6)."""
-        return cls(job_from_row(row, lease_seconds), (row[12], row[13], row[0]), row[6])
+        besides the columns of ``job_claim_many`` (read by name; its claim order:
+        :func:`~outbox.db.jobs.claim_order`)."""
+        return cls(job_from_row(row, lease_seconds), claim_order(row), row.lease_until)
 
     def sent_at(self, sent: float) -> None:
         """The claim's statement was sent at ``sent`` (``time.monotonic()``): the lease runs

@@ -8,7 +8,8 @@ order:
 
 * completions (``Outcome.DONE``, :meth:`Completer.write_completions`): the round's claim
   (:class:`outbox.relay.producer.ClaimRequest`, as the producer shaped it) rides in the same
-  statement (``job_complete_claim_many``: one round trip and one commit for both); the
+  round trip and transaction (``job_complete_many`` then ``job_claim_after_many``,
+  pipelined: one round trip and one commit for both); the
   producer then hands the claimed jobs out. The flow goes one way: the producer shapes the
   claim, the completer sends it with the completions, the producer hands over what it
   returned;
@@ -27,7 +28,7 @@ Every statement is fenced (``WHERE id AND fence AND status = 'running'``) and re
 rows it changed; a job missing from them was a stale report: dropped, nothing changed, and
 logged once per round for all of them (:meth:`Completer.report`: count, consumers, a few
 ids; each at DEBUG), unless the heartbeat or the starter already named it. A data error in a batch statement runs it by halves (:meth:`Completer.by_halves`,
-:mod:`outbox.relay.poison`) and dead-letters each job that fails alone, naming the error.
+:mod:`outbox.db.poison`) and dead-letters each job that fails alone, naming the error.
 
 After the outcomes of a round other than releases are written, :meth:`Completer.finished`
 is called with their jobs: the one place for a follow-up statement on them, the promotion
@@ -43,9 +44,10 @@ from typing import Any
 
 import psycopg
 
+from outbox.db import poison
 from outbox.db.jobs import bury_job, complete_jobs, fail_jobs, notify_head, release_jobs, snooze_jobs
 from outbox.registry import Subscriber
-from outbox.relay import ordering, poison
+from outbox.relay import ordering
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims
 from outbox.relay.counters import Counters
@@ -61,8 +63,8 @@ log = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Round:
     """The outcomes one dispatcher round writes (:meth:`Completer.sort`), by statement:
-    completions (``done``: ``job_complete_claim_many``, the round's claim riding with
-    them), failed attempts, snoozes and releases (each a statement of its own); and
+    completions (``done``: ``job_complete_many``, the round's claim, ``job_claim_after_many``,
+    riding with them), failed attempts, snoozes and releases (each a statement of its own); and
     ``finishing``: every claim of the round but the releases, whose ordered keys are
     promoted once their outcomes are written (:meth:`Completer.finished`)."""
 
@@ -225,7 +227,7 @@ class Completer:
                   claim_of: Callable[[Any], Claim] = lambda item: item, merged: Any = None) -> tuple[Any, set[int]]:
         """Run a fenced batch statement over ``items`` (claims, or (claim, failure) pairs);
         returns its result merged (a set of ids, or a dict) and the ids of the jobs it
-        dead-lettered. On a data error it runs by halves (:func:`outbox.relay.poison.isolate`) and
+        dead-lettered. On a data error it runs by halves (:func:`outbox.db.poison.isolate`) and
         dead-letters each job that fails alone, naming the error (fenced); a job even that
         fails for is left to its lease (the reaper meets the same error and quarantines
         it). ``merged`` is the empty result to merge into (default: a set). Other errors

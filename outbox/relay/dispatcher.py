@@ -2,7 +2,8 @@
 
 Each round takes every outcome the workers have posted, has the completer sort them into
 the round's object, and, when the buffer has room, has the producer shape a claim that the
-completer sends with the completions (one statement, ``job_complete_claim_many``) and the
+completer sends with the completions (``job_complete_many`` then ``job_claim_after_many``,
+one round trip and one transaction: :func:`outbox.db.jobs.complete_and_claim_rows`) and the
 producer then hands out: a busy runner pays one round trip and one
 commit per batch. Failures and releases, which are rare, follow in their own fenced
 statements; then the completer's follow-up on the jobs the round finished. A claim that
@@ -55,9 +56,10 @@ import psycopg
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import poison
 from outbox.db.engine import describe, is_disconnect
 from outbox.db.jobs import RelayInfo, relay_delete, relay_seen
-from outbox.relay import poison
+from outbox.db.tables import RELAY_SEEN_INTERVAL
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
@@ -68,10 +70,6 @@ from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
-
-#: Longest an idle dispatcher leaves its relay's row of ``outbox_relays`` unwritten, seconds
-#: (pruning forgets relays not seen for ``maintenance.RELAY_GONE_AFTER``).
-RELAY_SEEN_INTERVAL = 30.0
 
 
 class RelayRow:

@@ -68,10 +68,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import TextClause
 from sqlalchemy.dialects.postgresql import psycopg as psycopg_dialect
 
 from outbox.db import queries
+from outbox.db.jobs import claim_order
 from outbox.registry import Subscriber
 
 _DIALECT = psycopg_dialect.dialect()  # type: ignore[no-untyped-call]  # SQLAlchemy's dialects are untyped
@@ -143,8 +145,8 @@ class FlowControl:
               excluded: frozenset[str] = frozenset(), forwarding: frozenset[str] = frozenset()) -> list[Any]:
         """Claim up to ``room`` jobs of the limited consumers on ``conn`` (autocommit; one
         transaction here), but those in ``excluded`` (forwarders whose broker is down);
-        returns the claimed rows in claim order, columns as
-        ``job_complete_claim_many``'s claimed rows (``priority`` and ``run_at`` last). The
+        returns the claimed rows in claim order, read by column name: those of
+        ``job_claim_after_many`` (``priority`` and ``run_at`` among them). The
         claims that start later are listed as buffered in ``relay``'s row of
         ``outbox_relays`` (None: not listed): every job of a forwarder in ``forwarding``, and
         of the others all but the first ``start_now``. Database errors propagate (nothing
@@ -154,18 +156,19 @@ class FlowControl:
             return []
         self.claims += 1
         with conn.transaction():
-            locked = conn.execute(_sql(self.statements.consumer_lock_limited_many),
-                                  {"consumers": consumers}).fetchall()
+            locked: list[Any] = conn.cursor(row_factory=namedtuple_row).execute(
+                _sql(self.statements.consumer_lock_limited_many), {"consumers": consumers}).fetchall()
             if not locked:  # paused, or no cap or limit in the database
                 self._due_at = time.monotonic() + self.poll_interval
                 return []
-            names = [r[0] for r in locked]
+            names = [r.consumer for r in locked]
             leases = dict(zip(self.consumers, self.leases, strict=True))
-            rows = conn.execute(_sql(self.statements.job_claim_limited_many), {
+            rows: list[Any] = conn.cursor(row_factory=namedtuple_row).execute(
+                _sql(self.statements.job_claim_limited_many), {
                 "consumers": names, "leases": [leases[c] for c in names], "limit": room,
                 "worker": self.worker_id, "relay": relay, "start_now": start_now,
                 "forwarding": list(forwarding)}).fetchall()
-        rows.sort(key=lambda r: (r[12], r[13], r[0]))
+        rows.sort(key=claim_order)
         self._schedule(locked, rows, room)
         return rows
 
@@ -176,12 +179,12 @@ class FlowControl:
             return
         taken: dict[str, int] = {}
         for r in rows:
-            taken[r[2]] = taken.get(r[2], 0) + 1
+            taken[r.consumer] = taken.get(r.consumer, 0) + 1
         wait = self.poll_interval
-        for consumer, rate, tokens in ((r[0], r[1], r[2]) for r in locked):
-            if rate is None:
+        for r in locked:
+            if r.rate_limit is None:
                 continue
-            left = tokens - taken.get(consumer, 0)
+            left = r.tokens - taken.get(r.consumer, 0)
             if left < 1:
-                wait = min(wait, (1 - left) / rate)
+                wait = min(wait, (1 - left) / r.rate_limit)
         self._due_at = time.monotonic() + wait

@@ -11,7 +11,7 @@ DEBUG. A claim
 that is renewed gets a new local bound (``sent + lease``), which the starter and the
 transactional executor check before they rely on the claim.
 
-A data error confines itself to the jobs that cause it (:mod:`outbox.relay.poison`): each is
+A data error confines itself to the jobs that cause it (:mod:`outbox.db.poison`): each is
 dead-lettered naming the error (fenced) or, where even that fails, reported not owned so
 its lease runs out. Database errors are retried, never more than half a second apart:
 leases are at stake.
@@ -25,9 +25,9 @@ import time
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
+from outbox.db import poison
 from outbox.db.jobs import bury_job, heartbeat_jobs
 from outbox.job import Job
-from outbox.relay import poison
 from outbox.relay.claim import jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.counters import Counters

@@ -7,13 +7,10 @@ lease) goes back to ``ready``, or to ``dead`` when that was its last attempt, wi
 relays may reap at once, and a job being completed at that very moment (its row locked)
 is skipped rather than overwritten; the completion's own fence check then decides.
 
-Pruner: deletes done and cancelled jobs older than ``retention_done`` seconds, then events older than
-``retention_events`` seconds that have no job left, then the rows of relays gone for
-``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned: they wait
-for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in bounded
-batches, so pruning never holds long locks. When the server's autovacuum is off (for the
-server or for ``outbox_jobs``), the relay vacuums both tables itself after each pruning
-round, and says so once at start.
+Pruner: what it deletes, and how a row that cannot be deleted is kept, are the rules of
+:mod:`outbox.db.retention` (``outbox-relay prune`` applies them too). When the server's
+autovacuum is off (for the server or for ``outbox_jobs``), the relay vacuums both tables
+itself after each pruning round, and says so once at start.
 
 Upkeep that needs ownership: ``ANALYZE`` (:class:`outbox.relay.statistics.StatisticsKeeper`)
 and ``VACUUM`` (above) of the queue's tables are allowed only to their owner (the role that
@@ -48,27 +45,23 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
 from outbox.db.jobs import notify_head
-from outbox.relay.counters import Counters
-from outbox.relay.notify import Wakeup
-from outbox.relay.ordering import HeadSweeper
-from outbox.relay.poison import (
+from outbox.db.poison import (
     Quarantine,
     SystemicError,
     describe_error,
     try_record,
     whole_or_halves,
 )
+from outbox.db.retention import prune, prune_relays
+from outbox.relay.counters import Counters
+from outbox.relay.notify import Wakeup
+from outbox.relay.ordering import HeadSweeper
 from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
 
 REAP_BATCH = 1000
-PRUNE_BATCH = 5000
-#: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live
-#: one does at least every ``dispatcher.RELAY_SEEN_INTERVAL``) and holds no running job is
-#: forgotten by the pruner.
-RELAY_GONE_AFTER = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +80,7 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
     """Take back up to ``limit`` jobs whose lease expired (database clock), in ``conn``'s
     transaction; logs one line per job dead-lettered.
 
-    A data error is confined to the jobs that cause it (:mod:`outbox.relay.poison`): the expired
+    A data error is confined to the jobs that cause it (:mod:`outbox.db.poison`): the expired
     jobs are reaped by halves, each try in a SAVEPOINT, and a job whose reaping fails alone
     is dead-lettered with a ``last_error`` naming the error, or, where even that fails,
     kept in ``quarantine`` (skipped by later rounds for a while)."""
@@ -140,50 +133,6 @@ def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], stat
         elif dead:
             buried.append(job_id)
     return buried
-
-
-def prune(conn: Connection, done_older_than: float, events_older_than: float,
-          limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
-          schema: str | None = None) -> tuple[int, int]:
-    """Delete up to ``limit`` done jobs and up to ``limit`` cancelled jobs finished more than
-    ``done_older_than`` seconds ago (counted together) and up to
-    ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
-    (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
-    the application's pointing at an event) is found by halves (:mod:`outbox.relay.poison`) and
-    kept in ``quarantine``: it stays, logged, and every other row is pruned."""
-    quarantine = quarantine if quarantine is not None else Quarantine("row")
-    statements = queries.in_schema(schema)
-    jobs = _prune_by_halves(conn, statements.job_prune_done_many, statements.job_prune_candidates,
-                            done_older_than, limit, quarantine, "pruning the done job")
-    jobs += _prune_by_halves(conn, statements.job_prune_cancelled_many, statements.job_prune_cancelled_candidates,
-                             done_older_than, limit, quarantine, "pruning the cancelled job")
-    events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
-                              events_older_than, limit, quarantine, "pruning the event")
-    return jobs, events
-
-
-def _prune_by_halves(conn: Connection, delete: Any, candidates: Any, older_than: float, limit: int,
-                     quarantine: Quarantine, doing: str) -> int:
-    skip = quarantine.ids()
-
-    def run(only: Sequence[int] | None) -> int:
-        with conn.begin_nested():
-            return len(conn.execute(delete, {"older_than": older_than, "limit": limit, "skip": skip,
-                                             "only": None if only is None else list(only)}).all())
-
-    parts, poisoned = whole_or_halves(
-        doing, lambda: run(None),
-        lambda: list(conn.execute(candidates, {"older_than": older_than, "limit": limit, "skip": skip}).scalars()), run)
-    for row_id, exc in poisoned:
-        quarantine.add(row_id, exc, doing)
-    return sum(parts)
-
-
-def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER, *, schema: str | None = None) -> int:
-    """Forget relays (rows of ``outbox_relays``) not seen for ``older_than`` seconds that
-    hold no running job: killed relays, whose buffer lists no claim the reaper could still
-    meet. Returns how many were removed."""
-    return conn.execute(queries.in_schema(schema).relay_prune_many, {"older_than": older_than}).rowcount
 
 
 def autovacuum_enabled(conn: Connection, *, schema: str | None = None) -> bool:

@@ -91,6 +91,7 @@ from sqlalchemy.engine import Connection
 
 from outbox.db import queries
 from outbox.db.jobs import Executor, promote_keys
+from outbox.db.promotion import promote, promote_params
 from outbox.job import Job
 from outbox.registry import Subscriber
 
@@ -100,30 +101,12 @@ log = logging.getLogger(__name__)
 SWEEP_KEYS = 500
 
 
-def promote_params(keys: Iterable[tuple[str, str]]) -> dict[str, list[str]] | None:
-    """The parameters of ``job_promote_many`` for the (consumer, key) pairs ``keys``, sorted
-    and without repeats; None when there are none (then no statement needs to run)."""
-    pairs = sorted(set(keys))
-    if not pairs:
-        return None
-    return {"consumers": [c for c, _ in pairs], "keys": [k for _, k in pairs]}
-
-
 def promotion_params(jobs: Iterable[Job], subscribers: Mapping[str, Subscriber]) -> dict[str, list[str]] | None:
     """``promote_params`` for the keys of ``jobs`` whose consumer (in ``subscribers``) is
     ordered; None when no job is ordered and keyed. Jobs whose outcome did not finish them (a
     retry) may be passed: their promotion finds the head ready and changes nothing."""
     return promote_params((j.consumer, j.key) for j in jobs
                           if j.key is not None and (sub := subscribers.get(j.consumer)) is not None and sub.ordered)
-
-
-def promote(conn: Executor, keys: Iterable[tuple[str, str]], *, schema: str | None = None) -> list[int]:
-    """Promote the pending head of each (consumer, key) in ``keys`` whose head is pending
-    (``job_promote_many``); returns the ids promoted. ``conn`` should be autocommit, or the
-    caller commits: run it after the outcomes that finished the keys' jobs committed (see
-    the module notes)."""
-    params = promote_params(keys)
-    return [] if params is None else promote_keys(conn, params, schema=schema)
 
 
 def promote_finished(conn: Executor, jobs: Iterable[Job], subscribers: Mapping[str, Subscriber], *,

@@ -7,15 +7,15 @@ claims are paused after a claim that fails for every job).
 
 **Claim rounds.** :meth:`Producer.claiming` shapes a round's claim (a
 :class:`ClaimRequest`): it reserves idle worker slots for the first ``start_now`` jobs the
-claim returns and counts the room it asks for as taken. The completer sends it in the
-statement that writes the round's completions (``job_complete_claim_many``: one round trip
-and one commit); :meth:`Producer.hand_over` then gives the first ``start_now`` jobs to the
-workers at once, and the rest join the buffer, listed in the relay's row of
-``outbox_relays`` by the same statement (architecture notes, "Attempts and crashes"). A
+claim returns and counts the room it asks for as taken. The completer sends it with the
+round's completions (``job_complete_many`` then ``job_claim_after_many``, pipelined: one
+round trip and one commit); :meth:`Producer.hand_over` then gives the first ``start_now``
+jobs to the workers at once, and the rest join the buffer, listed in the relay's row of
+``outbox_relays`` by the claim (architecture notes, "Attempts and crashes"). A
 forwarder's jobs always join the buffer, listed: the starter unlists them just before the
 forwarder sends them, so an attempt is charged when its message is handed to the broker,
 not when it is claimed. After a data error (the completer then writes the completions by
-halves) the claim runs alone, and by halves (:mod:`outbox.relay.poison`): a ready job whose
+halves) the claim runs alone, and by halves (:mod:`outbox.db.poison`): a ready job whose
 claim fails alone is dead-lettered naming the error, or quarantined.
 
 **The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
@@ -45,6 +45,7 @@ from typing import Any
 import psycopg
 
 from outbox import backoff
+from outbox.db import poison
 from outbox.db.jobs import (
     BufferMark,
     bury_ready_job,
@@ -53,7 +54,7 @@ from outbox.db.jobs import (
 )
 from outbox.job import Job
 from outbox.registry import Subscriber
-from outbox.relay import flow, poison
+from outbox.relay import flow
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
@@ -129,9 +130,9 @@ class ClaimRequest:
 
     def send(self, conn: psycopg.Connection[Any], done: list[Job], *, keep_done: bool, schema: str) -> set[int]:
         """Complete ``done`` (fenced; ``keep_done`` false: deleted) and make this claim, in one
-        statement (``job_complete_claim_many``) on ``conn``; returns the ids completed (a job
-        of ``done`` missing from them was a stale report). Raises what the statement raises,
-        the claim then not made."""
+        transaction and one round trip (``job_complete_many`` then ``job_claim_after_many``) on
+        ``conn``; returns the ids completed (a job of ``done`` missing from them was a stale
+        report). Raises what either statement raises, neither then kept."""
         completed, self.rows, self.last = complete_and_claim_rows(
             conn, done, self.leases, self.room.asked, self.worker_id, self.after, buffer=self.mark, skip=self.skip,
             keep_done=keep_done, schema=schema)
@@ -180,7 +181,7 @@ class Producer:
         self._excluded = consumers
 
     def claim_leases(self) -> dict[str, float]:
-        """The consumers the combined claim statement takes, with their lease seconds: all
+        """The consumers the main claim statement takes, with their lease seconds: all
         of them but those excluded now (:meth:`exclude`)."""
         excluded = self._excluded()
         if excluded != self._leases_without[0]:
@@ -235,7 +236,7 @@ class Producer:
             last, hinted = None, True  # claim from the head next time
             returned = time.monotonic()
         else:
-            claimed = [Claim.from_row(r, request.leases[r[2]]) for r in request.rows]
+            claimed = [Claim.from_row(r, request.leases[r.consumer]) for r in request.rows]
             last, returned = request.last, request.returned
             if want:
                 self.claim_failures = 0
@@ -272,7 +273,7 @@ class Producer:
                                    self.claims.forwarding)
             if self.metrics is not None:
                 self.metrics.claim_round_trip(time.monotonic() - sent)
-            claimed = [Claim.from_row(r, self.leases[r[2]]) for r in rows]
+            claimed = [Claim.from_row(r, self.leases[r.consumer]) for r in rows]
             self._hand_over(claimed, reserved, sent)
             return len(claimed)
 
@@ -292,7 +293,7 @@ class Producer:
             _, rows, _ = complete_and_claim_rows(
                 conn, [], leases, want if only is None else len(only), self.worker_id, None,
                 buffer=part_mark, skip=self.quarantine.ids(), only=only, schema=self.schema)
-            got = [Claim.from_row(r, leases[r[2]]) for r in rows]
+            got = [Claim.from_row(r, leases[r.consumer]) for r in rows]
             start_left -= len(part_mark.starts_now(got))
             return got
 

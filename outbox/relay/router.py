@@ -42,10 +42,10 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
+from outbox.db.poison import Quarantine, SystemicError, whole_or_halves
 from outbox.registry import Outbox
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Cooldown, Wakeup
-from outbox.relay.poison import Quarantine, SystemicError, whole_or_halves
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings
@@ -137,7 +137,7 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
     """One routing round on an autocommit connection: :func:`route_batch` of up to
     ``limit`` events, leaving out the events in ``quarantine``. A data error (a trigger or
     constraint of the application's on the jobs or events table failing for one event) is
-    confined to the events that cause it (:mod:`outbox.relay.poison`): the batch is routed by
+    confined to the events that cause it (:mod:`outbox.db.poison`): the batch is routed by
     halves, and an event that fails alone is quarantined, logged with the database error:
     it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
     ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals. ``schema``
@@ -231,7 +231,7 @@ class Router:
     ``wake_cooldown`` (seconds).
 
     ``stats`` counts ``events_routed``, ``jobs_created`` and ``events_unsubscribed``;
-    ``quarantine`` holds the events whose routing fails alone (:mod:`outbox.relay.poison`);
+    ``quarantine`` holds the events whose routing fails alone (:mod:`outbox.db.poison`);
     ``unsubscribed_topics`` warns about topics with no subscriber. :meth:`run_round` is one
     round, for tests and callers without a thread.
     """

@@ -7,7 +7,7 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
   connection and runs the rounds: the **producer** (:class:`outbox.relay.producer.Producer`:
   room, the claim-order hint, claims, the prefetch buffer) claims, the **completer**
   (:class:`outbox.relay.completer.Completer`) writes outcomes; completions and the next claim go
-  in one statement (``job_complete_claim_many``) when both are due;
+  in one round trip (``job_complete_many`` then ``job_claim_after_many``) when both are due;
 * the **starter** (:class:`outbox.relay.starter.Starter`) hands buffered jobs to workers as
   they come free, on its own connection;
 * ``concurrency`` **worker threads** run handlers through the **executor**
@@ -49,12 +49,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox.db import poison
 from outbox.db.engine import describe, make_async_engine
 from outbox.db.jobs import RelayInfo, notify_head, package_version, release_jobs
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
-from outbox.relay import poison, transaction
+from outbox.relay import transaction
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer

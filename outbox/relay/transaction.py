@@ -79,9 +79,9 @@ from sqlalchemy.orm import Session
 from outbox import backoff
 from outbox.db import queries
 from outbox.db.engine import describe
+from outbox.db.poison import sqlstate
 from outbox.errors import TransactionEndedError
 from outbox.relay.counters import Counters
-from outbox.relay.poison import sqlstate
 
 log = logging.getLogger(__name__)
 

@@ -21,9 +21,10 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, admin, publish
 from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs
+from outbox.db.retention import prune
 from outbox.errors import AdminError
 from outbox.ops.cli import main
-from outbox.relay.maintenance import prune, reap_expired
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import Failure
 from outbox.relay.router import route_all
 from outbox.testing import wait_for

@@ -187,29 +187,27 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
     ob = Outbox()
     ob.forward("t", to=JetStream(f"nats://127.0.0.1:{proxy.port}", subject=stream.name + ".{topic}",
                                  connect_timeout=1.0), consumer="fwd", max_attempts=2)
-    relay = Relay(ob, settings(claim_batch=20, prefetch=20))
-    relay.start()
     try:
-        _publish(engine, "t", 100)
-        wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
-        time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
-        assert _statuses(engine, "fwd") == {"ready": 100}
-        with engine.connect() as c:
-            assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
-        proxy.start()
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
-        proxy.stop()  # the broker is unreachable from here on
-        _publish(engine, "t", 200, start=100)
-        outage_until = time.monotonic() + 10.0
-        while time.monotonic() < outage_until:  # ~10 s of outage while events keep coming
-            assert relay.runner.forwarder is not None
-            time.sleep(0.5)
-        assert "fwd" in relay.runner.forwarder.unavailable()
-        assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
-        proxy.start()
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
+        with running_relay(ob, settings(claim_batch=20, prefetch=20)) as relay:
+            _publish(engine, "t", 100)
+            wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
+            time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
+            assert _statuses(engine, "fwd") == {"ready": 100}
+            with engine.connect() as c:
+                assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
+            proxy.start()
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
+            proxy.stop()  # the broker is unreachable from here on
+            _publish(engine, "t", 200, start=100)
+            outage_until = time.monotonic() + 10.0
+            while time.monotonic() < outage_until:  # ~10 s of outage while events keep coming
+                assert relay.runner.forwarder is not None
+                time.sleep(0.5)
+            assert "fwd" in relay.runner.forwarder.unavailable()
+            assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
+            proxy.start()
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
     finally:
-        relay.stop()
         proxy.stop()
     assert _statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
     assert stream.count() == 300
@@ -390,20 +388,18 @@ def test_a_silent_message_holds_no_other_job_for_its_timeout(engine, settings, s
     with Session(engine) as s, s.begin():  # the silent event first: one claim, one hand-off with the others
         [silent] = publish_many(s, [{"topic": f"{mute}.x", "payload": {"n": -1}}])
         publish_many(s, [{"topic": f"{stream.name}.ok", "payload": {"n": n}} for n in range(9)])
-    relay = Relay(ob, settings())
-    relay.start()
     try:
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
-                 what="the 9 jobs claimed with the silent one done")
-        _publish(engine, f"{stream.name}.ok", 10, start=9)
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
-                 what="the 10 jobs claimed after it done")
-        with engine.connect() as c:
-            row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "
-                                    "WHERE j.event_id = :e"), {"e": silent}).one()
-        assert len(tap.ids()) == 1  # it was sent, once, and is still waiting for its answer
+        with running_relay(ob, settings()):
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
+                     what="the 9 jobs claimed with the silent one done")
+            _publish(engine, f"{stream.name}.ok", 10, start=9)
+            wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
+                     what="the 10 jobs claimed after it done")
+            with engine.connect() as c:
+                row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "
+                                        "WHERE j.event_id = :e"), {"e": silent}).one()
+            assert len(tap.ids()) == 1  # it was sent, once, and is still waiting for its answer
     finally:
-        relay.stop()
         tap.close()
     assert tuple(row) == ("running", 1, None), row
     assert stream.count() == 19

@@ -15,7 +15,8 @@ from outbox import Job, Outbox, PermanentError
 from outbox.admin import redrive
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
-from outbox.relay.maintenance import prune, reap_expired
+from outbox.db.retention import prune
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.outcomes import MAX_ERROR_CHARS, Failure, format_error
 from outbox.relay.router import route_all
 from outbox.testing import wait_for

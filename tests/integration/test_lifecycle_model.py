@@ -16,10 +16,10 @@ transaction, as separate processes would be. Hypothesis interleaves:
   job is due again at once, or with an hour's delay, or permanent) or releasing any subset of
   the claims it holds, current or stale;
 * a worker completing any subset of the claims it holds (current or stale, or none) and
-  claiming 0..3 more in one statement and transaction (``complete_and_claim_jobs``, the
-  runner's ``job_complete_claim_many``): the claim takes what a claim alone would have taken
-  just before, so never a job completed in the same statement (it was running in the
-  statement's snapshot), and nothing with a limit of 0;
+  claiming 0..3 more in one transaction (``complete_and_claim_jobs``, the runner's
+  ``job_complete_many`` then ``job_claim_after_many``): the claim takes what a claim alone
+  would have taken just before, so never a job completed in the same round (it was running
+  before, and is finished when the claim's snapshot is taken), and nothing with a limit of 0;
 * pausing a worker: the database-side ``lease_until`` of its claims is moved into the past
   with SQL (no sleeping), and maybe the reaper runs and another worker claims at once. The
   paused worker keeps its claims and acts again whenever hypothesis picks it: before the
@@ -87,12 +87,12 @@ A check that it catches bugs: with the fence test dropped from ``job_complete_ma
 its lock and its update; the update's alone is redundant with the lock's, and dropping it
 changes nothing) it fails within the run (a paused worker's completion overwrote its
 successor's claim), and so it does with the status test dropped from ``job_heartbeat_many``
-(a stale heartbeat renewed the lease of a dead-lettered job). The same for
-``job_complete_claim_many`` alone: without the fence test in its completion (lock and
-update) a paused worker's complete-and-claim completed a job another worker had re-claimed;
-with its pick not testing ``status = 'ready'``, running jobs took up the limit and it
-claimed too few; and with a limit of 0 passed as no limit (``LIMIT NULL``) it claimed
-every due job. (The claim update's own ``j.status = 'ready'`` cannot be caught here: the
+(a stale heartbeat renewed the lease of a dead-lettered job). The same for the runner's
+round (``job_complete_many`` then ``job_claim_after_many``): without the fence test in its
+completion (lock and update) a paused worker's complete-and-claim completed a job another
+worker had re-claimed; with its pick not testing ``status = 'ready'``, running jobs took
+up the limit and it claimed too few; and with a limit of 0 passed as no limit (``LIMIT
+NULL``) it claimed every due job. (The claim update's own ``j.status = 'ready'`` cannot be caught here: the
 pick locked only rows that were ready in the same snapshot, so without concurrent writers
 the recheck never filters anything.)
 """
@@ -458,11 +458,12 @@ class JobLifecycle(RuleBasedStateMachine):
     @precondition(lambda self: self.holding())
     @rule(data=st.data(), limit=st.integers(0, 3))
     def complete_and_claim(self, data: st.DataObject, limit: int) -> None:
-        """The runner's hot statement (``complete_and_claim_jobs``: ``job_complete_claim_many``):
-        a subset of a worker's claims (current or stale) marked done and up to ``limit`` more
-        jobs claimed, in one statement. The claim takes what a claim alone would have taken
-        just before: the jobs being completed were running in the statement's snapshot, so
-        they are never among them; nothing when ``limit`` is 0."""
+        """The runner's hot round (``complete_and_claim_jobs``: ``job_complete_many`` then
+        ``job_claim_after_many``): a subset of a worker's claims (current or stale) marked done
+        and up to ``limit`` more jobs claimed, in one transaction. The claim takes what a claim
+        alone would have taken just before: the jobs being completed were running before and
+        are finished when the claim starts, so they are never among them; nothing when
+        ``limit`` is 0."""
         worker = data.draw(st.sampled_from(self.holding()), label="worker")
         batch = self.pick(data, worker, min_size=0)  # none: the runner only wants more jobs
         stale = self.stale_ids(batch)

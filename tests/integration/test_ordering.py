@@ -19,10 +19,11 @@ from outbox import Job, Outbox, PermanentError, publish, publish_many
 from outbox.admin import blocked_keys, redrive, skip_dead_job
 from outbox.db import queries
 from outbox.db.jobs import bury_job, claim_jobs, complete_jobs
+from outbox.db.promotion import promote
 from outbox.errors import NotBlockingError
 from outbox.ops.cli import main
 from outbox.relay.maintenance import reap_expired
-from outbox.relay.ordering import HeadSweeper, promote
+from outbox.relay.ordering import HeadSweeper
 from outbox.relay.router import route_all, route_batch
 from outbox.settings import OutboxSettings
 from outbox.testing import drain, wait_for

@@ -1,4 +1,4 @@
-"""Poison rows (:mod:`outbox.relay.poison`): one row that makes a batch statement fail with a data
+"""Poison rows (:mod:`outbox.db.poison`): one row that makes a batch statement fail with a data
 error is confined to itself. A trigger of the test's raises for chosen jobs at a chosen
 transition (claim, completion, failure, heartbeat, reaping, routing) or a foreign key
 keeps an event from being pruned; every other job goes on and runs exactly once, and the
@@ -16,8 +16,9 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
-from outbox.relay.maintenance import prune, reap_expired
-from outbox.relay.poison import Quarantine, is_data_error, isolate
+from outbox.db.poison import Quarantine, is_data_error, isolate
+from outbox.db.retention import prune
+from outbox.relay.maintenance import reap_expired
 from outbox.relay.relay import Relay
 from outbox.relay.router import route_all, route_round
 from outbox.testing import wait_for
@@ -355,7 +356,7 @@ def test_a_claim_that_fails_for_every_job_pauses_claiming_and_buries_nothing(poi
 def test_routing_that_fails_for_every_event_quarantines_none(poison_db):
     """A trigger that refuses every job insert: the router backs off instead of
     quarantining every event one by one (adversary: 11,500 ERROR lines in 90 s)."""
-    from outbox.relay.poison import SystemicError
+    from outbox.db.poison import SystemicError
 
     engine = poison_db
     subscribe(engine, "t", ["c"])

@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session
 
 from outbox import publish, publish_many
 from outbox.db import queries
+from outbox.db.retention import prune
 from outbox.errors import InvalidEventError
-from outbox.relay.maintenance import prune
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
 

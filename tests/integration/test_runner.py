@@ -1,5 +1,6 @@
-"""The job runner's dispatcher: completions and the next claim in one statement, the
-prefetch buffer, and its own connection's recovery. Real PostgreSQL throughout."""
+"""The job runner's dispatcher: completions and the next claim in one round trip and one
+transaction, the prefetch buffer, and its own connection's recovery. Real PostgreSQL
+throughout."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox
-from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs
+from outbox.db import jobs
+from outbox.db.jobs import claim_jobs, complete_and_claim_after, complete_and_claim_jobs, complete_jobs
 from outbox.relay.relay import Relay
 from outbox.relay.router import route_all
 from outbox.testing import wait_for
@@ -128,6 +130,29 @@ def test_complete_and_claim_never_claims_the_rows_it_completes(engine):
         completed, claimed = complete_and_claim_jobs(conn, held, LEASES, 100, "w1")
     assert completed == set(ids) and claimed == []
     assert set(_statuses(engine).values()) == {"done"}
+
+
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "plain"])
+def test_complete_and_claim_is_one_transaction(engine, monkeypatch, pipeline):
+    """The completion and the claim are two statements, sent in one round trip (pipeline mode)
+    or, without it, one by one in a transaction: either way a claim that fails with a data
+    error (here a claim-order key that is no timestamp) leaves the completion unwritten, as the
+    one statement they replace did, so the poison handling may run both again by halves."""
+    if pipeline and not jobs.PIPELINE:
+        pytest.skip("this libpq has no pipeline mode")
+    monkeypatch.setattr(jobs, "PIPELINE", pipeline)
+    ids = routed_jobs(engine, "t", ["a"], n=3)
+    with engine.begin() as conn:
+        [held] = claim_jobs(conn, LEASES, 1, "w1")
+    with _psycopg(engine) as conn:
+        with pytest.raises(psycopg.errors.DataError):
+            complete_and_claim_after(conn, [held], LEASES, 2, "w1", (0, "not a time", 0))
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert _statuses(engine) == {ids[0]: "running", ids[1]: "ready", ids[2]: "ready"}
+        completed, claimed, last = complete_and_claim_after(conn, [held], LEASES, 2, "w1", None)
+    assert completed == {held.id} and [j.id for j in claimed] == ids[1:]
+    assert last is not None and last[2] == ids[2]
+    assert _statuses(engine) == {ids[0]: "done", ids[1]: "running", ids[2]: "running"}
 
 
 # ------------------------------------------------------------- prefetch buffer
@@ -332,17 +357,12 @@ def test_full_batches_are_not_held_back_by_the_cooldown(engine, settings):
     for consumer in ("a", "b", "c"):
         ob.subscriber("t", consumer=consumer)(lambda job: None)
     publish_events(engine, "t", [{"n": i} for i in range(300)])
-    relay = Relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0))
-
     def all_done() -> bool:
         statuses = _statuses(engine)
         return len(statuses) == 900 and set(statuses.values()) == {"done"}
 
-    relay.start()
-    try:
+    with running_relay(ob, settings(wake_cooldown=1.0, route_batch=20, claim_batch=20, concurrency=20, prefetch=0)):
         wait_for(all_done, timeout=15, what="the backlog done without a cooldown between full batches")
-    finally:
-        relay.stop()
 
 
 # ------------------------------------------------------------- claim-order hint

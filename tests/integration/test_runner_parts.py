@@ -14,8 +14,9 @@ import pytest
 import sqlalchemy as sa
 
 from outbox import Job, Outbox, PermanentError, Snooze
+from outbox.db import poison
 from outbox.db.jobs import claim_jobs, relay_seen
-from outbox.relay import poison, transaction
+from outbox.relay import transaction
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer

@@ -18,7 +18,7 @@ from outbox.relay.router import route_all, route_batch
 from outbox.relay.statistics import AnalyzeOutcome, StatisticsKeeper
 from outbox.testing import wait_for
 
-from .helpers import publish_events, subscribe
+from .helpers import publish_events, running_relay, subscribe
 
 CONSUMERS = ["a", "b", "c"]
 
@@ -317,14 +317,10 @@ def test_relay_vacuums_the_queue_tables_itself_when_autovacuum_is_off(engine, se
     ob = Outbox()
     ob.subscriber("t", consumer="a")(lambda job: None)
     _publish(engine, 2000)
-    relay = Relay(ob, settings(retention_done=0.001, prune_interval=0.5))  # 0 would delete at completion
     caplog.set_level("WARNING", logger="outbox.relay")
-    relay.start()
-    try:
+    with running_relay(ob, settings(retention_done=0.001, prune_interval=0.5)) as relay:  # 0 would delete at completion
         wait_for(lambda: relay.stats["pruned_jobs"] == 2000 and relay.stats["vacuums"] >= 2, timeout=30,
                  what="jobs done and pruned, then a vacuum")
-    finally:
-        relay.stop()
 
     def vacuumed() -> bool:  # the server's own count: the VACUUM really ran on outbox_jobs
         with engine.connect() as conn:
@@ -372,11 +368,10 @@ def test_claims_read_only_what_they_take_after_a_large_redrive(engine):
     with engine.begin() as conn:
         assert len(redrive(conn, consumer="x")) == 20_000
     claim = {"consumers": ["x"], "leases": [30.0], "limit": 50, "worker": "plan-guard"}
-    combined = {**claim, "ids": [], "fences": [], "after_priority": -32768, "after_run_at": "-infinity",
-                "after_id": 0, "relay": None, "start_now": 0, "forwarding": [], "skip": [], "only": None,
-                "keep_done": True}
+    after = {**claim, "after_priority": -32768, "after_run_at": "-infinity", "after_id": 0, "relay": None,
+             "start_now": 0, "forwarding": [], "skip": [], "only": None}
     public = queries.in_schema("public")
-    for statement, params in ((public.job_claim_many, claim), (public.job_complete_claim_many, combined)):
+    for statement, params in ((public.job_claim_many, claim), (public.job_claim_after_many, after)):
         with engine.connect() as conn:
             [plan] = conn.execute(sa.text("EXPLAIN (ANALYZE, FORMAT JSON) " + statement.text), params).scalar_one()
             conn.rollback()

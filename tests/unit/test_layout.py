@@ -6,13 +6,19 @@
 ``Job`` (what a handler sees) sits with the errors: it imports nothing but them, and the
 job statements' wrappers (:mod:`outbox.db.jobs`) build it from their rows.
 
-Each module may import its own layer and the layers before it, never one after. Read from
+Each module may import its own layer and the layers before it, never one after. Besides,
+the operator's API (:mod:`outbox.admin`) and what presents it (the dashboard, the command
+line) import no module of the relay (``RELAY_FREE``): every operator action and query lives
+in admin, on the db layer's statements and rules; only the command line's ``run`` starts the
+relay process (:mod:`outbox.relay.relay`). Read from
 the source (every ``import``, including those inside functions), so an import added for a
 single call counts as much as one at the top of a module."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +38,22 @@ LAYERS: list[tuple[str, ...]] = [
     ("outbox.ops",),
     ("outbox.ops.cli",),
 ]
+
+
+#: Modules that import no module of ``outbox.relay``, each with the ones it may import
+#: nevertheless (a module belongs to the longest prefix it matches).
+RELAY_FREE: dict[str, tuple[str, ...]] = {
+    "outbox.admin": (),
+    "outbox.ops.dashboard": (),
+    "outbox.ops.cli": ("outbox.relay.relay",),  # `run` starts the relay process
+}
+
+
+def relay_allowed(module: str) -> tuple[str, ...] | None:
+    """The relay modules ``module`` may import when it is in ``RELAY_FREE``; None when it
+    is not (then only the layers decide)."""
+    prefixes = [p for p in RELAY_FREE if module == p or module.startswith(p + ".")]
+    return RELAY_FREE[max(prefixes, key=len)] if prefixes else None
 
 
 def layer_of(module: str) -> int:
@@ -84,6 +106,10 @@ def violations(modules: dict[str, tuple[bool, str]]) -> list[str]:
                 found.append(f"{here}:{line} imports the command line")
             elif layer_of(target) > layer_of(here):
                 found.append(f"{here}:{line} imports {target}, a later layer")
+            elif (target == "outbox.relay" or target.startswith("outbox.relay.")) and \
+                    (allowed := relay_allowed(here)) is not None and target not in allowed:
+                found.append(f"{here}:{line} imports {target}: the operator's tools reach the relay through "
+                             "outbox.admin only")
     return found
 
 
@@ -112,10 +138,25 @@ def test_the_check_reports_what_breaks_the_layering():
         "outbox.db.tables": (False, "def f():\n    from outbox.relay import executor\n"),
         "outbox.relay.router": (False, "from ..ops import cli\n"),
         "outbox.publish": (False, "from .telemetry import tracing\nfrom . import errors\n"),
-        "outbox.admin": (False, "import outbox.ops.dashboard\n"),
+        "outbox.admin": (False, "import outbox.ops.dashboard\nfrom outbox.relay import maintenance\n"),
+        "outbox.ops.dashboard.app": (False, "def f():\n    from outbox.relay.ordering import promote\n"),
+        "outbox.ops.cli": (False, "from outbox.relay.relay import Relay\nfrom outbox.relay import ordering\n"),
     }
     assert violations(modules) == [
         "outbox.admin:1 imports outbox.ops.dashboard, a later layer",
+        "outbox.admin:2 imports outbox.relay.maintenance: the operator's tools reach the relay through outbox.admin only",
         "outbox.db.tables:2 imports outbox.relay.executor, a later layer",
+        "outbox.ops.cli:2 imports outbox.relay.ordering: the operator's tools reach the relay through outbox.admin only",
+        "outbox.ops.dashboard.app:2 imports outbox.relay.ordering: the operator's tools reach the relay through "
+        "outbox.admin only",
         "outbox.relay.router:1 imports the command line",
     ]
+
+
+@pytest.mark.parametrize("module", ["outbox.admin", "outbox.ops.dashboard.app"])
+def test_the_operator_api_and_the_dashboard_load_no_relay_module(module):
+    """Not even through another module: importing them leaves ``outbox.relay`` unloaded."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('outbox.relay')))"],
+        capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    assert loaded == "[]"
