@@ -34,14 +34,21 @@ read and changed under one lock, so each part sees one consistent picture:
 * ``reported``: fences whose loss a summary line has named (a lost lease, a buffered lease
   run out, a stale report), so the parts that notice it later log it at DEBUG only
   (:mod:`outbox.telemetry.logs`, "One line per state change").
+
+A claim takes its room through one call that cannot be left half done: ``with
+held.reserving(want, limit) as room:`` counts what it asks for in ``expected`` and reserves
+its worker slots in ``issued``; ``room.hand_over(claimed, start)`` takes the jobs in (the
+first ones to the reserved slots, the rest into the buffer) once; leaving the block gives
+back what the claim did not use (everything, when it failed before the hand-over).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from outbox.relay.claim import Claim
@@ -110,19 +117,31 @@ class HeldClaims:
         """(Caller holds the lock.) What :meth:`taken` says."""
         return self.issued + self.forward_issued + len(self.buffer) + self.expected
 
-    def expect(self, want: int, limit: int) -> int:
-        """A claim of up to ``want`` jobs is about to be sent, with at most ``limit`` held in
-        all: returns how many it may ask for (``want``, or less when other claims in flight
-        took the room meanwhile), counted as taken until :meth:`unexpect`."""
+    @contextlib.contextmanager
+    def reserving(self, want: int, limit: int) -> Iterator[Reservation]:
+        """Room for a claim of up to ``want`` jobs about to be sent, with at most ``limit``
+        held in all (:class:`Reservation`): ``asked`` (``want``, or less when other claims in
+        flight took the room meanwhile) counted as taken until the block ends, and idle worker
+        slots reserved for the first ``start_now`` of the jobs it returns, so the starter does
+        not hand buffered jobs to them meanwhile. The claim's jobs are taken in with
+        :meth:`Reservation.hand_over`; slots it did not fill, or all of them when the block
+        is left without a hand-over (the claim failed), are given back at its end."""
         with self.lock:
-            n = max(0, min(want, limit - self._taken()))
-            self.expected += n
-            return n
-
-    def unexpect(self, n: int) -> None:
-        """The claim that :meth:`expect` counted ``n`` for has handed its jobs over (or failed)."""
-        with self.lock:
-            self.expected -= n
+            asked = max(0, min(want, limit - self._taken()))
+            self.expected += asked
+            start_now = max(0, min(asked, self.concurrency - self.issued))
+            self.issued += start_now
+        reservation = Reservation(self, asked, start_now)
+        try:
+            yield reservation
+        finally:
+            with self.changed:
+                self.expected -= asked
+                unused = 0 if reservation.handed_over else start_now
+                if unused:
+                    self.issued -= unused
+                    if self.buffer:
+                        self.changed.notify()
 
     def has_idle_worker(self) -> bool:
         """Whether more workers (and places in the forwarding window) are idle than buffered
@@ -182,32 +201,24 @@ class HeldClaims:
             self.buffer.clear()
         return n
 
-    def reserve(self, want: int) -> int:
-        """Reserve idle worker slots (at most ``want``) for jobs about to be claimed, so the
-        starter does not hand buffered jobs to them meanwhile; returns how many."""
-        with self.lock:
-            n = max(0, min(want, self.concurrency - self.issued))
-            self.issued += n
-        return n
-
-    def unreserve(self, n: int) -> None:
-        """Give back ``n`` reserved slots the claim did not fill."""
+    def _unreserve(self, n: int) -> None:
+        """Give back ``n`` reserved slots a claim did not fill."""
         if n:
             with self.changed:
                 self.issued -= n
                 if self.buffer:
                     self.changed.notify()
 
-    def issue(self, claims: list[Claim]) -> None:
-        """Hold jobs just claimed for the worker slots reserved for them (never listed as
-        buffered). A forwarder's jobs never come here: they are always buffered, and the
+    def _issue(self, claims: list[Claim]) -> None:
+        """Hold claims just made for the worker slots reserved for them (never listed as
+        buffered). A forwarder's claims never come here: they are always buffered, and the
         starter hands them to the forwarder (:meth:`take_startable`)."""
         with self.lock:
             for claim in claims:
                 self.inflight[claim.fence] = claim
 
-    def hold(self, claims: list[Claim]) -> None:
-        """Take newly claimed jobs into the buffer (the relay's row lists them), keeping
+    def _hold(self, claims: list[Claim]) -> None:
+        """Take claims just made into the buffer (the relay's row lists them), keeping
         claim order: jobs claimed from the head after a hint (handed back by another relay)
         sort before the backlog already buffered, and start first."""
         if not claims:
@@ -217,7 +228,7 @@ class HeldClaims:
                 self.inflight[claim.fence] = claim
                 self.buffered.add(claim.fence)
             if self.buffer and claims[0].order < self.buffer[-1].order:
-                merged = heapq.merge(self.buffer, claims, key=lambda j: j.order)
+                merged = heapq.merge(self.buffer, claims, key=lambda c: c.order)
                 self.buffer = collections.deque(merged)
             else:
                 self.buffer.extend(claims)
@@ -363,3 +374,35 @@ class HeldClaims:
     def wake_all(self) -> None:
         with self.changed:
             self.changed.notify_all()
+
+
+class Reservation:
+    """The room one claim in flight holds in :class:`HeldClaims` (made by
+    :meth:`HeldClaims.reserving`, valid inside its block): ``asked`` jobs counted as taken,
+    ``start_now`` worker slots reserved. :meth:`hand_over` takes the claim's jobs in, once."""
+
+    __slots__ = ("held", "asked", "start_now", "handed_over")
+
+    def __init__(self, held: HeldClaims, asked: int, start_now: int) -> None:
+        self.held = held
+        self.asked = asked
+        self.start_now = start_now
+        self.handed_over = False
+
+    def hand_over(self, claimed: list[Claim], start: Callable[[list[Claim]], None]) -> list[Claim]:
+        """Take in ``claimed`` (in claim order): the first ``start_now`` that are not a
+        forwarder's fill the reserved slots (the slots they do not fill are given back) and
+        go to ``start`` at once; the rest join the buffer, as the claim listed them in the
+        relay's row. Returns the claims started. Raises ``RuntimeError`` if called twice."""
+        if self.handed_over:
+            raise RuntimeError("a reservation's claims are handed over once")
+        held = self.held
+        self.handed_over = True
+        forwarding = held.forwarding
+        first = [claim for claim in claimed if claim.consumer not in forwarding][:self.start_now]
+        held._unreserve(self.start_now - len(first))
+        held._issue(first)
+        start(first)
+        started = {claim.fence for claim in first}
+        held._hold([claim for claim in claimed if claim.fence not in started])
+        return first

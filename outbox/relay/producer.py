@@ -56,7 +56,7 @@ from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import flow
 from outbox.relay.claim import Claim
-from outbox.relay.claims import HeldClaims
+from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
 from outbox.settings import OutboxSettings
@@ -106,17 +106,16 @@ class ClaimHint:
 @dataclass(slots=True)
 class ClaimRequest:
     """One claim of a dispatcher round, as the producer shaped it (:meth:`Producer.claiming`):
-    up to ``want`` jobs of ``leases``' consumers (consumer -> lease seconds) for relay
+    up to ``room.asked`` jobs (the room it holds, ``room.start_now`` worker slots reserved for
+    its first jobs) of ``leases``' consumers (consumer -> lease seconds) for relay
     ``worker_id``, after the claim-order key ``after`` (None: from the head), leaving out the
-    quarantined ids ``skip``, the relay's row written by ``mark`` (``mark.start_now``
-    worker slots were reserved for the first jobs). The completer sends it in the statement
-    that writes the round's completions (:meth:`send`: one round trip, one commit), which
-    fills in ``rows`` (the claimed jobs' rows, in claim order; None: not sent), ``last``
+    quarantined ids ``skip``, the relay's row written by ``mark``. The completer sends it in
+    the statement that writes the round's completions (:meth:`send`: one round trip, one
+    commit), which fills in ``rows`` (the claimed jobs' rows, in claim order; None: not sent), ``last``
     (the key of the last one) and ``returned``; the producer then hands the jobs over
     (:meth:`Producer.hand_over`)."""
 
-    want: int
-    start_now: int
+    room: Reservation
     leases: dict[str, float]
     worker_id: str
     after: tuple[int, Any, int] | None
@@ -128,7 +127,6 @@ class ClaimRequest:
     rows: list[Any] | None = None
     last: tuple[int, Any, int] | None = None
     returned: float = 0.0
-    handed_over: bool = False
 
     def send(self, conn: psycopg.Connection[Any], done: list[Job], *, keep_done: bool, schema: str) -> set[int]:
         """Complete ``done`` (fenced; ``keep_done`` false: deleted) and make this claim, in one
@@ -136,7 +134,7 @@ class ClaimRequest:
         ``conn``; returns the ids completed (a job of ``done`` missing from them was a stale
         report). Raises what either statement raises, neither then kept."""
         completed, self.rows, self.last = complete_and_claim_rows(
-            conn, done, self.leases, self.want, self.worker_id, self.after, buffer=self.mark, skip=self.skip,
+            conn, done, self.leases, self.room.asked, self.worker_id, self.after, buffer=self.mark, skip=self.skip,
             keep_done=keep_done, schema=schema)
         self.returned = time.monotonic()
         return completed
@@ -212,28 +210,17 @@ class Producer:
 
     @contextlib.contextmanager
     def claiming(self, want: int) -> Iterator[ClaimRequest]:
-        """A claim of up to ``want`` jobs for this round (fewer when another dispatcher's
-        claim in flight took the room meanwhile: :meth:`HeldClaims.expect`), counted as taken
-        until the block ends, with idle worker slots reserved for the first jobs it returns.
-        Inside the block the completer sends it with the round's completions
-        (:meth:`ClaimRequest.send`), then :meth:`hand_over` gives its jobs out; a block left
-        before the hand-over (an error) gives the reserved slots back."""
-        want = self.claims.expect(want, self.limit())
-        try:
-            start_now = self.claims.reserve(want)
-            rewound = want > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
-            request = ClaimRequest(
-                want, start_now, self.claim_leases(), self.worker_id,
-                self.hint.get() if want > 0 and not rewound else None,
-                BufferMark(self.worker_id, start_now, self.claims.forwarding), self.quarantine.ids())
-            try:
-                yield request
-            except BaseException:
-                if not request.handed_over:
-                    self.claims.unreserve(start_now)
-                raise
-        finally:
-            self.claims.unexpect(want)
+        """A claim of up to ``want`` jobs for this round, in the room it reserves
+        (:meth:`HeldClaims.reserving`: fewer when another dispatcher's claim in flight took
+        the room meanwhile; idle worker slots reserved for its first jobs). Inside the block
+        the completer sends it with the round's completions (:meth:`ClaimRequest.send`), then
+        :meth:`hand_over` gives its jobs out; a block left before the hand-over (an error)
+        gives the room back."""
+        with self.claims.reserving(want, self.limit()) as room:
+            rewound = room.asked > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
+            yield ClaimRequest(
+                room, self.claim_leases(), self.worker_id, self.hint.get() if room.asked > 0 and not rewound else None,
+                BufferMark(self.worker_id, room.start_now, self.claims.forwarding), self.quarantine.ids())
 
     def hand_over(self, conn: psycopg.Connection[Any], request: ClaimRequest) -> bool:
         """The jobs ``request`` claimed to the workers reserved for them and the rest into
@@ -242,7 +229,7 @@ class Producer:
         for (a short claim after the hint says nothing). A request the completer could not
         send (a data error in its statement: it wrote the completions by halves) is claimed
         here first, alone, on ``conn`` (:meth:`_claim_by_halves`)."""
-        want = request.want
+        want = request.room.asked
         hinted = request.after is not None
         if request.rows is None:
             claimed = self._claim_by_halves(conn, request)
@@ -253,56 +240,42 @@ class Producer:
             last, returned = request.last, request.returned
             if want:
                 self.claim_failures = 0
-        request.handed_over = True
         if self.metrics is not None:
             self.metrics.claim_round_trip(returned - request.sent)
         if want:
             # Found fewer than asked after the hint: there may be ready jobs before it
             # (released, retried early, more urgent); the next claim starts at the head.
             self.hint.claimed(hinted, len(claimed) < want, last)
-        self._hand_over(claimed, request.start_now, request.sent)
+        self._hand_over(claimed, request.room, request.sent)
         return want > 0 and len(claimed) < want and not hinted
 
-    def _hand_over(self, claimed: list[Claim], start_now: int, sent: float) -> None:
-        """Claims just made (a statement sent at ``sent``, monotonic), in claim order: the
-        first ``start_now`` that are not a forwarder's to the workers reserved for them, the
-        rest into the buffer (as the claim listed them: :class:`BufferMark`)."""
+    def _hand_over(self, claimed: list[Claim], room: Reservation, sent: float) -> None:
+        """Claims just made in ``room`` (a statement sent at ``sent``, monotonic), in claim
+        order: the first ``room.start_now`` that are not a forwarder's to the workers reserved
+        for them, the rest into the buffer (as the claim listed them: :class:`BufferMark`)."""
         for claim in claimed:
             claim.sent_at(sent)
         self.stats.add("claimed", len(claimed))
         if self.metrics is not None and claimed:
             self.metrics.jobs("claimed", [claim.consumer for claim in claimed])
-        first = BufferMark(None, start_now, self.claims.forwarding).starts_now(claimed)
-        self.claims.unreserve(start_now - len(first))
-        self.claims.issue(first)
-        self.start(first)
-        started = {claim.fence for claim in first}
-        self.claims.hold([claim for claim in claimed if claim.fence not in started])
+        room.hand_over(claimed, self.start)
 
     def claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
         """Claim up to ``room`` jobs of the capped or rate-limited consumers on their own path
         (:class:`outbox.relay.flow.FlowControl`: a transaction that locks their rows first), handed
         over like any claim: idle workers first, the rest buffered (listed by the same
         transaction). Returns how many were claimed."""
-        room = self.claims.expect(room, self.limit())
-        try:
-            return self._claim_limited(conn, room) if room else 0
-        finally:
-            self.claims.unexpect(room)
-
-    def _claim_limited(self, conn: psycopg.Connection[Any], room: int) -> int:
-        start_now = self.claims.reserve(room)
-        sent = time.monotonic()
-        try:
-            rows = self.flow.claim(conn, room, self.worker_id, start_now, self._excluded(), self.claims.forwarding)
-        except BaseException:
-            self.claims.unreserve(start_now)
-            raise
-        if self.metrics is not None:
-            self.metrics.claim_round_trip(time.monotonic() - sent)
-        claimed = [Claim.from_row(r, self.leases[r.consumer]) for r in rows]
-        self._hand_over(claimed, start_now, sent)
-        return len(claimed)
+        with self.claims.reserving(room, self.limit()) as reserved:
+            if not reserved.asked:
+                return 0
+            sent = time.monotonic()
+            rows = self.flow.claim(conn, reserved.asked, self.worker_id, reserved.start_now, self._excluded(),
+                                   self.claims.forwarding)
+            if self.metrics is not None:
+                self.metrics.claim_round_trip(time.monotonic() - sent)
+            claimed = [Claim.from_row(r, self.leases[r.consumer]) for r in rows]
+            self._hand_over(claimed, reserved, sent)
+            return len(claimed)
 
     def _claim_by_halves(self, conn: psycopg.Connection[Any], request: ClaimRequest) -> list[Claim]:
         """After a data error of the round's statement (the completer has written the
@@ -310,7 +283,7 @@ class Producer:
         too, by halves of its candidates, each half writing the buffer list as it then
         stands. A job that fails alone is dead-lettered naming the error (or quarantined);
         the others go on. Returns the claims made, in claim order."""
-        mark, want, leases = request.mark, request.want, request.leases
+        mark, want, leases = request.mark, request.room.asked, request.leases
         start_left = mark.start_now
         claimed: list[Claim] = []
 
