@@ -801,6 +801,24 @@ class JobList:
     next_after: int | None
 
 
+#: Seconds per unit of an age (``90s``, ``30m``, ``2h``, ``7d``).
+AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def age_seconds(text: str, what: str) -> float:
+    """An age as operators write it, in seconds: a number of seconds (``90``), or a number
+    with ``s``, ``m``, ``h`` or ``d`` (``10m``, ``2h``). Raises :class:`AdminError`, its
+    message starting with ``what`` (the flag or field), for anything else or an age over
+    :data:`MAX_AGE`."""
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in AGE_UNITS else (text, "s")
+    if not number.replace(".", "", 1).isdigit():
+        raise AdminError(f"{what}: not an age: {text[:40]!r} (seconds, or a number with s, m, h or d: 10m, 2h)")
+    seconds = float(number) * AGE_UNITS[unit]
+    if not seconds <= MAX_AGE:
+        raise AdminError(f"{what}: {text[:40]!r} is more than {MAX_AGE // (365 * 86400)} years")
+    return seconds
+
+
 def _check_text(value: str | None, argument: str) -> None:
     if value is not None and (not value or "\x00" in value):
         raise AdminError(f"jobs: {argument} must be a non-empty text without NUL characters, got {value!r}")

@@ -1,13 +1,14 @@
 """``outbox-relay``: the command line.
 
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
-reaper and pruner), ``migrate``, ``demo``, ``status``, ``dead``, ``redrive``,
-``blocked``, ``skip`` (ordered keys held by a dead job: architecture notes, "Ordering"),
-``subscriptions``, ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"),
-``psql``, ``grants`` (the relay and publisher roles: :mod:`outbox.ops.grants`); the operator's commands
-``relays``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune`` (:mod:`outbox.admin`); ``dashboard``, the web
-dashboard on top of them (:mod:`outbox.ops.dashboard`, extra ``[dashboard]``). Settings come from
-``OUTBOX_*`` environment variables
+reaper and pruner), ``migrate``, ``demo``, ``psql``, ``grants`` (the relay and publisher
+roles: :mod:`outbox.ops.grants`), ``dashboard`` (the web dashboard, :mod:`outbox.ops.dashboard`,
+extra ``[dashboard]``), and the operator's commands, each a call of :mod:`outbox.admin` that
+this module only parses and prints: ``status``, ``dead``, ``redrive``, ``blocked``, ``skip``
+(ordered keys held by a dead job: architecture notes, "Ordering"), ``subscriptions``,
+``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"), ``relays``,
+``jobs``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune``. Only ``run`` imports the
+relay (:mod:`outbox.relay.relay`). Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
@@ -783,30 +784,26 @@ def _check_jobs_args(args: argparse.Namespace) -> None:
                          "no job is in that window")
 
 
-#: Seconds per unit of an age (``90s``, ``30m``, ``2h``, ``7d``).
-_AGE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def _age_arg(flag: str, text: str) -> float:
-    """``flag``'s AGE in seconds: a number of seconds, or a number with s, m, h or d (``10m``);
-    at most :data:`outbox.admin.MAX_AGE`. Raises :class:`UsageError` naming ``flag``."""
-    from outbox.admin import MAX_AGE
+    """``flag``'s AGE in seconds (:func:`outbox.admin.age_seconds`); :class:`UsageError` naming
+    ``flag`` for a bad one."""
+    from outbox.admin import age_seconds
+    from outbox.errors import AdminError
 
-    number, unit = (text[:-1], text[-1]) if text and text[-1] in _AGE_UNITS else (text, "s")
-    if not number.replace(".", "", 1).isdigit():
-        raise UsageError(f"{flag}: not an age: {text[:40]!r} (seconds, or a number with s, m, h or d: 10m, 2h)")
-    seconds = float(number) * _AGE_UNITS[unit]
-    if not seconds <= MAX_AGE:
-        raise UsageError(f"{flag}: {text[:40]!r} is more than {MAX_AGE // (365 * 86400)} years")
-    return seconds
+    try:
+        return age_seconds(text, flag)
+    except AdminError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _time_arg(flag: str, text: str, now: datetime) -> datetime:
     """``flag``'s TIME: ISO 8601 with a UTC offset, or an age (``90s``, ``30m``, ``2h``, ``7d``)
     before ``now`` (the database clock)."""
-    if text and text[-1] in _AGE_UNITS and text[:-1].replace(".", "", 1).isdigit():
+    from outbox.admin import AGE_UNITS
+
+    if text and text[-1] in AGE_UNITS and text[:-1].replace(".", "", 1).isdigit():
         try:
-            return now - timedelta(seconds=float(text[:-1]) * _AGE_UNITS[text[-1]])
+            return now - timedelta(seconds=float(text[:-1]) * AGE_UNITS[text[-1]])
         except OverflowError:  # beyond timedelta's or datetime's range (about 2.7 million years)
             raise UsageError(f"{flag}: {text!r} reaches before the year 1") from None
     try:

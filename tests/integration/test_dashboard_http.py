@@ -571,6 +571,8 @@ def test_read_only_shows_no_action_and_refuses_them(engine):
     ("/confirm?action=cancel&consumer=mail", 400), ("/confirm?action=pause&consumer=nobody", 404),
     ("/nowhere", 404), ("/events?key=%00", 400), ("/events?key=order%00:1", 400),
     ("/confirm?action=pause&consumer=bill%00", 400),
+    ("/jobs?status=bogus", 400), ("/jobs?older_than=ten", 400), ("/jobs?event=0", 400), ("/jobs?after=x", 400),
+    ("/jobs?key=a%00b", 400), ("/jobs?consumer=%00", 400),
 ])
 def test_bad_input_is_a_page_never_a_traceback(engine, path, status):
     seed(engine)
@@ -710,6 +712,37 @@ def test_consumer_pages_are_keyset_pages_covering_every_job_once(engine):
     assert len(seen) == 120 and seen == sorted(seen, reverse=True)
     with engine.connect() as c:
         assert set(seen) == set(c.execute(sa.text("SELECT id FROM outbox_jobs")).scalars())
+
+
+def test_the_jobs_page_filters_and_pages_like_outbox_relay_jobs(engine):
+    s = seed(engine)
+    subscribe(engine, "t", ["many"])
+    with Session(engine) as session, session.begin():
+        for i in range(60):
+            publish(session, "t", {"i": i}, key="k" if i % 2 else None)
+    route_all(engine)
+    client = _client(engine)
+
+    def listed(path: str) -> list[int]:
+        return [int(i) for i in re.findall(r'<tr data-job="(\d+)"', client.get(path).text)]
+
+    assert listed("/jobs?consumer=mail&status=dead") == sorted(s.jobs["mail"]["dead"])
+    with engine.connect() as c:
+        keyed = list(c.execute(sa.text("SELECT j.id FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id "
+                                       "WHERE e.key = 'k' AND j.consumer = 'many' ORDER BY j.id")).scalars())
+        every = list(c.execute(sa.text("SELECT id FROM outbox_jobs WHERE consumer = 'many' ORDER BY id")).scalars())
+    assert listed("/jobs?consumer=many&key=k") == keyed and len(keyed) == 30
+    assert listed("/jobs?consumer=many&older_than=1h") == []
+    assert "no job matches" in client.get("/jobs?consumer=many&older_than=1h").text
+    seen: list[int] = []
+    path, pages = "/jobs?consumer=many", 0
+    while path:
+        body = client.get(path).text
+        seen += [int(i) for i in re.findall(r'<tr data-job="(\d+)"', body)]
+        following = re.search(r'href="\?([^"]+)" id="next"', body)
+        path = f"/jobs?{following.group(1).replace('&amp;', '&')}" if following else ""
+        pages += 1
+    assert pages == 2 and seen == every
 
 
 # ---------------------------------------------------------- admin queries it reads through

@@ -350,6 +350,21 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
                 traces = admin.events_by_key(conn, key, schema=dash.schema)
         return dash.render(request, "events.html", key=key, traces=traces, scan=admin.KEY_SCAN)
 
+    def jobs_list(request: Request) -> Response:
+        query = request.query_params
+        filters = {name: (query.get(name) or "").strip() for name in ("consumer", "status", "key", "event", "older_than")}
+        older = filters["older_than"]
+        after = _id_param(query.get("after"), "after")
+        with dash.connect() as conn:
+            jobs = admin.list_jobs(
+                conn, consumer=_text_param(filters["consumer"], "consumer") or None,
+                statuses=[filters["status"]] if filters["status"] else None,
+                key=_text_param(filters["key"], "key") or None, event_id=_id_param(filters["event"], "event id"),
+                older_than=admin.age_seconds(older, "older than") if older else None, after=after,
+                limit=PAGE_SIZE, schema=dash.schema)
+        given = {name: value for name, value in filters.items() if value}
+        return dash.render(request, "jobs.html", page=jobs, filters=given, statuses=admin.JOB_STATUSES, after=after)
+
     def event_page(request: Request) -> Response:
         event_id = _id_param(request.path_params["event_id"], "event id")
         assert event_id is not None
@@ -446,6 +461,7 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
         Route("/", page(overview)),
         Route("/overview", page(overview_part)),
         Route("/consumers/{consumer:path}", page(consumer_page)),
+        Route("/jobs", page(jobs_list)),
         Route("/events", page(events_lookup)),
         Route("/events/{event_id}", page(event_page)),
         Route("/relays", page(relays_page)),
