@@ -4,9 +4,9 @@ block's marker means.
 
 Each page gets a migrated database of its own and the examples' application, a folder
 holding the package ``myapp``: the modules written out by the blocks marked ``file:``
-(``myapp/jobs.py`` in the README, ``myapp/models.py`` in docs/consumers.md) and
-``myapp/mail.py``, the one stand-in the test provides (a mail client that records what it is
-asked to send). The placeholder URLs of the examples (:data:`PLACEHOLDER_URLS`) are
+(``myapp/models.py``, ``myapp/mail.py`` and ``myapp/jobs.py`` in the README,
+``myapp/ledger.py`` in docs/ordering.md), over a ``myapp/mail.py`` of the test's own (a mail
+client that records what it is asked to send, as the README's does). The placeholder URLs of the examples (:data:`PLACEHOLDER_URLS`) are
 replaced by the page's database, which is also ``OUTBOX_DATABASE_URL`` of the page's
 commands; the application's tables (``myapp.models.md``) are created before any block runs.
 
