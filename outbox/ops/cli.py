@@ -293,12 +293,13 @@ def _port(text: str) -> int:
 
 
 def _whole_number_to(high: int) -> Any:
-    """An argparse type: a whole number from 1 to ``high``."""
+    """An argparse type: a whole number from 1 to ``high``; the command-line options that
+    take a count or an id use one of these, so all refuse alike."""
     def whole_number(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+            raise argparse.ArgumentTypeError(f"not a whole number: {text[:40]!r}") from None
         if not 1 <= value <= high:
             raise argparse.ArgumentTypeError(f"must be between 1 and {high}, got {text[:40]}")
         return value
@@ -306,31 +307,14 @@ def _whole_number_to(high: int) -> Any:
     return whole_number
 
 
-def _positive_int(text: str) -> int:
-    """An argparse type: a whole number from 1 to 2**31 - 1 (a PostgreSQL ``LIMIT`` in range)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= 2**31 - 1:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {2**31 - 1}, got {value}")
-    return value
-
+#: An argparse type: a whole number from 1 to 2**31 - 1 (a PostgreSQL ``LIMIT`` in range).
+_positive_int = _whole_number_to(2**31 - 1)
 
 #: The largest job or event id: the id columns are bigint.
 MAX_ROW_ID = 2**63 - 1
 
-
-def _row_id(text: str) -> int:
-    """An argparse type: a job or event id, a whole number from 1 to ``MAX_ROW_ID`` (the id
-    columns are bigint); every command taking an id uses it, so all refuse alike."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 1 <= value <= MAX_ROW_ID:
-        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_ROW_ID}, got {text[:40]}")
-    return value
+#: An argparse type: a job or event id, a whole number from 1 to ``MAX_ROW_ID``.
+_row_id = _whole_number_to(MAX_ROW_ID)
 
 
 def _settings(args: argparse.Namespace) -> OutboxSettings:
