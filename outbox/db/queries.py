@@ -1420,6 +1420,12 @@ server_version_number: TextClause = text("SELECT current_setting('server_version
 role_names_existing: TextClause = text("SELECT rolname FROM pg_roles WHERE rolname = ANY(CAST(:names AS text[]))")
 """Which of the role names ``:names`` exist (``outbox-relay grants --apply`` checks before granting)."""
 
+outbox_tables_in_schema: TextClause = text(
+    "SELECT to_regclass(format('%I.outbox_jobs', CAST(:schema AS text))) IS NOT NULL"
+)
+"""Whether schema ``:schema`` holds outbox's tables (``outbox_jobs``): ``outbox-relay grants
+--apply`` checks before granting, so a misspelt schema is refused by name."""
+
 # ---------------------------------------------------------------------------- schema
 
 schema_revision: TextClause = text("SELECT version_num FROM outbox_alembic_version")
@@ -2189,6 +2195,7 @@ class Statements:
     # roles
     server_version_number: TextClause
     role_names_existing: TextClause
+    outbox_tables_in_schema: TextClause
 
     # schema
     schema_revision: TextClause

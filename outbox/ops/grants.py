@@ -161,10 +161,11 @@ def render(statements: Sequence[sql.Composable]) -> str:
 
 
 def apply(engine: Engine, statements: Sequence[sql.Composable], roles: Sequence[str], *,
-          maintain: bool = False) -> None:
+          schema: str = "public", maintain: bool = False) -> None:
     """Run ``statements`` in one transaction on ``engine`` (as its role: the owner of
     outbox's tables, or another role that may grant on them). Raises ConfigurationError
-    naming a role of ``roles`` that does not exist, or when ``maintain`` (the statements
+    naming a role of ``roles`` that does not exist or ``schema`` (the statements' schema) when
+    it holds no outbox tables, or when ``maintain`` (the statements
     grant MAINTAIN) and the server is older than PostgreSQL 17; nothing is granted then.
     Other database errors propagate as SQLAlchemy raises them."""
     from outbox.db import queries
@@ -181,6 +182,10 @@ def apply(engine: Engine, statements: Sequence[sql.Composable], roles: Sequence[
         if missing:
             raise ConfigurationError(f"grants: role {missing[0]!r} does not exist; create it first "
                                      f"(CREATE ROLE ... LOGIN PASSWORD '...'), then run this again")
+        if not conn.execute(queries.outbox_tables_in_schema, {"schema": schema}).scalar_one():
+            raise ConfigurationError(f"grants: schema {schema!r} holds no outbox tables (no outbox_jobs); "
+                                     f"run `outbox-relay migrate --schema {schema}` first, or name the schema "
+                                     "outbox was migrated into")
         cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
         for statement in statements:
             cursor.execute(statement)
@@ -209,7 +214,7 @@ def main(args: argparse.Namespace, settings: OutboxSettings, engine: Engine | No
         return 0
     assert engine is not None
     roles = [r for r in (args.relay, args.publisher) if r is not None]
-    apply(engine, statements, roles, maintain=args.maintain)
+    apply(engine, statements, roles, schema=schema, maintain=args.maintain)
     print(f"granted: {', '.join(f'{kind} {name}' for kind, name in (('relay', args.relay), ('publisher', args.publisher)) if name)} "
           f"on schema {schema}")
     return 0

@@ -237,6 +237,18 @@ def test_grants_apply_refuses_a_missing_role(db_url, capsys):
     assert "does not exist; create it first" in capsys.readouterr().err
 
 
+def test_grants_apply_refuses_a_schema_without_outbox_tables(db_url, capsys):
+    """A misspelt --schema is refused by name, in one line, before anything is granted."""
+    engine = make_engine(db_url)
+    with engine.connect() as c:
+        role = c.execute(sa.text("SELECT current_user")).scalar_one()
+    engine.dispose()
+    schema = f"nosuch_{uuid.uuid4().hex[:8]}"
+    assert main(["grants", "--relay", role, "--apply", "--schema", schema, "--database-url", _url_text(db_url)]) == 2
+    err = capsys.readouterr().err
+    assert f"schema '{schema}' holds no outbox tables" in err and "Traceback" not in err, err
+
+
 def _refused(engine: sa.Engine, statement: str) -> psycopg.Error | None:
     """The database's error for ``statement`` (None when it succeeded); rolled back either way."""
     with engine.connect() as c:
