@@ -1420,11 +1420,11 @@ server_version_number: TextClause = text("SELECT current_setting('server_version
 role_names_existing: TextClause = text("SELECT rolname FROM pg_roles WHERE rolname = ANY(CAST(:names AS text[]))")
 """Which of the role names ``:names`` exist (``outbox-relay grants --apply`` checks before granting)."""
 
-outbox_tables_in_schema: TextClause = text(
-    "SELECT to_regclass(format('%I.outbox_jobs', CAST(:schema AS text))) IS NOT NULL"
+relation_exists: TextClause = text(
+    "SELECT to_regclass(format('%I.%I', CAST(:schema AS text), CAST(:name AS text))) IS NOT NULL"
 )
-"""Whether schema ``:schema`` holds outbox's tables (``outbox_jobs``): ``outbox-relay grants
---apply`` checks before granting, so a misspelt schema is refused by name."""
+"""Whether relation ``:name`` exists in schema ``:schema`` (``outbox-relay grants --apply``
+checks for ``outbox_jobs`` before granting, so a misspelt schema is refused by name)."""
 
 # ---------------------------------------------------------------------------- schema
 
@@ -2195,7 +2195,7 @@ class Statements:
     # roles
     server_version_number: TextClause
     role_names_existing: TextClause
-    outbox_tables_in_schema: TextClause
+    relation_exists: TextClause
 
     # schema
     schema_revision: TextClause

@@ -182,7 +182,7 @@ def apply(engine: Engine, statements: Sequence[sql.Composable], roles: Sequence[
         if missing:
             raise ConfigurationError(f"grants: role {missing[0]!r} does not exist; create it first "
                                      f"(CREATE ROLE ... LOGIN PASSWORD '...'), then run this again")
-        if not conn.execute(queries.outbox_tables_in_schema, {"schema": schema}).scalar_one():
+        if not conn.execute(queries.relation_exists, {"schema": schema, "name": "outbox_jobs"}).scalar_one():
             raise ConfigurationError(f"grants: schema {schema!r} holds no outbox tables (no outbox_jobs); "
                                      f"run `outbox-relay migrate --schema {schema}` first, or name the schema "
                                      "outbox was migrated into")

@@ -96,7 +96,7 @@ def test_cannot_reach_the_database_shows_no_secret(tmp_path, command, source):
      "is not usable: Received non-integer port arguments"),
     (f"postgresql://outbox:{USER_PW}@127.0.0.1/x?PASSWORD={QUERY_PW}&SslPassword={SSL_PW}&bogus=1",
      "?PASSWORD=***&SslPassword=***&bogus=1 is not usable: ProgrammingError: invalid connection option"),
-])
+], ids=["malformed", "not-postgresql", "bad-port", "unknown-option"])  # stable ids: the URLs hold random secrets
 def test_a_url_outbox_refuses_shows_no_secret(tmp_path, url, fragment):
     """Errors raised about the URL itself (before any connection, or by the driver refusing
     an option): one line, the secrets hidden, whatever the case of the parameter's name."""
