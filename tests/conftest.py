@@ -3,12 +3,21 @@ embedded one), one migrated template database per run, and a fresh copy of it pe
 dropped afterwards. The copies (and the empty databases) are made ahead on a thread of
 their own (outbox.testing.DatabaseCopies): a test does not wait for its CREATE DATABASE.
 They are dropped at the end of the test, before the teardown of the fixtures it asked for
-first (a role with privileges in the database is dropped after it)."""
+first (a role with privileges in the database is dropped after it).
+
+Two workers (pytest-xdist, ``-n 2`` in pyproject.toml's addopts) run the tests, each with
+its own template and copies (and, without a server in the environment, its own embedded
+server). A test that restarts the server (``needs_server_restart``) or measures rates and
+delays under load (``alone``) runs with no other test running: see
+:func:`pytest_runtest_protocol`."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -113,3 +122,39 @@ def pytest_report_header(config) -> str:
 
         return f"outbox: testing against {redact(url)} (from the environment)"
     return "outbox: testing against an embedded PostgreSQL (OUTBOX_DATABASE_URL is not set)"
+
+
+# ------------------------------------------------------------------ tests that run alone
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Around each test's setup, call and teardown on a pytest-xdist worker: the test holds
+    the run's lock file shared, or exclusive when it is marked ``alone`` or
+    ``needs_server_restart``, so such a test starts only once every other worker's test has
+    ended, and none starts until it ends. Taking either lock first passes a gate (a second
+    lock file, held by an exclusive taker from its wait to its end): a worker that finishes
+    a test cannot take the shared lock again ahead of one waiting to run alone (flock has
+    no queue). Without workers (``-n 0``, ``-p no:xdist``) tests run one at a time anyway."""
+    if not hasattr(item.config, "workerinput"):  # not a pytest-xdist worker
+        yield
+        return
+    alone = item.get_closest_marker("alone") is not None or item.get_closest_marker("needs_server_restart") is not None
+    shared = item.config._tmp_path_factory.getbasetemp().parent  # type: ignore[attr-defined]  # the run's folder
+    with _locked(shared / "outbox-tests.gate", fcntl.LOCK_EX, hold=alone), \
+            _locked(shared / "outbox-tests.lock", fcntl.LOCK_EX if alone else fcntl.LOCK_SH):
+        yield
+
+
+@contextlib.contextmanager
+def _locked(path: Path, mode: int, hold: bool = True) -> Iterator[None]:
+    """Hold ``path``'s flock in ``mode`` for the block (``hold`` false: only pass it, taking
+    and releasing it at once)."""
+    with open(path, "a") as file:
+        fcntl.flock(file, mode)
+        if not hold:
+            fcntl.flock(file, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)

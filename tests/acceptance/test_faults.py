@@ -529,6 +529,7 @@ def test_cut_off_from_the_database_then_back(scenario: Scenario) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its rates and delays hold on an otherwise idle machine
 def test_sigterm_under_heavy_load(scenario: Scenario) -> None:
     """SIGTERM a relay that holds many jobs while a backlog waits, some of its handlers
     running far past the grace period. It finishes or releases every job within the grace
@@ -761,6 +762,7 @@ def _backlog(conn: sa.Connection) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its rates and delays hold on an otherwise idle machine
 def test_backends_killed_every_half_second_under_steady_load(steady: Fleet, engine: sa.Engine, db_url: URL) -> None:
     """A relay (defaults) under a steady offered load of KILL_RATE jobs a second while the
     test terminates every backend of the relay in this database (pg_terminate_backend, LISTEN
@@ -826,6 +828,7 @@ RERUN_RATE, RERUN_KILLS, IN_FLIGHT_BOUND = 300.0, max(10, EVENTS // 30), 0.5
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # its rates and delays hold on an otherwise idle machine
 def test_sigkill_under_steady_load_reruns_only_outcomes_in_flight(steady: Fleet, engine: sa.Engine,
                                                                    db_url: URL) -> None:
     """SIGKILL the relay (defaults; handlers that note their end in a ledger) RERUN_KILLS
