@@ -90,7 +90,11 @@ def _rows_together(conn: Executor, steps: list[Step]) -> list[list[Any]]:
     connection runs them one after the other in its transaction. A database error in any
     step propagates, and nothing of the steps is kept when ``conn`` is in autocommit."""
     if isinstance(conn, psycopg.Connection):
-        if PIPELINE:
+        if len(steps) == 1:  # one statement is one round trip and, in autocommit, one transaction
+            statement, params, prepare = steps[0]
+            return [conn.cursor(row_factory=namedtuple_row).execute(_psycopg_sql(statement), params,
+                                                                   prepare=prepare).fetchall()]
+        if PIPELINE:  # pipeline mode costs client CPU (psycopg's loop): only where it saves a round trip
             with conn.pipeline():
                 cursors = [conn.cursor(row_factory=namedtuple_row).execute(_psycopg_sql(statement), params,
                                                                           prepare=prepare)
