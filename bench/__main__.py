@@ -8,6 +8,7 @@
     python -m bench --only ordered     # ordered delivery per key against unordered (issue 10)
     python -m bench --only forward     # forwarding to JetStream / RabbitMQ against their raw clients (issue 11)
     python -m bench --only ceiling     # the leanest SQL doing outbox's work: claim + complete, whole pipeline (issue 14)
+    python -m bench --only sustained   # a steady rate on a server of its own, a snapshot held for the middle third (issue 28)
 
 Prints the markdown table on stdout (progress on stderr) and writes ``results.json``,
 ``results.md``, ``throughput.png`` and ``latency.png`` (plus logs, plans and a
@@ -32,11 +33,12 @@ from typing import Any
 
 from .common import BENCH, ROOT, SIZES, Databases, is_server_restart, log, server_facts, server_url, wait_for_server
 
-SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics", "ceiling")
+SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics", "ceiling",
+             "sustained")
 ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {"profile": "profile"}
 # The order they run in: the ceiling right after scenario 1, so the two limits are measured
 # side by side and just before the end-to-end runs they are compared with.
-RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-1], "profile")
+RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-2], "sustained", "profile")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -119,10 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         "timings": {}, "errors": {},
     }
     log(f"size {size.name}, scenarios {', '.join(args.scenarios)}; results in {results}")
-    from . import ceiling, e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak
+    from . import (ceiling, e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak,
+                   sustained)
 
     modules = {"raw": raw, "ceiling": ceiling, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
-               "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost}
+               "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost,
+               "sustained": sustained}
     with Databases(server) as dbs:
         for name in args.scenarios:
             t0 = time.monotonic()

@@ -77,6 +77,10 @@ class Size:
     snapshot_seconds: float = 10.0
     after_seconds: float = 10.0
     retention: float = 10.0              # retention_done during the soak, seconds
+    # 12 sustained: a steady rate on a server of its own, a snapshot held for the middle third
+    sustained_seconds: float = 180.0
+    sustained_rate: float = 300.0        # events/s, 3 consumers: about half the relay's default capacity
+    sustained_window: float = 15.0       # seconds per reported window
     # 8 ordered delivery
     ordered_events: int = 10_000         # events of one consumer, ordered and not
     ordered_keys: int = 1_000
@@ -107,7 +111,7 @@ SIZES = {
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
         forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
-        lean_pool=60_000, metrics_events=1_000),
+        lean_pool=60_000, metrics_events=1_000, sustained_seconds=30.0, sustained_rate=100.0, sustained_window=5.0),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,
@@ -116,7 +120,8 @@ SIZES = {
         procrastinate_cap=60.0, publish_txns=5_000, publish_many_txns=20,
         soak_seconds=600.0, snapshot_seconds=120.0, after_seconds=60.0, retention=30.0, lean_seconds=20.0,
         scale_rows=10_000_000, latency_seconds=30.0, metrics_events=50_000, forward_latency_seconds=20.0,
-        lean_pool=800_000, ordered_events=20_000, forward_events=20_000),
+        lean_pool=800_000, ordered_events=20_000, forward_events=20_000, sustained_seconds=900.0,
+        sustained_window=60.0),
 }
 
 

@@ -196,6 +196,19 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{_n(n['before_jobs_per_s'])} / {_n(n['during_jobs_per_s'])} ({_n(n['during_last_jobs_per_s'])})"
                     f" / {_n(n['after_jobs_per_s'])} ({n['during_over_before']:.2f}x, {n['after_over_before']:.2f}x"
                     " of before)", "", ""))
+    su = data.get("sustained")
+    if su:
+        held = f"{su['hold'][1] - su['hold'][0]:.0f} s"
+        out.append(("12 sustained", f"jobs/s at {su['rate_events']:.0f} events/s x 3 (offered {_n(su['offered_jobs_per_s'])}),"
+                    f" defaults, own server (autovacuum on): before / while a snapshot is held {held} / after",
+                    f"{_n(su['before_jobs_per_s'])} / {_n(su['during_jobs_per_s'])} / {_n(su['after_jobs_per_s'])}"
+                    f" ({su['during_over_offered']:.2f}x offered while held)", ">= 0.95x offered",
+                    _ok(su["during_over_offered"] >= 0.95)))
+        out.append(("12 sustained", "commit -> finished p50 / p99 (worst window) before vs while held; ready backlog"
+                    " (max while held); dead tuples in outbox_jobs (max)",
+                    f"{su['before_p50_ms']:.0f} / {su['before_p99_ms']:.0f} ms vs {su['during_p50_ms']:.0f} /"
+                    f" {su['during_p99_ms']:.0f} ms ({su['p99_during_over_before']:.1f}x); {su['ready_max_during']:,};"
+                    f" {su['jobs_dead_tuples_max']:,}", "p99 <= 2x", _ok(su["p99_during_over_before"] <= 2.0)))
     prof = data.get("profile")
     if prof:
         for tag in ("default", "best"):

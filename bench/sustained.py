@@ -1,0 +1,201 @@
+"""Scenario 12, sustained: a steady rate for minutes on a server configured like production,
+with a REPEATABLE READ snapshot held for the middle third (issue 28).
+
+A server of its own (``initdb`` + ``pg_ctl`` on a Unix socket in a temporary folder, settings
+at PostgreSQL's defaults: autovacuum on, 128 MB of shared buffers), so the shared server's
+settings and other users do not colour it. One relay at its default settings, three no-op
+consumers; a publisher commits ``sustained_rate`` one-event transactions per second for
+``sustained_seconds``; between a third and two thirds of the run another session holds a
+REPEATABLE READ snapshot (what ``pg_dump``, a long report or a replica with
+``hot_standby_feedback`` does), so vacuum can remove no row version made after it began.
+
+Per window (``sustained_window`` seconds): jobs finished per second, commit -> finished p50
+and p99 of the jobs whose event was committed in the window, the ready backlog and unrouted
+events at the window's end, table and index sizes, dead tuples. Reported: throughput while
+the snapshot was held over the offered rate and over throughput before it, and p99 while
+held over p99 before (issue 28's targets: >= 0.95 of the offered rate, p99 <= 2x).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy.engine import URL, make_url
+
+from outbox import publish
+
+from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, find_binary, log
+
+CONSUMERS = 3
+
+
+@contextlib.contextmanager
+def own_server() -> Iterator[URL]:
+    """A PostgreSQL server of this scenario's own, at the server's default settings
+    (autovacuum on), listening on a Unix socket in a temporary folder; stopped and deleted
+    afterwards. Run as root, the server runs as the ``postgres`` account (``runuser``).
+    Raises RuntimeError when ``initdb`` / ``pg_ctl`` cannot be found."""
+    initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        raise RuntimeError("initdb / pg_ctl not found (install the PostgreSQL server packages)")
+    folder = Path(tempfile.mkdtemp(prefix="outbox-bench-sustained-"))
+    data = folder / "data"
+    as_owner: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: the server runs as the postgres account
+        owner = pwd.getpwnam("postgres")
+        os.chown(folder, owner.pw_uid, owner.pw_gid)
+        as_owner = ["runuser", "-u", "postgres", "--"]
+    subprocess.run([*as_owner, initdb, "-D", str(data), "-U", "postgres", "--auth", "trust", "--no-sync"],
+                   check=True, capture_output=True)
+    with socket.socket() as s:  # a port no other server uses (the socket file's name carries it)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    options = f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
+    subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"), "-w", "start"],
+                   check=True, capture_output=True)
+    try:
+        yield make_url(f"postgresql+psycopg://postgres@/postgres?host={folder}&port={port}")
+    finally:
+        subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def sample(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """Backlog, sizes and dead tuples of the outbox tables now."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM outbox_jobs WHERE status = 'ready'),"
+        " (SELECT count(*) FROM outbox_events WHERE routed_at IS NULL),"
+        " pg_table_size('outbox_jobs'), pg_indexes_size('outbox_jobs'),"
+        " pg_table_size('outbox_events'), pg_indexes_size('outbox_events'),"
+        " (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox_jobs'),"
+        " (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'outbox_events'),"
+        " (SELECT autovacuum_count FROM pg_stat_user_tables WHERE relname = 'outbox_jobs')").fetchone()
+    keys = ("ready", "unrouted", "jobs_table_bytes", "jobs_index_bytes", "events_table_bytes", "events_index_bytes",
+            "jobs_dead_tuples", "events_dead_tuples", "jobs_autovacuums")
+    return dict(zip(keys, row, strict=True))
+
+
+def windows(conn: psycopg.Connection[Any], start: Any, seconds: float, window: float) -> list[dict[str, Any]]:
+    """Per window of ``window`` seconds from database time ``start``: jobs finished per
+    second, and p50 / p99 commit -> finished (seconds) of the jobs whose event was committed
+    in it (jobs unfinished at the end count as finished at the end)."""
+    rows = conn.execute(
+        """
+        WITH j AS (
+            SELECT extract(epoch FROM e.created_at - %(start)s) AS committed,
+                   extract(epoch FROM coalesce(j.finished_at, now()) - %(start)s) AS finished,
+                   extract(epoch FROM coalesce(j.finished_at, now()) - e.created_at) AS latency
+            FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id
+        ), w AS (SELECT generate_series(0, %(n)s - 1) AS i)
+        SELECT w.i,
+               (SELECT count(*) FROM j WHERE j.finished >= w.i * %(window)s AND j.finished < (w.i + 1) * %(window)s),
+               (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY latency) FROM j
+                 WHERE j.committed >= w.i * %(window)s AND j.committed < (w.i + 1) * %(window)s),
+               (SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY latency) FROM j
+                 WHERE j.committed >= w.i * %(window)s AND j.committed < (w.i + 1) * %(window)s)
+        FROM w ORDER BY w.i
+        """, {"start": start, "n": int(seconds // window), "window": window}).fetchall()
+    return [{"window": i, "jobs_per_s": done / window, "p50_ms": (p50 or 0) * 1000, "p99_ms": (p99 or 0) * 1000}
+            for i, done, p50, p99 in rows]
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    """The scenario on a server of its own (``dbs`` is the shared server's, unused: the
+    template is migrated again on the own server)."""
+    seconds, rate, window = size.sustained_seconds, size.sustained_rate, size.sustained_window
+    hold_from, hold_to = seconds / 3, 2 * seconds / 3
+    samples: list[dict[str, Any]] = []
+    with own_server() as server, Databases(server) as own, own.fresh() as url:
+        relay = RelayProcess(url, results / "logs" / "relay-sustained.log", {}, env={"BENCH_CONSUMERS": str(CONSUMERS)})
+        try:
+            relay.wait_ready(CONSUMERS)
+            eng = engine(url, pool_size=1)
+            stop = threading.Event()
+            published = [0]
+
+            def publisher() -> None:
+                began = time.perf_counter()
+                i = 0
+                while not stop.is_set():
+                    delay = began + i / rate - time.perf_counter()
+                    if delay > 0:
+                        time.sleep(delay)
+                    with eng.begin() as conn:
+                        publish(conn, TOPIC, {"n": i})
+                    i += 1
+                published[0] = i
+
+            with psycopg.connect(conninfo(url), autocommit=True) as mon, psycopg.connect(conninfo(url)) as holder:
+                start_db = mon.execute("SELECT now()").fetchone()[0]
+                start = time.monotonic()
+                thread = threading.Thread(target=publisher, daemon=True)
+                thread.start()
+                held = False
+                next_sample = start + window
+                while (now := time.monotonic()) < start + seconds:
+                    if not held and now - start >= hold_from:
+                        holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                        holder.execute("SELECT count(*) FROM outbox_events").fetchone()  # the snapshot begins here
+                        held = True
+                        log(f"sustained: snapshot held from {now - start:.0f} s")
+                    elif held and now - start >= hold_to and holder.info.transaction_status != 0:
+                        holder.rollback()
+                        log(f"sustained: snapshot released at {now - start:.0f} s")
+                    if now >= next_sample:
+                        s = sample(mon)
+                        s["t"] = now - start
+                        samples.append(s)
+                        log(f"sustained: {s['t']:.0f} s ready {s['ready']:,} unrouted {s['unrouted']:,}"
+                            f" jobs dead tuples {s['jobs_dead_tuples']:,}")
+                        next_sample += window
+                    time.sleep(0.2)
+                stop.set()
+                thread.join()
+                offered = published[0] * CONSUMERS / seconds
+                per_window = windows(mon, start_db, seconds, window)
+            eng.dispose()
+        finally:
+            relay.stop()
+    for w, s in zip(per_window, samples, strict=False):
+        w.update(s)
+    first = int(hold_from // window)
+    last = int(hold_to // window)
+    before = per_window[1:first] or per_window[:first]  # the first window warms up
+    during = per_window[first:last]
+    after = per_window[last:]
+
+    def mean(ws: list[dict[str, Any]], key: str) -> float:
+        return sum(w[key] for w in ws) / len(ws) if ws else float("nan")
+
+    out = {
+        "seconds": seconds, "rate_events": rate, "offered_jobs_per_s": offered, "window_seconds": window,
+        "hold": [hold_from, hold_to], "windows": per_window,
+        "before_jobs_per_s": mean(before, "jobs_per_s"), "during_jobs_per_s": mean(during, "jobs_per_s"),
+        "after_jobs_per_s": mean(after, "jobs_per_s"),
+        "before_p99_ms": max((w["p99_ms"] for w in before), default=float("nan")),
+        "during_p99_ms": max((w["p99_ms"] for w in during), default=float("nan")),
+        "before_p50_ms": mean(before, "p50_ms"), "during_p50_ms": mean(during, "p50_ms"),
+        "ready_max_during": max((w.get("ready", 0) for w in during), default=0),
+        "jobs_dead_tuples_max": max((s["jobs_dead_tuples"] for s in samples), default=0),
+    }
+    out["during_over_offered"] = out["during_jobs_per_s"] / offered if offered else float("nan")
+    out["during_over_before"] = out["during_jobs_per_s"] / out["before_jobs_per_s"]
+    out["p99_during_over_before"] = out["during_p99_ms"] / out["before_p99_ms"]
+    log(f"sustained: offered {offered:,.0f} jobs/s; finished {out['before_jobs_per_s']:,.0f} before,"
+        f" {out['during_jobs_per_s']:,.0f} while held ({out['during_over_offered']:.2f}x offered),"
+        f" {out['after_jobs_per_s']:,.0f} after; p99 {out['before_p99_ms']:.0f} -> {out['during_p99_ms']:.0f} ms"
+        f" ({out['p99_during_over_before']:.1f}x); ready backlog max {out['ready_max_during']:,}")
+    return out
