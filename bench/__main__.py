@@ -121,8 +121,21 @@ def main(argv: list[str] | None = None) -> int:
         "timings": {}, "errors": {},
     }
     log(f"size {size.name}, scenarios {', '.join(args.scenarios)}; results in {results}")
-    from . import (ceiling, e2e, forward, latency, metrics_cost, ordered, peers, profile, publish_cost, raw, scale, soak,
-                   sustained)
+    from . import (
+        ceiling,
+        e2e,
+        forward,
+        latency,
+        metrics_cost,
+        ordered,
+        peers,
+        profile,
+        publish_cost,
+        raw,
+        scale,
+        soak,
+        sustained,
+    )
 
     modules = {"raw": raw, "ceiling": ceiling, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
                "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost,
