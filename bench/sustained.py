@@ -13,7 +13,9 @@ Per window (``sustained_window`` seconds): jobs finished per second, commit -> f
 and p99 of the jobs whose event was committed in the window, the ready backlog and unrouted
 events at the window's end, table and index sizes, dead tuples. Reported: throughput while
 the snapshot was held over the offered rate and over throughput before it, and p99 while
-held over p99 before (issue 28's targets: >= 0.95 of the offered rate, p99 <= 2x).
+held over p99 before (issue 28's targets: >= 0.95 of the offered rate, p99 <= 2x); and per
+phase (before, while held, after) the statements that took the most server time
+(pg_stat_statements: calls, mean ms, buffers per call), to see where the time goes.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def own_server() -> Iterator[URL]:
     with socket.socket() as s:  # a port no other server uses (the socket file's name carries it)
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    options = f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
+    options = (f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
+               " -c shared_preload_libraries=pg_stat_statements")
     subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"), "-w", "start"],
                    check=True, capture_output=True)
     try:
@@ -86,6 +89,19 @@ def sample(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     keys = ("ready", "unrouted", "jobs_table_bytes", "jobs_index_bytes", "events_table_bytes", "events_index_bytes",
             "jobs_dead_tuples", "events_dead_tuples", "jobs_autovacuums")
     return dict(zip(keys, row, strict=True))
+
+
+def statements(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
+    """The statements that took the most server time since the last reset (pg_stat_statements),
+    then reset: the start of the text, calls, mean ms and shared buffers per call."""
+    rows = conn.execute(
+        "SELECT regexp_replace(left(query, 400), '\\s+', ' ', 'g'), calls, total_exec_time,"
+        " (shared_blks_hit + shared_blks_read)::float8 / greatest(calls, 1)"
+        " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        " ORDER BY total_exec_time DESC LIMIT 8").fetchall()
+    conn.execute("SELECT pg_stat_statements_reset()")
+    return [{"query": q[:160], "calls": calls, "total_ms": total, "mean_ms": total / max(calls, 1),
+             "buffers_per_call": buffers} for q, calls, total, buffers in rows]
 
 
 def windows(conn: psycopg.Connection[Any], start: Any, seconds: float, window: float) -> list[dict[str, Any]]:
@@ -139,6 +155,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                 published[0] = i
 
             with psycopg.connect(conninfo(url), autocommit=True) as mon, psycopg.connect(conninfo(url)) as holder:
+                mon.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+                mon.execute("SELECT pg_stat_statements_reset()")
+                phases: dict[str, list[dict[str, Any]]] = {}
                 start_db = mon.execute("SELECT now()").fetchone()[0]
                 start = time.monotonic()
                 thread = threading.Thread(target=publisher, daemon=True)
@@ -150,9 +169,11 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                         holder.execute("SELECT count(*) FROM outbox_events").fetchone()  # the snapshot begins here
                         held = True
+                        phases["before"] = statements(mon)
                         log(f"sustained: snapshot held from {now - start:.0f} s")
                     elif held and now - start >= hold_to and holder.info.transaction_status != 0:
                         holder.rollback()
+                        phases["during"] = statements(mon)
                         log(f"sustained: snapshot released at {now - start:.0f} s")
                     if now >= next_sample:
                         s = sample(mon)
@@ -164,6 +185,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                     time.sleep(0.2)
                 stop.set()
                 thread.join()
+                phases["after"] = statements(mon)
                 offered = published[0] * CONSUMERS / seconds
                 per_window = windows(mon, start_db, seconds, window)
             eng.dispose()
@@ -182,7 +204,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
 
     out = {
         "seconds": seconds, "rate_events": rate, "offered_jobs_per_s": offered, "window_seconds": window,
-        "hold": [hold_from, hold_to], "windows": per_window,
+        "hold": [hold_from, hold_to], "windows": per_window, "statements": phases,
         "before_jobs_per_s": mean(before, "jobs_per_s"), "during_jobs_per_s": mean(during, "jobs_per_s"),
         "after_jobs_per_s": mean(after, "jobs_per_s"),
         "before_p99_ms": max((w["p99_ms"] for w in before), default=float("nan")),
@@ -194,6 +216,10 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     out["during_over_offered"] = out["during_jobs_per_s"] / offered if offered else float("nan")
     out["during_over_before"] = out["during_jobs_per_s"] / out["before_jobs_per_s"]
     out["p99_during_over_before"] = out["during_p99_ms"] / out["before_p99_ms"]
+    for phase, top in phases.items():
+        for st in top[:5]:
+            log(f"sustained: {phase}: {st['calls']:,} calls, {st['mean_ms']:.2f} ms, {st['buffers_per_call']:,.0f}"
+                f" buffers per call: {st['query'][:90]}")
     log(f"sustained: offered {offered:,.0f} jobs/s; finished {out['before_jobs_per_s']:,.0f} before,"
         f" {out['during_jobs_per_s']:,.0f} while held ({out['during_over_offered']:.2f}x offered),"
         f" {out['after_jobs_per_s']:,.0f} after; p99 {out['before_p99_ms']:.0f} -> {out['during_p99_ms']:.0f} ms"
