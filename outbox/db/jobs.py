@@ -313,10 +313,11 @@ def notify_head(conn: Executor, *, schema: str | None = None) -> None:
     _execute(conn, queries.in_schema(schema).jobs_notify_head, {"channel": channel})
 
 
-def promote_keys(conn: Executor, params: dict[str, list[str]], *, schema: str | None = None) -> list[int]:
+def promote_keys(conn: Executor, params: dict[str, list[str]], *, schema: str | None = None) -> list[Any]:
     """Run ``job_promote_many`` with ``params`` (``consumers``, ``keys``: the ordered keys of
-    finished jobs, :func:`outbox.relay.ordering.promotion_params`); returns the ids promoted."""
-    return [r.id for r in _rows(conn, queries.in_schema(schema).job_promote_many, params)]
+    finished jobs, :func:`outbox.relay.ordering.promotion_params`); returns the rows of the
+    jobs promoted (``id``, ``consumer``, ``ordering_key``, ``priority``, ``run_at``)."""
+    return _rows(conn, queries.in_schema(schema).job_promote_many, params)
 
 
 def heartbeat_jobs(conn: Executor, jobs: list[Job], *, schema: str | None = None) -> set[int]:

@@ -30,4 +30,4 @@ def promote(conn: Executor, keys: Iterable[tuple[str, str]], *, schema: str | No
     caller commits: run it after the outcomes that finished the keys' jobs committed (see
     the module notes)."""
     params = promote_params(keys)
-    return [] if params is None else promote_keys(conn, params, schema=schema)
+    return [] if params is None else [r.id for r in promote_keys(conn, params, schema=schema)]

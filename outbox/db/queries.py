@@ -107,7 +107,11 @@ event_route_many: TextClause = text(
         FROM wanted w
         ORDER BY w.id, w.consumer
         ON CONFLICT (event_id, consumer) DO NOTHING
-        RETURNING 1
+        RETURNING status, priority, run_at
+    ), first_ready AS (
+        SELECT priority, run_at FROM inserted WHERE status = 'ready' ORDER BY priority, run_at LIMIT 1
+    ), announced AS (
+        SELECT pg_notify(:channel, concat('ready ', priority, ' ', extract(epoch FROM run_at))) FROM first_ready
     ), routed AS (
         UPDATE outbox_events e
         SET routed_at = now()
@@ -126,7 +130,10 @@ event_route_many: TextClause = text(
         (SELECT array_agg(topic ORDER BY topic) FROM unmatched) AS unsubscribed_topics,
         (SELECT array_agg(events ORDER BY topic) FROM unmatched) AS unsubscribed_counts,
         (SELECT count(*) FROM locked) - (SELECT count(*) FROM batch) AS held_back,
-        (SELECT count(*) FROM busy) AS busy_keys
+        (SELECT count(*) FROM busy) AS busy_keys,
+        (SELECT priority FROM first_ready) AS first_priority,
+        (SELECT run_at FROM first_ready) AS first_run_at,
+        (SELECT count(*) FROM announced) AS announced
     """
 )
 """Route up to ``:limit`` unrouted events: one job per matching subscription, events marked
@@ -136,7 +143,11 @@ above the last one seen") picks events, since ids commit out of order. Returns o
 events routed, jobs created, events that matched no subscription (``unsubscribed``; their
 topics and how many of each in ``unsubscribed_topics`` and ``unsubscribed_counts``, arrays
 in topic order, NULL when none), events held back
-(``held_back``) and ordered keys found busy (``busy_keys``). Each job's ``run_at`` is
+(``held_back``), ordered keys found busy (``busy_keys``) and the claim-order key
+(``first_priority``, ``first_run_at``) of the first job it made ready (NULL when none),
+which it also sends to the relays listening on ``:channel`` (the schema's jobs channel:
+``ready <priority> <epoch seconds>``, on commit), so a relay whose claims went past that key
+claims from it next (:class:`outbox.relay.producer.ClaimHint`). Each job's ``run_at`` is
 the event's (``publish(run_at=, delay=)``) or now, its priority the subscription's plus the
 event's (``publish(priority=)``), clamped to ``smallint``. ``:skip`` (ids, usually
 empty) are left out and ``:only`` (ids or NULL for all) limits the batch: the router's
@@ -839,7 +850,7 @@ jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
 now sort before the key its dispatcher claims after (released or reaped jobs keep their
 early ``run_at``), so each claims from the head of the queue next instead of after its
 hint. A hint like the routing NOTIFY: a relay that misses it claims from the head within
-``HINT_SECONDS`` anyway."""
+``HEAD_SECONDS`` (:class:`outbox.relay.producer.ClaimHint`) anyway."""
 
 job_claim_candidates: TextClause = text(
     """
@@ -1091,7 +1102,7 @@ job_promote_many: TextClause = text(
     SET status = 'ready', run_at = greatest(j.run_at, now()), updated_at = now()
     FROM locked l
     WHERE j.id = l.id AND j.status = 'pending'
-    RETURNING j.id, j.consumer, j.ordering_key
+    RETURNING j.id, j.consumer, j.ordering_key, j.priority, j.run_at
     """
 )
 """Let the next job of each (``:consumers[i]``, ``:keys[i]``) go: where the key's first
@@ -1103,8 +1114,8 @@ UPDATE``), in id order like every statement that locks job rows and waits; two p
 of one key take turns and the second finds the head no longer pending. A pending head seen
 in the snapshot is still the head: nothing earlier of its key can become unfinished again
 (a redriven dead job was the head itself; the router only adds later events). Run as a statement of its own after the outcome that finished a key's job has
-committed (:mod:`outbox.relay.ordering` says why). Returns (id, consumer, ordering_key) of the
-jobs promoted."""
+committed (:mod:`outbox.relay.ordering` says why). Returns (id, consumer, ordering_key, priority,
+run_at) of the jobs promoted."""
 
 job_ordering_heads_list: TextClause = text(
     """

@@ -221,7 +221,8 @@ class Completer:
         promoted = ordering.promote_finished(self.connection(), jobs_of(claims), self.subscribers, schema=self.schema)
         if promoted and self.wake is not None:
             self.stats.add("promoted", len(promoted))
-            self.wake.set()  # an UPDATE sends no NOTIFY: claim the promoted jobs in the next round
+            # An UPDATE sends no NOTIFY: claim the promoted jobs in the next round, from the first of them on.
+            self.wake.lower(min((r.priority, r.run_at, 0) for r in promoted))
 
     def by_halves(self, doing: str, items: list[Any], run: Callable[[Any], Any],
                   claim_of: Callable[[Any], Claim] = lambda item: item, merged: Any = None) -> tuple[Any, set[int]]:

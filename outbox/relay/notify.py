@@ -21,6 +21,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Literal
 
 import psycopg
 from sqlalchemy.engine import URL
@@ -33,9 +35,27 @@ log = logging.getLogger(__name__)
 #: Longest wait for notifications before checking ``stop`` again, seconds: how long
 #: :meth:`Listener.join` may take after ``stop`` is set.
 STOP_CHECK = 0.25
+#: A claim-order key: (priority, run_at, id) of a job, the order claims take ready jobs in.
+ClaimKey = tuple[int, datetime, int]
+
 #: Payload of a jobs notification saying the ready jobs changed ahead of every dispatcher's
 #: hint (``queries.jobs_notify_head``): released or reaped jobs, which keep their place.
 HEAD_PAYLOAD = "head"
+#: Prefix of a jobs notification the router sends with the jobs it made ready
+#: (``queries.event_route_many``): ``ready <priority> <run_at as epoch seconds>``, the first of
+#: them in claim order, so a relay whose claims went past that key claims from it again.
+READY_PAYLOAD = "ready "
+
+
+def ready_key(payload: str) -> ClaimKey | None:
+    """The claim-order key a ``ready`` notification carries, less a millisecond (the epoch
+    seconds are rounded: a claim after this key must not miss the job), or None when
+    ``payload`` is not one (another payload, or malformed)."""
+    try:
+        _, priority, epoch = payload.split(" ")
+        return int(priority), datetime.fromtimestamp(float(epoch) - 0.001, UTC), 0
+    except (ValueError, OverflowError, OSError):
+        return None
 
 
 class Wakeup:
@@ -54,7 +74,7 @@ class Wakeup:
         self._cond = threading.Condition(threading.Lock())
         self._jobs = False
         self._poked = False
-        self._rewind = False
+        self._rewind: ClaimKey | Literal["head"] | None = None
         self._branches: tuple[Wakeup, ...] = ()
 
     def branch(self) -> Wakeup:
@@ -78,15 +98,30 @@ class Wakeup:
         (released or reaped jobs keep their early ``run_at``): its next claim starts at the
         head of the ready jobs. Implies :meth:`set`."""
         with self._cond:
-            self._rewind = self._jobs = True
+            self._rewind = "head"
+            self._jobs = True
             self._cond.notify_all()
         for child in self._branches:
             child.rewind()
 
-    def take_rewind(self) -> bool:
-        """Whether :meth:`rewind` was called since the last call; clears it."""
+    def lower(self, key: ClaimKey) -> None:
+        """Jobs became ready at claim-order key ``key`` (priority, run_at, id) or after it
+        (the router created them, or promoted them): the next claim starts no later than
+        just before ``key``. Implies :meth:`set`."""
         with self._cond:
-            rewind, self._rewind = self._rewind, False
+            if self._rewind is None or (self._rewind != "head" and key < self._rewind):
+                self._rewind = key
+            self._jobs = True
+            self._cond.notify_all()
+        for child in self._branches:
+            child.lower(key)
+
+    def take_rewind(self) -> ClaimKey | Literal["head"] | None:
+        """Where the next claim must start since the last call, and clears it: ``"head"``
+        after :meth:`rewind`, the lowest key given to :meth:`lower`, or None (wherever the
+        claims got to)."""
+        with self._cond:
+            rewind, self._rewind = self._rewind, None
             return rewind
 
     def poke(self) -> None:
@@ -229,6 +264,9 @@ class Listener:
                     self.wake_router.set()
                 elif note.payload == HEAD_PAYLOAD and isinstance(self.wake_workers, Wakeup):
                     self.wake_workers.rewind()
+                elif (note.payload.startswith(READY_PAYLOAD) and isinstance(self.wake_workers, Wakeup)
+                      and (key := ready_key(note.payload)) is not None):
+                    self.wake_workers.lower(key)
                 else:
                     self.wake_workers.set()
             if time.monotonic() - last_check >= self.keepalive:

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from sqlalchemy.engine import Connection
 
@@ -110,9 +111,10 @@ def promotion_params(jobs: Iterable[Job], subscribers: Mapping[str, Subscriber])
 
 
 def promote_finished(conn: Executor, jobs: Iterable[Job], subscribers: Mapping[str, Subscriber], *,
-                     schema: str | None = None) -> list[int]:
+                     schema: str | None = None) -> list[Any]:
     """After the outcomes of ``jobs`` committed: promote the next job of each ordered key
-    they belong to (``promotion_params``); no statement runs when none is ordered."""
+    they belong to (``promotion_params``); no statement runs when none is ordered. Returns
+    the promoted jobs' rows (``id``, ``consumer``, ``ordering_key``, ``priority``, ``run_at``)."""
     params = promotion_params(jobs, subscribers)
     return [] if params is None else promote_keys(conn, params, schema=schema)
 

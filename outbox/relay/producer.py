@@ -19,10 +19,11 @@ halves) the claim runs alone, and by halves (:mod:`outbox.db.poison`): a ready j
 claim fails alone is dead-lettered naming the error, or quarantined.
 
 **The claim-order hint.** Claims start after the claim-order key ``(priority, run_at, id)``
-of the last job claimed, so a backlog is not rescanned from the head every round; for at
-most ``HINT_SECONDS`` after the last claim from the head, or until a ``head`` NOTIFY says
-jobs were handed back ahead of it (``Wakeup.take_rewind``), or until a hinted claim comes
-back short (there may be ready jobs before the hint).
+of the last job claimed, so neither a backlog nor the index entries of jobs claimed before
+(which a long snapshot elsewhere keeps) are read again every round; before a key announced
+by a wake-up (jobs routed or promoted there, ``Wakeup.lower``), from the head after a
+``head`` NOTIFY (jobs handed back keep their early place, ``Wakeup.rewind``), and from the
+head at least every ``HEAD_SECONDS`` (:class:`ClaimHint`).
 
 **The consumers** a claim takes are :meth:`Producer.claim_leases`: every consumer of the
 registry, with its lease. A consumer claimed by a path of its own (in a transaction of its
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import psycopg
 
@@ -58,24 +59,35 @@ from outbox.relay import flow
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
-from outbox.relay.notify import Wakeup
+from outbox.relay.notify import ClaimKey, Wakeup
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
 
-#: Longest a dispatcher claims after its hint (the key of the last job it claimed) before it
-#: claims from the head of the ready jobs again, seconds: how long a job that sorts before
-#: the hint (released, retried early, more urgent) may wait behind a backlog.
-HINT_SECONDS = 1.0
+#: Shortest time between two claims of a runner from the head of the ready jobs, seconds: how
+#: long a job that sorts before the hint and that no wake-up announced (a retry more urgent
+#: than the jobs claimed last) may wait behind the jobs after it.
+HEAD_SECONDS = 1.0
+#: Most of its time a runner spends on claims from the head: while a long snapshot elsewhere
+#: keeps the index entries of finished jobs, a claim from the head reads through all of them,
+#: so claims from the head are spaced at least this claim's time / HEAD_SHARE apart.
+HEAD_SHARE = 0.05
 
 
 class ClaimHint:
     """The claim-order key ``(priority, run_at, id)`` claims start after, shared by the
     producers of one runner (one per dispatcher): each claims after the key of the last job
-    the latest claim of any of them returned, so none walks far through the index entries
-    of jobs another one just claimed. Valid for ``HINT_SECONDS`` after the last claim from
-    the head (module notes).
+    the latest claim of any of them returned, so none reads again through the index entries
+    of jobs claimed before, which a long-held snapshot elsewhere keeps from being removed
+    (performance notes, "Issue 28").
+
+    A job that becomes ready before the hint is announced, and the next claim starts before
+    it (:meth:`start`): the router's new jobs and promoted ones (``Wakeup.lower``, with their
+    first key), released and reaped ones (``Wakeup.rewind``: from the head). What nothing
+    announces (a failed job retried at a more urgent priority than the hint's, a wake-up
+    missed while the listener reconnected) is found by a claim from the head, made at least
+    every ``HEAD_SECONDS``, and no more often than its own duration / ``HEAD_SHARE``.
 
     Always the latest claim's key, never the furthest seen: a claim from the head (after a
     rewind: jobs handed back keep their early place) may take only part of what sorts before
@@ -85,22 +97,29 @@ class ClaimHint:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._key: tuple[int, Any, int] | None = None
-        self._until = 0.0
+        self._key: ClaimKey | None = None
+        self._head_due = 0.0  # time.monotonic() from which the next claim starts at the head
 
-    def get(self) -> tuple[int, Any, int] | None:
-        """The key to claim after, or None: claim from the head."""
+    def start(self, rewind: ClaimKey | Literal["head"] | None = None) -> ClaimKey | None:
+        """The key the next claim starts after, or None (from the head): the hint, lowered
+        to ``rewind`` (what ``Wakeup.take_rewind`` returned), or None when ``rewind`` says
+        ``"head"``, when there is no hint yet or when a claim from the head is due."""
         with self._lock:
-            return self._key if time.monotonic() < self._until else None
+            if rewind == "head" or self._key is None or time.monotonic() >= self._head_due:
+                return None
+            if rewind is not None and rewind < self._key:
+                return rewind
+            return self._key
 
-    def claimed(self, hinted: bool, short: bool, last: tuple[int, Any, int] | None) -> None:
-        """A claim returned: it started after the hint (``hinted``) or at the head, came back
-        ``short`` (fewer than asked), and ``last`` is the key of its last job (None: none)."""
+    def claimed(self, after: ClaimKey | None, last: ClaimKey | None, seconds: float) -> None:
+        """A claim that started after ``after`` (None: at the head) and took ``seconds``
+        returned; ``last`` is the key of its last job (None: it claimed none, and the hint
+        stays where it was)."""
         with self._lock:
-            if not hinted:
-                self._until = time.monotonic() + HINT_SECONDS
-            # Short after the hint: there may be ready jobs before it; the next claim starts at the head.
-            self._key = None if (hinted and short) else last
+            if after is None:
+                self._head_due = time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+            if last is not None:
+                self._key = last
 
 
 @dataclass(slots=True)
@@ -118,14 +137,14 @@ class ClaimRequest:
     room: Reservation
     leases: dict[str, float]
     worker_id: str
-    after: tuple[int, Any, int] | None
+    after: ClaimKey | None
     mark: BufferMark
     skip: list[int]
     #: time.monotonic() when the request was made: the database's now() of the claim is
     #: later, so the claims' lease bounds count from here (a safe lower bound).
     sent: float = field(default_factory=time.monotonic)
     rows: list[Any] | None = None
-    last: tuple[int, Any, int] | None = None
+    last: ClaimKey | None = None
     returned: float = 0.0
 
     def send(self, conn: psycopg.Connection[Any], done: list[Job], *, keep_done: bool, schema: str) -> set[int]:
@@ -162,7 +181,7 @@ class Producer:
         self.stats = stats
         self.schema = settings.schema_name
         # Claim-order key (priority, run_at, id) of the last job claimed: claims start after
-        # it, until HINT_SECONDS after the last claim from the head.
+        # it (ClaimHint says when they start before it).
         self.hint = hint  # shared by the runner's producers, as is the quarantine
         # Ready jobs whose claim fails alone and could not even be dead-lettered (poison.py).
         self.quarantine = quarantine
@@ -217,23 +236,23 @@ class Producer:
         :meth:`hand_over` gives its jobs out; a block left before the hand-over (an error)
         gives the room back."""
         with self.claims.reserving(want, self.limit()) as room:
-            rewound = room.asked > 0 and self.wake.take_rewind()  # jobs were handed back ahead of the hint
+            # jobs became ready, or were handed back, ahead of the hint
+            after = self.hint.start(self.wake.take_rewind()) if room.asked > 0 else None
             yield ClaimRequest(
-                room, self.claim_leases(), self.worker_id, self.hint.get() if room.asked > 0 and not rewound else None,
+                room, self.claim_leases(), self.worker_id, after,
                 BufferMark(self.worker_id, room.start_now, self.claims.forwarding), self.quarantine.ids())
 
     def hand_over(self, conn: psycopg.Connection[Any], request: ClaimRequest) -> bool:
         """The jobs ``request`` claimed to the workers reserved for them and the rest into
         the buffer, listed by the same statement (:meth:`_hand_over`); returns whether the
-        table is drained: a claim from the head of the ready jobs found fewer than it asked
-        for (a short claim after the hint says nothing). A request the completer could not
+        table is drained: the claim found fewer than it asked for (after the hint: what
+        sorts before it is announced, or found by the next claim from the head). A request the completer could not
         send (a data error in its statement: it wrote the completions by halves) is claimed
         here first, alone, on ``conn`` (:meth:`_claim_by_halves`)."""
         want = request.room.asked
-        hinted = request.after is not None
         if request.rows is None:
             claimed = self._claim_by_halves(conn, request)
-            last, hinted = None, True  # claim from the head next time
+            last = None
             returned = time.monotonic()
         else:
             claimed = [Claim.from_row(r, request.leases[r.consumer]) for r in request.rows]
@@ -243,11 +262,9 @@ class Producer:
         if self.metrics is not None:
             self.metrics.claim_round_trip(returned - request.sent)
         if want:
-            # Found fewer than asked after the hint: there may be ready jobs before it
-            # (released, retried early, more urgent); the next claim starts at the head.
-            self.hint.claimed(hinted, len(claimed) < want, last)
+            self.hint.claimed(request.after, last, returned - request.sent)
         self._hand_over(claimed, request.room, request.sent)
-        return want > 0 and len(claimed) < want and not hinted
+        return want > 0 and len(claimed) < want
 
     def _hand_over(self, claimed: list[Claim], room: Reservation, sent: float) -> None:
         """Claims just made in ``room`` (a statement sent at ``sent``, monotonic), in claim

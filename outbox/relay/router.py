@@ -20,7 +20,8 @@ events on one autocommit connection kept between rounds. After a full batch the 
 follows at once; otherwise the loop waits for a wake-up (``NOTIFY outbox_events`` through
 the listener) or ``poll_interval`` seconds, or 0.05 s when the round held keyed events back
 behind another router's batch (that batch's commit sends no NOTIFY). Wake-ups closer than
-``wake_cooldown`` share one round. Jobs created wake this relay's workers. A database error
+``wake_cooldown`` share one round. Jobs created wake this relay's workers, with the key of the
+first one made ready (``Wakeup.lower``; other relays get it by NOTIFY). A database error
 never ends the loop: the connection is thrown away and the loop retries through the relay's
 :class:`~outbox.relay.reconnect.Reconnector`. The router counts the jobs it creates for the
 statistics keeper (:mod:`outbox.relay.statistics`), whose thread (``outbox-statistics``) it
@@ -43,12 +44,13 @@ from sqlalchemy.exc import DBAPIError
 
 from outbox.db import queries
 from outbox.db.poison import Quarantine, SystemicError, whole_or_halves
+from outbox.db.tables import JOBS_CHANNEL, notify_channel
 from outbox.registry import Outbox
 from outbox.relay.counters import Counters
-from outbox.relay.notify import Cooldown, Wakeup
+from outbox.relay.notify import ClaimKey, Cooldown, Wakeup
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.statistics import StatisticsKeeper
-from outbox.settings import OutboxSettings
+from outbox.settings import OutboxSettings, default_schema
 
 if TYPE_CHECKING:
     from outbox.telemetry.metrics import RelayMetrics
@@ -73,6 +75,8 @@ class RouteResult:
     held_back: int = 0
     #: topic -> events of it that matched no subscription
     unsubscribed_topics: Mapping[str, int] = field(default_factory=dict)
+    #: claim-order key (priority, run_at, 0) just before the first job made ready, or None
+    first_ready: ClaimKey | None = None
 
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
@@ -127,10 +131,12 @@ def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
     Events whose id is in ``skip`` are left out; ``only``, when given, limits the batch to
     those ids."""
     row = conn.execute(queries.in_schema(schema).event_route_many, {
-        "limit": limit, "skip": list(skip), "only": None if only is None else list(only)}).one()
+        "limit": limit, "skip": list(skip), "only": None if only is None else list(only),
+        "channel": notify_channel(JOBS_CHANNEL, schema or default_schema())}).one()
     topics = dict(zip(row.unsubscribed_topics, row.unsubscribed_counts)) if row.unsubscribed_topics else {}
+    first = None if row.first_priority is None else (row.first_priority, row.first_run_at, 0)
     return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back,
-                       unsubscribed_topics=topics)
+                       unsubscribed_topics=topics, first_ready=first)
 
 
 def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema: str | None = None) -> RouteResult:
@@ -153,9 +159,10 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
     topics: collections.Counter[str] = collections.Counter()
     for p in parts:
         topics.update(p.unsubscribed_topics)
+    firsts = [p.first_ready for p in parts if p.first_ready is not None]
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
                        unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts),
-                       unsubscribed_topics=dict(topics))
+                       unsubscribed_topics=dict(topics), first_ready=min(firsts) if firsts else None)
 
 
 #: Shortest time between two warnings about one topic with no subscriber, seconds.
@@ -315,7 +322,9 @@ class Router:
         statistics keeper (no query), and add to ``stats``, the metrics and the warnings
         about topics with no subscriber. Raises what :func:`route_round` raises."""
         result = route_round(conn, self.settings.route_batch, self.quarantine, schema=self.settings.schema_name)
-        if result.jobs:
+        if result.first_ready is not None:  # claims start no later than the first job made ready
+            self.wake_workers.lower(result.first_ready)
+        elif result.jobs:
             self.wake_workers.set()
         self.statistics.count(result.jobs)  # no query: the keeper's thread runs the ANALYZE
         self.stats.add("events_routed", result.events)

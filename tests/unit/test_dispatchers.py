@@ -85,8 +85,8 @@ def test_every_branch_of_a_wakeup_gets_each_wakeup_and_clears_only_its_own():
     wake.poke()  # a second poke before anyone waited still reaches both
     assert (a.wait(0), b.wait(0)) == ((False, True), (False, True))
     wake.rewind()
-    assert a.take_rewind() and b.take_rewind()
-    assert not a.take_rewind()
+    assert a.take_rewind() == "head" and b.take_rewind() == "head"
+    assert a.take_rewind() is None
 
 
 def test_each_dispatcher_takes_one_closing_marker_and_puts_back_another_it_meets():
@@ -118,16 +118,65 @@ def test_the_shared_hint_is_where_the_latest_claim_stopped_even_before_an_earlie
     """After a rewind a claim from the head may take only part of the jobs handed back
     (they keep their early place); the next claim must go on from where it stopped, not
     jump past the rest to the furthest key any claim reached (they would wait a second per
-    claim's worth, for the next claim from the head)."""
+    claim's worth, for the next claim from the head). A claim that comes back short or
+    empty keeps the hint: what sorts before it is announced (issue 28: going back to the
+    head after every short claim read the whole index under a long snapshot)."""
     from datetime import UTC, datetime
 
     from outbox.relay.producer import ClaimHint
 
     at = datetime(2026, 12, 2, tzinfo=UTC)
     hint = ClaimHint()
-    hint.claimed(hinted=False, short=False, last=(0, at, 900))
-    assert hint.get() == (0, at, 900)
-    hint.claimed(hinted=False, short=False, last=(0, at, 40))  # from the head again, after a rewind
-    assert hint.get() == (0, at, 40)
-    hint.claimed(hinted=True, short=True, last=(0, at, 60))  # short after the hint: back to the head
-    assert hint.get() is None
+    assert hint.start() is None  # no hint yet: from the head
+    hint.claimed(None, (0, at, 900), 0.001)
+    assert hint.start() == (0, at, 900)
+    hint.claimed(None, (0, at, 40), 0.001)  # from the head again, after a rewind
+    assert hint.start() == (0, at, 40)
+    hint.claimed((0, at, 40), (0, at, 60), 0.001)  # short after the hint: it stays where the claim stopped
+    assert hint.start() == (0, at, 60)
+    hint.claimed((0, at, 60), None, 0.001)  # nothing after it: unchanged
+    assert hint.start() == (0, at, 60)
+    assert hint.start("head") is None
+    assert hint.start((0, at, 10)) == (0, at, 10)  # lowered by a wake-up
+    assert hint.start((1, at, 10)) == (0, at, 60)  # a key after the hint changes nothing
+
+
+def test_a_claim_from_the_head_is_spaced_by_its_cost():
+    """Claims go back to the head at least every HEAD_SECONDS, and a slow claim from the head
+    (a long snapshot keeps the index entries of finished jobs) spaces the next one by its
+    duration / HEAD_SHARE."""
+    import time as clock
+    from datetime import UTC, datetime
+
+    from outbox.relay import producer
+
+    at = datetime(2026, 12, 2, tzinfo=UTC)
+    hint = producer.ClaimHint()
+    hint.claimed(None, (0, at, 1), 0.0)
+    assert hint.start() == (0, at, 1)
+    hint._head_due = clock.monotonic()  # HEAD_SECONDS later
+    assert hint.start() is None
+    hint.claimed(None, (0, at, 2), 0.5)  # a 0.5 s claim from the head
+    due = hint._head_due - clock.monotonic()
+    assert 0.5 / producer.HEAD_SHARE - 1 < due <= 0.5 / producer.HEAD_SHARE
+
+
+def test_a_ready_notification_carries_a_key_just_before_the_first_job():
+    from datetime import UTC, datetime
+
+    from outbox.relay.notify import Wakeup, ready_key
+
+    at = datetime(2026, 12, 2, 10, 0, 0, 123456, tzinfo=UTC)
+    key = ready_key(f"ready -3 {at.timestamp()}")
+    assert key is not None and key[0] == -3 and key[1] < at and (at - key[1]).total_seconds() < 0.002
+    assert ready_key("ready x y") is None and ready_key("head") is None and ready_key("ready 1") is None
+    wake = Wakeup()
+    wake.lower((0, at, 5))
+    wake.lower((0, at, 3))
+    wake.lower((1, at, 1))
+    assert wake.take_rewind() == (0, at, 3)
+    assert wake.take_rewind() is None
+    wake.lower((0, at, 3))
+    wake.rewind()
+    wake.lower((0, at, 1))
+    assert wake.take_rewind() == "head"
