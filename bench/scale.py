@@ -53,12 +53,12 @@ def explain(url: Any, consumers: int) -> dict[str, str]:
     plans = {}
     with psycopg.connect(conninfo(url)) as conn:
         rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql_for_psycopg(queries.event_route_many),
-                            {"limit": ROUTE_LIMIT, "skip": [], "only": None, "channel": "outbox_jobs"}).fetchall()
+                            {"limit": ROUTE_LIMIT, "skip": [], "only": None, "channel": "outbox_jobs", "after": 0}).fetchall()
         plans["route"] = "\n".join(r[0] for r in rows)
         conn.rollback()
         with conn.transaction():
             conn.execute(sql_for_psycopg(queries.event_route_many),
-                         {"limit": ROUTE_LIMIT, "skip": [], "only": None, "channel": "outbox_jobs"})
+                         {"limit": ROUTE_LIMIT, "skip": [], "only": None, "channel": "outbox_jobs", "after": 0})
         rows = conn.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql_for_psycopg(queries.job_claim_many), {
             "consumers": list(leases), "leases": list(leases.values()), "limit": CLAIM_LIMIT,
             "worker": "explain"}).fetchall()

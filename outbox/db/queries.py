@@ -51,6 +51,7 @@ event_route_many: TextClause = text(
         SELECT id, topic, key, run_at, priority
         FROM outbox_events
         WHERE routed_at IS NULL
+          AND id > CAST(:after AS bigint)
           AND id <> ALL (CAST(:skip AS bigint[]))
           AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
         ORDER BY id
@@ -133,13 +134,19 @@ event_route_many: TextClause = text(
         (SELECT count(*) FROM busy) AS busy_keys,
         (SELECT priority FROM first_ready) AS first_priority,
         (SELECT run_at FROM first_ready) AS first_run_at,
-        (SELECT count(*) FROM announced) AS announced
+        (SELECT count(*) FROM announced) AS announced,
+        (SELECT max(id) FROM locked) AS scanned_to,
+        (SELECT min(id) FROM locked WHERE id NOT IN (SELECT id FROM batch)) AS first_held
     """
 )
-"""Route up to ``:limit`` unrouted events: one job per matching subscription, events marked
-routed, in one statement (one transaction). Rows locked by another router are skipped,
-so each (event, consumer) job is created exactly once; ``routed_at IS NULL`` (never "id
-above the last one seen") picks events, since ids commit out of order. Returns one row:
+"""Route up to ``:limit`` unrouted events with ids above ``:after`` (0: from the first): one
+job per matching subscription, events marked routed, in one statement (one transaction).
+Rows locked by another router are skipped, so each (event, consumer) job is created exactly
+once; ``routed_at IS NULL`` picks events. ``:after`` is only where the scan starts: ids
+commit out of order, so the router goes back below it for an event announced later
+(:class:`outbox.relay.router.RouteHint`), and from the first id at least every second. The
+row also gives the highest id the batch locked (``scanned_to``) and the lowest it held
+back (``first_held``), NULL when none, from which the router's next scan starts. Returns one row:
 events routed, jobs created, events that matched no subscription (``unsubscribed``; their
 topics and how many of each in ``unsubscribed_topics`` and ``unsubscribed_counts``, arrays
 in topic order, NULL when none), events held back

@@ -252,7 +252,7 @@ def relation_names() -> frozenset[str]:
     :data:`metadata`, the version table and the trigger function. Statements name these
     unqualified; :func:`outbox.db.queries.in_schema` qualifies exactly these."""
     sequences = {v.name for v in globals().values() if isinstance(v, Sequence) and v.metadata is metadata}
-    return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION})
+    return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION, EVENTS_NOTIFY_FUNCTION})
 
 
 # The function resolves no relation by name (pg_notify is in pg_catalog, searched first), so
@@ -275,6 +275,46 @@ NOTIFY_DDL = (
     FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')
     """,
 )
+#: The events' trigger since migration 0009 (issue 28): the notification names the first
+#: event id the inserting statement wrote (``from <id>``; a transition table holds its rows),
+#: so a router that routes after the last id it saw (:class:`outbox.relay.router.RouteHint`)
+#: goes back for an event whose transaction committed after higher ids were routed. Every
+#: writer of events gets it, publish() and plain SQL alike. One notification per transaction,
+#: as before: the first statement that wrote an event sends it (ids drawn later in the
+#: transaction are higher) and sets the transaction-local ``outbox.events_notified``, which
+#: the later statements read; a rolled-back savepoint takes back both the flag and the
+#: notification.
+EVENTS_NOTIFY_FUNCTION = "outbox_notify_events"
+EVENTS_NOTIFY_DDL = (
+    f"""
+    CREATE OR REPLACE FUNCTION {EVENTS_NOTIFY_FUNCTION}() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF current_setting('outbox.events_notified', true) IS DISTINCT FROM 'on' THEN
+            PERFORM pg_notify(CASE WHEN TG_TABLE_SCHEMA = 'public' THEN TG_ARGV[0]
+                                   ELSE TG_TABLE_SCHEMA || '.' || TG_ARGV[0] END,
+                              coalesce('from ' || (SELECT min(id) FROM inserted), ''));
+            IF EXISTS (SELECT 1 FROM inserted) THEN
+                PERFORM set_config('outbox.events_notified', 'on', true);
+            END IF;
+        END IF;
+        RETURN NULL;
+    END $$
+    """,
+    "DROP TRIGGER IF EXISTS outbox_events_notify ON outbox_events",
+    f"""
+    CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events REFERENCING NEW TABLE AS inserted
+    FOR EACH STATEMENT EXECUTE FUNCTION {EVENTS_NOTIFY_FUNCTION}('{EVENTS_CHANNEL}')
+    """,
+)
+#: Back to the trigger of migration 0001 (the downgrade of 0009).
+EVENTS_NOTIFY_DROP_DDL = (
+    "DROP TRIGGER IF EXISTS outbox_events_notify ON outbox_events",
+    f"""
+    CREATE TRIGGER outbox_events_notify AFTER INSERT ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION {NOTIFY_FUNCTION}('{EVENTS_CHANNEL}')
+    """,
+    f"DROP FUNCTION IF EXISTS {EVENTS_NOTIFY_FUNCTION}()",
+)
 NOTIFY_DROP_DDL = (
     "DROP TRIGGER IF EXISTS outbox_jobs_notify ON outbox_jobs",
     "DROP TRIGGER IF EXISTS outbox_events_notify ON outbox_events",
@@ -283,7 +323,7 @@ NOTIFY_DROP_DDL = (
 
 
 def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any) -> None:
-    for statement in NOTIFY_DDL:
+    for statement in (*NOTIFY_DDL, *EVENTS_NOTIFY_DDL):
         connection.exec_driver_sql(statement)
 
 

@@ -17,6 +17,7 @@ a ``SELECT 1`` every ``keepalive`` seconds so a silently dead connection is noti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -45,6 +46,9 @@ HEAD_PAYLOAD = "head"
 #: (``queries.event_route_many``): ``ready <priority> <run_at as epoch seconds>``, the first of
 #: them in claim order, so a relay whose claims went past that key claims from it again.
 READY_PAYLOAD = "ready "
+#: Prefix of an events notification (the events' trigger since migration 0009): ``from <id>``,
+#: the first event id the inserting statement wrote.
+EVENTS_PAYLOAD = "from "
 
 
 def ready_key(payload: str) -> ClaimKey | None:
@@ -202,11 +206,13 @@ class Listener:
     ``outbox_jobs`` ones, until ``stop`` is set. ``url`` is a SQLAlchemy URL; ``reconnect`` is
     the relay's shared reconnect policy (default: one of its own with ``reconnect_max``
     seconds of backoff for errors other than disconnects); ``schema`` the schema whose
-    channels it listens on (default ``public``)."""
+    channels it listens on (default ``public``); ``on_events`` is called with the first id an
+    events notification names (``from <id>``, the router's :class:`~outbox.relay.router.RouteHint`)."""
 
     def __init__(self, url: URL, wake_router: threading.Event, wake_workers: threading.Event | Wakeup,
                  stop: threading.Event, *, reconnect: Reconnector | None = None, reconnect_max: float = 10.0,
-                 keepalive: float = 15.0, schema: str = "public") -> None:
+                 keepalive: float = 15.0, schema: str = "public",
+                 on_events: Callable[[int], None] | None = None) -> None:
         self.events_channel = notify_channel(EVENTS_CHANNEL, schema)
         self.jobs_channel = notify_channel(JOBS_CHANNEL, schema)
         self.conninfo = url.set(drivername="postgresql").render_as_string(hide_password=False)
@@ -215,6 +221,7 @@ class Listener:
         self.stop = stop
         self.reconnect = reconnect or Reconnector(reconnect_max)
         self.keepalive = keepalive
+        self.on_events = on_events
         self.connected = threading.Event()
         self.reconnects = 0
         self._thread: threading.Thread | None = None
@@ -261,6 +268,9 @@ class Listener:
         while not self.stop.is_set():
             for note in conn.notifies(timeout=STOP_CHECK, stop_after=64):
                 if note.channel == self.events_channel:
+                    if self.on_events is not None and note.payload.startswith(EVENTS_PAYLOAD):
+                        with contextlib.suppress(ValueError):
+                            self.on_events(int(note.payload[len(EVENTS_PAYLOAD):]))
                     self.wake_router.set()
                 elif note.payload == HEAD_PAYLOAD and isinstance(self.wake_workers, Wakeup):
                     self.wake_workers.rewind()

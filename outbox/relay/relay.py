@@ -121,14 +121,16 @@ class Relay:
                 make_engine(self.url, pool_size=1, max_overflow=0, application_name="outbox-relay-metrics",
                             prepared_statements=settings.pooler == "none"),
                 self.metrics, settings.metrics_interval, self.stop_event, schema=settings.schema_name)
-        listen_url = settings.listen_target()
-        self.listener = (Listener(parse_url(listen_url), wake_router, self.wake_workers, self.stop_event,
-                                  reconnect=self.reconnect, schema=settings.schema_name) if listen_url else None)
         upkeep = TableUpkeep(settings.schema_name)  # may this role ANALYZE / VACUUM? (warns once if not)
         self.router = (Router(self.engine, settings, stop=self.stop_event, wake=wake_router,
                               wake_workers=self.wake_workers, reconnect=self.reconnect, metrics=self.metrics,
                               statistics=StatisticsKeeper(self.engine, schema=settings.schema_name, upkeep=upkeep))
                        if route else None)
+        listen_url = settings.listen_target()
+        self.listener = (Listener(parse_url(listen_url), wake_router, self.wake_workers, self.stop_event,
+                                  reconnect=self.reconnect, schema=settings.schema_name,
+                                  on_events=self.router.hint.lower if self.router is not None else None)
+                         if listen_url else None)
         self.runner = (JobRunner(self.engine, registry, settings, self.worker_id, self.wake_workers,
                                  reconnect=self.reconnect, metrics=self.metrics) if work else None)
         self.maintenance = (Maintenance(self.engine, settings, stop=self.stop_event, wake_workers=self.wake_workers,

@@ -76,7 +76,10 @@ class RouteResult:
     #: topic -> events of it that matched no subscription
     unsubscribed_topics: Mapping[str, int] = field(default_factory=dict)
     #: claim-order key (priority, run_at, 0) just before the first job made ready, or None
-    first_ready: ClaimKey | None = None
+    first_ready: ClaimKey | None = field(default=None, compare=False)
+    #: where the next scan may start (:class:`RouteHint`): the highest id the round locked, or
+    #: just below the first it held back; None when it locked none
+    routed_to: int | None = field(default=None, compare=False)
 
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
@@ -125,33 +128,35 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
 
 
 def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
-                only: Sequence[int] | None = None, *, schema: str | None = None) -> RouteResult:
+                only: Sequence[int] | None = None, *, after: int = 0, schema: str | None = None) -> RouteResult:
     """Route up to ``limit`` unrouted events of ``schema`` (None: the process default,
-    :func:`outbox.settings.default_schema`) in ``conn``'s transaction; the caller commits.
-    Events whose id is in ``skip`` are left out; ``only``, when given, limits the batch to
-    those ids."""
+    :func:`outbox.settings.default_schema`) with ids above ``after`` in ``conn``'s
+    transaction; the caller commits. Events whose id is in ``skip`` are left out; ``only``,
+    when given, limits the batch to those ids."""
     row = conn.execute(queries.in_schema(schema).event_route_many, {
-        "limit": limit, "skip": list(skip), "only": None if only is None else list(only),
+        "limit": limit, "skip": list(skip), "only": None if only is None else list(only), "after": after,
         "channel": notify_channel(JOBS_CHANNEL, schema or default_schema())}).one()
     topics = dict(zip(row.unsubscribed_topics, row.unsubscribed_counts)) if row.unsubscribed_topics else {}
     first = None if row.first_priority is None else (row.first_priority, row.first_run_at, 0)
+    routed_to = row.scanned_to if row.first_held is None else min(row.scanned_to, row.first_held - 1)
     return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back,
-                       unsubscribed_topics=topics, first_ready=first)
+                       unsubscribed_topics=topics, first_ready=first, routed_to=routed_to)
 
 
-def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema: str | None = None) -> RouteResult:
+def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, after: int = 0,
+                schema: str | None = None) -> RouteResult:
     """One routing round on an autocommit connection: :func:`route_batch` of up to
     ``limit`` events, leaving out the events in ``quarantine``. A data error (a trigger or
     constraint of the application's on the jobs or events table failing for one event) is
     confined to the events that cause it (:mod:`outbox.db.poison`): the batch is routed by
     halves, and an event that fails alone is quarantined, logged with the database error:
     it stays unrouted (nothing is lost; ``status`` counts it), is tried again after
-    ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals. ``schema``
-    as for :func:`route_batch`."""
+    ``QUARANTINE_SECONDS``, and every other event is routed. Returns the totals. ``after``
+    and ``schema`` as for :func:`route_batch` (the halves search from the first id)."""
     skip = quarantine.ids()
     candidates = queries.in_schema(schema).event_route_candidates
     parts, poisoned = whole_or_halves(
-        "routing", lambda: route_batch(conn, limit, skip, schema=schema),
+        "routing", lambda: route_batch(conn, limit, skip, after=after, schema=schema),
         lambda: list(conn.execute(candidates, {"limit": limit, "skip": skip}).scalars()),
         lambda part: route_batch(conn, len(part), skip, part, schema=schema))
     for event_id, exc in poisoned:
@@ -162,7 +167,71 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, schema:
     firsts = [p.first_ready for p in parts if p.first_ready is not None]
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
                        unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts),
-                       unsubscribed_topics=dict(topics), first_ready=min(firsts) if firsts else None)
+                       unsubscribed_topics=dict(topics), first_ready=min(firsts) if firsts else None,
+                       routed_to=parts[0].routed_to if len(parts) == 1 and not poisoned else None)
+
+
+#: Shortest time between two routing rounds that scan from the first unrouted id, seconds.
+HEAD_SECONDS = 1.0
+#: Most of its time the router spends on rounds from the first unrouted id (a long snapshot
+#: elsewhere keeps the index entries of every event routed since it began, and such a round
+#: reads through them): they are spaced at least their duration / HEAD_SHARE apart.
+HEAD_SHARE = 0.05
+
+
+class RouteHint:
+    """Where the router's next scan of unrouted events starts (issue 28): after the highest
+    id its last round locked, so a round does not read again through the index entries of
+    the events routed before, which a long-held snapshot elsewhere keeps from being removed.
+
+    Ids commit out of order: an event whose transaction commits after higher ids were routed
+    sorts before the hint. Its notification names the first id its statement wrote
+    (``from <id>``, the events' trigger since migration 0009), and :meth:`lower` takes the
+    next scan back to it. What nothing announces (a notification missed while the listener
+    reconnected, a relay without LISTEN, events another router locked and then rolled back,
+    quarantined events whose time is up) is found by a round from the first unrouted id,
+    made at least every ``HEAD_SECONDS`` and no more often than its duration / ``HEAD_SHARE``.
+    Thread-safe: the listener lowers it while the router's thread routes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._after: int | None = None  # None: no hint yet, scan from the first id
+        self._lowest: int | None = None  # lowest id announced since the round in flight started
+        self._in_flight: int | None = None  # what the round in flight was started with
+        self._head_due = 0.0  # time.monotonic() from which the next round scans from the first id
+
+    def lower(self, event_id: int) -> None:
+        """An event with id ``event_id`` (and maybe higher ids) committed: the next scan
+        starts below it."""
+        with self._lock:
+            self._lowest = event_id if self._lowest is None else min(self._lowest, event_id)
+
+    def start(self) -> int:
+        """The id the next round routes after (0: from the first)."""
+        with self._lock:
+            self._in_flight, self._lowest = self._lowest, None
+            if self._after is None or time.monotonic() >= self._head_due:
+                return 0
+            if self._in_flight is not None:
+                return min(self._after, self._in_flight - 1)
+            return self._after
+
+    def routed(self, after: int, routed_to: int | None, seconds: float) -> None:
+        """The round that started after ``after`` (0: from the first) and took ``seconds``
+        committed; ``routed_to`` is where the next may start (None: it locked no event)."""
+        with self._lock:
+            self._in_flight = None
+            if after == 0:
+                self._head_due = time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+            if routed_to is not None:
+                self._after = routed_to
+
+    def failed(self) -> None:
+        """The round in flight failed: what was announced before it started still waits."""
+        with self._lock:
+            if self._in_flight is not None:
+                self._lowest = self._in_flight if self._lowest is None else min(self._lowest, self._in_flight)
+            self._in_flight = None
 
 
 #: Shortest time between two warnings about one topic with no subscriber, seconds.
@@ -260,6 +329,8 @@ class Router:
         self.metrics = metrics
         self.quarantine = Quarantine("event")
         self.unsubscribed_topics = UnsubscribedTopics()
+        #: Where the next round's scan starts; the listener lowers it (``Listener(on_events=...)``).
+        self.hint = RouteHint()
         self.stats = Counters(self.COUNTS)
         self._threads: list[threading.Thread] = []
 
@@ -321,7 +392,15 @@ class Router:
         events, then wake the workers when jobs were created, count the jobs for the
         statistics keeper (no query), and add to ``stats``, the metrics and the warnings
         about topics with no subscriber. Raises what :func:`route_round` raises."""
-        result = route_round(conn, self.settings.route_batch, self.quarantine, schema=self.settings.schema_name)
+        after = self.hint.start()
+        began = time.monotonic()
+        try:
+            result = route_round(conn, self.settings.route_batch, self.quarantine, after=after,
+                                 schema=self.settings.schema_name)
+        except BaseException:
+            self.hint.failed()
+            raise
+        self.hint.routed(after, result.routed_to, time.monotonic() - began)
         if result.first_ready is not None:  # claims start no later than the first job made ready
             self.wake_workers.lower(result.first_ready)
         elif result.jobs:

@@ -480,7 +480,7 @@ def test_claim_and_route_use_their_partial_indexes_with_many_done_rows(engine):
         c.execute(sa.text("ANALYZE outbox_events"))
         c.execute(sa.text("ANALYZE outbox_jobs"))
     with engine.connect() as conn:
-        route_plan = _plan(conn, queries.in_schema("public").event_route_many, {"limit": 500, "skip": [], "only": None, "channel": "outbox_jobs"})
+        route_plan = _plan(conn, queries.in_schema("public").event_route_many, {"limit": 500, "skip": [], "only": None, "channel": "outbox_jobs", "after": 0})
         conn.rollback()
         claim_plan = _plan(conn, queries.in_schema("public").job_claim_many, {
             "consumers": ["a", "b"], "leases": [30.0, 30.0], "limit": 50, "worker": "w"})

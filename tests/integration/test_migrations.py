@@ -110,8 +110,8 @@ def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engin
     triggers = dict(snap["triggers"])
     assert set(triggers) == {"outbox_events_notify", "outbox_jobs_notify"}
     assert triggers["outbox_events_notify"] == (
-        "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events "
-        f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{EVENTS_CHANNEL}')")
+        "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events REFERENCING NEW TABLE AS inserted "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_events('{EVENTS_CHANNEL}')")
     assert triggers["outbox_jobs_notify"] == (
         "CREATE TRIGGER outbox_jobs_notify AFTER INSERT ON public.outbox_jobs "
         f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')")

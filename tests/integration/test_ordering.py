@@ -421,7 +421,7 @@ def test_promotion_and_route_filter_use_their_partial_indexes_with_many_done_row
         c.execute(sa.text("ANALYZE outbox_jobs"))
     statements = queries.in_schema("public")
     with engine.connect() as conn:
-        route_plan = _plan(conn, statements.event_route_many, {"limit": 500, "skip": [], "only": None, "channel": "outbox_jobs"})
+        route_plan = _plan(conn, statements.event_route_many, {"limit": 500, "skip": [], "only": None, "channel": "outbox_jobs", "after": 0})
         conn.rollback()
         promote_plan = _plan(conn, statements.job_promote_many, {"consumers": ["c", "c"], "keys": ["k1", "k2"]})
         conn.rollback()

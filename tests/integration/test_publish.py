@@ -712,3 +712,24 @@ def test_numbers_reach_the_handler_with_their_type_and_value(engine, settings):
         assert typed(headers) == typed({"h": NUMBERS["floats"]})
         assert [math.copysign(1, z) for z in payload["zeros"]] == [1, 1]  # numeric has no -0
         assert payload["floats"][0] == 1e16 and type(payload["floats"][0]) is float
+
+
+def test_the_notification_names_the_first_id_the_transaction_kept(engine, listener):
+    """The events' trigger (migration 0009) sends one notification per transaction naming the
+    first event id it wrote (the router goes back for it: issue 28). A savepoint rolled back
+    takes its notification and its flag with it, so the next publish names its own id."""
+    with Session(engine) as s, s.begin():
+        with s.begin_nested() as savepoint:
+            publish(s, "t", {"n": 0})
+            savepoint.rollback()
+        kept = publish(s, "t", {"n": 1})
+        later = publish_many(s, [("t", {"n": 2}), ("t", {"n": 3})])
+    assert later[0] > kept
+    with engine.begin() as conn:
+        conn.exec_driver_sql("NOTIFY outbox_test_probe")
+    heard = []
+    for note in listener.notifies(timeout=10):
+        heard.append((note.channel, note.payload))
+        if note.channel == "outbox_test_probe":
+            break
+    assert heard == [(EVENTS_CHANNEL, f"from {kept}"), ("outbox_test_probe", "")]

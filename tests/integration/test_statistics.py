@@ -105,7 +105,7 @@ def _route_plan(engine: sa.Engine) -> str:
     """EXPLAIN of one routing round of 500 (not executed)."""
     with engine.connect() as conn:
         rows = conn.execute(sa.text("EXPLAIN " + queries.in_schema("public").event_route_many.text), {
-            "limit": 500, "skip": [], "only": None, "channel": "outbox_jobs"}).scalars().all()
+            "limit": 500, "skip": [], "only": None, "channel": "outbox_jobs", "after": 0}).scalars().all()
         conn.rollback()
     return "\n".join(rows)
 
