@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, OutboxSettings, publish
-from outbox.relay.router import RouteResult, Router, route_all, route_batch
+from outbox.relay.router import Router, RouteResult, route_all, route_batch
 
 from .helpers import publish_events, running_relay, subscribe
 
