@@ -15,6 +15,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -417,6 +418,34 @@ class RelayProcess:
 
 
 # ------------------------------------------------------------------- workload
+
+
+class SteadyPublisher(threading.Thread):
+    """Commits one event of ``TOPIC`` per transaction on ``eng``, ``rate`` per second, from
+    :meth:`start` until :meth:`stop`; ``published`` counts them."""
+
+    def __init__(self, eng: Engine, rate: float) -> None:
+        super().__init__(daemon=True)
+        self.eng, self.rate = eng, rate
+        self.published = 0
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        from outbox import publish
+
+        began = time.perf_counter()
+        while not self._stop_event.is_set():
+            delay = began + self.published / self.rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            with self.eng.begin() as conn:
+                publish(conn, TOPIC, {"n": self.published})
+            self.published += 1
+
+    def stop(self) -> None:
+        """Stop publishing and wait for the transaction in flight."""
+        self._stop_event.set()
+        self.join()
 
 
 def publish_events(eng: Engine, n: int, per_txn: int = 500, consumers_topic: str = TOPIC) -> float:

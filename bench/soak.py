@@ -24,9 +24,9 @@ from typing import Any
 import psycopg
 import sqlalchemy as sa
 
-from outbox import publish, publish_many
+from outbox import publish_many
 
-from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, log, median, proc_rss_mb
+from .common import TOPIC, Databases, RelayProcess, Size, SteadyPublisher, conninfo, engine, log, median, proc_rss_mb
 
 CONSUMERS = 3
 
@@ -53,24 +53,9 @@ def steady(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         try:
             relay.wait_ready(CONSUMERS)
             eng = sa.create_engine(url, pool_size=1)
-            stop = threading.Event()
-            published = [0]
-
-            def publisher() -> None:
-                start = time.perf_counter()
-                i = 0
-                while not stop.is_set():
-                    delay = start + i / size.soak_rate - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
-                    with eng.begin() as conn:
-                        publish(conn, TOPIC, {"n": i})
-                    i += 1
-                published[0] = i
-
-            thread = threading.Thread(target=publisher, daemon=True)
+            publisher = SteadyPublisher(eng, size.soak_rate)
             start = time.monotonic()
-            thread.start()
+            publisher.start()
             with psycopg.connect(conninfo(url), autocommit=True) as mon:
                 while time.monotonic() - start < size.soak_seconds:
                     time.sleep(sample_every)
@@ -78,8 +63,7 @@ def steady(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                     s = table_sample(mon)
                     s.update(t=time.monotonic() - start, rss_mb=proc_rss_mb(relay.pid))
                     samples.append(s)
-                stop.set()
-                thread.join()
+                publisher.stop()
             eng.dispose()
         finally:
             relay.stop()
@@ -91,7 +75,7 @@ def steady(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     rss_start, rss_end = warm[0]["rss_mb"], samples[-1]["rss_mb"]
     oldest = max((s["oldest_done_s"] or 0.0) for s in second_half)
     out = {
-        "seconds": size.soak_seconds, "rate": size.soak_rate, "published": published[0], "settings": settings,
+        "seconds": size.soak_seconds, "rate": size.soak_rate, "published": publisher.published, "settings": settings,
         "rss_start_mb": rss_start, "rss_end_mb": rss_end, "rss_growth": rss_end / rss_start - 1,
         "rows_max_second_half": max(s["rows"] for s in second_half), "rows_bound": bound_rows,
         "oldest_done_s_max": oldest, "retention_window_s": window,

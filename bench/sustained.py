@@ -27,7 +27,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,9 +35,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.engine import URL, make_url
 
-from outbox import publish
-
-from .common import TOPIC, Databases, RelayProcess, Size, conninfo, engine, find_binary, log
+from .common import Databases, RelayProcess, Size, SteadyPublisher, conninfo, engine, find_binary, log
 
 CONSUMERS = 3
 
@@ -139,29 +136,14 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         try:
             relay.wait_ready(CONSUMERS)
             eng = engine(url, pool_size=1)
-            stop = threading.Event()
-            published = [0]
-
-            def publisher() -> None:
-                began = time.perf_counter()
-                i = 0
-                while not stop.is_set():
-                    delay = began + i / rate - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
-                    with eng.begin() as conn:
-                        publish(conn, TOPIC, {"n": i})
-                    i += 1
-                published[0] = i
-
+            publisher = SteadyPublisher(eng, rate)
             with psycopg.connect(conninfo(url), autocommit=True) as mon, psycopg.connect(conninfo(url)) as holder:
                 mon.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
                 mon.execute("SELECT pg_stat_statements_reset()")
                 phases: dict[str, list[dict[str, Any]]] = {}
                 start_db = mon.execute("SELECT now()").fetchone()[0]
                 start = time.monotonic()
-                thread = threading.Thread(target=publisher, daemon=True)
-                thread.start()
+                publisher.start()
                 held = False
                 next_sample = start + window
                 while (now := time.monotonic()) < start + seconds:
@@ -183,10 +165,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                             f" jobs dead tuples {s['jobs_dead_tuples']:,}")
                         next_sample += window
                     time.sleep(0.2)
-                stop.set()
-                thread.join()
+                publisher.stop()
                 phases["after"] = statements(mon)
-                offered = published[0] * CONSUMERS / seconds
+                offered = publisher.published * CONSUMERS / seconds
                 per_window = windows(mon, start_db, seconds, window)
             eng.dispose()
         finally:
