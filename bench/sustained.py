@@ -52,23 +52,24 @@ def own_server() -> Iterator[URL]:
     folder = Path(tempfile.mkdtemp(prefix="outbox-bench-sustained-"))
     data = folder / "data"
     as_owner: list[str] = []
-    if os.geteuid() == 0:  # initdb refuses root: the server runs as the postgres account
-        owner = pwd.getpwnam("postgres")
-        os.chown(folder, owner.pw_uid, owner.pw_gid)
-        as_owner = ["runuser", "-u", "postgres", "--"]
-    subprocess.run([*as_owner, initdb, "-D", str(data), "-U", "postgres", "--auth", "trust", "--no-sync"],
-                   check=True, capture_output=True)
-    with socket.socket() as s:  # a port no other server uses (the socket file's name carries it)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    options = (f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
-               " -c shared_preload_libraries=pg_stat_statements")
-    subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"), "-w", "start"],
-                   check=True, capture_output=True)
     try:
+        if os.geteuid() == 0:  # initdb refuses root: the server runs as the postgres account
+            owner = pwd.getpwnam("postgres")
+            os.chown(folder, owner.pw_uid, owner.pw_gid)
+            as_owner = ["runuser", "-u", "postgres", "--"]
+        subprocess.run([*as_owner, initdb, "-D", str(data), "-U", "postgres", "--auth", "trust", "--no-sync"],
+                       check=True, capture_output=True)
+        with socket.socket() as s:  # a port no other server uses (the socket file's name carries it)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        options = (f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
+                   " -c shared_preload_libraries=pg_stat_statements")
+        subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"),
+                        "-w", "start"], check=True, capture_output=True)
         yield make_url(f"postgresql+psycopg://postgres@/postgres?host={folder}&port={port}")
-    finally:
-        subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
+    finally:  # also after a failed initdb or start: no folder or server is left behind
+        if (data / "postmaster.pid").exists():
+            subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
 
 
