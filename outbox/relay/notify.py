@@ -39,6 +39,22 @@ STOP_CHECK = 0.25
 #: A claim-order key: (priority, run_at, id) of a job, the order claims take ready jobs in.
 ClaimKey = tuple[int, datetime, int]
 
+#: Shortest time between two scans from the head (a runner's claims from the first ready job,
+#: the router's rounds from the first unrouted id), seconds: how long what sorts before a
+#: claim hint or a route hint and that no notification announced may wait.
+HEAD_SECONDS = 1.0
+#: Most of its time a runner or a router spends on scans from the head: while a long snapshot
+#: elsewhere keeps the index entries of finished jobs and routed events, such a scan reads
+#: through all of them, so they are spaced at least their duration / HEAD_SHARE apart.
+HEAD_SHARE = 0.05
+
+
+def next_head_scan(seconds: float) -> float:
+    """The ``time.monotonic()`` from which the next scan from the head is due, after one that
+    took ``seconds``: ``HEAD_SECONDS`` from now, or longer for a slow one (``HEAD_SHARE``)."""
+    return time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+
+
 #: Payload of a jobs notification saying the ready jobs changed ahead of every dispatcher's
 #: hint (``queries.jobs_notify_head``): released or reaped jobs, which keep their place.
 HEAD_PAYLOAD = "head"

@@ -59,21 +59,11 @@ from outbox.relay import flow
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
-from outbox.relay.notify import ClaimKey, Wakeup
+from outbox.relay.notify import ClaimKey, Wakeup, next_head_scan
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
-
-#: Shortest time between two claims of a runner from the head of the ready jobs, seconds: how
-#: long a job that sorts before the hint and that no wake-up announced (a retry more urgent
-#: than the jobs claimed last) may wait behind the jobs after it.
-HEAD_SECONDS = 1.0
-#: Most of its time a runner spends on claims from the head: while a long snapshot elsewhere
-#: keeps the index entries of finished jobs, a claim from the head reads through all of them,
-#: so claims from the head are spaced at least this claim's time / HEAD_SHARE apart.
-HEAD_SHARE = 0.05
-
 
 class ClaimHint:
     """The claim-order key ``(priority, run_at, id)`` claims start after, shared by the
@@ -117,7 +107,7 @@ class ClaimHint:
         stays where it was)."""
         with self._lock:
             if after is None:
-                self._head_due = time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+                self._head_due = next_head_scan(seconds)
             if last is not None:
                 self._key = last
 

@@ -47,7 +47,7 @@ from outbox.db.poison import Quarantine, SystemicError, whole_or_halves
 from outbox.db.tables import JOBS_CHANNEL, notify_channel
 from outbox.registry import Outbox
 from outbox.relay.counters import Counters
-from outbox.relay.notify import ClaimKey, Cooldown, Wakeup
+from outbox.relay.notify import ClaimKey, Cooldown, Wakeup, next_head_scan
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings, default_schema
@@ -171,14 +171,6 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, after: 
                        routed_to=parts[0].routed_to if len(parts) == 1 and not poisoned else None)
 
 
-#: Shortest time between two routing rounds that scan from the first unrouted id, seconds.
-HEAD_SECONDS = 1.0
-#: Most of its time the router spends on rounds from the first unrouted id (a long snapshot
-#: elsewhere keeps the index entries of every event routed since it began, and such a round
-#: reads through them): they are spaced at least their duration / HEAD_SHARE apart.
-HEAD_SHARE = 0.05
-
-
 class RouteHint:
     """Where the router's next scan of unrouted events starts (issue 28): after the highest
     id its last round locked, so a round does not read again through the index entries of
@@ -222,7 +214,7 @@ class RouteHint:
         with self._lock:
             self._in_flight = None
             if after == 0:
-                self._head_due = time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+                self._head_due = next_head_scan(seconds)
             if routed_to is not None:
                 self._after = routed_to
 

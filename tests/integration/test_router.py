@@ -184,10 +184,10 @@ def test_a_round_starts_after_the_last_id_routed_and_goes_back_for_an_announced_
     shows what the notification alone does)."""
     import psycopg
 
-    from outbox.relay import router as router_module
+    from outbox.relay import notify
     from outbox.relay.notify import EVENTS_PAYLOAD
 
-    monkeypatch.setattr(router_module, "HEAD_SECONDS", 3600.0)
+    monkeypatch.setattr(notify, "HEAD_SECONDS", 3600.0)
     subscribe(engine, "order.placed", ["a"])
     router = _router(engine)
     listener = psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False),

@@ -148,7 +148,7 @@ def test_a_claim_from_the_head_is_spaced_by_its_cost():
     import time as clock
     from datetime import UTC, datetime
 
-    from outbox.relay import producer
+    from outbox.relay import notify, producer
 
     at = datetime(2026, 12, 2, tzinfo=UTC)
     hint = producer.ClaimHint()
@@ -158,7 +158,7 @@ def test_a_claim_from_the_head_is_spaced_by_its_cost():
     assert hint.start() is None
     hint.claimed(None, (0, at, 2), 0.5)  # a 0.5 s claim from the head
     due = hint._head_due - clock.monotonic()
-    assert 0.5 / producer.HEAD_SHARE - 1 < due <= 0.5 / producer.HEAD_SHARE
+    assert 0.5 / notify.HEAD_SHARE - 1 < due <= 0.5 / notify.HEAD_SHARE
 
 
 def test_a_ready_notification_carries_a_key_just_before_the_first_job():
