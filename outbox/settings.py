@@ -110,7 +110,7 @@ class OutboxSettings(BaseSettings):
     reconnect_max: float = Field(default=10.0, ge=0.2, le=600, description="Longest wait between reconnect attempts, seconds (the first wait is 0.2). Default 10.")
     schema_name: str = Field(default=DEFAULT_SCHEMA, validation_alias="outbox_schema", description="Environment variable OUTBOX_SCHEMA, flag --schema. PostgreSQL schema that holds outbox's tables, sequence, trigger function and version table (outbox_alembic_version), for migrate, the relay, publish and every command: a lowercase identifier of at most 49 characters; migrate creates it if missing. Default public.")
     log_level: str = Field(default="INFO", description="Python logging level name. Default INFO.")
-    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 6, plus one per dispatcher beyond the first (one per worker, each dispatcher, the starter, the heartbeat, the router, the statistics keeper and maintenance; the scheduler, when schedules are declared, takes one more from the overflow). pool_size + pool_overflow must be at least that, so no thread waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
+    pool_size: int | None = Field(default=None, ge=1, le=10_000, description="Connections the relay keeps open in its pool. Default: concurrency + 8, plus one per dispatcher beyond the first (one per worker, each dispatcher, the starter, the heartbeat, the router, the statistics keeper, maintenance and the claim and route look-outs; the scheduler, when schedules are declared, takes one more from the overflow). pool_size + pool_overflow must be at least that, so no thread waits for the pool; to open fewer connections, lower concurrency. Async transactional handlers use, besides, one connection per worker thread that runs them, outside this pool (an async engine per thread: SQLAlchemy's async pool stays on one event loop).")
     pool_overflow: int | None = Field(default=None, ge=0, le=10_000, description="Connections the relay may open beyond pool_size when every pooled one is in use, closed again when returned. Default: pool_size.")
     pooler: Literal["none", "transaction"] = Field(default="none", description="'transaction' when the database URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction): psycopg's prepared statements are off on every relay connection, and LISTEN uses listen_url or, without one, is off (polling only). Default none.")
     listen_url: SecretStr | None = Field(default=None, description="URL of a direct (not pooled) connection to the same database for LISTEN, for use with pooler='transaction'. Default: none; LISTEN then uses database_url, or is off with pooler='transaction'.")
@@ -161,16 +161,17 @@ class OutboxSettings(BaseSettings):
         if size + overflow < self.pool_needed():
             extra = f" + dispatchers - 1 ({self.pool_needed()}" if self.dispatchers > 1 else f" ({self.pool_needed()}"
             raise ValueError(
-                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 6{extra}: one "
+                f"pool_size + pool_overflow ({size} + {overflow}) must be at least concurrency + 8{extra}: one "
                 "connection per worker, each dispatcher, the starter, the heartbeat, the router, the statistics "
-                "keeper and maintenance); lower concurrency to open fewer connections")
+                "keeper, maintenance and the claim and route look-outs); lower concurrency to open fewer connections")
         return self
 
     def pool_needed(self) -> int:
         """Connections the relay's threads hold at once: one per worker, one per dispatcher,
-        and the starter, heartbeat, router, statistics keeper and maintenance: concurrency + 6
-        with one dispatcher."""
-        return self.concurrency + self.dispatchers + 5
+        and the starter, heartbeat, router, statistics keeper, maintenance and the claim and
+        route look-outs (:class:`outbox.relay.notify.Lookout`): concurrency + 8 with one
+        dispatcher."""
+        return self.concurrency + self.dispatchers + 7
 
     @property
     def keep_done(self) -> bool:
@@ -185,7 +186,7 @@ class OutboxSettings(BaseSettings):
 
     def pool_limits(self) -> tuple[int, int]:
         """(pool size, overflow) of the relay's engine: ``pool_size`` (default
-        :meth:`pool_needed`: concurrency + 6 with one dispatcher) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
+        :meth:`pool_needed`: concurrency + 8 with one dispatcher) and ``pool_overflow`` (default the pool size). The relay opens at most their sum
         through its pool, plus its LISTEN connection (:meth:`listen_target`) and, with async
         transactional handlers, one connection per worker thread that runs them."""
         size = self.pool_size if self.pool_size is not None else self.pool_needed()

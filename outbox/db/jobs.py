@@ -6,7 +6,7 @@ the rows it touched.
   completions it carries, then the claim after a key of the claim order, two statements in
   one transaction and one round trip, the relay's buffered claims listed by the claim,
   :class:`BufferMark`; :func:`complete_and_claim_rows` for the rows themselves),
-  :func:`claim_candidates`; the row -> job builder :func:`job_from_row` and the claim-order
+  :func:`claim_candidates`, :func:`first_ready_before` (the runner's look-out); the row -> job builder :func:`job_from_row` and the claim-order
   key of a claimed row, :func:`claim_order`.
 * **Outcomes of claimed jobs**: :func:`heartbeat_jobs`, :func:`complete_jobs`,
   :func:`fail_jobs`, :func:`snooze_jobs`, :func:`release_jobs`, :func:`bury_job`. Every write
@@ -245,6 +245,17 @@ def claim_candidates(conn: Executor, consumers: list[str], limit: int, skip: lis
     """Ids of up to ``limit`` due ready jobs of ``consumers`` in claim order, not locked."""
     return [r.id for r in _rows(conn, queries.in_schema(schema).job_claim_candidates,
                                 {"consumers": consumers, "limit": limit, "skip": skip})]
+
+
+def first_ready_before(conn: Executor, before: tuple[int, Any, int], consumers: list[str], skip: list[int], *,
+                       schema: str | None = None) -> tuple[int, Any, int] | None:
+    """The claim-order key ``(priority, run_at, id)`` of the first due ready job of
+    ``consumers`` that sorts before ``before`` and is not in ``skip`` (``job_first_ready_before``:
+    the main claims' consumers only), or None. Locks nothing."""
+    rows = _rows(conn, queries.in_schema(schema).job_first_ready_before,
+                 {"consumers": consumers, "before_priority": before[0], "before_run_at": before[1],
+                  "before_id": before[2], "skip": skip})
+    return claim_order(rows[0]) if rows else None
 
 
 def bury_job(conn: Executor, job: Job, error: str, *, schema: str | None = None) -> bool:

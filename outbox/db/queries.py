@@ -144,7 +144,7 @@ job per matching subscription, events marked routed, in one statement (one trans
 Rows locked by another router are skipped, so each (event, consumer) job is created exactly
 once; ``routed_at IS NULL`` picks events. ``:after`` is only where the scan starts: ids
 commit out of order, so the router goes back below it for an event announced later
-(:class:`outbox.relay.router.RouteHint`), and from the first id at least every second. The
+(:class:`outbox.relay.router.RouteHint`), or to one its look-out found there. The
 row also gives the highest id the batch locked (``scanned_to``) and the lowest it held
 back (``first_held``), NULL when none, from which the router's next scan starts. Returns one row:
 events routed, jobs created, events that matched no subscription (``unsubscribed``; their
@@ -198,6 +198,23 @@ event_route_candidates: TextClause = text(
 )
 """Ids of up to ``:limit`` unrouted events in routing order, none locked: the batch
 ``event_route_many`` would take, for finding the event that makes it fail."""
+
+event_first_unrouted_before: TextClause = text(
+    """
+    SELECT id FROM outbox_events
+    WHERE routed_at IS NULL
+      AND id <= CAST(:after AS bigint)
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    ORDER BY id
+    LIMIT 1
+    """
+)
+"""The first unrouted event at or below ``:after`` (the router's hint: where its next round
+starts), leaving out the quarantined ids ``:skip``; no row when there is none. Locks
+nothing. The router's look-out runs it on a connection of its own
+(:class:`outbox.relay.notify.Lookout`): it finds what no notification announced, whose
+scan reads through the index entries of every event routed since the oldest snapshot
+began, off the routing path."""
 
 event_prune_many: TextClause = text(
     """
@@ -856,8 +873,33 @@ jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
 """Tell every relay listening on ``:channel`` (the schema's jobs channel) that ready jobs
 now sort before the key its dispatcher claims after (released or reaped jobs keep their
 early ``run_at``), so each claims from the head of the queue next instead of after its
-hint. A hint like the routing NOTIFY: a relay that misses it claims from the head within
-``HEAD_SECONDS`` (:class:`outbox.relay.producer.ClaimHint`) anyway."""
+hint. A hint like the routing NOTIFY: for a relay that misses it, its look-out finds the
+jobs within ``HEAD_SECONDS`` (:class:`outbox.relay.notify.Lookout`) anyway."""
+
+job_first_ready_before: TextClause = text(
+    """
+    SELECT priority, run_at, id
+    FROM outbox_jobs
+    WHERE status = 'ready'
+      AND run_at <= now()
+      AND consumer = ANY (CAST(:consumers AS text[]))
+      AND consumer NOT IN (
+          SELECT c.consumer FROM outbox_consumers c
+          WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)
+      AND (priority, run_at, id) < (CAST(:before_priority AS smallint), CAST(:before_run_at AS timestamptz),
+                                    CAST(:before_id AS bigint))
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    ORDER BY priority, run_at, id
+    LIMIT 1
+    """
+)
+"""The claim-order key ``(priority, run_at, id)`` of the first due ready job of
+``:consumers`` that the main claims take (not paused, capped or rate-limited), sorting
+before ``(:before_priority, :before_run_at, :before_id)`` (the runner's claim hint) and
+not among the quarantined ids ``:skip``; no row when there is none. Locks nothing. The
+runner's look-out runs it on a connection of its own (:class:`outbox.relay.notify.Lookout`):
+it finds what no notification announced, whose scan reads through the index entries of
+every job claimed since the oldest snapshot began, off the claiming path."""
 
 job_claim_candidates: TextClause = text(
     """
@@ -2133,6 +2175,7 @@ class Statements:
     # events
     event_route_many: TextClause
     event_route_candidates: TextClause
+    event_first_unrouted_before: TextClause
     event_prune_many: TextClause
     event_prune_candidates: TextClause
     event_unrouted_count: TextClause
@@ -2159,6 +2202,7 @@ class Statements:
     job_release_many: TextClause
     job_snooze_many: TextClause
     jobs_notify_head: TextClause
+    job_first_ready_before: TextClause
     job_claim_candidates: TextClause
     job_bury: TextClause
     job_bury_ready: TextClause

@@ -26,7 +26,8 @@ from datetime import UTC, datetime
 from typing import Literal
 
 import psycopg
-from sqlalchemy.engine import URL
+from sqlalchemy.engine import URL, Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from outbox.db.tables import EVENTS_CHANNEL, JOBS_CHANNEL, notify_channel
 from outbox.relay.reconnect import Reconnector
@@ -39,20 +40,61 @@ STOP_CHECK = 0.25
 #: A claim-order key: (priority, run_at, id) of a job, the order claims take ready jobs in.
 ClaimKey = tuple[int, datetime, int]
 
-#: Shortest time between two scans from the head (a runner's claims from the first ready job,
-#: the router's rounds from the first unrouted id), seconds: how long what sorts before a
-#: claim hint or a route hint and that no notification announced may wait.
+#: Shortest time between two looks from the head (:class:`Lookout`: the first ready job
+#: before a runner's claim hint, the first unrouted event before a router's hint), seconds:
+#: how long what sorts before a hint and that no notification announced may wait.
 HEAD_SECONDS = 1.0
-#: Most of its time a runner or a router spends on scans from the head: while a long snapshot
-#: elsewhere keeps the index entries of finished jobs and routed events, such a scan reads
-#: through all of them, so they are spaced at least their duration / HEAD_SHARE apart.
+#: Most of its time a look-out spends looking: while a long snapshot elsewhere keeps the
+#: index entries of finished jobs and routed events, a look from the head reads through all
+#: of them, so looks are spaced at least their duration / HEAD_SHARE apart.
 HEAD_SHARE = 0.05
 
 
 def next_head_scan(seconds: float) -> float:
-    """The ``time.monotonic()`` from which the next scan from the head is due, after one that
+    """The ``time.monotonic()`` from which the next look from the head is due, after one that
     took ``seconds``: ``HEAD_SECONDS`` from now, or longer for a slow one (``HEAD_SHARE``)."""
     return time.monotonic() + max(HEAD_SECONDS, seconds / HEAD_SHARE)
+
+
+class Lookout:
+    """The safety net under the claim and route hints (issue 28), a loop of its own (thread
+    ``name``): every ``HEAD_SECONDS`` (no more often than its duration / ``HEAD_SHARE``) it
+    runs ``look`` on a connection of ``engine``'s pool (autocommit; checked out per look),
+    which finds what sorts before the hint and no notification announced (a NOTIFY missed
+    while the listener reconnected, a relay without LISTEN, a retry more urgent than the
+    claim hint, events another router locked and rolled back) and lowers the hint to it.
+
+    Such a look reads from the head of its index: while a snapshot held open elsewhere keeps
+    the entries of every job claimed or event routed since it began, it reads all of them.
+    Made by a claim or a routing round itself, as it first was, such a look held up that
+    round and every job waiting on it: the slowest 1 % of jobs waited for it (p99 3.9x its
+    value under a 5-minute snapshot: performance notes, "Long snapshots"). On a connection
+    of its own it costs the database the same reads and holds up no round.
+
+    A database error never ends the loop: it waits as the relay's other loops do
+    (``reconnect``) and looks again."""
+
+    def __init__(self, engine: Engine, look: Callable[[Connection], object], name: str, stop: threading.Event,
+                 reconnect: Reconnector) -> None:
+        self.engine = engine
+        self.look = look
+        self.name = name
+        self.stop = stop
+        self.reconnect = reconnect
+
+    def run(self) -> None:
+        """Look until ``stop`` is set."""
+        failures = 0
+        due = time.monotonic() + HEAD_SECONDS
+        while not self.stop.wait(max(0.0, due - time.monotonic())):
+            began = time.monotonic()
+            try:
+                with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+                    self.look(conn)
+                failures = self.reconnect.recovered(failures, self.name)
+            except DBAPIError as exc:
+                failures = self.reconnect.backoff(failures, self.name, exc, self.stop)
+            due = next_head_scan(time.monotonic() - began)
 
 
 #: Payload of a jobs notification saying the ready jobs changed ahead of every dispatcher's

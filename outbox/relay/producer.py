@@ -22,8 +22,9 @@ claim fails alone is dead-lettered naming the error, or quarantined.
 of the last job claimed, so neither a backlog nor the index entries of jobs claimed before
 (which a long snapshot elsewhere keeps) are read again every round; before a key announced
 by a wake-up (jobs routed or promoted there, ``Wakeup.lower``), from the head after a
-``head`` NOTIFY (jobs handed back keep their early place, ``Wakeup.rewind``), and from the
-head at least every ``HEAD_SECONDS`` (:class:`ClaimHint`).
+``head`` NOTIFY (jobs handed back keep their early place, ``Wakeup.rewind``), and before
+what the runner's look-out finds there, on a connection of its own, that nothing announced
+(:class:`ClaimHint`).
 
 **The consumers** a claim takes are :meth:`Producer.claim_leases`: every consumer of the
 registry, with its lease. A consumer claimed by a path of its own (in a transaction of its
@@ -59,7 +60,7 @@ from outbox.relay import flow
 from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
-from outbox.relay.notify import ClaimKey, Wakeup, next_head_scan
+from outbox.relay.notify import ClaimKey, Wakeup
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import RelayMetrics
 
@@ -76,8 +77,8 @@ class ClaimHint:
     it (:meth:`start`): the router's new jobs and promoted ones (``Wakeup.lower``, with their
     first key), released and reaped ones (``Wakeup.rewind``: from the head). What nothing
     announces (a failed job retried at a more urgent priority than the hint's, a wake-up
-    missed while the listener reconnected) is found by a claim from the head, made at least
-    every ``HEAD_SECONDS``, and no more often than its own duration / ``HEAD_SHARE``.
+    missed while the listener reconnected) the runner's look-out finds and announces the
+    same way (:class:`outbox.relay.notify.Lookout`, ``JobRunner.look_behind``).
 
     Always the latest claim's key, never the furthest seen: a claim from the head (after a
     rewind: jobs handed back keep their early place) may take only part of what sorts before
@@ -88,27 +89,28 @@ class ClaimHint:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._key: ClaimKey | None = None
-        self._head_due = 0.0  # time.monotonic() from which the next claim starts at the head
+
+    def key(self) -> ClaimKey | None:
+        """The key the next claim starts after unless lowered (None: no claim took a job yet)."""
+        with self._lock:
+            return self._key
 
     def start(self, rewind: ClaimKey | Literal["head"] | None = None) -> ClaimKey | None:
         """The key the next claim starts after, or None (from the head): the hint, lowered
         to ``rewind`` (what ``Wakeup.take_rewind`` returned), or None when ``rewind`` says
-        ``"head"``, when there is no hint yet or when a claim from the head is due."""
+        ``"head"`` or when there is no hint yet."""
         with self._lock:
-            if rewind == "head" or self._key is None or time.monotonic() >= self._head_due:
+            if rewind == "head" or self._key is None:
                 return None
             if rewind is not None and rewind < self._key:
                 return rewind
             return self._key
 
-    def claimed(self, after: ClaimKey | None, last: ClaimKey | None, seconds: float) -> None:
-        """A claim that started after ``after`` (None: at the head) and took ``seconds``
-        returned; ``last`` is the key of its last job (None: it claimed none, and the hint
-        stays where it was)."""
-        with self._lock:
-            if after is None:
-                self._head_due = next_head_scan(seconds)
-            if last is not None:
+    def claimed(self, last: ClaimKey | None) -> None:
+        """A claim returned; ``last`` is the key of its last job (None: it claimed none, and
+        the hint stays where it was)."""
+        if last is not None:
+            with self._lock:
                 self._key = last
 
 
@@ -236,7 +238,7 @@ class Producer:
         """The jobs ``request`` claimed to the workers reserved for them and the rest into
         the buffer, listed by the same statement (:meth:`_hand_over`); returns whether the
         table is drained: the claim found fewer than it asked for (after the hint: what
-        sorts before it is announced, or found by the next claim from the head). A request the completer could not
+        sorts before it is announced, or found by the runner's look-out). A request the completer could not
         send (a data error in its statement: it wrote the completions by halves) is claimed
         here first, alone, on ``conn`` (:meth:`_claim_by_halves`)."""
         want = request.room.asked
@@ -252,7 +254,7 @@ class Producer:
         if self.metrics is not None:
             self.metrics.claim_round_trip(returned - request.sent)
         if want:
-            self.hint.claimed(request.after, last, returned - request.sent)
+            self.hint.claimed(last)
         self._hand_over(claimed, request.room, request.sent)
         return want > 0 and len(claimed) < want
 

@@ -25,7 +25,9 @@ first one made ready (``Wakeup.lower``; other relays get it by NOTIFY). A databa
 never ends the loop: the connection is thrown away and the loop retries through the relay's
 :class:`~outbox.relay.reconnect.Reconnector`. The router counts the jobs it creates for the
 statistics keeper (:mod:`outbox.relay.statistics`), whose thread (``outbox-statistics``) it
-starts and stops beside its own.
+starts and stops beside its own, as it does its look-out's (``outbox-route-lookout``:
+:meth:`Router.look_behind` on a connection of its own every second, for unrouted events
+before its hint that no notification announced).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from outbox.db.poison import Quarantine, SystemicError, whole_or_halves
 from outbox.db.tables import JOBS_CHANNEL, notify_channel
 from outbox.registry import Outbox
 from outbox.relay.counters import Counters
-from outbox.relay.notify import ClaimKey, Cooldown, Wakeup, next_head_scan
+from outbox.relay.notify import ClaimKey, Cooldown, Lookout, Wakeup
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.statistics import StatisticsKeeper
 from outbox.settings import OutboxSettings, default_schema
@@ -181,16 +183,15 @@ class RouteHint:
     (``from <id>``, the events' trigger since migration 0009), and :meth:`lower` takes the
     next scan back to it. What nothing announces (a notification missed while the listener
     reconnected, a relay without LISTEN, events another router locked and then rolled back,
-    quarantined events whose time is up) is found by a round from the first unrouted id,
-    made at least every ``HEAD_SECONDS`` and no more often than its duration / ``HEAD_SHARE``.
-    Thread-safe: the listener lowers it while the router's thread routes."""
+    quarantined events whose time is up) the router's look-out finds and lowers the hint to
+    (:class:`outbox.relay.notify.Lookout`, :meth:`Router.look_behind`).
+    Thread-safe: the listener and the look-out lower it while the router's thread routes."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._after: int | None = None  # None: no hint yet, scan from the first id
         self._lowest: int | None = None  # lowest id announced since the round in flight started
         self._in_flight: int | None = None  # what the round in flight was started with
-        self._head_due = 0.0  # time.monotonic() from which the next round scans from the first id
 
     def lower(self, event_id: int) -> None:
         """An event with id ``event_id`` (and maybe higher ids) committed: the next scan
@@ -198,23 +199,26 @@ class RouteHint:
         with self._lock:
             self._lowest = event_id if self._lowest is None else min(self._lowest, event_id)
 
+    def after(self) -> int | None:
+        """The id the next round routes after unless lowered (None: no round locked an event yet)."""
+        with self._lock:
+            return self._after
+
     def start(self) -> int:
         """The id the next round routes after (0: from the first)."""
         with self._lock:
             self._in_flight, self._lowest = self._lowest, None
-            if self._after is None or time.monotonic() >= self._head_due:
+            if self._after is None:
                 return 0
             if self._in_flight is not None:
                 return min(self._after, self._in_flight - 1)
             return self._after
 
-    def routed(self, after: int, routed_to: int | None, seconds: float) -> None:
-        """The round that started after ``after`` (0: from the first) and took ``seconds``
-        committed; ``routed_to`` is where the next may start (None: it locked no event)."""
+    def routed(self, routed_to: int | None) -> None:
+        """The round in flight committed; ``routed_to`` is where the next may start (None:
+        it locked no event)."""
         with self._lock:
             self._in_flight = None
-            if after == 0:
-                self._head_due = next_head_scan(seconds)
             if routed_to is not None:
                 self._after = routed_to
 
@@ -327,21 +331,24 @@ class Router:
         self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        """Start the router's thread (``outbox-router``) and the keeper's (``outbox-statistics``)."""
-        for name, target in (("outbox-router", self.run), ("outbox-statistics", self._keep_statistics)):
+        """Start the router's thread (``outbox-router``), the keeper's (``outbox-statistics``)
+        and the look-out's (``outbox-route-lookout``)."""
+        lookout = Lookout(self.engine, self.look_behind, "route-lookout", self.stop_event, self.reconnect)
+        for name, target in (("outbox-router", self.run), ("outbox-statistics", self._keep_statistics),
+                             ("outbox-route-lookout", lookout.run)):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
 
     def stop(self) -> None:
-        """Set the stop event and wake both threads; returns at once (:meth:`join` waits).
+        """Set the stop event and wake its threads; returns at once (:meth:`join` waits).
         A round under way finishes (it is one statement)."""
         self.stop_event.set()
         self.wake.set()
         self.statistics.wake()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for both threads to end, up to ``timeout`` seconds each; True when they have."""
+        """Wait for its threads to end, up to ``timeout`` seconds each; True when they have."""
         for thread in self._threads:
             thread.join(timeout=timeout)
         return not any(thread.is_alive() for thread in self._threads)
@@ -385,14 +392,13 @@ class Router:
         statistics keeper (no query), and add to ``stats``, the metrics and the warnings
         about topics with no subscriber. Raises what :func:`route_round` raises."""
         after = self.hint.start()
-        began = time.monotonic()
         try:
             result = route_round(conn, self.settings.route_batch, self.quarantine, after=after,
                                  schema=self.settings.schema_name)
         except BaseException:
             self.hint.failed()
             raise
-        self.hint.routed(after, result.routed_to, time.monotonic() - began)
+        self.hint.routed(result.routed_to)
         if result.first_ready is not None:  # claims start no later than the first job made ready
             self.wake_workers.lower(result.first_ready)
         elif result.jobs:
@@ -406,6 +412,21 @@ class Router:
             self.stats.add("events_unsubscribed", result.unsubscribed)
             self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute
         return result
+
+    def look_behind(self, conn: Connection) -> int | None:
+        """The first unrouted event at or below the hint (``event_first_unrouted_before``,
+        quarantined ids left out) on ``conn``: the hint is lowered to it and the router woken.
+        Returns its id, or None when there is none or no round has routed yet (a round then
+        starts from the first id anyway)."""
+        after = self.hint.after()
+        if after is None:
+            return None
+        first = conn.execute(queries.in_schema(self.settings.schema_name).event_first_unrouted_before,
+                             {"after": after, "skip": self.quarantine.ids()}).scalar()
+        if first is not None:
+            self.hint.lower(first)
+            self.wake.set()
+        return first
 
     def _keep_statistics(self) -> None:
         self.statistics.run(self.stop_event)

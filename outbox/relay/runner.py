@@ -21,6 +21,9 @@ Threads (one concurrency model: threads, with one event loop per worker thread f
 * the **forwarder** (:class:`outbox.relay.forwarder.Forwarder`, only when the registry declares
   forwarders) sends forwarders' jobs to their brokers in batches, from one event loop, in
   place of worker threads; its outcomes go to the dispatcher like the workers'.
+* the **look-out** (:class:`outbox.relay.notify.Lookout`, thread ``outbox-claim-lookout``) looks
+  every second, on a connection of its own, for a due ready job before the claim-order hint
+  that no wake-up announced (:meth:`JobRunner.look_behind`), and lowers the hint to it.
 
 What they share is :class:`outbox.relay.claims.HeldClaims` (under one lock) and two queues: jobs
 to run (producer and starter to workers) and outcomes (workers to the dispatcher).
@@ -45,13 +48,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from outbox.db import poison
 from outbox.db.engine import describe, make_async_engine
-from outbox.db.jobs import RelayInfo, notify_head, package_version, release_jobs
+from outbox.db.jobs import RelayInfo, first_ready_before, notify_head, package_version, release_jobs
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
@@ -64,7 +67,7 @@ from outbox.relay.dispatcher import Dispatcher, RelayConnection, RelayRow
 from outbox.relay.executor import JobExecutor, WorkerContext
 from outbox.relay.forwarder import Forwarder
 from outbox.relay.heartbeat import Heartbeater
-from outbox.relay.notify import Wakeup
+from outbox.relay.notify import ClaimKey, Lookout, Wakeup
 from outbox.relay.outcomes import Failure, Outcome
 from outbox.relay.producer import ClaimHint, Producer
 from outbox.relay.reconnect import Reconnector
@@ -130,7 +133,7 @@ class JobRunner:
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Claim, Any] | None] = queue.SimpleQueue()
-        hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
+        self.hint = hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
         self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
         row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
             package_version(), tuple(registry.consumers), settings.concurrency))
@@ -184,6 +187,8 @@ class JobRunner:
             for n in range(self.settings.concurrency):
                 self._spawn(f"outbox-worker-{n}", self._work_loop)
         self._spawn("outbox-heartbeat", self.heartbeater.run)
+        self._spawn("outbox-claim-lookout", Lookout(self.engine, self.look_behind, "claim-lookout",
+                                                    self.signals.stop_claiming, self.reconnect).run)
         if self.watchdog is not None:
             self._spawn("outbox-watchdog", self.watchdog.run)
 
@@ -191,6 +196,23 @@ class JobRunner:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def look_behind(self, conn: Connection) -> ClaimKey | None:
+        """The first due ready job before the claim hint that the main claims take
+        (``job_first_ready_before``: the consumers of every dispatcher's claims, quarantined
+        ids left out) on ``conn``: the next claim starts before it (``Wakeup.lower``, which
+        also wakes the dispatchers). Returns its key, or None when there is none or no claim
+        has taken a job yet (claims then start from the head anyway)."""
+        before = self.hint.key()
+        if before is None:
+            return None
+        consumers = sorted({c for d in self.dispatchers for c in d.producer.claim_leases()})
+        first = first_ready_before(conn, before, consumers, self.quarantine.ids(), schema=self.schema) \
+            if consumers else None
+        if first is not None:
+            priority, run_at, job_id = first
+            self.wake.lower((priority, run_at, job_id - 1))  # claims start after the key: this job is next
+        return first
 
     def in_flight(self) -> int:
         """Claims this runner holds: buffered, running, or waiting for their outcome to be written."""

@@ -10,6 +10,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session
 
 from outbox import Outbox, OutboxSettings, publish
+from outbox.db.poison import Quarantine
 from outbox.relay.router import Router, RouteResult, route_all, route_batch
 
 from .helpers import publish_events, running_relay, subscribe
@@ -175,19 +176,16 @@ def _router(engine: sa.Engine) -> Router:
                   wake_workers=Wakeup(), reconnect=Reconnector(1.0))
 
 
-def test_a_round_starts_after_the_last_id_routed_and_goes_back_for_an_announced_late_commit(engine, monkeypatch):
+def test_a_round_starts_after_the_last_id_routed_and_goes_back_for_an_announced_late_commit(engine):
     """The router scans after the highest id its last round locked, so it does not read again
     through the index entries of the events routed before (a long snapshot elsewhere keeps
     them). An event whose transaction commits after a higher id was routed sorts before that
     hint: its notification names its id (the events' trigger) and takes the next round back
-    to it. Claims from the first id are spaced by HEAD_SECONDS (here an hour, so the test
-    shows what the notification alone does)."""
+    to it."""
     import psycopg
 
-    from outbox.relay import notify
     from outbox.relay.notify import EVENTS_PAYLOAD
 
-    monkeypatch.setattr(notify, "HEAD_SECONDS", 3600.0)
     subscribe(engine, "order.placed", ["a"])
     router = _router(engine)
     listener = psycopg.connect(engine.url.set(drivername="postgresql").render_as_string(hide_password=False),
@@ -212,21 +210,46 @@ def test_a_round_starts_after_the_last_id_routed_and_goes_back_for_an_announced_
     assert _unrouted(engine) == [] and _jobs(engine) == [(low, "a"), (high, "a")]
 
 
+def test_the_look_out_finds_a_late_commit_no_notification_announced(engine):
+    """What no notification announced (a relay without LISTEN, a NOTIFY missed while the
+    listener reconnected) sorts before the hint until the router's look-out finds it, on a
+    connection of its own, and lowers the hint to it; quarantined ids are left out."""
+    subscribe(engine, "order.placed", ["a"])
+    router = _router(engine)
+    slow = Session(engine)
+    slow.begin()
+    low = publish(slow, "order.placed", {"n": "low"})
+    with Session(engine) as fast, fast.begin():
+        high = publish(fast, "order.placed", {"n": "high"})
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert router.look_behind(conn) is None  # no round yet: rounds start from the first id
+        assert router.run_round(conn).events == 1
+        assert router.look_behind(conn) is None  # the open transaction's event is not visible
+        slow.commit()
+        slow.close()
+        router.quarantine.add(low, RuntimeError("poison"), "routing")
+        assert router.look_behind(conn) is None  # quarantined: left out
+        router.quarantine = Quarantine("event")  # its time is up
+        assert router.look_behind(conn) == low and router.wake.is_set()
+        assert router.run_round(conn).events == 1
+        assert router.look_behind(conn) is None
+    assert _unrouted(engine) == [] and _jobs(engine) == [(low, "a"), (high, "a")]
+
+
 def test_the_route_hint_keeps_an_announcement_that_came_during_a_failed_or_running_round():
     from outbox.relay.router import RouteHint
 
     hint = RouteHint()
-    assert hint.start() == 0
-    hint.routed(0, 100, 0.001)
+    assert hint.start() == 0 and hint.after() is None
+    hint.routed(100)
     assert hint.start() == 100
-    hint.routed(100, 150, 0.001)
+    hint.routed(150)
     hint.lower(120)  # arrives before the next round starts
-    after = hint.start()
-    assert after == 119
+    assert hint.start() == 119
     hint.lower(140)  # arrives while that round runs: it may not have seen 140
-    hint.routed(after, 160, 0.001)
+    hint.routed(160)
     assert hint.start() == 139
     hint.failed()  # the round failed: what it was started with still waits
     assert hint.start() == 139
-    hint.routed(139, None, 0.001)  # it locked nothing: the hint stays
-    assert hint.start() == 160
+    hint.routed(None)  # it locked nothing: the hint stays
+    assert hint.start() == 160 and hint.after() == 160

@@ -272,3 +272,51 @@ def test_the_heartbeat_renews_held_leases_and_tells_a_job_whose_claim_was_taken(
     assert not kept.job.lease_lost and kept.lease_bound > bound
     assert job_row(engine, kept.id)["lease_until"] > before
     assert stats["lease_lost"] == 1 and held.renewable() == [kept]
+
+
+# ------------------------------------------------------------------ look-out
+
+
+def test_the_look_out_finds_a_ready_job_before_the_claim_hint_and_lowers_it(engine, settings):
+    """Claims start after the claim hint; a due ready job that sorts before it and that no
+    wake-up announced (here: a job handed back by hand, which sends no NOTIFY) is found by
+    the runner's look-out on a connection of its own, which lowers the next claim to just
+    before it. Jobs the main claims do not take are not announced: a paused consumer's, an
+    excluded consumer's (a forwarder whose broker is down), a quarantined one."""
+    from outbox import admin
+    from outbox.relay.runner import JobRunner
+
+    ids = routed_jobs(engine, "t", ["a", "b"], n=2)
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    ob.subscriber("t", consumer="b")(lambda job: None)
+    wake = Wakeup()
+    runner = JobRunner(engine, ob, settings(), RELAY, wake)
+    with engine.connect() as c:
+        keys = {r.id: (r.priority, r.run_at, r.id) for r in c.execute(sa.text(
+            "SELECT id, consumer, priority, run_at FROM outbox_jobs ORDER BY priority, run_at, id"))}
+        consumer_of = dict(c.execute(sa.text("SELECT id, consumer FROM outbox_jobs")).all())
+    first = min(keys.values())
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        assert runner.look_behind(conn) is None  # no claim yet: claims start from the head
+        runner.hint.claimed(max(keys.values()))
+        assert wake.take_rewind() is None
+        assert runner.look_behind(conn) == first
+        assert wake.take_rewind() == (first[0], first[1], first[2] - 1)  # the next claim takes it first
+        # Neither a paused consumer's job, nor an excluded consumer's, nor a quarantined one.
+        owner = consumer_of[first[2]]
+        others = min(k for k in keys.values() if consumer_of[k[2]] != owner)
+        admin.pause(conn, owner)
+        assert runner.look_behind(conn) == others  # the other consumer's first job
+        assert wake.take_rewind() == (others[0], others[1], others[2] - 1)
+        admin.resume(conn, owner)
+        for dispatcher in runner.dispatchers:
+            dispatcher.producer.exclude(lambda: frozenset({"a", "b"}))
+        assert runner.look_behind(conn) is None
+        for dispatcher in runner.dispatchers:
+            dispatcher.producer.exclude(frozenset)
+        for job_id in keys:
+            runner.quarantine.add(job_id, RuntimeError("poison"), "claiming")
+        assert runner.look_behind(conn) is None
+    assert wake.take_rewind() is None  # nothing lowered the claims since
+    assert len(ids) == 4

@@ -301,7 +301,7 @@ def test_transactional_jobs_wait_for_a_connection_under_a_role_connection_limit(
     with engine.connect() as c:
         effects = dict(c.execute(sa.text("SELECT job_id, fence FROM effects")).all())
     _all_done_once(engine, lambda: effects)
-    assert any("at most 45 connections (pool 22 + overflow 22 + 1 LISTEN)" in r.getMessage() for r in caplog.records)
+    assert any("at most 49 connections (pool 24 + overflow 24 + 1 LISTEN)" in r.getMessage() for r in caplog.records)
     lines = [r.getMessage() for r in caplog.records if r.name == "outbox.relay.transaction"]
     episodes = [m for m in lines if "cannot get a database connection" in m]
     assert episodes and all("too many connections" in m for m in episodes), lines

@@ -127,37 +127,29 @@ def test_the_shared_hint_is_where_the_latest_claim_stopped_even_before_an_earlie
 
     at = datetime(2026, 12, 2, tzinfo=UTC)
     hint = ClaimHint()
-    assert hint.start() is None  # no hint yet: from the head
-    hint.claimed(None, (0, at, 900), 0.001)
+    assert hint.start() is None and hint.key() is None  # no hint yet: from the head
+    hint.claimed((0, at, 900))
     assert hint.start() == (0, at, 900)
-    hint.claimed(None, (0, at, 40), 0.001)  # from the head again, after a rewind
+    hint.claimed((0, at, 40))  # from the head again, after a rewind
     assert hint.start() == (0, at, 40)
-    hint.claimed((0, at, 40), (0, at, 60), 0.001)  # short after the hint: it stays where the claim stopped
+    hint.claimed((0, at, 60))  # short after the hint: it stays where the claim stopped
     assert hint.start() == (0, at, 60)
-    hint.claimed((0, at, 60), None, 0.001)  # nothing after it: unchanged
-    assert hint.start() == (0, at, 60)
+    hint.claimed(None)  # nothing after it: unchanged
+    assert hint.start() == hint.key() == (0, at, 60)
     assert hint.start("head") is None
     assert hint.start((0, at, 10)) == (0, at, 10)  # lowered by a wake-up
     assert hint.start((1, at, 10)) == (0, at, 60)  # a key after the hint changes nothing
 
 
-def test_a_claim_from_the_head_is_spaced_by_its_cost():
-    """Claims go back to the head at least every HEAD_SECONDS, and a slow claim from the head
-    (a long snapshot keeps the index entries of finished jobs) spaces the next one by its
-    duration / HEAD_SHARE."""
+def test_looks_from_the_head_are_spaced_by_their_cost():
+    """A look-out looks at least HEAD_SECONDS apart, and a slow look (a long snapshot keeps
+    the index entries of finished jobs) spaces the next one by its duration / HEAD_SHARE."""
     import time as clock
-    from datetime import UTC, datetime
 
-    from outbox.relay import notify, producer
+    from outbox.relay import notify
 
-    at = datetime(2026, 12, 2, tzinfo=UTC)
-    hint = producer.ClaimHint()
-    hint.claimed(None, (0, at, 1), 0.0)
-    assert hint.start() == (0, at, 1)
-    hint._head_due = clock.monotonic()  # HEAD_SECONDS later
-    assert hint.start() is None
-    hint.claimed(None, (0, at, 2), 0.5)  # a 0.5 s claim from the head
-    due = hint._head_due - clock.monotonic()
+    assert 0 < notify.next_head_scan(0.001) - clock.monotonic() <= notify.HEAD_SECONDS
+    due = notify.next_head_scan(0.5) - clock.monotonic()
     assert 0.5 / notify.HEAD_SHARE - 1 < due <= 0.5 / notify.HEAD_SHARE
 
 

@@ -128,27 +128,27 @@ def test_cli_flag_values_are_validated_like_the_environment(monkeypatch):
 
 
 def test_pool_defaults_follow_concurrency_and_can_be_set(monkeypatch):
-    assert OutboxSettings().pool_limits() == (14, 14)  # concurrency 8: 8 + 6, overflow = pool size
-    assert OutboxSettings(concurrency=16).pool_limits() == (22, 22)
+    assert OutboxSettings().pool_limits() == (16, 16)  # concurrency 8: 8 + 8, overflow = pool size
+    assert OutboxSettings(concurrency=16).pool_limits() == (24, 24)
     monkeypatch.setenv("OUTBOX_POOL_SIZE", "12")
-    monkeypatch.setenv("OUTBOX_POOL_OVERFLOW", "2")
-    assert OutboxSettings().pool_limits() == (12, 2)
-    s = _settings(build_parser().parse_args(["run", "--pool-size", "5", "--pool-overflow", "9"]))
-    assert s.pool_limits() == (5, 9)
+    monkeypatch.setenv("OUTBOX_POOL_OVERFLOW", "4")
+    assert OutboxSettings().pool_limits() == (12, 4)
+    s = _settings(build_parser().parse_args(["run", "--pool-size", "5", "--pool-overflow", "11"]))
+    assert s.pool_limits() == (5, 11)
 
 
 def test_a_pool_too_small_for_the_relays_threads_is_refused():
     """A worker each, the dispatcher, the starter, the heartbeat, the router, the statistics
-    keeper and maintenance may hold a connection at once: fewer would make them wait for one
-    another."""
-    assert OutboxSettings(concurrency=8, pool_size=14, pool_overflow=0).pool_limits() == (14, 0)
-    with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(6 \+ 7\) must be at least concurrency \+ 6 \(14"):
-        OutboxSettings(concurrency=8, pool_size=6, pool_overflow=7)
+    keeper, maintenance and the two look-outs may hold a connection at once: fewer would make
+    them wait for one another."""
+    assert OutboxSettings(concurrency=8, pool_size=16, pool_overflow=0).pool_limits() == (16, 0)
+    with pytest.raises(ValidationError, match=r"pool_size \+ pool_overflow \(8 \+ 7\) must be at least concurrency \+ 8 \(16"):
+        OutboxSettings(concurrency=8, pool_size=8, pool_overflow=7)
     # Each dispatcher beyond the first holds one more.
-    assert OutboxSettings(concurrency=8, dispatchers=3).pool_limits() == (16, 16)
-    assert OutboxSettings(concurrency=8, dispatchers=2, pool_size=15, pool_overflow=0).pool_limits() == (15, 0)
-    with pytest.raises(ValidationError, match=r"at least concurrency \+ 6 \+ dispatchers - 1 \(15"):
-        OutboxSettings(concurrency=8, dispatchers=2, pool_size=14, pool_overflow=0)
+    assert OutboxSettings(concurrency=8, dispatchers=3).pool_limits() == (18, 18)
+    assert OutboxSettings(concurrency=8, dispatchers=2, pool_size=17, pool_overflow=0).pool_limits() == (17, 0)
+    with pytest.raises(ValidationError, match=r"at least concurrency \+ 8 \+ dispatchers - 1 \(17"):
+        OutboxSettings(concurrency=8, dispatchers=2, pool_size=16, pool_overflow=0)
 
 
 def test_listen_target_behind_a_transaction_pooler(monkeypatch):
@@ -191,7 +191,7 @@ def test_the_measurement_pattern_catches_what_it_is_for(text):
 
 
 @pytest.mark.parametrize("text", [
-    "Worker threads per relay. Default 8.", "Default 0.005 (5 ms).", "at most 100 years", "concurrency + 6",
+    "Worker threads per relay. Default 8.", "Default 0.005 (5 ms).", "at most 100 years", "concurrency + 8",
     "0 picks a free port", "Python logging level name. Default INFO.", "a round per wake-up"])
 def test_the_measurement_pattern_lets_behaviour_units_and_defaults_pass(text):
     assert not MEASUREMENT.search(text)

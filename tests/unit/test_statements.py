@@ -80,7 +80,7 @@ def test_the_claims_set_a_claim_alike():
     held_back = _normal("""consumer NOT IN (
         SELECT c.consumer FROM outbox_consumers c
         WHERE c.paused_at IS NOT NULL OR c.concurrency IS NOT NULL OR c.rate_limit IS NOT NULL)""")
-    for name in ("job_claim_many", "job_claim_after_many", "job_claim_candidates"):
+    for name in ("job_claim_many", "job_claim_after_many", "job_claim_candidates", "job_first_ready_before"):
         assert held_back in _normal(queries.statements()[name].text), name
 
 
