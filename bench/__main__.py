@@ -9,6 +9,7 @@
     python -m bench --only forward     # forwarding to JetStream / RabbitMQ against their raw clients (issue 11)
     python -m bench --only ceiling     # the leanest SQL doing outbox's work: claim + complete, whole pipeline (issue 14)
     python -m bench --only sustained   # a steady rate on a server of its own, a snapshot held for the middle third (issue 28)
+    python -m bench --only drift       # the same rate for 30 minutes, no snapshot, 5-minute retention: p99 drift, table sizes
 
 Prints the markdown table on stdout (progress on stderr) and writes ``results.json``,
 ``results.md``, ``throughput.png`` and ``latency.png`` (plus logs, plans and a
@@ -35,10 +36,12 @@ from .common import BENCH, ROOT, SIZES, Databases, is_server_restart, log, serve
 
 SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics", "ceiling",
              "sustained")
-ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {"profile": "profile"}
+#: Run only when named (``--only``): they take long and answer one question each.
+ON_REQUEST = ("profile", "drift")
+ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {name: name for name in ON_REQUEST}
 # The order they run in: the ceiling right after scenario 1, so the two limits are measured
 # side by side and just before the end-to-end runs they are compared with.
-RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-2], "sustained", "profile")
+RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-2], "sustained", "drift", "profile")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -50,7 +53,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--full", action="store_const", const="full", dest="size",
                       help="the issue's full size: 10 min soak, 2 min snapshot (about 30 minutes)")
     parser.add_argument("--only", action="append", metavar="SCENARIO",
-                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)}, or profile")
+                        help=f"run only this scenario (repeatable): {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)},"
+                             f" or (only when named) {', '.join(ON_REQUEST)}")
     parser.add_argument("--no-peers", action="store_true",
                         help="skip PgQueuer, procrastinate and awa-pg (no peers' venv is created)")
     parser.add_argument("--profile", action="store_true", help="also profile the end-to-end relay")
@@ -62,8 +66,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     for item in args.only or SCENARIOS:
         for name in item.split(","):
             name = ALIASES.get(name.strip(), name.strip())
-            if name not in SCENARIOS and name != "profile":
-                parser.error(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)} or profile")
+            if name not in SCENARIOS and name not in ON_REQUEST:
+                parser.error(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}, 1-{len(SCENARIOS)},"
+                             f" {' or '.join(ON_REQUEST)}")
             chosen.append(name)
     if args.profile and "profile" not in chosen:
         chosen.append("profile")
@@ -150,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                         best = (data.get("e2e", {}).get("best", {}).get("settings")
                                 or {"concurrency": 64, "claim_batch": 128})
                         data["profile"] = profile.run(dbs, size, results, best)
+                    elif name == "drift":
+                        data["drift"] = sustained.drift(dbs, size, results)
                     else:
                         data[name] = modules[name].run(dbs, size, results)
                     break

@@ -82,6 +82,10 @@ class Size:
     sustained_seconds: float = 180.0
     sustained_rate: float = 300.0        # events/s, 3 consumers: about half the relay's default capacity
     sustained_window: float = 15.0       # seconds per reported window
+    # drift (on request): the same rate, no snapshot, a short retention so the pruner runs
+    drift_seconds: float = 1800.0        # issue 28: 30 minutes
+    drift_retention: float = 300.0       # retention_done and retention_events of the relay, seconds
+    drift_span: float = 300.0            # p99 of the first vs the last span, seconds
     # 8 ordered delivery
     ordered_events: int = 10_000         # events of one consumer, ordered and not
     ordered_keys: int = 1_000
@@ -112,7 +116,8 @@ SIZES = {
         soak_seconds=12.0, soak_rate=100.0, snapshot_seconds=4.0, after_seconds=4.0, retention=3.0,
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
         forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
-        lean_pool=60_000, metrics_events=1_000, sustained_seconds=30.0, sustained_rate=100.0, sustained_window=5.0),
+        lean_pool=60_000, metrics_events=1_000, sustained_seconds=30.0, sustained_rate=100.0, sustained_window=5.0,
+        drift_seconds=60.0, drift_retention=15.0, drift_span=15.0),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,

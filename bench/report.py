@@ -209,6 +209,17 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                     f"{su['before_p50_ms']:.0f} / {su['before_p99_ms']:.0f} ms vs {su['during_p50_ms']:.0f} /"
                     f" {su['during_p99_ms']:.0f} ms ({su['p99_during_over_before']:.1f}x); {su['ready_max_during']:,};"
                     f" {su['jobs_dead_tuples_max']:,}", "p99 <= 2x", _ok(su["p99_during_over_before"] <= 2.0)))
+    dr = data.get("drift")
+    if dr:
+        span = f"{dr['span_seconds'] / 60:.0f} min"
+        out.append(("drift", f"{dr['seconds'] / 60:.0f} min at {dr['rate_events']:.0f} events/s x 3, no snapshot,"
+                    f" retention {dr['retention']:.0f} s: commit -> finished p99, first vs last {span}; jobs/s",
+                    f"{dr['first_p99_ms']:.0f} vs {dr['last_p99_ms']:.0f} ms ({dr['p99_last_over_first']:.2f}x);"
+                    f" {_n(dr['first_jobs_per_s'])} vs {_n(dr['last_jobs_per_s'])}", "within 20 %",
+                    _ok(dr["p99_last_over_first"] <= 1.2)))
+        out.append(("drift", "tables + indexes of outbox_jobs and outbox_events at 2x the retention / end (max)",
+                    f"{dr['mb_settled']:,.0f} / {dr['mb_end']:,.0f} MB (max {dr['mb_max']:,.0f})",
+                    "bounded", _ok(dr["mb_end"] <= 1.2 * dr["mb_settled"])))
     prof = data.get("profile")
     if prof:
         for tag in ("default", "best"):

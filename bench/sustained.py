@@ -102,10 +102,10 @@ def statements(conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
              "buffers_per_call": buffers} for q, calls, total, buffers in rows]
 
 
-def windows(conn: psycopg.Connection[Any], start: Any, seconds: float, window: float) -> list[dict[str, Any]]:
-    """Per window of ``window`` seconds from database time ``start``: jobs finished per
-    second, and p50 / p99 commit -> finished (seconds) of the jobs whose event was committed
-    in it (jobs unfinished at the end count as finished at the end)."""
+def windows(conn: psycopg.Connection[Any], start: Any, first: int, n: int, window: float) -> list[dict[str, Any]]:
+    """Windows ``first`` .. ``first + n - 1`` of ``window`` seconds from database time
+    ``start``: jobs finished per second, and p50 / p99 commit -> finished (seconds) of the
+    jobs whose event was committed in it (jobs unfinished now count as finished now)."""
     rows = conn.execute(
         """
         WITH j AS (
@@ -113,7 +113,8 @@ def windows(conn: psycopg.Connection[Any], start: Any, seconds: float, window: f
                    extract(epoch FROM coalesce(j.finished_at, now()) - %(start)s) AS finished,
                    extract(epoch FROM coalesce(j.finished_at, now()) - e.created_at) AS latency
             FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id
-        ), w AS (SELECT generate_series(0, %(n)s - 1) AS i)
+            WHERE e.created_at >= %(start)s + make_interval(secs => %(first)s * %(window)s - 60)
+        ), w AS (SELECT generate_series(%(first)s, %(first)s + %(n)s - 1) AS i)
         SELECT w.i,
                (SELECT count(*) FROM j WHERE j.finished >= w.i * %(window)s AND j.finished < (w.i + 1) * %(window)s),
                (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY latency) FROM j
@@ -121,19 +122,28 @@ def windows(conn: psycopg.Connection[Any], start: Any, seconds: float, window: f
                (SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY latency) FROM j
                  WHERE j.committed >= w.i * %(window)s AND j.committed < (w.i + 1) * %(window)s)
         FROM w ORDER BY w.i
-        """, {"start": start, "n": int(seconds // window), "window": window}).fetchall()
+        """, {"start": start, "first": first, "n": n, "window": window}).fetchall()
     return [{"window": i, "jobs_per_s": done / window, "p50_ms": (p50 or 0) * 1000, "p99_ms": (p99 or 0) * 1000}
             for i, done, p50, p99 in rows]
 
 
-def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
-    """The scenario on a server of its own (``dbs`` is the shared server's, unused: the
-    template is migrated again on the own server)."""
-    seconds, rate, window = size.sustained_seconds, size.sustained_rate, size.sustained_window
-    hold_from, hold_to = seconds / 3, 2 * seconds / 3
+def measure(size: Size, results: Path, seconds: float, window: float, hold: tuple[float, float] | None,
+            relay_settings: dict[str, Any], tag: str) -> dict[str, Any]:
+    """``seconds`` of ``size.sustained_rate`` one-event transactions on a server of its own,
+    against one relay at its defaults but ``relay_settings`` (CLI flags), a REPEATABLE READ
+    snapshot held from ``hold[0]`` to ``hold[1]`` seconds (None: never). Returns the per-window
+    figures (``windows``, with the samples of :func:`sample` merged in), the statements per
+    phase (``before`` / ``during`` / ``after`` the snapshot, or the whole run as ``run``) and
+    the rate offered. With a retention in ``relay_settings`` the pruner deletes finished jobs
+    while the run goes on, so each window is measured two windows after it ended, before its
+    jobs can be pruned; else all at the end, so no measuring query runs during the load."""
+    rate = size.sustained_rate
     samples: list[dict[str, Any]] = []
+    per_window: list[dict[str, Any]] = []
+    pruning = "retention_done" in relay_settings
     with own_server() as server, Databases(server) as own, own.fresh() as url:
-        relay = RelayProcess(url, results / "logs" / "relay-sustained.log", {}, env={"BENCH_CONSUMERS": str(CONSUMERS)})
+        relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", relay_settings,
+                             env={"BENCH_CONSUMERS": str(CONSUMERS)})
         try:
             relay.wait_ready(CONSUMERS)
             eng = engine(url, pool_size=1)
@@ -148,62 +158,113 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                 held = False
                 next_sample = start + window
                 while (now := time.monotonic()) < start + seconds:
-                    if not held and now - start >= hold_from:
+                    if hold is not None and not held and now - start >= hold[0]:
                         holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
                         holder.execute("SELECT count(*) FROM outbox_events").fetchone()  # the snapshot begins here
                         held = True
                         phases["before"] = statements(mon)
-                        log(f"sustained: snapshot held from {now - start:.0f} s")
-                    elif held and now - start >= hold_to and holder.info.transaction_status != 0:
+                        log(f"{tag}: snapshot held from {now - start:.0f} s")
+                    elif (hold is not None and held and now - start >= hold[1]
+                          and holder.info.transaction_status != 0):
                         holder.rollback()
                         phases["during"] = statements(mon)
-                        log(f"sustained: snapshot released at {now - start:.0f} s")
+                        log(f"{tag}: snapshot released at {now - start:.0f} s")
                     if now >= next_sample:
                         s = sample(mon)
                         s["t"] = now - start
                         samples.append(s)
-                        log(f"sustained: {s['t']:.0f} s ready {s['ready']:,} unrouted {s['unrouted']:,}"
-                            f" jobs dead tuples {s['jobs_dead_tuples']:,}")
+                        ended = len(samples) - 1  # the window that just ended
+                        if pruning and ended >= 2:
+                            per_window += windows(mon, start_db, ended - 2, 1, window)
+                        log(f"{tag}: {s['t']:.0f} s ready {s['ready']:,} unrouted {s['unrouted']:,}"
+                            f" jobs dead tuples {s['jobs_dead_tuples']:,}, table + indexes"
+                            f" {(s['jobs_table_bytes'] + s['jobs_index_bytes']) / 1e6:,.0f} MB")
                         next_sample += window
                     time.sleep(0.2)
                 publisher.stop()
-                phases["after"] = statements(mon)
+                phases["after" if hold is not None else "run"] = statements(mon)
                 offered = publisher.published * CONSUMERS / seconds
-                per_window = windows(mon, start_db, seconds, window)
+                per_window += windows(mon, start_db, len(per_window), int(seconds // window) - len(per_window),
+                                      window)
             eng.dispose()
         finally:
             relay.stop()
     for w, s in zip(per_window, samples, strict=False):
         w.update(s)
+    for phase, top in phases.items():
+        for st in top[:5]:
+            log(f"{tag}: {phase}: {st['calls']:,} calls, {st['mean_ms']:.2f} ms, {st['buffers_per_call']:,.0f}"
+                f" buffers per call: {st['query'][:90]}")
+    return {"seconds": seconds, "rate_events": rate, "offered_jobs_per_s": offered, "window_seconds": window,
+            "windows": per_window, "statements": phases, "samples": len(samples)}
+
+
+def mean(ws: list[dict[str, Any]], key: str) -> float:
+    return sum(w[key] for w in ws) / len(ws) if ws else float("nan")
+
+
+def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    """The scenario on a server of its own (``dbs`` is the shared server's, unused: the
+    template is migrated again on the own server): the snapshot held for the middle third."""
+    seconds, window = size.sustained_seconds, size.sustained_window
+    hold_from, hold_to = seconds / 3, 2 * seconds / 3
+    out = measure(size, results, seconds, window, (hold_from, hold_to), {}, "sustained")
+    per_window, offered = out["windows"], out["offered_jobs_per_s"]
     first = int(hold_from // window)
     last = int(hold_to // window)
     before = per_window[1:first] or per_window[:first]  # the first window warms up
     during = per_window[first:last]
     after = per_window[last:]
-
-    def mean(ws: list[dict[str, Any]], key: str) -> float:
-        return sum(w[key] for w in ws) / len(ws) if ws else float("nan")
-
-    out = {
-        "seconds": seconds, "rate_events": rate, "offered_jobs_per_s": offered, "window_seconds": window,
-        "hold": [hold_from, hold_to], "windows": per_window, "statements": phases,
+    out |= {
+        "hold": [hold_from, hold_to],
         "before_jobs_per_s": mean(before, "jobs_per_s"), "during_jobs_per_s": mean(during, "jobs_per_s"),
         "after_jobs_per_s": mean(after, "jobs_per_s"),
         "before_p99_ms": max((w["p99_ms"] for w in before), default=float("nan")),
         "during_p99_ms": max((w["p99_ms"] for w in during), default=float("nan")),
         "before_p50_ms": mean(before, "p50_ms"), "during_p50_ms": mean(during, "p50_ms"),
         "ready_max_during": max((w.get("ready", 0) for w in during), default=0),
-        "jobs_dead_tuples_max": max((s["jobs_dead_tuples"] for s in samples), default=0),
+        "jobs_dead_tuples_max": max((w.get("jobs_dead_tuples", 0) for w in per_window), default=0),
     }
     out["during_over_offered"] = out["during_jobs_per_s"] / offered if offered else float("nan")
     out["during_over_before"] = out["during_jobs_per_s"] / out["before_jobs_per_s"]
     out["p99_during_over_before"] = out["during_p99_ms"] / out["before_p99_ms"]
-    for phase, top in phases.items():
-        for st in top[:5]:
-            log(f"sustained: {phase}: {st['calls']:,} calls, {st['mean_ms']:.2f} ms, {st['buffers_per_call']:,.0f}"
-                f" buffers per call: {st['query'][:90]}")
     log(f"sustained: offered {offered:,.0f} jobs/s; finished {out['before_jobs_per_s']:,.0f} before,"
         f" {out['during_jobs_per_s']:,.0f} while held ({out['during_over_offered']:.2f}x offered),"
         f" {out['after_jobs_per_s']:,.0f} after; p99 {out['before_p99_ms']:.0f} -> {out['during_p99_ms']:.0f} ms"
         f" ({out['p99_during_over_before']:.1f}x); ready backlog max {out['ready_max_during']:,}")
+    return out
+
+
+def drift(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
+    """The same load with no snapshot for ``drift_seconds`` (issue 28: 30 minutes), done jobs
+    and events kept ``drift_retention`` seconds so the pruner runs within the run (every
+    ``drift_retention`` / 5 s): does p99 drift up between the first and the last
+    ``drift_span`` seconds (target: within 20 %), and do the tables stop growing once the
+    retention is reached (their size at the retention's end and at the run's end)?"""
+    seconds, window, retention = size.drift_seconds, size.sustained_window, size.drift_retention
+    settings = {"retention_done": retention, "retention_events": retention, "prune_interval": retention / 5}
+    out = measure(size, results, seconds, window, None, settings, "drift")
+    per_window = out["windows"]
+    span = max(1, int(size.drift_span // window))
+    first = per_window[1:1 + span]  # the first window warms up
+    last = per_window[-span:]
+    sized = [w for w in per_window if "jobs_table_bytes" in w]
+
+    def total(w: dict[str, Any]) -> float:
+        return (w["jobs_table_bytes"] + w["jobs_index_bytes"] + w["events_table_bytes"] + w["events_index_bytes"]) / 1e6
+
+    settled = [w for w in sized if (w["window"] + 1) * window >= 2 * retention]  # pruned at least once by then
+    out |= {
+        "retention": retention, "span_seconds": span * window,
+        "first_p99_ms": mean(first, "p99_ms"), "last_p99_ms": mean(last, "p99_ms"),
+        "first_jobs_per_s": mean(first, "jobs_per_s"), "last_jobs_per_s": mean(last, "jobs_per_s"),
+        "mb_settled": total(settled[0]) if settled else float("nan"),
+        "mb_end": total(sized[-1]) if sized else float("nan"),
+        "mb_max": max((total(w) for w in sized), default=float("nan")),
+    }
+    out["p99_last_over_first"] = out["last_p99_ms"] / out["first_p99_ms"]
+    log(f"drift: offered {out['offered_jobs_per_s']:,.0f} jobs/s; p99 first {span * window:.0f} s"
+        f" {out['first_p99_ms']:.0f} ms, last {out['last_p99_ms']:.0f} ms ({out['p99_last_over_first']:.2f}x);"
+        f" tables + indexes {out['mb_settled']:,.0f} MB at {2 * retention:.0f} s, {out['mb_end']:,.0f} MB at the end"
+        f" (max {out['mb_max']:,.0f})")
     return out

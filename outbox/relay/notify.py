@@ -1,6 +1,8 @@
 """LISTEN/NOTIFY wake-ups. A notification is a hint, never the only trigger: the router
-and the dispatcher also poll every ``poll_interval`` seconds, so a notification missed
-while the listener was reconnecting only costs latency, never an event.
+and the dispatcher also poll every ``poll_interval`` seconds, and the look-outs
+(:class:`Lookout`) find what sorts before the claim and route hints that no notification
+announced, so a notification missed while the listener was reconnecting only costs
+latency, never an event.
 
 The listener holds its own autocommit psycopg connection (not one from the pool) and
 ``LISTEN``s on ``outbox_events`` (sent on commit of a publish) and ``outbox_jobs`` (sent on

@@ -82,6 +82,31 @@ def test_a_pruning_round_deletes_old_done_jobs_and_finished_events(engine, setti
     assert (maintenance.stats["pruned_jobs"], maintenance.stats["pruned_events"]) == (3, 3)
 
 
+def test_a_pruning_round_deletes_batch_after_batch_until_it_has_caught_up(engine, settings, monkeypatch):
+    """A round is not one batch: it deletes batch after batch (each its own transaction) until
+    one is not full, so the pruner keeps up with a rate above a batch per ``prune_interval``
+    (one batch of 5,000 a minute could not follow a relay finishing 900 jobs a second). A
+    round whose time (``reap_interval``) runs out says it is behind, and the loop prunes
+    again after the next reaper round."""
+    from outbox.relay import maintenance as module
+
+    monkeypatch.setattr(module, "PRUNE_BATCH", 2)
+    _jobs(engine, settings, 7)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_jobs SET status = 'done', finished_at = now() - interval '2 hours'"))
+        conn.execute(sa.text("UPDATE outbox_events SET routed_at = now() - interval '2 hours'"))
+    maintenance = _maintenance(engine, settings, retention_done=3600, retention_events=3600)
+    assert maintenance.prune() == (7, 7)  # four batches of at most 2 of each
+    assert not maintenance.prune_behind and _statuses(engine) == {}
+    _jobs(engine, settings, 5)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE outbox_jobs SET status = 'done', finished_at = now() - interval '2 hours'"))
+    slow = _maintenance(engine, settings, retention_done=3600, retention_events=3600, reap_interval=0.000001)
+    assert slow.prune() == (2, 0)  # its time was up after the first batch
+    assert slow.prune_behind
+    assert slow.prune() == (2, 0) and slow.prune() == (1, 0) and not slow.prune_behind
+
+
 def test_a_pruning_round_vacuums_when_autovacuum_is_off(engine, settings):
     with engine.begin() as conn:
         conn.execute(sa.text("ALTER TABLE outbox_jobs SET (autovacuum_enabled = false)"))
