@@ -41,10 +41,11 @@ CONSUMERS = 3
 
 
 @contextlib.contextmanager
-def own_server() -> Iterator[URL]:
+def own_server(log_copy: Path | None = None) -> Iterator[URL]:
     """A PostgreSQL server of this scenario's own, at the server's default settings
-    (autovacuum on), listening on a Unix socket in a temporary folder; stopped and deleted
-    afterwards. Run as root, the server runs as the ``postgres`` account (``runuser``).
+    (autovacuum on; every autovacuum and checkpoint logged), listening on a Unix socket in a
+    temporary folder; stopped and deleted afterwards, its log first copied to ``log_copy``
+    when given. Run as root, the server runs as the ``postgres`` account (``runuser``).
     Raises RuntimeError when ``initdb`` / ``pg_ctl`` cannot be found."""
     initdb, pg_ctl = find_binary("initdb"), find_binary("pg_ctl")
     if initdb is None or pg_ctl is None:
@@ -63,13 +64,17 @@ def own_server() -> Iterator[URL]:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         options = (f"-p {port} -k {folder} -c listen_addresses='' -c max_connections=100"
-                   " -c shared_preload_libraries=pg_stat_statements")
+                   " -c shared_preload_libraries=pg_stat_statements -c log_autovacuum_min_duration=0"
+                   " -c log_checkpoints=on")
         subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-o", options, "-l", str(folder / "server.log"),
                         "-w", "start"], check=True, capture_output=True)
         yield make_url(f"postgresql+psycopg://postgres@/postgres?host={folder}&port={port}")
     finally:  # also after a failed initdb or start: no folder or server is left behind
         if (data / "postmaster.pid").exists():
             subprocess.run([*as_owner, pg_ctl, "-D", str(data), "-m", "fast", "-w", "stop"], capture_output=True)
+        if log_copy is not None and (folder / "server.log").exists():
+            log_copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / "server.log", log_copy)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -127,6 +132,43 @@ def windows(conn: psycopg.Connection[Any], start: Any, first: int, n: int, windo
             for i, done, p50, p99 in rows]
 
 
+def percentiles(conn: psycopg.Connection[Any], start: Any, spans: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """Commit -> finished p50 / p99 / max (ms) and count of the jobs whose event was committed
+    in each span (seconds from database time ``start``), by name: every job of the span, not
+    the worst of its windows."""
+    out = {}
+    for name, (t0, t1) in spans.items():
+        count, p50, p99, worst = conn.execute(
+            """
+            SELECT count(*), percentile_cont(0.5) WITHIN GROUP (ORDER BY latency),
+                   percentile_cont(0.99) WITHIN GROUP (ORDER BY latency), max(latency)
+            FROM (SELECT extract(epoch FROM coalesce(j.finished_at, now()) - e.created_at) AS latency
+                  FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id
+                  WHERE e.created_at >= %(start)s + make_interval(secs => %(t0)s)
+                    AND e.created_at < %(start)s + make_interval(secs => %(t1)s)) j
+            """, {"start": start, "t0": t0, "t1": t1}).fetchone()
+        out[name] = {"jobs": count, "p50_ms": (p50 or 0) * 1000, "p99_ms": (p99 or 0) * 1000,
+                     "max_ms": (worst or 0) * 1000}
+    return out
+
+
+def slowest_seconds(conn: psycopg.Connection[Any], start: Any, t0: float, t1: float) -> list[dict[str, Any]]:
+    """The five seconds between ``t0`` and ``t1`` (from database time ``start``) whose jobs
+    waited longest (p99 of the jobs committed in that second): where a window's p99 came from,
+    to set beside the server's log of checkpoints and autovacuums."""
+    rows = conn.execute(
+        """
+        SELECT floor(extract(epoch FROM e.created_at - %(start)s)) AS second, count(*),
+               percentile_cont(0.99) WITHIN GROUP (ORDER BY extract(epoch FROM coalesce(j.finished_at, now())
+                                                                   - e.created_at)) AS p99
+        FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id
+        WHERE e.created_at >= %(start)s + make_interval(secs => %(t0)s)
+          AND e.created_at < %(start)s + make_interval(secs => %(t1)s)
+        GROUP BY 1 ORDER BY 3 DESC LIMIT 5
+        """, {"start": start, "t0": t0, "t1": t1}).fetchall()
+    return [{"second": int(sec), "jobs": n, "p99_ms": p99 * 1000} for sec, n, p99 in rows]
+
+
 def measure(size: Size, results: Path, seconds: float, window: float, hold: tuple[float, float] | None,
             relay_settings: dict[str, Any], tag: str) -> dict[str, Any]:
     """``seconds`` of ``size.sustained_rate`` one-event transactions on a server of its own,
@@ -141,7 +183,9 @@ def measure(size: Size, results: Path, seconds: float, window: float, hold: tupl
     samples: list[dict[str, Any]] = []
     per_window: list[dict[str, Any]] = []
     pruning = "retention_done" in relay_settings
-    with own_server() as server, Databases(server) as own, own.fresh() as url:
+    extra: dict[str, Any] = {}
+    with own_server(results / "logs" / f"server-{tag}.log") as server, Databases(server) as own, \
+            own.fresh() as url:
         relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", relay_settings,
                              env={"BENCH_CONSUMERS": str(CONSUMERS)})
         try:
@@ -186,6 +230,13 @@ def measure(size: Size, results: Path, seconds: float, window: float, hold: tupl
                 offered = publisher.published * CONSUMERS / seconds
                 per_window += windows(mon, start_db, len(per_window), int(seconds // window) - len(per_window),
                                       window)
+                if hold is not None:  # no pruning: every job is still there
+                    extra["phases"] = percentiles(mon, start_db, {
+                        "before": (window, hold[0]), "during": hold, "after": (hold[1], seconds)})
+                    worst = max(per_window, key=lambda w: w["p99_ms"])
+                    extra["slowest_seconds"] = slowest_seconds(mon, start_db, worst["window"] * window,
+                                                               (worst["window"] + 1) * window)
+                    extra["start"] = str(start_db)
             eng.dispose()
         finally:
             relay.stop()
@@ -195,8 +246,10 @@ def measure(size: Size, results: Path, seconds: float, window: float, hold: tupl
         for st in top[:5]:
             log(f"{tag}: {phase}: {st['calls']:,} calls, {st['mean_ms']:.2f} ms, {st['buffers_per_call']:,.0f}"
                 f" buffers per call: {st['query'][:90]}")
+    for second in extra.get("slowest_seconds", []):
+        log(f"{tag}: slow second {second['second']} s: {second['jobs']} jobs, p99 {second['p99_ms']:.0f} ms")
     return {"seconds": seconds, "rate_events": rate, "offered_jobs_per_s": offered, "window_seconds": window,
-            "windows": per_window, "statements": phases, "samples": len(samples)}
+            "windows": per_window, "statements": phases, "samples": len(samples), **extra}
 
 
 def mean(ws: list[dict[str, Any]], key: str) -> float:
@@ -228,6 +281,12 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     out["during_over_offered"] = out["during_jobs_per_s"] / offered if offered else float("nan")
     out["during_over_before"] = out["during_jobs_per_s"] / out["before_jobs_per_s"]
     out["p99_during_over_before"] = out["during_p99_ms"] / out["before_p99_ms"]
+    ph = out["phases"]
+    out["phase_p99_during_over_before"] = ph["during"]["p99_ms"] / ph["before"]["p99_ms"]
+    log(f"sustained: every job of each phase: p50 / p99 / max before {ph['before']['p50_ms']:.0f} /"
+        f" {ph['before']['p99_ms']:.0f} / {ph['before']['max_ms']:.0f} ms, while held {ph['during']['p50_ms']:.0f} /"
+        f" {ph['during']['p99_ms']:.0f} / {ph['during']['max_ms']:.0f} ms ({out['phase_p99_during_over_before']:.1f}x),"
+        f" after {ph['after']['p50_ms']:.0f} / {ph['after']['p99_ms']:.0f} / {ph['after']['max_ms']:.0f} ms")
     log(f"sustained: offered {offered:,.0f} jobs/s; finished {out['before_jobs_per_s']:,.0f} before,"
         f" {out['during_jobs_per_s']:,.0f} while held ({out['during_over_offered']:.2f}x offered),"
         f" {out['after_jobs_per_s']:,.0f} after; p99 {out['before_p99_ms']:.0f} -> {out['during_p99_ms']:.0f} ms"
