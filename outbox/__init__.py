@@ -74,6 +74,7 @@ from outbox.resources import docs_dir
 from outbox.settings import OutboxSettings
 from outbox.sinks import Sink
 from outbox.sinks.jetstream import JetStream
+from outbox.sinks.kafka import Kafka
 from outbox.sinks.rabbitmq import RabbitMQ
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "InvalidEventError",
     "JetStream",
     "Job",
+    "Kafka",
     "LeaseLostError",
     "Outbox",
     "OutboxError",

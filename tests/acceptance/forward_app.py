@@ -7,7 +7,8 @@ Configured by the relay's environment, read when the relay calls :func:`app` (no
 read at import time):
 
 * ``FA_SINK``: ``jetstream`` (with ``FA_STREAM``, the stream whose subjects are
-  ``<FA_STREAM>.>``) or ``rabbitmq`` (with ``FA_EXCHANGE``, a topic exchange);
+  ``<FA_STREAM>.>``), ``rabbitmq`` (with ``FA_EXCHANGE``, a topic exchange) or ``kafka``
+  (with ``FA_KAFKA_BOOTSTRAP`` and ``FA_KAFKA_TOPIC``, the one topic every record goes to);
 * ``FA_KILL_AT``: the number of the batch (1, 2, ...) after whose acknowledgement the process
   SIGKILLs itself; unset, it never does. Only a batch the broker acknowledged at least one
   message of counts;
@@ -25,7 +26,7 @@ import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from outbox import JetStream, Outbox, RabbitMQ
+from outbox import JetStream, Kafka, Outbox, RabbitMQ
 from outbox.sinks import Delivered, Message, SendResult
 
 if TYPE_CHECKING:
@@ -85,6 +86,18 @@ class CrashingRabbitMQ(RabbitMQ):
         return results
 
 
+class CrashingKafka(Kafka):
+    """Kafka, but the process may die between the acknowledgements and the completions."""
+
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
+        passed = _passed_on(answered)
+        results = await (super().send_many(messages, timeout) if passed is None
+                         else super().send_many(messages, timeout, passed))
+        _after_acks(messages, results)
+        return results
+
+
 def app() -> Outbox:
     """The registry: the forwarder ``fwd`` on the sink ``FA_SINK`` names."""
     ob = Outbox()
@@ -92,11 +105,13 @@ def app() -> Outbox:
     if kind == "jetstream":
         stream = os.environ["FA_STREAM"]
         pending = {"max_pending": int(os.environ["FA_MAX_PENDING"])} if os.environ.get("FA_MAX_PENDING") else {}
-        sink: JetStream | RabbitMQ = CrashingJetStream(os.environ["FA_NATS_URL"], subject=stream + ".{topic}",
+        sink: JetStream | RabbitMQ | Kafka = CrashingJetStream(os.environ["FA_NATS_URL"], subject=stream + ".{topic}",
                                                        stream=stream, **pending)
     elif kind == "rabbitmq":
         sink = CrashingRabbitMQ(os.environ["FA_AMQP_URL"], exchange=os.environ["FA_EXCHANGE"])
+    elif kind == "kafka":
+        sink = CrashingKafka(os.environ["FA_KAFKA_BOOTSTRAP"], topic=os.environ["FA_KAFKA_TOPIC"])
     else:
-        raise ValueError(f"FA_SINK must be jetstream or rabbitmq, got {kind!r}")
+        raise ValueError(f"FA_SINK must be jetstream, rabbitmq or kafka, got {kind!r}")
     ob.forward(TOPIC, to=sink, consumer=CONSUMER, max_attempts=5, timeout=float(os.environ.get("FA_TIMEOUT", "10")))
     return ob

@@ -41,7 +41,7 @@ from sqlalchemy.orm import Session
 from outbox import publish_many
 from outbox.testing import wait_for
 
-from . import brokers, forward_app
+from . import brokers, forward_app, kafka_broker
 from .proxy import TcpProxy
 from .relays import Fleet
 
@@ -167,6 +167,39 @@ def test_rabbitmq_holds_every_event_and_resends_carry_the_same_message_id_when_a
     assert all(n <= 2 for n in copies.values()), copies.most_common(3)
     assert len(messages) > EVENTS
     assert crash.duplicates == 0  # no broker-side deduplication to report
+
+
+def test_kafka_holds_every_event_and_resends_carry_the_same_event_id_when_a_relay_dies(engine, fleet, tmp_path):
+    """Kafka's idempotent producer drops a duplicate only within one producer session: the
+    recovering relay's producer is another, so the killed batch's records are stored twice,
+    each copy with its event's ``Outbox-Event-Id`` (the sink's notes). Read back keeping the
+    first copy of each event id, each key's records are in commit order."""
+    missing = kafka_broker.kafka_missing()
+    if missing:
+        pytest.skip(missing)
+    broker = kafka_broker.Tansu(log=tmp_path / "tansu.log")
+    try:
+        topic = broker.create_topic(3)
+        crash = _crash_then_recover(engine, fleet, {"FA_SINK": "kafka", "FA_KAFKA_BOOTSTRAP": broker.bootstrap,
+                                                    "FA_KAFKA_TOPIC": topic})
+        records = broker.read(topic, EVENTS + len(crash.killed_batch))
+    finally:
+        broker.stop()
+    copies = Counter(r.headers["Outbox-Idempotency-Key"] for r in records)
+    print(f"killed batch {len(crash.killed_batch)}, handed out again {len(crash.sent_again())}, "
+          f"stored {len(records)} for {EVENTS} events")
+    assert set(copies) == {f"fwd:{e}" for e in crash.event_ids}  # every event
+    assert all(r.headers["Outbox-Idempotency-Key"] == f"fwd:{r.headers['Outbox-Event-Id']}" for r in records)
+    twice = {k for k, n in copies.items() if n > 1}
+    assert set(crash.killed_batch) <= twice <= crash.sent_again(), (twice, crash.killed_batch)
+    assert all(n <= 2 for n in copies.values()), copies.most_common(3)
+    first: dict[bytes | None, list[int]] = {}
+    kept: set[str] = set()
+    for r in records:  # partition by partition, in offset order
+        if r.headers["Outbox-Idempotency-Key"] not in kept:
+            kept.add(r.headers["Outbox-Idempotency-Key"])
+            first.setdefault(r.key, []).append(int(r.headers["Outbox-Event-Id"]))
+    assert all(order == sorted(order) for order in first.values())
 
 
 # --------------------------------------------------------------------------- paused past the lease

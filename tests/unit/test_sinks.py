@@ -111,3 +111,67 @@ def test_the_resend_span_is_the_longer_of_a_crash_and_a_lost_acknowledgement():
     assert resend_span(lease=8, reap_interval=2, poll_interval=1, timeout=100, max_attempts=1, backoff_base=1,
                        backoff_cap=60) == (11.0, "after a relay dies, lease 8 s + reap interval 2 s + poll interval "
                                                  "1 s = 11 s")
+
+
+def kafka():
+    if importlib.util.find_spec("confluent_kafka") is None:
+        pytest.skip("confluent-kafka is not installed (pip install 'outbox-relay[kafka]')")
+    from outbox import Kafka
+
+    return Kafka
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"bootstrap": ""}, "bootstrap entry '' must be host:port"),
+    ({"bootstrap": "kafka://a:9092"}, "must be host:port"),
+    ({"bootstrap": "a"}, "must be host:port"),
+    ({"bootstrap": "a:0"}, "must be host:port"),
+    ({"bootstrap": "user:secret@a:9092"}, "no credentials"),
+    ({"bootstrap": 9092}, "bootstrap must be 'host:port'"),
+    ({"bootstrap": []}, "bootstrap must be 'host:port'"),
+    ({"topic": "orders {topic}"}, "topic template"),
+    ({"topic": "orders/{topic}"}, "topic template"),
+    ({"topic": "{topic}.{oops}"}, "unknown field {oops}"),
+    ({"key": "{nope}"}, "unknown field {nope}"),
+    ({"connect_timeout": 0}, "connect_timeout must be seconds"),
+    ({"connect_timeout": True}, "connect_timeout must be seconds"),
+    ({"config": {"acks": "1"}}, "config may not set 'acks'"),
+    ({"config": {"enable.idempotence": False}}, "config may not set 'enable.idempotence'"),
+    ({"config": {"partitioner": "consistent_random"}}, "config may not set 'partitioner'"),
+    ({"config": {"sasl.password": ["secret"]}}, "must be a string, number or boolean, got ***"),
+    ({"config": "linger.ms=5"}, "config must be a mapping"),
+])
+def test_bad_kafka_options_are_refused_naming_the_option(options, words):
+    Kafka = kafka()
+    bootstrap = options.pop("bootstrap", "127.0.0.1:9092")
+    with pytest.raises(ConfigurationError, match="Kafka") as caught:
+        Kafka(bootstrap, **options)
+    assert words in str(caught.value)
+    assert "secret" not in str(caught.value)
+
+
+def test_kafka_describes_where_it_sends_and_takes_tls_and_sasl_properties():
+    Kafka = kafka()
+    sink = Kafka("a.example:9093, b.example:9093", topic="orders.{topic}",
+                 config={"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN", "sasl.username": "u",
+                         "sasl.password": "secret", "linger.ms": 2})
+    assert sink.describe() == "kafka a.example:9093,b.example:9093 topic orders.{topic}"
+    assert sink.extra == "kafka" and not sink.connected
+    assert sink.config["security.protocol"] == "SASL_SSL"
+
+
+def test_a_kafka_record_carries_the_payload_key_and_outbox_headers():
+    Kafka = kafka()
+    created = datetime(2026, 12, 4, 12, 0, 0, 250_000, tzinfo=UTC)
+    message = Message(7, 42, "fwd", "order.placed", "order:1", "fwd:42", created, b'{"n": 1}',
+                      {"traceparent": "00-ab-cd-01", "outbox-event-id": "forged"})
+    topic, key, headers, timestamp = Kafka(topic="shop.{topic}")._record(message)
+    assert (topic, key, timestamp) == ("shop.order.placed", b"order:1", 1796385600250)
+    assert dict(headers) == {"traceparent": b"00-ab-cd-01", "Outbox-Event-Id": b"42", "Outbox-Topic": b"order.placed",
+                             "Outbox-Idempotency-Key": b"fwd:42", "Outbox-Key": b"order:1",
+                             "Outbox-Created-At": b"2026-12-04T12:00:00.250000+00:00"}
+    keyless = Message(8, 43, "fwd", "order.placed", None, "fwd:43", created, b"{}")
+    assert Kafka()._record(keyless)[1] is None  # no key: the partitioner spreads it
+    assert Kafka(key=None)._record(message)[1] is None
+    with pytest.raises(ValueError, match="is not a Kafka topic name"):
+        Kafka(topic="{key}")._record(message)  # "order:1" holds a ':'
