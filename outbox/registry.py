@@ -192,7 +192,7 @@ class Outbox:
     ) -> None:
         """Declare a forwarder: consumer ``consumer`` of ``topic`` (one or a sequence) whose
         jobs are sent to the broker ``to`` (a :class:`~outbox.sinks.Sink`:
-        :class:`~outbox.JetStream`, :class:`~outbox.RabbitMQ`), one message per event, with
+        :class:`~outbox.JetStream`, :class:`~outbox.RabbitMQ`, :class:`~outbox.Kafka`), one message per event, with
         the full job lifecycle: claimed, fenced, retried with backoff, dead-lettered
         (forwarding notes). A job completes only once the broker has
         acknowledged its message.
@@ -205,7 +205,7 @@ class Outbox:
         not a :class:`~outbox.sinks.Sink`, or a consumer name already declared.
         """
         if not isinstance(to, Sink):
-            raise ConfigurationError(f"forwarder {consumer!r}: to= must be a Sink (JetStream(...), RabbitMQ(...)), "
+            raise ConfigurationError(f"forwarder {consumer!r}: to= must be a Sink (JetStream(...), RabbitMQ(...), Kafka(...)), "
                                      f"got {to!r}")
         if timeout is None:
             raise ConfigurationError(f"forwarder {consumer!r}: timeout must be seconds in 0.01..86400, got None")

@@ -165,7 +165,7 @@ class Sink(abc.ABC):
     from one event loop; :meth:`send_many` may be called again while earlier calls still
     wait for their acknowledgements."""
 
-    #: The pip extra that installs the client library (``"nats"``, ``"rabbitmq"``).
+    #: The pip extra that installs the client library (``"nats"``, ``"rabbitmq"``, ``"kafka"``).
     extra: str = ""
 
     @abc.abstractmethod

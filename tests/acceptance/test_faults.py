@@ -32,7 +32,7 @@ from outbox import publish_many
 from outbox.db.engine import make_engine
 from outbox.testing import wait_for
 
-from . import brokers, proxy, steady_app, workload
+from . import brokers, kafka_broker, proxy, steady_app, workload
 from .relays import Fleet, RelayProcess
 
 EVENTS = int(os.environ.get("OUTBOX_FAULT_EVENTS", "300"))
@@ -49,15 +49,29 @@ BASE_FLAGS = ("--default-lease", str(LEASE), "--reap-interval", str(REAP_INTERVA
               "--reconnect-max", "1", "--shutdown-grace", "3")
 
 
+class KafkaTopic:
+    """The workload's Kafka topic (one partition) on a broker of the test's own."""
+
+    def __init__(self, broker: kafka_broker.Tansu) -> None:
+        self.broker = broker
+        self.name = broker.create_topic(1, prefix="wl")
+
+    def records(self) -> list[kafka_broker.Record]:
+        return self.broker.read(self.name, 0, timeout=5)
+
+
 class Scenario:
     """A test's database, its engine, its relays and the checks every scenario ends with.
-    ``stream``: the JetStream stream the workload's forwarder sends to, or why there is none."""
+    ``stream``: the JetStream stream the workload's forwarder sends to, or why there is none;
+    ``kafka``: the same for the Kafka forwarder."""
 
-    def __init__(self, engine: sa.Engine, url: URL, fleet: Fleet, stream: brokers.Stream | str) -> None:
+    def __init__(self, engine: sa.Engine, url: URL, fleet: Fleet, stream: brokers.Stream | str,
+                 kafka: KafkaTopic | str) -> None:
         self.engine = engine
         self.url = url
         self.fleet = fleet
         self.stream = stream
+        self.kafka = kafka
 
     def publisher(self, events: int = EVENTS, duration: float = DURATION, **kwargs: Any) -> workload.Publisher:
         return workload.Publisher(self.engine, events, duration, **kwargs)
@@ -91,7 +105,8 @@ class Scenario:
         for bad in ("Traceback", "deadlock detected", "CheckViolation"):
             assert bad not in logs, f"{bad!r} in a relay log:\n" + _around(logs, bad)
         report = workload.check(self.engine, published, fault_dead_allowed=fault_dead_allowed,
-                                unstarted_dead_allowed=unstarted_dead_allowed, expect=expect, stream=self.stream)
+                                unstarted_dead_allowed=unstarted_dead_allowed, expect=expect, stream=self.stream,
+                                kafka=self.kafka)
         print(report)
         assert report, str(report)
         return report
@@ -109,13 +124,21 @@ def scenario(tmp_path: Path, db_url: URL, engine: sa.Engine) -> Iterator[Scenari
     missing = brokers.nats_missing()
     stream: brokers.Stream | str = f"forwarder left out: {missing}" if missing else brokers.Stream("wl")
     env = {"WL_STREAM": stream.name, "WL_NATS_URL": brokers.NATS_URL} if isinstance(stream, brokers.Stream) else {}
+    # And the Kafka forwarder when the test broker can run: a broker of this test's own.
+    missing = kafka_broker.kafka_missing()
+    broker = None if missing else kafka_broker.Tansu(log=tmp_path / "tansu.log")
+    kafka: KafkaTopic | str = f"forwarder left out: {missing}" if broker is None else KafkaTopic(broker)
+    if isinstance(kafka, KafkaTopic):
+        env |= {"WL_KAFKA_TOPIC": kafka.name, "WL_KAFKA_BOOTSTRAP": kafka.broker.bootstrap}
     fleet = Fleet(tmp_path, db_url.render_as_string(hide_password=False), base_flags=BASE_FLAGS, env=env)
     try:
-        yield Scenario(engine, db_url, fleet, stream)
+        yield Scenario(engine, db_url, fleet, stream, kafka)
     finally:
         fleet.cleanup()
         if isinstance(stream, brokers.Stream):
             stream.delete()
+        if broker is not None:
+            broker.stop()
 
 
 def _at(t0: float, seconds: float) -> None:

@@ -35,6 +35,16 @@ Three consumers of topic ``wl.order``, each showing one guarantee:
   NATS is unreachable or nats-py is missing the forwarder is left out and the report says
   the section was skipped.
 
+* ``to_kafka`` (a forwarder, 8 attempts), only when the scenario started a Kafka-protocol
+  broker (``tests.acceptance.kafka_broker``) and named its topic in ``WL_KAFKA_TOPIC`` (on
+  ``WL_KAFKA_BOOTSTRAP``). Kafka is at-least-once across producer sessions (a relay killed
+  after the acknowledgement, another relay's re-send), so the check is: every event whose
+  job is done has a record, every record is of a committed event (none of a rolled-back
+  transaction), its body the event's ``payload::text`` byte for byte and its
+  ``Outbox-Idempotency-Key`` ``to_kafka:<event id>``; copies beyond the first are counted,
+  and may come only from jobs handed out more than once. Where the broker cannot run the
+  forwarder is left out and the report says so.
+
 The fenced tables carry an ``AFTER`` row trigger (it fires only for a write that was
 applied, not for an ``ON CONFLICT`` that did nothing) that appends the write to
 ``wl_fence_history`` in the writing transaction and raises if it lowered or kept the
@@ -73,6 +83,8 @@ TOPIC = "wl.order"
 CONSUMERS = ("flaky", "invoice", "ledger", "sequence")
 #: The forwarding consumer (JetStream), declared only when the scenario gave it a stream.
 FORWARDER = "to_stream"
+#: The forwarding consumer (Kafka), declared only when the scenario gave it a topic.
+KAFKA_FORWARDER = "to_kafka"
 #: Keys of the ordered consumer: event ``n`` belongs to ``acct:<n % KEYS>``.
 KEYS = 50
 LEASE_MODE = ("flaky", "ledger")
@@ -317,6 +329,12 @@ def app() -> Outbox:
         ob.forward(TOPIC, to=JetStream(os.environ.get("WL_NATS_URL", "nats://127.0.0.1:4222"),
                                        subject=stream + ".{topic}", stream=stream),
                    consumer=FORWARDER, max_attempts=8)
+    topic = os.environ.get("WL_KAFKA_TOPIC")
+    if topic:
+        from outbox import Kafka
+
+        ob.forward(TOPIC, to=Kafka(os.environ["WL_KAFKA_BOOTSTRAP"], topic=topic), consumer=KAFKA_FORWARDER,
+                   max_attempts=8)
     return ob
 
 
@@ -487,7 +505,7 @@ class Report:
 def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
           unstarted_dead_allowed: int | None = None,
           expect: Callable[[str, dict[str, Any]], str | None] | None = None,
-          stream: Any = None) -> Report:
+          stream: Any = None, kafka: Any = None) -> Report:
     """Check issue 3's invariants against the database once the work has drained.
 
     ``fault_dead_allowed``: how many jobs whose handler would have succeeded may end dead
@@ -499,7 +517,9 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
     ``expect(consumer, payload)`` overrides :func:`expected` where it returns a policy.
     ``stream``: the scenario's JetStream stream (``messages()`` returns what it stores) when
     the relays ran the forwarder ``to_stream``, else a string saying why they did not (the
-    forwarder's section is then skipped) or None (no forwarder, nothing said).
+    forwarder's section is then skipped) or None (no forwarder, nothing said). ``kafka``:
+    the same for ``to_kafka``, an object whose ``records()`` returns every record of its
+    topic (:class:`~tests.acceptance.kafka_broker.Record`).
     The forwarder's jobs leave no record per attempt, so the ``unstarted_dead_allowed``
     count leaves them out.
     """
@@ -507,7 +527,9 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         unstarted_dead_allowed = fault_dead_allowed
     failures: list[str] = []
     forwarding = stream is not None and not isinstance(stream, str)
-    consumers = {*CONSUMERS, FORWARDER} if forwarding else set(CONSUMERS)
+    to_kafka = kafka is not None and not isinstance(kafka, str)
+    consumers = set(CONSUMERS) | ({FORWARDER} if forwarding else set()) | ({KAFKA_FORWARDER} if to_kafka else set())
+    forwarders = {FORWARDER, KAFKA_FORWARDER}
 
     def fail(ok: bool, text: str, sample: Any = None) -> None:
         if not ok:
@@ -593,7 +615,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
          f"{len(fault_dead)} jobs that should succeed were dead-lettered by faults (allowed {fault_dead_allowed})",
          set(fault_dead))
     max_of = {j.id: j.max_attempts for j in jobs}
-    forwarder_jobs = {j.id for j in jobs if j.consumer == FORWARDER}
+    forwarder_jobs = {j.id for j in jobs if j.consumer in forwarders}
     unstarted_dead = {i for i in fault_dead if started[i] < max_of[i] and i not in forwarder_jobs}
     fail(len(unstarted_dead) <= unstarted_dead_allowed,
          f"{len(unstarted_dead)} jobs were dead-lettered by faults with attempts whose handler never started "
@@ -610,7 +632,7 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
                      f"invoice job {j.id} done at fence {j.fence}: {writes} committed writes, row {invoice.get(j.event_id)}")
             else:
                 fail(writes == 0 and j.event_id not in invoice, f"dead invoice job {j.id} left {writes} writes")
-        elif j.status == "done" and j.consumer != FORWARDER:
+        elif j.status == "done" and j.consumer not in forwarders:
             fail((j.id, j.fence) in ended, f"{j.consumer} job {j.id} done at fence {j.fence} with no run that ended at it")
             if j.consumer == "ledger":
                 fail(ledger.get(j.event_id, (None,))[0] == j.fence,
@@ -675,11 +697,37 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
         stream_counts = {"messages": len(messages), "events": len(ids),
                          "jobs_handed_out_again": sum(1 for j in jobs if j.consumer == FORWARDER and j.attempts > 1)}
 
+    # 8. The Kafka forwarder: every done job's event has a record, every record is of a
+    #    committed event, byte for byte; copies beyond the first only of jobs handed out again.
+    kafka_counts: Any = f"skipped: {kafka}" if isinstance(kafka, str) else "no forwarder"
+    if to_kafka:
+        records = kafka.records()
+        keyed = Counter(r.headers.get("Outbox-Event-Id") for r in records)
+        fail(None not in keyed, "Kafka records without Outbox-Event-Id")
+        ids = {int(k) for k in keyed if k is not None}
+        fail(ids <= set(payload_text), "Kafka records of events that do not exist", ids - set(payload_text))
+        kafka_jobs = {j.event_id: j for j in jobs if j.consumer == KAFKA_FORWARDER}
+        done = {e for e, j in kafka_jobs.items() if j.status == "done"}
+        fail(done <= ids, "Kafka forwarder jobs done without their record", done - ids)
+        again = {str(e) for e, j in kafka_jobs.items() if j.attempts > 1}
+        copies = {k for k, c in keyed.items() if c > 1}
+        fail(copies <= again, "Kafka records stored twice for jobs sent once", copies - again)
+        wrong_key = {r.headers.get("Outbox-Event-Id") for r in records
+                     if r.headers.get("Outbox-Idempotency-Key") != f"{KAFKA_FORWARDER}:{r.headers.get('Outbox-Event-Id')}"}
+        fail(not wrong_key, "Kafka records whose Outbox-Idempotency-Key is not the job's", wrong_key)
+        wrong_body = {int(k) for r in records if (k := r.headers.get("Outbox-Event-Id")) is not None
+                      and int(k) in payload_text and r.value != payload_text[int(k)].encode()}
+        fail(not wrong_body, "Kafka records whose body differs from the event's payload::text", wrong_body)
+        gone_sent = {n for r in records if (n := json.loads(r.value).get("n")) in gone}
+        fail(not gone_sent, "Kafka records of rolled-back events", gone_sent)
+        kafka_counts = {"records": len(records), "events": len(ids), "copies_beyond_first": len(records) - len(ids),
+                        "jobs_handed_out_again": len(again)}
+
     counts = {
         "events": len(events), "committed": len(published.committed), "rolled_back": len(gone),
         "unknown": len(published.unknown), "jobs": len(jobs), "outcomes": dict(sorted(outcomes.items())),
         "fault_dead": len(fault_dead), "fault_dead_unstarted": len(unstarted_dead),
         "ledger_rewrites": sum(1 for h in history if h.tbl == "wl_ledger" and h.old_fence),
-        "stale_writes": dict(stale), "ordered_keys": len(by_key), "stream": stream_counts,
+        "stale_writes": dict(stale), "ordered_keys": len(by_key), "stream": stream_counts, "kafka": kafka_counts,
     }
     return Report(failures, counts)
