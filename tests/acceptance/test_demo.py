@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from outbox.demo.kafka import kafka_missing
 from outbox.testing import drop_database
 
 NATS_URL = os.environ.get("OUTBOX_TEST_NATS_URL", "nats://127.0.0.1:4222")
@@ -90,6 +91,24 @@ def test_demo_forwards_each_committed_order_once_to_jetstream_and_deletes_its_st
     assert re.search(r"forward_to_nats +\d+ +0 +0 +0 ", fault_run.stdout), output  # every job done, none dead
     assert f"nats: stream {stored.group(1)} deleted" in fault_run.stdout, output
     assert not _stream_exists(stored.group(1)), f"the demo left its stream {stored.group(1)} behind"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(kafka_missing() is not None, reason=kafka_missing() or "")
+def test_demo_forwards_each_committed_order_to_kafka_at_least_once_and_stops_its_broker(fault_run):
+    output = _output(fault_run)
+    assert fault_run.returncode == 0, output
+    assert ("ok    Kafka topic holds every committed order at least once (by Outbox-Event-Id), a second copy only of "
+            "a job sent again, none for a rolled-back order") in fault_run.stdout, output
+    committed = re.search(r"(\d+) committed, \d+ rolled back on purpose", fault_run.stdout)
+    stored = re.search(r"topic (outbox-demo-\w+): (\d+) records for (\d+) committed orders; 0 orders missing, "
+                       r"(\d+) stored twice \(0 of jobs sent once\), 0 for rolled-back orders, 0 with a wrong id",
+                       fault_run.stdout)
+    assert committed and stored, output
+    assert int(stored.group(3)) == int(committed.group(1)) > 0, output
+    assert int(stored.group(2)) == int(stored.group(3)) + int(stored.group(4)), output
+    assert re.search(r"forward_to_kafka +\d+ +0 +0 +0 ", fault_run.stdout), output  # every job done, none dead
+    assert "kafka: test broker stopped" in fault_run.stdout, output
 
 
 def _stream_exists(name: str) -> bool:
