@@ -62,40 +62,30 @@ def _passed_on(answered: Answered | None) -> Answered | None:
     return None if os.environ.get("FA_KILL_AT") else answered
 
 
-class CrashingJetStream(JetStream):
+class Crashing:
+    """Mixed in before a real sink: the process may die between the broker's acknowledgements
+    and the completions (:func:`_after_acks`)."""
+
+    async def send_many(self, messages: Sequence[Message], timeout: float,
+                        answered: Answered | None = None) -> list[SendResult]:
+        real = super()
+        passed = _passed_on(answered)
+        results: list[SendResult] = await (real.send_many(messages, timeout) if passed is None  # type: ignore[misc]
+                                           else real.send_many(messages, timeout, passed))  # type: ignore[misc]
+        _after_acks(messages, results)
+        return results
+
+
+class CrashingJetStream(Crashing, JetStream):
     """JetStream, but the process may die between the PubAcks and the completions."""
 
-    async def send_many(self, messages: Sequence[Message], timeout: float,
-                        answered: Answered | None = None) -> list[SendResult]:
-        passed = _passed_on(answered)
-        results = await (super().send_many(messages, timeout) if passed is None
-                         else super().send_many(messages, timeout, passed))
-        _after_acks(messages, results)
-        return results
 
-
-class CrashingRabbitMQ(RabbitMQ):
+class CrashingRabbitMQ(Crashing, RabbitMQ):
     """RabbitMQ, but the process may die between the publisher confirms and the completions."""
 
-    async def send_many(self, messages: Sequence[Message], timeout: float,
-                        answered: Answered | None = None) -> list[SendResult]:
-        passed = _passed_on(answered)
-        results = await (super().send_many(messages, timeout) if passed is None
-                         else super().send_many(messages, timeout, passed))
-        _after_acks(messages, results)
-        return results
 
-
-class CrashingKafka(Kafka):
+class CrashingKafka(Crashing, Kafka):
     """Kafka, but the process may die between the acknowledgements and the completions."""
-
-    async def send_many(self, messages: Sequence[Message], timeout: float,
-                        answered: Answered | None = None) -> list[SendResult]:
-        passed = _passed_on(answered)
-        results = await (super().send_many(messages, timeout) if passed is None
-                         else super().send_many(messages, timeout, passed))
-        _after_acks(messages, results)
-        return results
 
 
 def app() -> Outbox:

@@ -44,6 +44,13 @@ def routed_jobs(engine: sa.Engine, topic: str, consumers: Iterable[str], n: int 
         return list(c.execute(sa.text("SELECT id FROM outbox_jobs ORDER BY id")).scalars())
 
 
+def statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
+    """Jobs of ``consumer`` per status: ``{"done": 20, "dead": 1}``."""
+    with engine.connect() as c:
+        return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
+                              {"c": consumer}).all())
+
+
 def job_row(conn: sa.Connection | sa.Engine, job_id: int) -> dict[str, Any]:
     """Every column of job ``job_id`` as a dict."""
     if isinstance(conn, sa.Engine):

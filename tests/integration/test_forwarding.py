@@ -25,7 +25,7 @@ from outbox.testing import wait_for
 from tests.acceptance.brokers import NATS_URL, Tap, nats_missing
 from tests.acceptance.proxy import TcpProxy
 
-from .helpers import running_relay
+from .helpers import running_relay, statuses
 
 nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
 
@@ -118,11 +118,6 @@ def _publish(engine: sa.Engine, topic: str, n: int, start: int = 0, **extra: Any
         return publish_many(s, items)
 
 
-def _statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
-    with engine.connect() as c:
-        return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
-                              {"c": consumer}).all())
-
 
 def _stored_payloads(engine: sa.Engine) -> dict[int, str]:
     with engine.connect() as c:
@@ -135,7 +130,7 @@ def test_a_thousand_events_land_once_each_byte_for_byte_and_every_job_completes(
                                                              stream=stream.name), consumer="to_nats")
     ids = _publish(engine, "order.placed", 600) + _publish(engine, "order.paid", 400, start=600)
     with running_relay(ob, settings(claim_batch=100, prefetch=100)) as relay:
-        wait_for(lambda: _statuses(engine, "to_nats").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
+        wait_for(lambda: statuses(engine, "to_nats").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
     stored = _stored_payloads(engine)
     messages = stream.messages()
     assert len(messages) == 1000
@@ -165,7 +160,7 @@ def test_a_message_the_stream_refuses_is_dead_at_once_and_the_rest_of_its_batch_
         with Session(engine) as s, s.begin():
             [poison] = publish_many(s, [{"topic": "t", "payload": {"blob": "x" * 2000}}])
         with running_relay(ob, settings(claim_batch=100)):
-            wait_for(lambda: _statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
+            wait_for(lambda: statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
                      what="20 delivered and the oversized one dead")
         with engine.connect() as c:
             dead = c.execute(sa.text("SELECT attempts, last_error FROM outbox_jobs WHERE event_id = :e"),
@@ -190,13 +185,13 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
     try:
         with running_relay(ob, settings(claim_batch=20, prefetch=20)) as relay:
             _publish(engine, "t", 100)
-            wait_for(lambda: _statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
+            wait_for(lambda: statuses(engine, "fwd") == {"ready": 100}, timeout=TIMEOUT, what="100 routed jobs")
             time.sleep(2.0)  # a while with the broker unreachable: the relay must not claim them
-            assert _statuses(engine, "fwd") == {"ready": 100}
+            assert statuses(engine, "fwd") == {"ready": 100}
             with engine.connect() as c:
                 assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
             proxy.start()
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
             proxy.stop()  # the broker is unreachable from here on
             _publish(engine, "t", 200, start=100)
             outage_until = time.monotonic() + 10.0
@@ -204,12 +199,12 @@ def test_a_broker_outage_is_waited_out_nothing_dead_nothing_twice(engine, settin
                 assert relay.runner.forwarder is not None
                 time.sleep(0.5)
             assert "fwd" in relay.runner.forwarder.unavailable()
-            assert _statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
+            assert statuses(engine, "fwd").get("done") == 100  # nothing was delivered meanwhile
             proxy.start()
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 300, timeout=TIMEOUT, what="all 300 done")
     finally:
         proxy.stop()
-    assert _statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
+    assert statuses(engine, "fwd") == {"done": 300}  # no job dead for the outage (max_attempts=2)
     assert stream.count() == 300
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 300
 
@@ -231,11 +226,11 @@ def test_forwarded_jobs_take_no_worker_slot(engine, settings, stream):
         publish_many(s, [{"topic": "slow", "payload": {}}])
     with running_relay(ob, settings(concurrency=1, prefetch=0)):
         try:
-            wait_for(lambda: _statuses(engine, "blocker").get("running") == 1, timeout=TIMEOUT, what="the slot taken")
+            wait_for(lambda: statuses(engine, "blocker").get("running") == 1, timeout=TIMEOUT, what="the slot taken")
             _publish(engine, "t", 50)
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 50, timeout=TIMEOUT,
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 50, timeout=TIMEOUT,
                      what="50 forwarded while the only worker is busy")
-            assert _statuses(engine, "blocker") == {"running": 1}
+            assert statuses(engine, "blocker") == {"running": 1}
         finally:
             release.set()
     assert stream.count() == 50
@@ -258,23 +253,23 @@ def test_a_silent_broker_costs_no_attempt(engine, settings, stream, caplog):
     relay.start()
     try:
         _publish(engine, "t", 20)
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="the first 20 done")
+        wait_for(lambda: statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="the first 20 done")
         mark = len(caplog.records)
         proxy.freeze()
         _publish(engine, "t", 40, start=20)
         silent_until = time.monotonic() + 6.0  # many 0.5 s timeouts' worth of silence
         while time.monotonic() < silent_until:
-            assert "dead" not in _statuses(engine, "fwd")
+            assert "dead" not in statuses(engine, "fwd")
             time.sleep(0.2)
         with engine.connect() as c:
             assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() <= 1
         proxy.thaw()
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 60, timeout=TIMEOUT, what="all 60 done")
+        wait_for(lambda: statuses(engine, "fwd").get("done") == 60, timeout=TIMEOUT, what="all 60 done")
     finally:
         proxy.thaw()
         relay.stop()
         proxy.stop()
-    assert _statuses(engine, "fwd") == {"done": 60}
+    assert statuses(engine, "fwd") == {"done": 60}
     assert len({m.headers["Nats-Msg-Id"] for m in stream.messages()}) == 60 and stream.count() == 60
     said = [r.getMessage() for r in caplog.records[mark:] if r.name == "outbox.relay.forwarder"]
     assert [m.split(" (")[0].split(" to ")[0] for m in said] == ["forwarder fwd: broker unreachable",
@@ -306,10 +301,10 @@ def test_a_duplicate_window_shorter_than_the_resend_span_is_warned_about_once(en
                 wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning at start")
                 assert short.count() == 0
             _publish(engine, "t", 10)
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
             wait_for(lambda: _window_lines(caplog, short), timeout=TIMEOUT, what="the warning")
             _publish(engine, "t", 10, start=10)  # more batches, the same stream and window: no new line
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="20 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="20 done")
     finally:
         short.delete()
     [warning] = _window_lines(caplog, short)
@@ -327,7 +322,7 @@ def test_a_duplicate_window_longer_than_the_resend_span_is_not_warned_about(engi
                lease=8)
     with running_relay(ob, settings()):
         _publish(engine, "t", 10)
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
+        wait_for(lambda: statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="10 done")
         sink = ob["fwd"].sink
         wait_for(lambda: sink._windows.get(stream.name) == 120.0, timeout=TIMEOUT, what="the window read")
     assert [r.getMessage() for r in caplog.records if r.name == "outbox.sinks.jetstream"] == []
@@ -363,7 +358,7 @@ def test_a_duplicate_window_changed_while_the_relay_runs_is_read_again(engine, s
         publish_until(lambda: _window_lines(caplog, stream), "the warning about the shortened window")
         stream.set_duplicate_window(60.0)
         publish_until(lambda: _window_lines(caplog, stream, logging.INFO), "the line about the window long enough")
-        wait_for(lambda: _statuses(engine, "fwd").get("done") == sent, timeout=TIMEOUT, what="all done")
+        wait_for(lambda: statuses(engine, "fwd").get("done") == sent, timeout=TIMEOUT, what="all done")
     finally:
         relay.stop()
     [warning] = _window_lines(caplog, stream)
@@ -390,10 +385,10 @@ def test_a_silent_message_holds_no_other_job_for_its_timeout(engine, settings, s
         publish_many(s, [{"topic": f"{stream.name}.ok", "payload": {"n": n}} for n in range(9)])
     try:
         with running_relay(ob, settings()):
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 9, timeout=TIMEOUT,
                      what="the 9 jobs claimed with the silent one done")
             _publish(engine, f"{stream.name}.ok", 10, start=9)
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 19, timeout=TIMEOUT,
                      what="the 10 jobs claimed after it done")
             with engine.connect() as c:
                 row = c.execute(sa.text("SELECT j.status, j.attempts, j.last_error FROM outbox_jobs j "

@@ -25,7 +25,7 @@ from outbox.testing import wait_for
 from tests.acceptance.kafka_broker import Record, Tansu, kafka_missing
 from tests.acceptance.proxy import TcpProxy
 
-from .helpers import running_relay
+from .helpers import running_relay, statuses
 
 TIMEOUT = 90.0
 
@@ -80,11 +80,6 @@ def test_the_java_partitioner_reference_matches_kafkas_own_test_vectors():
         assert signed(key) == expected & 0x7FFFFFFF, key
 
 
-def _statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
-    with engine.connect() as c:
-        return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
-                              {"c": consumer}).all())
-
 
 def _events(engine: sa.Engine) -> dict[int, Any]:
     with engine.connect() as c:
@@ -108,7 +103,7 @@ def test_a_thousand_events_over_two_topics_become_a_thousand_records_byte_for_by
                                 "headers": {"traceparent": f"00-{i:032x}-{i:016x}-01", "Outbox-Topic": "forged"}}
                                for i in range(1000)])
     with running_relay(ob, settings(claim_batch=100, prefetch=100)):
-        wait_for(lambda: _statuses(engine, "to_kafka").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
+        wait_for(lambda: statuses(engine, "to_kafka").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
     events = _events(engine)
     records: list[tuple[str, Record]] = [(placed, r) for r in broker.read(placed, 666)]
     records += [(paid, r) for r in broker.read(paid, 334)]
@@ -150,7 +145,7 @@ def test_a_record_over_the_size_limit_is_dead_at_once_and_the_rest_of_its_batch_
         [poison] = publish_many(s, [{"topic": "t", "payload": {"blob": "x" * 20_000}}])
         last = publish_many(s, [{"topic": "t", "payload": {"n": i}} for i in range(10, 20)])
     with running_relay(ob, settings(claim_batch=100)):
-        wait_for(lambda: _statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
+        wait_for(lambda: statuses(engine, "fwd") == {"done": 20, "dead": 1}, timeout=TIMEOUT,
                  what="20 delivered and the oversized one dead")
     with engine.connect() as c:
         dead = c.execute(sa.text("SELECT attempts, last_error FROM outbox_jobs WHERE event_id = :e"),
@@ -188,13 +183,13 @@ def test_an_ordered_forwarder_keeps_every_keys_order_through_an_outage_and_spend
 
         with running_relay(ob, settings(claim_batch=50, prefetch=50)) as relay:
             publish(0, 200)
-            wait_for(lambda: sum(_statuses(engine, "fwd").values()) == 200, timeout=TIMEOUT, what="200 routed jobs")
+            wait_for(lambda: sum(statuses(engine, "fwd").values()) == 200, timeout=TIMEOUT, what="200 routed jobs")
             time.sleep(2.0)  # the broker unreachable: nothing may be claimed or attempted
             with engine.connect() as c:
                 assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() == 0
-            assert _statuses(engine, "fwd").get("done") is None
+            assert statuses(engine, "fwd").get("done") is None
             proxy.start()
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 200, timeout=TIMEOUT, what="the first 200 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 200, timeout=TIMEOUT, what="the first 200 done")
             publish(200, 200)
             time.sleep(0.3)
             proxy.stop()  # mid-run: some of these are in flight
@@ -203,8 +198,8 @@ def test_an_ordered_forwarder_keeps_every_keys_order_through_an_outage_and_spend
             assert relay.runner.forwarder is not None
             assert "fwd" in relay.runner.forwarder.unavailable()
             proxy.start()
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 600, timeout=TIMEOUT, what="all 600 done")
-        assert _statuses(engine, "fwd") == {"done": 600}  # nothing dead for the outage (max_attempts=2)
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 600, timeout=TIMEOUT, what="all 600 done")
+        assert statuses(engine, "fwd") == {"done": 600}  # nothing dead for the outage (max_attempts=2)
         got = broker.read(topic, 600)
     finally:
         proxy.stop()

@@ -21,7 +21,7 @@ from outbox import Outbox, publish_many
 from outbox.testing import wait_for
 from tests.acceptance.brokers import AMQP_URL, rabbitmq_missing
 
-from .helpers import running_relay
+from .helpers import running_relay, statuses
 
 URL = AMQP_URL
 TIMEOUT = 90.0
@@ -100,11 +100,6 @@ def broker() -> Iterator[Broker]:
     b.delete()
 
 
-def _statuses(engine: sa.Engine, consumer: str) -> dict[str, int]:
-    with engine.connect() as c:
-        return dict(c.execute(sa.text("SELECT status, count(*) FROM outbox_jobs WHERE consumer = :c GROUP BY status"),
-                              {"c": consumer}).all())
-
 
 def test_a_thousand_events_reach_the_bound_queue_once_each_with_their_properties(engine, settings, broker):
     from outbox import RabbitMQ
@@ -117,7 +112,7 @@ def test_a_thousand_events_reach_the_bound_queue_once_each_with_their_properties
                                 "payload": {"n": i, "note": "\u00e9t\u00e9", "x": [1.5, None, True]},
                                 "headers": {"traceparent": f"00-{i:032x}-{i:016x}-01"}} for i in range(1000)])
     with running_relay(ob, settings(claim_batch=100, prefetch=100)):
-        wait_for(lambda: _statuses(engine, "to_rabbit").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
+        wait_for(lambda: statuses(engine, "to_rabbit").get("done") == 1000, timeout=TIMEOUT, what="1,000 jobs done")
     with engine.connect() as c:
         events = {r.id: r for r in c.execute(sa.text("SELECT id, topic, key, payload::text AS body FROM outbox_events"))}
     messages = broker.drain()
@@ -149,7 +144,7 @@ def test_an_unroutable_message_is_retried_not_dropped_and_an_ordered_key_waits_f
         with Session(engine) as s, s.begin():
             publish_many(s, [{"topic": "t", "key": f"k{i % 2}", "payload": {"n": i}} for i in range(20)])
         with running_relay(ob, settings(backoff_base=0.05, backoff_cap=0.3)):
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="k0's 10 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 10, timeout=TIMEOUT, what="k0's 10 done")
 
             def k1_retried() -> bool:
                 with engine.connect() as c:
@@ -158,11 +153,11 @@ def test_an_unroutable_message_is_retried_not_dropped_and_an_ordered_key_waits_f
                         " JOIN outbox_events e ON e.id = j.event_id WHERE e.key = 'k1' ORDER BY e.id LIMIT 1")).scalar())
 
             wait_for(k1_retried, timeout=TIMEOUT, what="k1's first job retried as unroutable")
-            statuses = _statuses(engine, "fwd")  # read once: the head moves between ready and running
-            assert statuses in ({"done": 10, "ready": 1, "pending": 9}, {"done": 10, "running": 1, "pending": 9}), \
-                statuses
+            seen = statuses(engine, "fwd")  # read once: the head moves between ready and running
+            assert seen in ({"done": 10, "ready": 1, "pending": 9}, {"done": 10, "running": 1, "pending": 9}), \
+                seen
             broker.bind("k1")
-            wait_for(lambda: _statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="all 20 done")
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 20, timeout=TIMEOUT, what="all 20 done")
         messages = broker.drain()
         order = {k: [int(m.headers["Outbox-Event-Id"]) for m in messages if m.headers["Outbox-Key"] == k]
                  for k in ("k0", "k1")}
