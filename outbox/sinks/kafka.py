@@ -48,7 +48,9 @@ and passes each answer on as it arrives (``answered``). What each record gets:
   drops the records still queued in the producer (``purge``: they were not sent), and the
   forwarder's keeper checks the cluster (a metadata request) until it answers. Jobs wait,
   attempts not counted. The producer (and its idempotent session) is kept across an outage
-  and replaced only after a fatal error.
+  and replaced after a fatal error or a batch of which no record was answered (a silent
+  broker, or one restarted without its state, which refuses the old producer id with
+  ``UnknownProducerId`` for as long as librdkafka retries).
 
 The guarantee is at-least-once, as for the other brokers. The idempotent producer removes
 duplicates inside one producer session only: a relay that dies after the broker stored a
@@ -167,6 +169,21 @@ def parse_config(config: object) -> dict[str, str | int | float | bool]:
     return out
 
 
+def check_config(config: Mapping[str, str | int | float | bool]) -> None:
+    """Have librdkafka check ``config`` (names, values, combinations such as SASL without a
+    user name) by building a producer with the sink's own settings and no bootstrap server,
+    which opens no connection. Raises :class:`ConfigurationError` with librdkafka's answer."""
+    import confluent_kafka  # noqa: PLC0415 (an optional dependency, imported when used)
+
+    try:
+        confluent_kafka.Producer({**config, "enable.idempotence": True, "acks": "all",
+                                  "partitioner": "murmur2_random", "logger": _LibrdkafkaLog()})
+    except confluent_kafka.KafkaException as exc:
+        error = exc.args[0] if exc.args else exc
+        text = error.str() if hasattr(error, "str") else str(error)
+        raise ConfigurationError(f"Kafka: librdkafka refuses config: {text}") from None
+
+
 class Kafka(Sink):
     """Produces a forwarder's jobs as records to Kafka (the module notes say what a record
     carries and what each outcome becomes).
@@ -183,8 +200,8 @@ class Kafka(Sink):
     ``message.timeout.ms``, ...); not the ones in :data:`OWNED_PROPERTIES`.
 
     Needs ``pip install 'outbox-relay[kafka]'`` (confluent-kafka). Raises
-    :class:`ConfigurationError` naming the option for a bad one, or when confluent-kafka is
-    not installed."""
+    :class:`ConfigurationError` naming the option for a bad one (``config`` is checked by
+    librdkafka itself, :func:`check_config`), or when confluent-kafka is not installed."""
 
     extra = "kafka"
 
@@ -208,13 +225,16 @@ class Kafka(Sink):
         self.config = parse_config(config)
         if importlib.util.find_spec("confluent_kafka") is None:
             raise ConfigurationError("the Kafka sink needs confluent-kafka: pip install 'outbox-relay[kafka]'")
+        check_config(self.config)
         self.connect_timeout = float(connect_timeout)
         self._producer: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._poller: threading.Thread | None = None
         self._stop = threading.Event()
         self._broken: str | None = None  # why the cluster is taken for unreachable (the keeper checks it again)
-        self._fatal: str | None = None  # a fatal producer error: the next connect starts a new producer
+        # Why the producer is to be replaced (a fatal error, or a batch no record of which was
+        # answered): the next connect starts a new producer, with a new producer id.
+        self._fatal: str | None = None
 
     def describe(self) -> str:
         """The bootstrap servers (credentials are ``config`` properties, never shown) and the
@@ -298,6 +318,12 @@ class Kafka(Sink):
                 results[i] = Failed(f"no acknowledgement within {timeout:g}s", unanswered=True)
             else:
                 results[i] = self._answer(future)
+        if futures and len(pending) == len(futures) and self._fatal is None:
+            # Not one answer: the broker is silent, or it refuses this producer's session for
+            # good (a restarted broker that lost its state answers UnknownProducerId, which
+            # librdkafka retries until message.timeout.ms). A new producer settles both.
+            self._fatal = f"no record of a batch of {len(futures)} answered within {timeout:g}s"
+            log.info("Kafka at %s: %s; the producer is replaced", ",".join(self.servers), self._fatal)
         return [result if result is not None else Failed("no result") for result in results]
 
     async def close(self) -> None:

@@ -217,3 +217,44 @@ def test_an_ordered_forwarder_keeps_every_keys_order_through_an_outage_and_spend
     for key, order in first_copies.items():
         assert order == sorted(order), (key, order)
     print(f"600 events, {len(got)} records, {sum(n - 1 for n in copies.values())} copies beyond the first")
+
+
+def test_a_broker_restarted_without_its_state_gets_a_new_producer_and_everything_arrives(engine, settings, tmp_path):
+    """The broker dies and comes back on the same port with nothing of before (memory
+    storage): it refuses the relay's old producer id (UnknownProducerId, which librdkafka
+    retries for minutes). The sink replaces its producer after a batch nobody answered, and
+    every job completes, no attempt charged for it (found by an adversarial run: before, the
+    relay sent nothing more until it was restarted)."""
+    from outbox import Kafka
+
+    broker = Tansu(log=tmp_path / "tansu-1.log")
+    port = broker.port
+    topic = broker.create_topic(2)
+    ob = Outbox()
+    ob.forward("t", to=Kafka(broker.bootstrap, topic=topic, connect_timeout=1.0), consumer="fwd", ordered=True,
+               timeout=3.0, max_attempts=2)
+
+    def publish(start: int, n: int) -> list[int]:
+        with Session(engine) as s, s.begin():
+            return publish_many(s, [{"topic": "t", "key": f"k{i % 10}", "payload": {"n": i}}
+                                    for i in range(start, start + n)])
+
+    restarted = None
+    try:
+        with running_relay(ob, settings(claim_batch=20, prefetch=20)):
+            publish(0, 100)
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 100, timeout=TIMEOUT, what="the first 100 done")
+            broker.stop()
+            second = publish(100, 100)
+            time.sleep(1.0)
+            restarted = Tansu(port=port, log=tmp_path / "tansu-2.log")  # the same address, no state
+            wait_for(lambda: statuses(engine, "fwd").get("done") == 200, timeout=TIMEOUT, what="all 200 done")
+        with engine.connect() as c:
+            assert c.execute(sa.text("SELECT max(attempts) FROM outbox_jobs")).scalar_one() <= 2
+        assert statuses(engine, "fwd") == {"done": 200}
+        got = restarted.read(topic, 100)
+    finally:
+        broker.stop()
+        if restarted is not None:
+            restarted.stop()
+    assert {int(r.headers["Outbox-Event-Id"]) for r in got} >= set(second)  # the second hundred, stored anew

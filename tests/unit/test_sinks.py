@@ -140,6 +140,10 @@ def kafka():
     ({"config": {"partitioner": "consistent_random"}}, "config may not set 'partitioner'"),
     ({"config": {"sasl.password": ["secret"]}}, "must be a string, number or boolean, got ***"),
     ({"config": "linger.ms=5"}, "config must be a mapping"),
+    ({"config": {"no.such.prop": 1}}, 'librdkafka refuses config: No such configuration property: "no.such.prop"'),
+    ({"config": {"linger.ms": "abc"}}, "librdkafka refuses config: Invalid value"),
+    ({"config": {"security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN"}},
+     "sasl.username and sasl.password must be set"),
 ])
 def test_bad_kafka_options_are_refused_naming_the_option(options, words):
     Kafka = kafka()
