@@ -415,22 +415,10 @@ class KafkaBroker:
         return len(await self.read_all())
 
     async def read_all(self) -> list[tuple[bytes, dict[str, str], bytes | None]]:
-        """Every record (value, headers, key), in offset order: read until none came for 1 s."""
-        from confluent_kafka import TopicPartition
+        """Every record (value, headers, key), in offset order."""
+        from outbox.demo.kafka import read_records
 
-        consumer = self._consumer()
-        out: list[tuple[bytes, dict[str, str], bytes | None]] = []
-        try:
-            consumer.assign([TopicPartition(self.name, 0, 0)])
-            quiet, deadline = time.monotonic() + 3, time.monotonic() + 120
-            while time.monotonic() < min(quiet, deadline):
-                for m in consumer.consume(1000, timeout=0.2):
-                    if m.error() is None:
-                        quiet = time.monotonic() + 1
-                        out.append((m.value(), {k: v.decode() for k, v in (m.headers() or [])}, m.key()))
-        finally:
-            consumer.close()
-        return out
+        return [(r.value, r.headers, r.key) for r in read_records(self.url, self.name, 0, timeout=120)]
 
     async def raw(self, messages: list[tuple[bytes, dict[str, str], bytes | None]], mode: str) -> float:
         """Produce ``messages`` with confluent-kafka's idempotent producer (``acks=all``, the
@@ -439,8 +427,9 @@ class KafkaBroker:
         delivery awaited before the next. Seconds from the first send to the last ack."""
         from confluent_kafka import Producer
 
-        producer = Producer({"bootstrap.servers": self.url, "enable.idempotence": True, "acks": "all",
-                             "partitioner": "murmur2_random"})
+        from outbox.sinks.kafka import GUARANTEES
+
+        producer = Producer({"bootstrap.servers": self.url, **GUARANTEES})  # the sink's own
         failed: list[Any] = []
 
         def report(err: Any, _: Any) -> None:

@@ -116,29 +116,8 @@ class Tansu:
             future.result(timeout=20)
 
     def read(self, topic: str, expect: int, timeout: float = 30.0) -> list[Record]:
-        """Every record of ``topic`` from the start, in each partition's order (partitions one
-        after the other), reading until ``expect`` records came or ``timeout`` seconds passed
-        and no more came for 2 s."""
-        from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415
-
-        consumer = Consumer({"bootstrap.servers": f"127.0.0.1:{self.port}", "group.id": f"test-{uuid.uuid4().hex}",
-                             "enable.auto.commit": False, "auto.offset.reset": "earliest"})
-        try:
-            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-            consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
-            got: list[Record] = []
-            end, quiet = time.monotonic() + timeout, time.monotonic() + 2
-            while time.monotonic() < end and (len(got) < expect or time.monotonic() < quiet):
-                for message in consumer.consume(500, timeout=0.5):
-                    if message.error() is not None:
-                        continue
-                    quiet = time.monotonic() + 2
-                    got.append(_record(message))
-                if len(got) >= expect and time.monotonic() >= quiet:
-                    break
-            return sorted(got, key=lambda r: (r.partition, r.offset))
-        finally:
-            consumer.close()
+        """Every record of ``topic``: :func:`read_records` on this broker."""
+        return read_records(f"127.0.0.1:{self.port}", topic, expect, timeout)
 
     def stop(self) -> None:
         """End the broker (its records go with it); also at the end of a ``with`` block, and at
@@ -146,6 +125,33 @@ class Tansu:
         self._finalizer()
         if self._log is not subprocess.DEVNULL:
             self._log.close()
+
+
+def read_records(bootstrap: str, topic: str, expect: int, timeout: float = 30.0) -> list[Record]:
+    """Every record of ``topic`` on the cluster at ``bootstrap`` from the start, in each
+    partition's order (partitions one after the other), read by assigning every partition
+    (no consumer group), until ``expect`` records came or ``timeout`` seconds passed, and no
+    more came for 2 s."""
+    from confluent_kafka import Consumer, TopicPartition  # noqa: PLC0415 (optional, imported when used)
+
+    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"outbox-read-{uuid.uuid4().hex}",
+                         "enable.auto.commit": False, "auto.offset.reset": "earliest"})
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        got: list[Record] = []
+        end, quiet = time.monotonic() + timeout, time.monotonic() + 2
+        while time.monotonic() < end and (len(got) < expect or time.monotonic() < quiet):
+            for message in consumer.consume(500, timeout=0.5):
+                if message.error() is not None:
+                    continue
+                quiet = time.monotonic() + 2
+                got.append(_record(message))
+            if len(got) >= expect and time.monotonic() >= quiet:
+                break
+        return sorted(got, key=lambda r: (r.partition, r.offset))
+    finally:
+        consumer.close()
 
 
 def _terminate(proc: subprocess.Popen[bytes]) -> None:

@@ -118,6 +118,12 @@ class SinkUnavailableError(OutboxError):
     with backoff); the message says why."""
 
 
+def describe_error(exc: BaseException) -> str:
+    """``"TypeName: message"``, or the type's name alone when the message is empty: how
+    sinks name a client's exception in results and logs."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 class Template:
     """A subject or routing-key template: ``str.format`` syntax naming only
     :data:`TEMPLATE_FIELDS` (``"orders.{topic}"``, ``"{topic}.{key}"``). ``what`` names it

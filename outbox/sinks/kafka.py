@@ -88,6 +88,7 @@ from outbox.sinks import (
     SinkUnavailableError,
     Template,
     Unavailable,
+    describe_error,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,10 @@ OWNED_PROPERTIES = frozenset({
     "partitioner", "partitioner_cb", "transactional.id", "on_delivery", "delivery.report.only.error",
     "error_cb", "logger", "enable.gapless.guarantee",
 })
+
+#: The producer settings the sink's guarantees rest on (the module notes): idempotence (hence
+#: ``acks=all``) and the Java client's partitioner.
+GUARANTEES: dict[str, str | bool] = {"enable.idempotence": True, "acks": "all", "partitioner": "murmur2_random"}
 
 #: Seconds :meth:`Kafka.close` waits for the producer to deliver what it holds before dropping it.
 CLOSE_TIMEOUT = 2.0
@@ -149,8 +154,8 @@ def parse_bootstrap(bootstrap: object) -> list[str]:
 def parse_config(config: object) -> dict[str, str | int | float | bool]:
     """librdkafka properties for the producer (``{"security.protocol": "SASL_SSL", ...}``):
     string names, string, number or boolean values, none of :data:`OWNED_PROPERTIES`. Raises
-    :class:`ConfigurationError` naming the property. librdkafka itself checks names and values
-    when the relay starts the producer."""
+    :class:`ConfigurationError` naming the property; :func:`check_config` then has librdkafka
+    check the names and values."""
     if config is None:
         return {}
     if not isinstance(config, Mapping):
@@ -176,8 +181,7 @@ def check_config(config: Mapping[str, str | int | float | bool]) -> None:
     import confluent_kafka  # noqa: PLC0415 (an optional dependency, imported when used)
 
     try:
-        confluent_kafka.Producer({**config, "enable.idempotence": True, "acks": "all",
-                                  "partitioner": "murmur2_random", "logger": _LibrdkafkaLog()})
+        confluent_kafka.Producer({**config, **GUARANTEES, "logger": _LibrdkafkaLog()})
     except confluent_kafka.KafkaException as exc:
         error = exc.args[0] if exc.args else exc
         text = error.str() if hasattr(error, "str") else str(error)
@@ -209,6 +213,7 @@ class Kafka(Sink):
                  key: str | None = "{key}", connect_timeout: float = 5.0,
                  config: Mapping[str, str | int | float | bool] | None = None) -> None:
         self.servers = parse_bootstrap(bootstrap)
+        self.bootstrap = ",".join(self.servers)  # librdkafka's bootstrap.servers, and where logs say it sends
         try:
             self.topic = Template(topic, "topic")
             self.key = None if key is None else Template(key, "key")
@@ -239,7 +244,7 @@ class Kafka(Sink):
     def describe(self) -> str:
         """The bootstrap servers (credentials are ``config`` properties, never shown) and the
         topic template: ``"kafka 127.0.0.1:9092 topic {topic}"``."""
-        return f"kafka {','.join(self.servers)} topic {self.topic.text}"
+        return f"kafka {self.bootstrap} topic {self.topic.text}"
 
     @property
     def connected(self) -> bool:
@@ -250,21 +255,16 @@ class Kafka(Sink):
     async def connect(self) -> None:
         """Start the producer (once; again only after a fatal error) and check that the
         cluster answers a metadata request within ``connect_timeout`` seconds. Raises
-        :class:`SinkUnavailableError` saying why when it does not, and
-        :class:`ConfigurationError` when librdkafka refuses a ``config`` property."""
+        :class:`SinkUnavailableError` saying why when it does not."""
         import confluent_kafka  # noqa: PLC0415 (an optional dependency, imported when used)
 
         if self._producer is None or self._fatal is not None or self._loop is not asyncio.get_running_loop():
             await self.close()
             self._loop = asyncio.get_running_loop()
-            settings: dict[str, Any] = {
-                "client.id": "outbox", **self.config,
-                "bootstrap.servers": ",".join(self.servers), "enable.idempotence": True, "acks": "all",
-                "partitioner": "murmur2_random", "error_cb": self._on_error, "logger": _LibrdkafkaLog()}
-            try:
-                self._producer = confluent_kafka.Producer(settings)
-            except confluent_kafka.KafkaException as exc:
-                raise ConfigurationError(f"Kafka: librdkafka refused the producer's config: {exc}") from None
+            # The config passed check_config when the sink was built: librdkafka takes it.
+            self._producer = confluent_kafka.Producer({
+                "client.id": "outbox", **self.config, **GUARANTEES, "bootstrap.servers": self.bootstrap,
+                "error_cb": self._on_error, "logger": _LibrdkafkaLog()})
             self._fatal = None
             self._stop = threading.Event()
             self._poller = threading.Thread(target=self._poll, args=(self._producer, self._stop),
@@ -273,7 +273,7 @@ class Kafka(Sink):
         try:
             await asyncio.to_thread(self._producer.list_topics, timeout=self.connect_timeout)
         except confluent_kafka.KafkaException as exc:
-            raise SinkUnavailableError(f"cannot reach Kafka at {','.join(self.servers)} within "
+            raise SinkUnavailableError(f"cannot reach Kafka at {self.bootstrap} within "
                                        f"{self.connect_timeout:g} s ({exc.args[0] if exc.args else exc})") from None
         self._broken = None
 
@@ -286,7 +286,7 @@ class Kafka(Sink):
         results: list[SendResult | None] = [None] * len(messages)
         if not self.connected:
             why = self._fatal or self._broken or "not connected"
-            return [Unavailable(f"Kafka at {','.join(self.servers)}: {why}")] * len(messages)
+            return [Unavailable(f"Kafka at {self.bootstrap}: {why}")] * len(messages)
         futures: dict[int, asyncio.Future[Any]] = {}
         for i, message in enumerate(messages):
             if time.monotonic() >= message.deadline:
@@ -305,7 +305,7 @@ class Kafka(Sink):
                 results[i] = Unavailable(f"the Kafka producer's queue is full ({exc})")
                 continue
             except Exception as exc:  # noqa: BLE001 - a KafkaException names the record's own problem
-                results[i] = self._outcome(_error_of(exc), _describe(exc))
+                results[i] = self._outcome(_error_of(exc), describe_error(exc))
                 continue
             futures[i] = future
             if answered is not None:
@@ -323,7 +323,7 @@ class Kafka(Sink):
             # good (a restarted broker that lost its state answers UnknownProducerId, which
             # librdkafka retries until message.timeout.ms). A new producer settles both.
             self._fatal = f"no record of a batch of {len(futures)} answered within {timeout:g}s"
-            log.info("Kafka at %s: %s; the producer is replaced", ",".join(self.servers), self._fatal)
+            log.info("Kafka at %s: %s; the producer is replaced", self.bootstrap, self._fatal)
         return [result if result is not None else Failed("no result") for result in results]
 
     async def close(self) -> None:
@@ -396,7 +396,7 @@ class Kafka(Sink):
             self._broken = why
         else:
             return
-        log.info("Kafka at %s: %s; records not yet sent are dropped (their jobs wait)", ",".join(self.servers), why)
+        log.info("Kafka at %s: %s; records not yet sent are dropped (their jobs wait)", self.bootstrap, why)
         if self._producer is not None:
             self._producer.purge(in_queue=True, in_flight=False, blocking=False)
 
@@ -415,7 +415,7 @@ class Kafka(Sink):
         if code in _PURGED:
             return Unavailable(f"not sent: dropped from the producer's queue while Kafka was unreachable ({text})")
         if code == _DOWN:
-            return Unavailable(f"Kafka at {','.join(self.servers)} is unreachable ({text})")
+            return Unavailable(f"Kafka at {self.bootstrap} is unreachable ({text})")
         if code in _TIMED_OUT:
             return Failed(f"no acknowledgement from Kafka ({text})", unanswered=True)
         return Failed(f"Kafka: {text}")
@@ -437,6 +437,3 @@ def _error_of(exc: BaseException) -> int | None:
     code = getattr(error, "code", None)
     return code() if callable(code) else None
 
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -67,6 +67,7 @@ from outbox.sinks import (
     SinkUnavailableError,
     Template,
     Unavailable,
+    describe_error,
 )
 
 log = logging.getLogger(__name__)
@@ -424,9 +425,7 @@ def _reply(exc: BaseException) -> str:
 
 
 def _describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "cancelled"
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return "cancelled" if exc is None else describe_error(exc)
 
 
 async def _quietly(closing: Any) -> None:
