@@ -258,3 +258,46 @@ def test_a_broker_restarted_without_its_state_gets_a_new_producer_and_everything
         if restarted is not None:
             restarted.stop()
     assert {int(r.headers["Outbox-Event-Id"]) for r in got} >= set(second)  # the second hundred, stored anew
+
+
+def test_records_queued_when_every_broker_goes_down_are_handed_back_not_failed(tmp_path):
+    """The sink alone: records stuck behind a frozen connection when the broker then goes away
+    (librdkafka: all brokers down) are purged from the producer's queue and come back
+    Unavailable (the forwarder hands their jobs back, no attempt counted), never a Failed the
+    broker answered. A record librdkafka had in flight at that moment is not purged and
+    stays unanswered until the timeout (2 runs in 20): a batch of which nothing was answered
+    is an outage to the forwarder too, no attempt counted."""
+    import asyncio
+    from datetime import UTC, datetime
+
+    from outbox import Kafka
+    from outbox.sinks import Failed, Message, Unavailable
+
+    proxy = TcpProxy(("127.0.0.1", 9))
+    proxy.start()
+    broker = Tansu(advertise=proxy.port, log=tmp_path / "tansu.log")
+    proxy.target = ("127.0.0.1", broker.port)
+    try:
+        topic = broker.create_topic(1)
+        messages = [Message(i, i, "fwd", "t", f"k{i}", f"fwd:{i}", datetime.now(UTC), b"{}") for i in range(1, 21)]
+
+        async def run() -> list[Any]:
+            sink = Kafka(broker.bootstrap, topic=topic, connect_timeout=2.0)
+            await sink.connect()
+            try:
+                proxy.freeze()  # the records go out but nothing comes back
+                sending = asyncio.ensure_future(sink.send_many(messages, 8.0))
+                await asyncio.sleep(0.5)
+                proxy.stop()  # then the broker is gone: every connection cut, none accepted
+                results = await sending
+                assert not sink.connected
+                return results
+            finally:
+                await sink.close()
+
+        results = asyncio.run(run())
+    finally:
+        proxy.stop()
+        broker.stop()
+    assert len(results) == 20, results
+    assert all(isinstance(r, Unavailable) or (isinstance(r, Failed) and r.unanswered) for r in results), results
