@@ -34,7 +34,9 @@ class InvalidEventError(OutboxError, ValueError):
 
     The message names the field (``topic``, ``key``, ``payload``, ``headers``) and the
     problem (not JSON-serialisable, holds ``\\u0000``, too large, empty). Raised before
-    anything is sent to the database, so the caller's transaction stays usable.
+    anything is sent to the database, so the caller's transaction stays usable. The SQL
+    function ``outbox_publish`` raises the same message with SQLSTATE 22023
+    (:mod:`outbox.db.event_rules`).
     """
 
     def __init__(self, field: str, problem: str) -> None:

@@ -22,7 +22,10 @@ schedules").
 
 Everything is validated before the first byte is sent; a bad event raises
 :class:`~outbox.errors.InvalidEventError` naming the field and the problem, and the
-caller's transaction is untouched and still usable.
+caller's transaction is untouched and still usable. The rules, their limits and their words
+are those of the SQL functions ``outbox_publish`` / ``outbox_publish_many``
+(:mod:`outbox.db.event_rules`): the same input gives the same event or the same error
+through either.
 
 Payload encoding: JSON objects with string keys, arrays (``list`` or ``tuple``; a tuple
 comes back as a list), strings, finite numbers, booleans and null. Anything else (sets,
@@ -41,9 +44,11 @@ as a ``float`` when it has a decimal point and as an ``int`` otherwise. So:
   notation with one fraction digit instead (``10000000000000000.0``: the digits of the
   float's shortest ``repr``, so it reads back as the same float). Such a float takes up to
   312 characters (sign included) of the encoded size the limits count. Negative exponents
-  (``1e-07``, ``5e-324``) need nothing: ``numeric`` keeps their digits after the point;
-* ``-0.0`` arrives as ``0.0`` (a ``float``, equal under ``==``; ``numeric`` has no negative
-  zero); it is the only float whose sign does not survive.
+  (``1e-07``, ``5e-324``) are written positionally too (``0.0000001``), as ``jsonb`` prints
+  them back: the size counted is that of what the table holds (up to 326 characters for
+  ``5e-324``), which is what the SQL functions count;
+* ``-0.0`` arrives, and is written, as ``0.0`` (a ``float``, equal under ``==``; ``numeric``
+  has no negative zero); it is the only float whose sign does not survive.
 
 How validation stays cheap: most payloads are built only of ``dict``, ``list``, ``tuple``
 and exact ``str``/``int``/``float``/``bool``/``None``. For those a quick walk looks at
@@ -53,10 +58,11 @@ as ``\\u0000``; an unpaired surrogate fails the UTF-8 encoding that measures the
 ``allow_nan=False`` refuses NaN and infinities). Anything else, or any doubt (a literal
 backslash before ``u0000`` in a string, say), goes through the full walk of every value,
 which accepts and refuses exactly the same events and names the exact place of the
-problem. Either way nothing has been sent yet. Both rewrite floats with a positive exponent
-the same way, on the encoded text, and only when it contains ``e+`` (a float's ``repr``
-holds ``e+`` exactly when it has a positive exponent; a string holding ``e+`` costs a scan
-that changes nothing), so payloads without such floats pay one substring search.
+problem. Either way nothing has been sent yet. Both rewrite floats with an exponent and
+negative zero the same way, on the encoded text, and only when it contains ``e+``, ``e-``
+or ``-0.0`` (a float's ``repr`` holds one exactly when it has an exponent or is negative
+zero; a string holding one costs a scan that changes nothing), so payloads without such
+floats pay three substring searches.
 """
 
 from __future__ import annotations
@@ -78,33 +84,26 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from outbox.db import event_rules as rules
 from outbox.db import queries
+from outbox.db.event_rules import (  # the limits, public names of this module too
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    MAX_DEDUP_KEY_LENGTH,
+    MAX_DELAY_SECONDS,
+    MAX_DEPTH,
+    MAX_EVENT_PRIORITY,
+    MAX_HEADERS_BYTES,
+    MAX_INT_DIGITS,
+    MAX_KEY_LENGTH,
+    MAX_NAME_LENGTH,
+)
 from outbox.errors import InvalidEventError, OutboxError, SchemaNotReadyError
 from outbox.telemetry import tracing
 
-#: Longest topic, key or consumer name, in characters.
-MAX_NAME_LENGTH = 255
-MAX_KEY_LENGTH = 1024
-#: Deepest nesting of objects and arrays accepted in a payload or headers.
-MAX_DEPTH = 64
-#: Largest payload accepted when no settings are passed: 1 MiB of encoded JSON.
-DEFAULT_MAX_PAYLOAD_BYTES = 1_048_576
-#: Largest encoded headers object, bytes.
-MAX_HEADERS_BYTES = 65_536
-#: Longest integer accepted in a payload, in decimal digits (Python refuses to print ints
-#: past 4,300 digits by default; no JSON consumer needs more).
-MAX_INT_DIGITS = 1000
 #: Ints of at most this many bits have at most ``MAX_INT_DIGITS`` digits for sure (2**3321 <
 #: 10**1000 < 2**3322); one bit more may or may not, and is checked exactly by the full walk.
 _MAX_INT_BITS: int = (10**MAX_INT_DIGITS).bit_length() - 1
 _INT_LIMIT: int = 10**MAX_INT_DIGITS
-#: Longest ``dedup_key``, in characters: with a topic of ``MAX_NAME_LENGTH`` it stays below
-#: the 2,704-byte limit of a B-tree entry of ``ix_outbox_events_dedup`` (4 bytes a character).
-MAX_DEDUP_KEY_LENGTH = 255
-#: Largest ``priority`` of an event (and ``-MAX_EVENT_PRIORITY`` the smallest).
-MAX_EVENT_PRIORITY = 1000
-#: Longest ``delay``, seconds (100 years of 365.25 days).
-MAX_DELAY_SECONDS = 3_155_760_000.0
 
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
@@ -128,12 +127,14 @@ def check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
     if type(value) is str and 0 < len(value) <= limit and value.isascii() and "\x00" not in value \
             and not value.isspace():
         return value  # the usual case, decided without the checks below (ASCII has no surrogates)
+    if value is None:
+        raise InvalidEventError(field, rules.REQUIRED)
     if not isinstance(value, str):
-        raise InvalidEventError(field, f"must be a str, got {type(value).__name__}")
+        raise InvalidEventError(field, rules.NOT_A_STR % type(value).__name__)
     if not value.strip():
-        raise InvalidEventError(field, "must not be empty")
+        raise InvalidEventError(field, rules.EMPTY)
     if len(value) > limit:
-        raise InvalidEventError(field, f"is {len(value)} characters long, the limit is {limit}")
+        raise InvalidEventError(field, rules.TOO_LONG % (len(value), limit))
     _check_text(value, field)
     return value
 
@@ -149,7 +150,7 @@ def _check_text(value: str, where: str) -> None:
 
 def _check_json(value: Any, where: str, depth: int = 0) -> None:
     if depth > MAX_DEPTH:
-        raise InvalidEventError(where, f"nests deeper than {MAX_DEPTH} levels")
+        raise InvalidEventError(where, rules.TOO_DEEP)
     if value is None or value is True or value is False:
         return
     kind = type(value)
@@ -157,7 +158,7 @@ def _check_json(value: Any, where: str, depth: int = 0) -> None:
         _check_text(value, where)
     elif kind is int:
         if value.bit_length() > _MAX_INT_BITS and abs(value) >= _INT_LIMIT:
-            raise InvalidEventError(where, f"is an integer of more than {MAX_INT_DIGITS} digits")
+            raise InvalidEventError(where, rules.INT_TOO_LONG)
     elif kind is float:
         if not math.isfinite(value):
             raise InvalidEventError(where, f"{value!r} is not a JSON number")
@@ -190,38 +191,46 @@ def _mapping_as_dict(value: Any) -> dict[str, Any]:
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
-#: In JSON text written by ``json``: a whole string (skipped), or a number with a positive
-#: exponent (group 1). Numbers occur only outside strings, and a scan that consumes every
-#: string whole from its opening quote never starts inside one.
-_STRING_OR_EXPONENT_NUMBER = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(-?[0-9]+(?:\.[0-9]+)?e\+[0-9]+)', re.DOTALL)
+#: In JSON text written by ``json``: a whole string (skipped), or a number with an exponent,
+#: or a negative zero (group 1). Numbers occur only outside strings, and a scan that consumes
+#: every string whole from its opening quote never starts inside one.
+_STRING_OR_NUMBER_TO_REWRITE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|(-?[0-9]+(?:\.[0-9]+)?e[+-][0-9]+|-0\.0(?![0-9]))',
+                                          re.DOTALL)
 
 
 def _positional(match: re.Match[str]) -> str:
     number = match[1]
     if number is None:
         return match[0]  # a string: unchanged
-    # A float's repr with a positive exponent has at most 16 fraction digits and an
-    # exponent of 16 or more, so its exact decimal value is an integer: no digit is lost.
+    if number == "-0.0":
+        return "0.0"  # numeric has no negative zero
+    # A float's repr with an exponent is its exact decimal value (Decimal keeps every digit):
+    # with a positive exponent an integer (at most 16 fraction digits, exponent 16 or more),
+    # with a negative one the same digits after the point.
     digits = format(Decimal(number), "f")
     return digits if "." in digits else digits + ".0"
 
 
-def _positional_floats(text: str) -> str:
-    """``text`` (JSON written by ``json``) with every number written with a positive exponent
-    (a float of magnitude 1e16 or more: ``1.5e+300``) rewritten in positional notation with
-    one fraction digit (``15000...0.0``), so ``jsonb`` keeps it a float (module notes)."""
-    return _STRING_OR_EXPONENT_NUMBER.sub(_positional, text)
+def _jsonb_numbers(text: str) -> str:
+    """``text`` (JSON written by ``json``) with its numbers as ``jsonb`` prints them back:
+    every float written with an exponent (``1.5e+300``, ``1e-07``) in positional notation,
+    with one fraction digit when it is whole (``15000...0.0``, so ``jsonb`` keeps it a
+    float), and ``-0.0`` as ``0.0``. What is measured against the limits is then what the
+    table holds, as the SQL functions measure it (module notes). Costs three substring
+    searches when there is nothing to rewrite."""
+    if "e+" in text or "e-" in text or "-0.0" in text:
+        return _STRING_OR_NUMBER_TO_REWRITE.sub(_positional, text)
+    return text
 
 
 def _encode_checked(value: Any, field: str, limit: int) -> str:
     """The full walk, then the encoding: the reference for what is accepted and refused."""
     _check_json(value, field)
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=_mapping_as_dict)
-    if "e+" in text:
-        text = _positional_floats(text)
+    text = _jsonb_numbers(json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
+                                     default=_mapping_as_dict))
     size = len(text.encode("utf-8"))
     if size > limit:
-        raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
+        raise InvalidEventError(field, rules.TOO_LARGE % (size, limit))
     return text
 
 
@@ -279,8 +288,7 @@ def _encode(value: Any, field: str, limit: int) -> str:
             text = _dumps_plain(value)
         except ValueError:  # NaN or an infinity: the full walk names where
             return _encode_checked(value, field, limit)
-        if "e+" in text:  # a float of magnitude 1e16 or more (or a string holding "e+")
-            text = _positional_floats(text)
+        text = _jsonb_numbers(text)
         if "\\u0000" not in text:  # else a NUL, or a literal backslash before "u0000"
             if text.isascii():
                 size = len(text)
@@ -290,7 +298,7 @@ def _encode(value: Any, field: str, limit: int) -> str:
                 except UnicodeEncodeError:  # an unpaired surrogate
                     return _encode_checked(value, field, limit)
             if size > limit:
-                raise InvalidEventError(field, f"is {size} bytes encoded, the limit is {limit} bytes")
+                raise InvalidEventError(field, rules.TOO_LARGE % (size, limit))
             return text
     return _encode_checked(value, field, limit)
 
@@ -323,7 +331,7 @@ def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_byte
             "{}" if trace is None else "{" + trace.members + "}"
     if type(headers) is not dict:
         if not isinstance(headers, Mapping):
-            raise InvalidEventError("headers", f"must be a mapping, got {type(headers).__name__}")
+            raise InvalidEventError("headers", rules.NOT_A_MAPPING % type(headers).__name__)
         headers = dict(headers)
     payload_json = _encode(payload, "payload", max_payload_bytes)  # first: problems are named in this order
     encoded = _encode(headers, "headers", MAX_HEADERS_BYTES)
@@ -369,31 +377,28 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
         return None
     if run_at is not None:
         if not isinstance(run_at, datetime):
-            raise InvalidEventError("run_at", f"must be a datetime, got {type(run_at).__name__}")
+            raise InvalidEventError("run_at", rules.NOT_A_DATETIME % type(run_at).__name__)
         if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise InvalidEventError("run_at", "is a naive datetime; pass an aware one, such as "
-                                              "datetime.now(timezone.utc) + timedelta(minutes=5)")
+            raise InvalidEventError("run_at", rules.NAIVE_DATETIME)
         if delay is not None:
-            raise InvalidEventError("delay", "cannot be given with run_at; pass one of them")
+            raise InvalidEventError("delay", rules.DELAY_WITH_RUN_AT)
         try:
             run_at = run_at.astimezone(UTC)
         except OverflowError:  # within a day of datetime's year 1 or 9999, past them in UTC
             raise InvalidEventError("run_at", f"is out of range in UTC: {run_at.isoformat()}") from None
     if delay is not None:
         if isinstance(delay, bool) or not isinstance(delay, (int, float)):
-            raise InvalidEventError("delay", f"must be a number of seconds, got {type(delay).__name__}")
+            raise InvalidEventError("delay", rules.NOT_SECONDS % type(delay).__name__)
         if not (0 <= delay <= MAX_DELAY_SECONDS and math.isfinite(delay)):  # range first: 10**400 has no float
-            shown = repr(delay) if len(repr(delay)) <= 40 else repr(delay)[:37] + "..."
-            raise InvalidEventError("delay", f"must be seconds in 0..{MAX_DELAY_SECONDS:.0f}, got {shown}")
+            raise InvalidEventError("delay", rules.DELAY_RANGE)
         delay = float(delay)
     if dedup_key is not None:
         check_name(dedup_key, "dedup_key", MAX_DEDUP_KEY_LENGTH)
     if priority is not None:
         if isinstance(priority, bool) or not isinstance(priority, int):
-            raise InvalidEventError("priority", f"must be an int, got {type(priority).__name__}")
+            raise InvalidEventError("priority", rules.NOT_AN_INT % type(priority).__name__)
         if not -MAX_EVENT_PRIORITY <= priority <= MAX_EVENT_PRIORITY:
-            raise InvalidEventError("priority", f"must be in {-MAX_EVENT_PRIORITY}..{MAX_EVENT_PRIORITY}, "
-                                                f"got {priority}")
+            raise InvalidEventError("priority", rules.PRIORITY_RANGE % priority)
         priority = int(priority)
     return PublishOptions(run_at, delay, priority, dedup_key)
 
@@ -806,8 +811,6 @@ def _publish_many_plan(batches: list[str], plan: _ManyPlan, statements: queries.
 _FIELDS = frozenset(("topic", "payload", "key", "headers"))
 _OPTIONS = frozenset(("run_at", "delay", "dedup_key", "priority"))
 _ALL_FIELDS = _FIELDS | _OPTIONS
-_ITEM_SHAPE = ("an item is a mapping with topic and payload, and optionally key, headers, run_at, delay, "
-               "dedup_key and priority, or a tuple (topic, payload[, key[, headers]])")
 
 
 def _fields(item: Any, index: int) -> tuple[tuple[Any, Any, Any, Any], dict[str, Any] | None]:
@@ -820,22 +823,22 @@ def _fields(item: Any, index: int) -> tuple[tuple[Any, Any, Any, Any], dict[str,
     if kind is tuple or kind is list:
         if 2 <= len(item) <= 4:
             return (*item, *(None,) * (4 - len(item))), None
-        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__} of {len(item)} items; {_ITEM_SHAPE} "
+        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__} of {len(item)} items; {rules.ITEM_SHAPE} "
                                                     "(use a mapping for the options)")
     if kind is dict:
         fields = item
     elif isinstance(item, Mapping):
         fields = dict(item)
     else:
-        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__}; {_ITEM_SHAPE}")
+        raise InvalidEventError(f"events[{index}]", f"is a {kind.__name__}; {rules.ITEM_SHAPE}")
     keys = fields.keys()
     if not keys <= _FIELDS:
         unknown = [k for k in keys if k not in _ALL_FIELDS]
         if unknown:
-            raise InvalidEventError(f"events[{index}]", f"has unknown keys {', '.join(map(repr, unknown))}; {_ITEM_SHAPE}")
+            raise InvalidEventError(f"events[{index}]", f"has unknown keys {', '.join(map(repr, unknown))}; {rules.ITEM_SHAPE}")
     if "topic" not in fields or "payload" not in fields:
         missing = " and ".join(k for k in ("topic", "payload") if k not in fields)
-        raise InvalidEventError(f"events[{index}]", f"has no {missing}; {_ITEM_SHAPE}")
+        raise InvalidEventError(f"events[{index}]", f"has no {missing}; {rules.ITEM_SHAPE}")
     base = (fields["topic"], fields["payload"], fields.get("key"), fields.get("headers"))
     if keys <= _FIELDS:
         return base, None

@@ -44,6 +44,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.engine import Connection
 
+from outbox.db import event_rules
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -252,7 +254,8 @@ def relation_names() -> frozenset[str]:
     :data:`metadata`, the version table and the trigger function. Statements name these
     unqualified; :func:`outbox.db.queries.in_schema` qualifies exactly these."""
     sequences = {v.name for v in globals().values() if isinstance(v, Sequence) and v.metadata is metadata}
-    return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION, EVENTS_NOTIFY_FUNCTION})
+    return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION, EVENTS_NOTIFY_FUNCTION,
+                      *event_rules.FUNCTION_NAMES})
 
 
 # The function resolves no relation by name (pg_notify is in pg_catalog, searched first), so
@@ -325,6 +328,13 @@ NOTIFY_DROP_DDL = (
 def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any) -> None:
     for statement in (*NOTIFY_DDL, *EVENTS_NOTIFY_DDL):
         connection.exec_driver_sql(statement)
+    # The publish functions keep the search path they are created under (SET search_path FROM
+    # CURRENT): the schema the tables were just created in, alone, as the migrations set it.
+    search_path = connection.exec_driver_sql("SELECT current_setting('search_path')").scalar_one()
+    connection.exec_driver_sql("SELECT set_config('search_path', quote_ident(current_schema()), true)")
+    for statement in event_rules.PUBLISH_FUNCTIONS_DDL:
+        connection.exec_driver_sql(statement.replace("%", "%%"))  # the driver reads % as a placeholder
+    connection.exec_driver_sql("SELECT set_config('search_path', %(path)s, true)", {"path": search_path})
 
 
 event.listen(metadata, "after_create", _create_notify_triggers)

@@ -27,7 +27,9 @@ Three roles (operations notes, "Roles"), all created by the database administrat
   columns: run them in one transaction (``--apply`` does). The identity column's sequence
   needs no grant (an identity default is drawn without a privilege check), nor do the
   defaults of the columns not granted, the publish lock (``pg_advisory_xact_lock``) or the
-  NOTIFY trigger.
+  NOTIFY trigger. It may also call the SQL functions ``outbox_publish`` and
+  ``outbox_publish_many`` (``EXECUTE``, which migration 0010 takes back from ``PUBLIC``): they
+  run with its privileges, the ones above.
 
 Both roles also get ``USAGE`` on the schema. Every name is quoted as an identifier
 (``psycopg.sql.Identifier``), so a role may have any name PostgreSQL allows; role names
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from psycopg import sql
 
-from outbox.db import tables
+from outbox.db import event_rules, tables
 from outbox.errors import ConfigurationError
 from outbox.settings import check_schema_name
 
@@ -137,6 +139,8 @@ def publisher_grants(role: str, schema: str = "public") -> list[sql.Composable]:
         sql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(_columns(PUBLISHER_EVENT_COLUMNS), events, role_id),
         sql.SQL("GRANT SELECT ({}) ON TABLE {} TO {}").format(
             _columns(PUBLISHER_SUBSCRIPTION_COLUMNS), _table(schema, tables.subscriptions.name), role_id),
+        *(sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(sql.Identifier(schema), sql.SQL(signature), role_id)
+          for signature in event_rules.WRITING_FUNCTIONS),
     ]
 
 

@@ -473,7 +473,7 @@ BAD_INPUT = [
     pytest.param(dict(topic=""), "topic", "must not be empty", id="empty-topic"),
     pytest.param(dict(topic=" \t\n"), "topic", "must not be empty", id="blank-topic"),
     pytest.param(dict(topic="t" * 256), "topic", "256 characters long, the limit is 255", id="long-topic"),
-    pytest.param(dict(topic=None), "topic", "must be a str, got NoneType", id="none-topic"),
+    pytest.param(dict(topic=None), "topic", "is required", id="none-topic"),
     pytest.param(dict(topic=b"t"), "topic", "must be a str, got bytes", id="bytes-topic"),
     pytest.param(dict(key=""), "key", "must not be empty", id="empty-key"),
     pytest.param(dict(key="k" * 1025), "key", "1025 characters long, the limit is 1024", id="long-key"),

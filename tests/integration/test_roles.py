@@ -171,6 +171,15 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
         with Session(publisher) as s, s.begin():
             publish(s, "order.placed", {"n": 5}, schema=SCHEMA)
         wait_for(lambda: len(done) == 8, timeout=TIMEOUT, what="a job after the skipped upkeep")
+        # The SQL functions, with the publisher's EXECUTE and column grants only.
+        with publisher.begin() as c:
+            c.execute(sa.text(f"SELECT {SCHEMA}.outbox_publish('order.placed', CAST(:p AS jsonb), 'order:1', "
+                              "dedup_key => 'sql')"), {"p": '{"n": 6}'})
+            c.execute(sa.text(f"SELECT {SCHEMA}.outbox_publish_many(CAST(:e AS jsonb))"),
+                      {"e": '[["order.placed", {"n": 7}, "order:1"], '
+                            '{"topic": "order.placed", "payload": {"n": 8}, "dedup_key": "sql"}]'})
+        wait_for(lambda: len(done) == 12, timeout=TIMEOUT, what="the jobs of two events published from SQL")
+        assert [p["n"] for c, p in done if c == "ledger"][-2:] == [6, 7]
     finally:
         relay.stop()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "may not ANALYZE or VACUUM" in r.getMessage()]
@@ -196,7 +205,9 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
         assert _denied(publisher, statement), statement
     # The relay: no DDL.
     relay_engine = make_engine(roles["relay"])
-    for statement in (f"CREATE TABLE {SCHEMA}.intruder (id int)",
+    for statement in (f"SELECT {SCHEMA}.outbox_publish('t', '1')",  # EXECUTE is granted to the publisher only
+                      f"SELECT {SCHEMA}.outbox_insert_event('t', '1', NULL, NULL, NULL, NULL, NULL, NULL)",
+                      f"CREATE TABLE {SCHEMA}.intruder (id int)",
                       f"ALTER TABLE {SCHEMA}.outbox_jobs ADD COLUMN intruder int",
                       f"TRUNCATE {SCHEMA}.outbox_jobs"):
         assert _denied(relay_engine, statement), statement

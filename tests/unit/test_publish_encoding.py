@@ -45,6 +45,8 @@ _REF_MAX_INT_BITS = _REF_INT_LIMIT.bit_length() - 1  # around the edge the strat
 
 
 def ref_check_name(value: Any, field: str, limit: int = MAX_NAME_LENGTH) -> str:
+    if value is None:
+        raise InvalidEventError(field, "is required")
     if not isinstance(value, str):
         raise InvalidEventError(field, f"must be a str, got {type(value).__name__}")
     if not value.strip():
@@ -107,14 +109,19 @@ def ref_mapping_as_dict(value: Any) -> dict:
 
 
 def ref_float(value: float) -> str:
-    """``repr``, its exponent moved into the digits when it is positive: 1.5e+300 -> 15 and
-    299 zeros, then ".0"."""
+    """``repr`` as jsonb prints it back: a positive exponent moved into the digits (1.5e+300 ->
+    15 and 299 zeros, then ".0"), a negative one into zeros after the point (1.5e-07 ->
+    0.00000015), and -0.0 as 0.0."""
+    if value == 0:
+        return "0.0"
     text = repr(value)
     mantissa, _, exponent = text.partition("e")
-    if not exponent or exponent.startswith("-"):
+    if not exponent:
         return text
     sign, mantissa = ("-", mantissa[1:]) if mantissa.startswith("-") else ("", mantissa)
     whole, _, fraction = mantissa.partition(".")
+    if exponent.startswith("-"):
+        return f"{sign}0.{'0' * (-int(exponent) - 1)}{whole}{fraction}"
     zeros = int(exponent) - len(fraction)
     assert zeros >= 0, text
     return f"{sign}{whole}{fraction}{'0' * zeros}.0"
@@ -431,8 +438,8 @@ def test_publish_many_splits_documents_past_the_batch_size(monkeypatch: pytest.M
     (123456789012345678.0, "123456789012345680.0"),  # repr's shortest digits, not the binary value's
     (float(2**53 + 1), "9007199254740992.0"),
     (9999999999999998.0, "9999999999999998.0"),  # below 1e16 repr is positional already
-    (1e-7, "1e-07"), (5e-324, "5e-324"), (-2.5e-300, "-2.5e-300"),  # numeric keeps these digits
-    (0.1, "0.1"), (-0.0, "-0.0"),
+    (1e-7, "0.0000001"), (5e-324, "0." + "0" * 323 + "5"), (-2.5e-300, "-0." + "0" * 299 + "25"),  # as jsonb prints
+    (0.1, "0.1"), (-0.0, "0.0"),  # numeric has no negative zero
 ])
 @pytest.mark.parametrize("where", ["payload", "headers", "full walk"])
 def test_floats_are_written_so_jsonb_keeps_them_floats(value: float, text: str, where: str) -> None:
@@ -458,9 +465,9 @@ def test_strings_holding_e_plus_are_left_alone(payload: Any, text: str) -> None:
 
 @settings(max_examples=examples(3000), deadline=None)
 @given(value=st.floats(allow_nan=False, allow_infinity=False))
-def test_every_finite_float_is_written_with_a_fraction_or_a_negative_exponent(value: float) -> None:
+def test_every_finite_float_is_written_as_jsonb_prints_it(value: float) -> None:
     """What numeric keeps as a number with digits after the point (so it reads back as a
-    float), of the same value: a decimal point, or an exponent below zero."""
+    float), of the same value, as jsonb prints it (no exponent; zero without a sign)."""
     number = make_event("t", [value]).payload[1:-1]
-    assert "e+" not in number and ("." in number or "e-" in number), number
-    assert float(number) == value and math.copysign(1, float(number)) == math.copysign(1, value)
+    assert "e" not in number and "." in number, number
+    assert float(number) == value and (value == 0 or math.copysign(1, float(number)) == math.copysign(1, value))
