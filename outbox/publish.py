@@ -78,8 +78,10 @@ from decimal import Decimal
 from typing import Any, overload
 
 import psycopg
+from psycopg.rows import namedtuple_row
 from sqlalchemy import TextClause
-from sqlalchemy.engine import Connection, Row
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
@@ -406,7 +408,7 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
 # The type checker's view: a sync session gets the id, an async one an awaitable of it.
 @overload
 def publish(
-    session: Session | Connection,
+    session: Session | Connection | psycopg.Connection[Any],
     topic: str,
     payload: Any,
     key: str | None = None,
@@ -423,7 +425,7 @@ def publish(
 
 @overload
 def publish(
-    session: AsyncSession | AsyncConnection,
+    session: AsyncSession | AsyncConnection | psycopg.AsyncConnection[Any],
     topic: str,
     payload: Any,
     key: str | None = None,
@@ -439,7 +441,8 @@ def publish(
 
 
 def publish(
-    session: Session | Connection | AsyncSession | AsyncConnection,
+    session: Session | Connection | AsyncSession | AsyncConnection | psycopg.Connection[Any]
+    | psycopg.AsyncConnection[Any],
     topic: str,
     payload: Any,
     key: str | None = None,
@@ -454,9 +457,14 @@ def publish(
 ) -> Any:
     """Write one event in ``session``'s current transaction; never commits.
 
-    ``session`` is a SQLAlchemy ``Session`` or Core ``Connection`` (returns the new event
-    id, an ``int``), or an ``AsyncSession`` / ``AsyncConnection`` (returns an awaitable of
-    the id: ``await publish(...)``). ``topic`` is a non-empty ``str`` of at most 255
+    ``session`` is a SQLAlchemy ``Session`` or Core ``Connection`` or a psycopg
+    ``Connection`` (returns the new event id, an ``int``), or an ``AsyncSession`` /
+    ``AsyncConnection`` (SQLAlchemy's, on psycopg or asyncpg) or a psycopg
+    ``AsyncConnection`` (returns an awaitable of the id: ``await publish(...)``). On a
+    psycopg connection the event is written in its current transaction (psycopg opens one
+    at the first statement unless the connection is in autocommit mode, where each call
+    commits by itself: use ``with conn.transaction():``); rows are read with a row factory
+    of publish's own, whatever the connection's. ``topic`` is a non-empty ``str`` of at most 255
     characters; ``key`` (optional, at most 1,024 characters) names the aggregate the event
     is about; ``payload`` is JSON (see the module notes) of at most ``max_payload_bytes``
     encoded bytes (default 1 MiB); ``headers`` an optional JSON object of at most 64 KiB.
@@ -501,6 +509,10 @@ def publish(
     topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes,
                                                        tracing.current_headers() if tracing.ENABLED else None)
     statements = queries.in_schema(schema)
+    if isinstance(session, (psycopg.Connection, psycopg.AsyncConnection)):
+        options = check_options(run_at, delay, dedup_key, priority)
+        plan = _publish_one_plan(topic, key, payload_json, headers_json, options, statements)
+        return _run_on_psycopg(session, plan, statements)
     if run_at is None and delay is None and dedup_key is None and priority is None:
         params = {"topic": topic, "key": key, "payload": payload_json, "headers": headers_json}
         if isinstance(session, (AsyncSession, AsyncConnection)):
@@ -530,8 +542,10 @@ def _schema_hint(statements: queries.Statements) -> Iterator[None]:
     """Say "run outbox-relay migrate" when the events table (or its schema) does not exist."""
     try:
         yield
-    except ProgrammingError as exc:
-        if isinstance(exc.orig, (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)):
+    except (ProgrammingError, psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        cause = exc.orig if isinstance(exc, ProgrammingError) else exc
+        # psycopg's errors and SQLAlchemy's asyncpg adapter's carry the SQLSTATE
+        if getattr(cause, "sqlstate", None) in _MISSING_TABLE_OR_SCHEMA:
             from outbox.db.migrate import migrate_command
 
             raise SchemaNotReadyError(f"table {statements.schema}.outbox_events does not exist; "
@@ -539,12 +553,63 @@ def _schema_hint(statements: queries.Statements) -> Iterator[None]:
         raise
 
 
+#: SQLSTATEs of undefined_table and invalid_schema_name.
+_MISSING_TABLE_OR_SCHEMA = frozenset({"42P01", "3F000"})
+
+
 # A plan is a generator that yields the statements to run (statement, parameters), receives
 # each one's rows and returns the result: one body for sync and async sessions.
-_Plan = Generator[tuple[TextClause, dict[str, Any]], Sequence[Row[Any]], Any]
+_Plan = Generator[tuple[TextClause, dict[str, Any]], Sequence[Any], Any]  # rows: Row or psycopg's named tuples
 
 #: Tries of a dedup publish whose conflicting event is pruned before it is looked up.
 _DEDUP_TRIES = 3
+
+
+#: The statements' text for psycopg's own connections: SQLAlchemy's ``:name`` placeholders
+#: compiled to psycopg's ``%(name)s`` (and a literal ``%`` doubled) once per statement, by
+#: the dialect SQLAlchemy's own psycopg sessions use; keyed by the statement's identity
+#: (statements live as long as the process, :func:`outbox.db.queries.in_schema`).
+_PSYCOPG_TEXT: dict[int, tuple[TextClause, str]] = {}
+_PSYCOPG_DIALECT = PGDialect_psycopg()  # type: ignore[no-untyped-call]  # SQLAlchemy's own is untyped
+
+
+def _psycopg_text(statement: TextClause) -> str:
+    known = _PSYCOPG_TEXT.get(id(statement))
+    if known is None or known[0] is not statement:
+        known = (statement, str(statement.compile(dialect=_PSYCOPG_DIALECT)))
+        _PSYCOPG_TEXT[id(statement)] = known
+    return known[1]
+
+
+def _run_on_psycopg(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], plan: _Plan,
+                    statements: queries.Statements) -> Any:
+    """Run ``plan`` on a psycopg connection, in its current transaction (or, in autocommit
+    mode, statement by statement); rows are read as named tuples whatever the connection's
+    row factory."""
+    if isinstance(conn, psycopg.AsyncConnection):
+        return _run_on_psycopg_async(conn, plan, statements)
+    with _schema_hint(statements), conn.cursor(row_factory=namedtuple_row) as cursor:
+        statement, params = next(plan)
+        while True:
+            rows = cursor.execute(_psycopg_text(statement), params).fetchall()
+            try:
+                statement, params = plan.send(rows)
+            except StopIteration as done:
+                return done.value
+
+
+async def _run_on_psycopg_async(conn: psycopg.AsyncConnection[Any], plan: _Plan,
+                                statements: queries.Statements) -> Any:
+    with _schema_hint(statements):
+        async with conn.cursor(row_factory=namedtuple_row) as cursor:
+            statement, params = next(plan)
+            while True:
+                await cursor.execute(_psycopg_text(statement), params)
+                rows = await cursor.fetchall()
+                try:
+                    statement, params = plan.send(rows)
+                except StopIteration as done:
+                    return done.value
 
 
 def _run_plan(session: Session | Connection, plan: _Plan, statements: queries.Statements) -> Any:
@@ -570,8 +635,11 @@ async def _run_plan_async(session: AsyncSession | AsyncConnection, plan: _Plan,
                 return done.value
 
 
-def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, options: PublishOptions,
+def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, options: PublishOptions | None,
                       statements: queries.Statements) -> _Plan:
+    if options is None:
+        rows = yield statements.event_insert, {"topic": topic, "key": key, "payload": payload, "headers": headers}
+        return rows[0].id
     params = {"topic": topic, "key": key, "payload": payload, "headers": headers, "run_at": options.run_at,
               "delay": options.delay, "priority": options.priority, "dedup_key": options.dedup_key}
     for _ in range(_DEDUP_TRIES):
@@ -589,7 +657,7 @@ def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, o
 
 @overload
 def publish_many(
-    session: Session | Connection,
+    session: Session | Connection | psycopg.Connection[Any],
     events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -599,7 +667,7 @@ def publish_many(
 
 @overload
 def publish_many(
-    session: AsyncSession | AsyncConnection,
+    session: AsyncSession | AsyncConnection | psycopg.AsyncConnection[Any],
     events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -608,7 +676,8 @@ def publish_many(
 
 
 def publish_many(
-    session: Session | Connection | AsyncSession | AsyncConnection,
+    session: Session | Connection | AsyncSession | AsyncConnection | psycopg.Connection[Any]
+    | psycopg.AsyncConnection[Any],
     events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
@@ -634,6 +703,10 @@ def publish_many(
     """
     batches, plan = _encode_many(events, max_payload_bytes)
     statements = queries.in_schema(schema)
+    if isinstance(session, (psycopg.Connection, psycopg.AsyncConnection)):
+        steps = _publish_many_plan(batches, plan, statements) if plan is not None \
+            else _publish_many_plain_plan(batches, statements)
+        return _run_on_psycopg(session, steps, statements)
     if plan is not None:
         steps = _publish_many_plan(batches, plan, statements)
         if isinstance(session, (AsyncSession, AsyncConnection)):
@@ -648,6 +721,15 @@ def publish_many(
         for batch in batches:
             ids.extend(session.execute(statements.event_insert_many, {"events": batch}).scalars())
     return sorted(ids)  # ids are drawn in the order of events; RETURNING promises no order
+
+
+def _publish_many_plain_plan(batches: list[str], statements: queries.Statements) -> _Plan:
+    """``event_insert_many`` per batch; the ids sorted (drawn in the order of events)."""
+    ids: list[int] = []
+    for batch in batches:
+        rows = yield statements.event_insert_many, {"events": batch}
+        ids.extend(row.id for row in rows)
+    return sorted(ids)
 
 
 async def _publish_many_async(session: AsyncSession | AsyncConnection, batches: list[str],
@@ -848,5 +930,5 @@ def _fields(item: Any, index: int) -> tuple[tuple[Any, Any, Any, Any], dict[str,
 def _check_session(session: Any) -> None:
     if not isinstance(session, (Session, Connection)):
         raise TypeError(
-            "publish() needs a SQLAlchemy Session, AsyncSession, Connection or AsyncConnection, "
-            f"got {type(session).__name__}")
+            "publish() needs a SQLAlchemy Session, AsyncSession, Connection or AsyncConnection, or a psycopg "
+            f"Connection or AsyncConnection, got {type(session).__name__}")

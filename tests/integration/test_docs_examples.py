@@ -78,8 +78,8 @@ def _url_text(url: URL) -> str:
 
 
 def _with_database(text: str, url: URL) -> str:
-    for placeholder in PLACEHOLDER_URLS:
-        text = text.replace(placeholder, _url_text(url.set(drivername="postgresql+psycopg")))
+    for placeholder in PLACEHOLDER_URLS:  # each with its own scheme: libpq's, or SQLAlchemy's psycopg
+        text = text.replace(placeholder, _url_text(url.set(drivername=placeholder.split("://")[0])))
     return text
 
 

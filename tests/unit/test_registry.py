@@ -107,7 +107,7 @@ def test_bad_consumer_name(name, problem):
     ("\t\n", "must not be empty"),
     ("t" * 256, "256 characters long"),
     ("a\x00", "NUL"),
-    (None, "must be a str"),
+    (None, "is required"),
 ])
 def test_bad_topic(topic, problem):
     with pytest.raises(ConfigurationError, match=problem) as info:
