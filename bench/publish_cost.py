@@ -12,6 +12,11 @@ To say where the cost is, two more variants of (a) run in the same blocks: the s
 ``publish()`` with the NOTIFY trigger disabled, and a bare ``INSERT INTO outbox_events``
 of the same row (no validation, no encoding by outbox); and for (b), validating and
 encoding 1,000 events without sending them (``make_event``).
+
+The other ways to publish (issue 30), in the same blocks: (a) with the SQL function
+``outbox_publish`` instead of ``publish()`` (its validation runs in the database), and
+with ``publish()`` on the psycopg connection under the SQLAlchemy one (the same
+transaction); (b) with ``outbox_publish_many`` of the same 1,000 events.
 """
 
 from __future__ import annotations
@@ -36,12 +41,26 @@ BARE = sa.text("INSERT INTO outbox_events (topic, key, payload, headers) VALUES 
                " CAST(:payload AS jsonb), CAST('{}' AS jsonb)) RETURNING id")
 
 
-def domain_txns(eng: sa.Engine, n: int, with_publish: bool, bare: bool = False) -> float:
+SQL_FUNCTION = sa.text("SELECT outbox_publish(:topic, CAST(:payload AS jsonb), :key)")
+SQL_FUNCTION_MANY = sa.text("SELECT outbox_publish_many(CAST(:events AS jsonb))")
+
+
+def domain_txns(eng: sa.Engine, n: int, with_publish: bool, bare: bool = False, way: str = "publish") -> float:
+    """``way``: how the event is published when ``with_publish``: ``publish`` (on the
+    SQLAlchemy connection), ``psycopg`` (publish() on its psycopg connection) or ``sql``
+    (the SQL function; the payload JSON written by the caller)."""
     start = time.perf_counter()
     for i in range(n):
         with eng.begin() as conn:
             order_id = conn.execute(INSERT, {"customer": "dave", "total": 2500 + i}).scalar_one()
-            if bare:
+            if with_publish and way == "sql":
+                conn.execute(SQL_FUNCTION, {"topic": "order.placed", "key": f"order:{order_id}",
+                                            "payload": f'{{"order_id":{order_id},"total_cents":{2500 + i}}}'}
+                             ).scalar_one()
+            elif with_publish and way == "psycopg":
+                publish(conn.connection.driver_connection, "order.placed",
+                        {"order_id": order_id, "total_cents": 2500 + i}, key=f"order:{order_id}")
+            elif bare:
                 conn.execute(BARE, {"topic": "order.placed", "key": f"order:{order_id}",
                                     "payload": f'{{"order_id":{order_id},"total_cents":{2500 + i}}}'}).scalar_one()
             elif with_publish:
@@ -54,11 +73,14 @@ def notify_trigger(eng: sa.Engine, enabled: bool) -> None:
         conn.exec_driver_sql(f"ALTER TABLE outbox_events {'ENABLE' if enabled else 'DISABLE'} TRIGGER outbox_events_notify")
 
 
-def thousand(eng: sa.Engine, txns: int, many: bool) -> float:
+def thousand(eng: sa.Engine, txns: int, many: bool, sql: bool = False) -> float:
     start = time.perf_counter()
     for t in range(txns):
         with eng.begin() as conn:
-            if many:
+            if sql:
+                document = ",".join(f'["{TOPIC}",{{"order_id":{t * 1000 + i}}},"order:{i}"]' for i in range(1000))
+                conn.execute(SQL_FUNCTION_MANY, {"events": f"[{document}]"}).scalar_one()
+            elif many:
                 publish_many(conn, [(TOPIC, {"order_id": t * 1000 + i}, f"order:{i}") for i in range(1000)])
             else:
                 for i in range(1000):
@@ -76,20 +98,26 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         domain_txns(eng, 100, True)  # warm up: connection, prepared statements, caches
         thousand(eng, 1, True)
         thousand(eng, 1, False)
+        thousand(eng, 1, False, sql=True)
+        domain_txns(eng, 100, True, way="sql")
+        domain_txns(eng, 100, True, way="psycopg")
         for _rep in range(size.runs):
-            plain = with_ = quiet = bare = 0.0
+            plain = with_ = quiet = bare = sql = raw = 0.0
             for _block in range(max(1, size.publish_txns // BLOCK)):
                 plain += domain_txns(eng, BLOCK, False)
                 with_ += domain_txns(eng, BLOCK, True)
                 bare += domain_txns(eng, BLOCK, True, bare=True)
+                sql += domain_txns(eng, BLOCK, True, way="sql")
+                raw += domain_txns(eng, BLOCK, True, way="psycopg")
                 notify_trigger(eng, False)
                 quiet += domain_txns(eng, BLOCK, True)
                 notify_trigger(eng, True)
             n = max(1, size.publish_txns // BLOCK) * BLOCK
-            many = loop = 0.0
+            many = loop = sql_many = 0.0
             for _ in range(size.publish_many_txns):
                 many += thousand(eng, 1, True)
                 loop += thousand(eng, 1, False)
+                sql_many += thousand(eng, 1, False, sql=True)
             k = size.publish_many_txns * 1000
             t = time.perf_counter()
             for j in range(size.publish_many_txns):
@@ -97,12 +125,17 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
             encode = time.perf_counter() - t
             r = {"txn_per_s_without": n / plain, "txn_per_s_with": n / with_, "overhead": with_ / plain - 1,
                  "overhead_without_notify": quiet / plain - 1, "overhead_bare_insert": bare / plain - 1,
+                 "overhead_sql_function": sql / plain - 1, "overhead_psycopg": raw / plain - 1,
+                 "sql_function_over_publish": sql / with_, "sql_many_events_per_s": k / sql_many,
+                 "sql_many_over_publish_many": sql_many / many,
                  "publish_many_events_per_s": k / many, "publish_loop_events_per_s": k / loop,
                  "many_over_loop": loop / many, "encode_events_per_s": k / encode,
                  "encode_share_of_publish_many": encode / many}
             runs.append(r)
             log(f"publish: {r['txn_per_s_without']:,.0f} txn/s without, {r['txn_per_s_with']:,.0f} with"
                 f" (+{r['overhead']:.0%}); 1,000 per txn: publish_many {r['publish_many_events_per_s']:,.0f}"
-                f" events/s, publish loop {r['publish_loop_events_per_s']:,.0f} events/s")
+                f" events/s, publish loop {r['publish_loop_events_per_s']:,.0f} events/s; SQL function"
+                f" +{r['overhead_sql_function']:.0%}, psycopg +{r['overhead_psycopg']:.0%},"
+                f" outbox_publish_many {r['sql_many_events_per_s']:,.0f} events/s")
         eng.dispose()
     return {key: median([r[key] for r in runs]) for key in runs[0]} | {"runs": runs}

@@ -137,6 +137,15 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(("4 publish", "1,000 events in one transaction, publish() in a loop",
                     f"{_n(pub['publish_loop_events_per_s'])} events/s (publish_many is {pub['many_over_loop']:.1f}x)",
                     "", ""))
+        if "overhead_sql_function" in pub:
+            out.append(("4 publish", "the same domain transaction, publishing with the SQL function outbox_publish / "
+                        "publish() on the psycopg connection",
+                        f"+{pub['overhead_sql_function']:.0%} / +{pub['overhead_psycopg']:.0%} "
+                        f"(the SQL function's transaction takes {pub['sql_function_over_publish']:.2f}x publish()'s)",
+                        "", ""))
+            out.append(("4 publish", "1,000 events in one transaction, outbox_publish_many",
+                        f"{_n(pub['sql_many_events_per_s'])} events/s ({pub['sql_many_over_publish_many']:.1f}x "
+                        "publish_many's time)", "", ""))
     lat = data.get("latency")
     if lat:
         for key, label in (("listen", "LISTEN/NOTIFY on"), ("poll", "polling only")):
