@@ -16,7 +16,9 @@ encoding 1,000 events without sending them (``make_event``).
 The other ways to publish (issue 30), in the same blocks: (a) with the SQL function
 ``outbox_publish`` instead of ``publish()`` (its validation runs in the database), and
 with ``publish()`` on the psycopg connection under the SQLAlchemy one (the same
-transaction); (b) with ``outbox_publish_many`` of the same 1,000 events.
+transaction), and with a pydantic model as the payload (the typed path: dumped and
+validated again); (b) with ``outbox_publish_many`` of the same 1,000 events, and
+``publish_many`` of 1,000 models.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import BaseModel
 
 from outbox import publish, publish_many
 from outbox.publish import make_event
@@ -39,6 +42,13 @@ BLOCK = 50
 
 BARE = sa.text("INSERT INTO outbox_events (topic, key, payload, headers) VALUES (:topic, :key,"
                " CAST(:payload AS jsonb), CAST('{}' AS jsonb)) RETURNING id")
+
+
+class OrderPlaced(BaseModel):
+    """The typed path's payload: the same two fields as the dict."""
+
+    order_id: int
+    total_cents: int
 
 
 SQL_FUNCTION = sa.text("SELECT outbox_publish(:topic, CAST(:payload AS jsonb), :key)")
@@ -57,6 +67,9 @@ def domain_txns(eng: sa.Engine, n: int, with_publish: bool, bare: bool = False, 
                 conn.execute(SQL_FUNCTION, {"topic": "order.placed", "key": f"order:{order_id}",
                                             "payload": f'{{"order_id":{order_id},"total_cents":{2500 + i}}}'}
                              ).scalar_one()
+            elif with_publish and way == "typed":
+                publish(conn, "order.placed", OrderPlaced(order_id=order_id, total_cents=2500 + i),
+                        key=f"order:{order_id}")
             elif with_publish and way == "psycopg":
                 publish(conn.connection.driver_connection, "order.placed",
                         {"order_id": order_id, "total_cents": 2500 + i}, key=f"order:{order_id}")
@@ -73,11 +86,14 @@ def notify_trigger(eng: sa.Engine, enabled: bool) -> None:
         conn.exec_driver_sql(f"ALTER TABLE outbox_events {'ENABLE' if enabled else 'DISABLE'} TRIGGER outbox_events_notify")
 
 
-def thousand(eng: sa.Engine, txns: int, many: bool, sql: bool = False) -> float:
+def thousand(eng: sa.Engine, txns: int, many: bool, sql: bool = False, typed: bool = False) -> float:
     start = time.perf_counter()
     for t in range(txns):
         with eng.begin() as conn:
-            if sql:
+            if typed:
+                publish_many(conn, [(TOPIC, OrderPlaced(order_id=t * 1000 + i, total_cents=i), f"order:{i}")
+                                    for i in range(1000)])
+            elif sql:
                 document = ",".join(f'["{TOPIC}",{{"order_id":{t * 1000 + i}}},"order:{i}"]' for i in range(1000))
                 conn.execute(SQL_FUNCTION_MANY, {"events": f"[{document}]"}).scalar_one()
             elif many:
@@ -101,23 +117,27 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         thousand(eng, 1, False, sql=True)
         domain_txns(eng, 100, True, way="sql")
         domain_txns(eng, 100, True, way="psycopg")
+        domain_txns(eng, 100, True, way="typed")
+        thousand(eng, 1, True, typed=True)
         for _rep in range(size.runs):
-            plain = with_ = quiet = bare = sql = raw = 0.0
+            plain = with_ = quiet = bare = sql = raw = typed = 0.0
             for _block in range(max(1, size.publish_txns // BLOCK)):
                 plain += domain_txns(eng, BLOCK, False)
                 with_ += domain_txns(eng, BLOCK, True)
                 bare += domain_txns(eng, BLOCK, True, bare=True)
                 sql += domain_txns(eng, BLOCK, True, way="sql")
                 raw += domain_txns(eng, BLOCK, True, way="psycopg")
+                typed += domain_txns(eng, BLOCK, True, way="typed")
                 notify_trigger(eng, False)
                 quiet += domain_txns(eng, BLOCK, True)
                 notify_trigger(eng, True)
             n = max(1, size.publish_txns // BLOCK) * BLOCK
-            many = loop = sql_many = 0.0
+            many = loop = sql_many = typed_many = 0.0
             for _ in range(size.publish_many_txns):
                 many += thousand(eng, 1, True)
                 loop += thousand(eng, 1, False)
                 sql_many += thousand(eng, 1, False, sql=True)
+                typed_many += thousand(eng, 1, True, typed=True)
             k = size.publish_many_txns * 1000
             t = time.perf_counter()
             for j in range(size.publish_many_txns):
@@ -127,7 +147,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                  "overhead_without_notify": quiet / plain - 1, "overhead_bare_insert": bare / plain - 1,
                  "overhead_sql_function": sql / plain - 1, "overhead_psycopg": raw / plain - 1,
                  "sql_function_over_publish": sql / with_, "sql_many_events_per_s": k / sql_many,
-                 "sql_many_over_publish_many": sql_many / many,
+                 "sql_many_over_publish_many": sql_many / many, "overhead_typed": typed / plain - 1,
+                 "typed_over_publish": typed / with_, "typed_many_events_per_s": k / typed_many,
+                 "typed_many_over_publish_many": typed_many / many,
                  "publish_many_events_per_s": k / many, "publish_loop_events_per_s": k / loop,
                  "many_over_loop": loop / many, "encode_events_per_s": k / encode,
                  "encode_share_of_publish_many": encode / many}
@@ -136,6 +158,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                 f" (+{r['overhead']:.0%}); 1,000 per txn: publish_many {r['publish_many_events_per_s']:,.0f}"
                 f" events/s, publish loop {r['publish_loop_events_per_s']:,.0f} events/s; SQL function"
                 f" +{r['overhead_sql_function']:.0%}, psycopg +{r['overhead_psycopg']:.0%},"
-                f" outbox_publish_many {r['sql_many_events_per_s']:,.0f} events/s")
+                f" outbox_publish_many {r['sql_many_events_per_s']:,.0f} events/s; typed +{r['overhead_typed']:.0%},"
+                f" publish_many of models {r['typed_many_events_per_s']:,.0f} events/s")
         eng.dispose()
     return {key: median([r[key] for r in runs]) for key in runs[0]} | {"runs": runs}

@@ -143,6 +143,11 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                         f"+{pub['overhead_sql_function']:.0%} / +{pub['overhead_psycopg']:.0%} "
                         f"(the SQL function's transaction takes {pub['sql_function_over_publish']:.2f}x publish()'s)",
                         "", ""))
+            if "overhead_typed" in pub:
+                out.append(("4 publish", "the same domain transaction, the payload a pydantic model (typed path)",
+                            f"+{pub['overhead_typed']:.0%} ({pub['typed_over_publish']:.2f}x publish()'s transaction "
+                            f"time); 1,000 models with publish_many: {_n(pub['typed_many_events_per_s'])} events/s "
+                            f"({pub['typed_many_over_publish_many']:.1f}x publish_many's time)", "", ""))
             out.append(("4 publish", "1,000 events in one transaction, outbox_publish_many",
                         f"{_n(pub['sql_many_events_per_s'])} events/s ({pub['sql_many_over_publish_many']:.1f}x "
                         "publish_many's time)", "", ""))

@@ -6,14 +6,21 @@ import copy as _copy
 import json
 import threading
 from datetime import datetime
-from typing import Any
+from typing import Any, Generic
+
+from pydantic import BaseModel
+from typing_extensions import TypeVar
 
 from outbox.errors import LeaseLostError
+
+#: The payload's type: ``Any`` (what ``json.loads`` gives) unless a subscriber declares a
+#: pydantic model (``Job[OrderPlaced]``, :mod:`outbox.typed_events`).
+PayloadT = TypeVar("PayloadT", default=Any)
 
 _EVENT_LOCK = threading.Lock()
 
 
-class Job:
+class Job(Generic[PayloadT]):
     """One claimed job, as its handler sees it (the relay's bookkeeping of the claim is its
     own: :class:`outbox.relay.claim.Claim`).
 
@@ -30,6 +37,10 @@ class Job:
     which was a fifth of the dispatcher's time at 250 jobs a claim (performance notes, lever
     17). Two threads reading an undecoded payload at once may each decode it; both get
     equal values.
+
+    ``Job[Model]`` (``Model`` a pydantic model) is the job of a subscriber that declared that
+    payload type: ``payload`` is then a ``Model`` instance, validated from the stored JSON
+    before the handler runs (:mod:`outbox.typed_events`); a bare ``Job`` is ``Job[Any]``.
     """
 
     __slots__ = ("id", "event_id", "consumer", "topic", "key", "_payload", "_headers", "attempt", "max_attempts",
@@ -120,18 +131,26 @@ class Job:
                 f" fence={self.fence!r})")
 
     @property
-    def payload(self) -> Any:
-        """The event's payload, as ``json.loads`` gives it (dict, list, str, number, bool or None)."""
+    def payload(self) -> PayloadT:
+        """The event's payload, as ``json.loads`` gives it (dict, list, str, number, bool or
+        None), or the subscriber's payload model (:meth:`use_payload`)."""
         if self._payload_undecoded:
             self._payload = json.loads(self._payload_json)  # type: ignore[arg-type]
             self._payload_undecoded = False
-        return self._payload
+        return self._payload  # type: ignore[no-any-return]
 
     @payload.setter
     def payload(self, value: Any) -> None:
         self._payload = value
         self._payload_undecoded = False
         self._payload_json = None  # payload_json follows the new value
+
+    def use_payload(self, value: Any) -> None:
+        """Let ``payload`` be ``value``: the stored payload decoded otherwise (as the
+        subscriber's pydantic model). Unlike assigning ``payload``, ``payload_json`` stays
+        the stored text and :meth:`restore_input` forgets ``value``."""
+        self._payload = value
+        self._payload_undecoded = False
 
     @property
     def headers(self) -> dict[str, Any]:
@@ -158,6 +177,8 @@ class Job:
         (``payload::text``, what a forwarder sends); for one built in a test
         (:func:`outbox.testing.make_job`), ``json.dumps`` of ``payload``."""
         if self._payload_json is None:
+            if isinstance(self._payload, BaseModel):
+                return self._payload.model_dump_json()
             return json.dumps(self.payload, ensure_ascii=False, separators=(", ", ": "))
         return self._payload_json
 

@@ -79,6 +79,7 @@ from typing import Any, overload
 
 import psycopg
 from psycopg.rows import namedtuple_row
+from pydantic import BaseModel
 from sqlalchemy import TextClause
 from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
 from sqlalchemy.engine import Connection
@@ -86,6 +87,7 @@ from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from outbox import typed_events
 from outbox.db import event_rules as rules
 from outbox.db import queries
 from outbox.db.event_rules import (  # the limits, public names of this module too
@@ -107,6 +109,10 @@ from outbox.telemetry import tracing
 _MAX_INT_BITS: int = (10**MAX_INT_DIGITS).bit_length() - 1
 _INT_LIMIT: int = 10**MAX_INT_DIGITS
 
+
+#: The default of publish()'s ``payload``: none given (the topic is then a pydantic model
+#: naming its topic: :mod:`outbox.typed_events`).
+NO_PAYLOAD: Any = object()
 
 #: (topic, key, payload JSON, headers JSON) of one validated event.
 _Row = tuple[str, str | None, str, str]
@@ -306,8 +312,8 @@ def _encode(value: Any, field: str, limit: int) -> str:
 
 
 def make_event(
-    topic: str,
-    payload: Any,
+    topic: str | BaseModel,
+    payload: Any = NO_PAYLOAD,
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     *,
@@ -328,6 +334,8 @@ def _validate(topic: Any, payload: Any, key: Any, headers: Any, max_payload_byte
     check_name(topic, "topic")
     if key is not None:
         check_name(key, "key", MAX_KEY_LENGTH)
+    if isinstance(payload, BaseModel):
+        payload = typed_events.dump(payload)
     if headers is None:
         return topic, key, _encode(payload, "payload", max_payload_bytes), \
             "{}" if trace is None else "{" + trace.members + "}"
@@ -409,8 +417,8 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
 @overload
 def publish(
     session: Session | Connection | psycopg.Connection[Any],
-    topic: str,
-    payload: Any,
+    topic: str | BaseModel,
+    payload: Any = NO_PAYLOAD,
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     *,
@@ -426,8 +434,8 @@ def publish(
 @overload
 def publish(
     session: AsyncSession | AsyncConnection | psycopg.AsyncConnection[Any],
-    topic: str,
-    payload: Any,
+    topic: str | BaseModel,
+    payload: Any = NO_PAYLOAD,
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     *,
@@ -443,8 +451,8 @@ def publish(
 def publish(
     session: Session | Connection | AsyncSession | AsyncConnection | psycopg.Connection[Any]
     | psycopg.AsyncConnection[Any],
-    topic: str,
-    payload: Any,
+    topic: str | BaseModel,
+    payload: Any = NO_PAYLOAD,
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     *,
@@ -469,6 +477,10 @@ def publish(
     is about; ``payload`` is JSON (see the module notes) of at most ``max_payload_bytes``
     encoded bytes (default 1 MiB); ``headers`` an optional JSON object of at most 64 KiB.
     No string anywhere may contain ``\\u0000`` (PostgreSQL's ``jsonb`` and ``text`` refuse it).
+
+    ``payload`` may be a pydantic model, dumped in JSON mode and checked against its model;
+    a model that names its topic (``__topic__ = "order.placed"``) may stand for both:
+    ``publish(session, OrderPlaced(order_id=4), key="order:4")`` (:mod:`outbox.typed_events`).
 
     Options, all None by default:
 
@@ -506,6 +518,8 @@ def publish(
     schema (the transaction is then aborted, as after any failed statement). Other
     database errors propagate as SQLAlchemy raises them.
     """
+    if isinstance(topic, BaseModel) or payload is NO_PAYLOAD:
+        topic, payload = typed_events.topic_and_payload(topic, payload, NO_PAYLOAD)
     topic, key, payload_json, headers_json = _validate(topic, payload, key, headers, max_payload_bytes,
                                                        tracing.current_headers() if tracing.ENABLED else None)
     statements = queries.in_schema(schema)
@@ -658,7 +672,7 @@ def _publish_one_plan(topic: str, key: str | None, payload: str, headers: str, o
 @overload
 def publish_many(
     session: Session | Connection | psycopg.Connection[Any],
-    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...] | BaseModel],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     schema: str | None = None,
@@ -668,7 +682,7 @@ def publish_many(
 @overload
 def publish_many(
     session: AsyncSession | AsyncConnection | psycopg.AsyncConnection[Any],
-    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...] | BaseModel],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     schema: str | None = None,
@@ -678,7 +692,7 @@ def publish_many(
 def publish_many(
     session: Session | Connection | AsyncSession | AsyncConnection | psycopg.Connection[Any]
     | psycopg.AsyncConnection[Any],
-    events: Iterable[Mapping[str, Any] | tuple[Any, ...]],
+    events: Iterable[Mapping[str, Any] | tuple[Any, ...] | BaseModel],
     *,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     schema: str | None = None,
@@ -688,7 +702,8 @@ def publish_many(
 
     ``events`` yields mappings with keys ``topic``, ``payload`` and optionally ``key``,
     ``headers``, ``run_at``, ``delay``, ``dedup_key`` and ``priority`` (the options of
-    :func:`publish`), or tuples (or lists) ``(topic, payload[, key[, headers]])``. An item
+    :func:`publish`), or tuples (or lists) ``(topic, payload[, key[, headers]])``, or
+    pydantic models that name their topic (a payload may be a model too, as in :func:`publish`). An item
     with any other key, a tuple of another length, or an item of any other type raises
     :class:`~outbox.errors.InvalidEventError`. Every event is validated first, by the rules
     of :func:`publish`: one bad event raises InvalidEventError (its index in the message,
@@ -902,6 +917,12 @@ def _fields(item: Any, index: int) -> tuple[tuple[Any, Any, Any, Any], dict[str,
     mapping, tuple or list; a tuple or list not of 2 to 4 items; a mapping without topic or
     payload, or with any other key."""
     kind = type(item)
+    if isinstance(item, BaseModel):
+        try:
+            topic, payload = typed_events.topic_and_payload(item, NO_PAYLOAD, NO_PAYLOAD)
+        except InvalidEventError as exc:
+            raise InvalidEventError(f"events[{index}].{exc.field}", exc.problem) from None
+        return (topic, payload, None, None), None
     if kind is tuple or kind is list:
         if 2 <= len(item) <= 4:
             return (*item, *(None,) * (4 - len(item))), None

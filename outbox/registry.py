@@ -15,6 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, overload
 
+from pydantic import BaseModel
+
+from outbox import typed_events
 from outbox.errors import ConfigurationError, InvalidEventError
 from outbox.job import Job
 from outbox.publish import check_name
@@ -63,7 +66,8 @@ class Subscriber:
     consumer across all relays (None: no cap). ``rate_limit``: most claims per second across
     all relays (None: no limit). ``timeout``: seconds a handler may run before its attempt
     is failed (None: no limit); a forwarder's is how long it waits for the broker's
-    acknowledgements of a batch."""
+    acknowledgements of a batch. ``payload_type``: the pydantic model the payload is
+    validated as (``handler`` then decodes it first: :mod:`outbox.typed_events`)."""
 
     topics: tuple[str, ...]
     consumer: str
@@ -79,6 +83,7 @@ class Subscriber:
     rate_limit: float | None = None
     timeout: float | None = None
     sink: Sink | None = None
+    payload_type: type[BaseModel] | None = None
 
 
 def forwarded_by_sink(job: Job) -> None:
@@ -106,6 +111,7 @@ class Outbox:
         transactional: Literal[False] = ..., priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
+        payload: type[BaseModel] | None = ...,
     ) -> Callable[[LeaseHandlerT], LeaseHandlerT]: ...
 
     @overload
@@ -114,6 +120,7 @@ class Outbox:
         transactional: Literal[True], priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
+        payload: type[BaseModel] | None = ...,
     ) -> Callable[[TransactionalHandlerT], TransactionalHandlerT]: ...
 
     @overload
@@ -122,6 +129,7 @@ class Outbox:
         transactional: bool, priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
+        payload: type[BaseModel] | None = ...,
     ) -> Callable[[HandlerT], HandlerT]: ...
 
     def subscriber(
@@ -138,6 +146,7 @@ class Outbox:
         concurrency: int | None = None,
         rate_limit: str | float | None = None,
         timeout: float | None = None,
+        payload: type[BaseModel] | None = None,
     ) -> Callable[[Any], Any]:
         """Decorator declaring ``handler`` as consumer ``consumer`` (default: the
         function's ``module.qualname``) of events on ``topic`` (a topic, or a sequence of
@@ -159,6 +168,9 @@ class Outbox:
         ``rate_limit``: claims per second across all relays, a positive number or a string
         ``"N/s"``, ``"N/m"`` or ``"N/h"``. ``timeout``: seconds (0.01..86400) an attempt may
         run; then it is failed and counted, as if the handler had raised.
+        ``payload``: a pydantic model class the payload is validated as before each attempt
+        (``job.payload`` is then an instance; one that does not validate is dead at once);
+        a first parameter annotated ``Job[Model]`` declares it too (:mod:`outbox.typed_events`).
 
         Raises :class:`ConfigurationError` naming the option for bad values, a duplicate
         consumer name, or a handler whose signature does not fit its mode. Returns the
@@ -170,6 +182,9 @@ class Outbox:
         def register(handler: HandlerT) -> HandlerT:
             name = consumer if consumer is not None else f"{handler.__module__}.{handler.__qualname__}"
             sub = _validated(topic, name, handler, max_attempts, lease, transactional, priority)
+            model = typed_events.declared_payload(handler, payload, f"consumer {name!r}")
+            if model is not None:
+                sub = dataclasses.replace(sub, handler=typed_events.typed_handler(handler, model), payload_type=model)
             self._add(_with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout))
             return handler
 

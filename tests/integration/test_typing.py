@@ -2,7 +2,7 @@
 the README does (publish, lease-mode and transactional subscribers, fenced_write with a
 Table and an ORM class, Job's fields), and reports the mistakes a type checker should catch
 there (a decorated handler called with the wrong arguments, a Job field used as the wrong
-type, a transactional handler without its session), so the decorators keep the handler's
+type, a transactional handler without its session, a typed payload's field misused), so the decorators keep the handler's
 own type instead of ``Callable[..., Any]``; and a misspelt name of a statement in the
 statements' registry (``queries.in_schema().job_claim_mnay``) fails the check too."""
 
@@ -26,9 +26,10 @@ SOURCE_ROOT = Path(outbox.__file__).resolve().parents[1]  # the folder that hold
 APP = textwrap.dedent('''
     from __future__ import annotations
 
-    from typing import Any
+    from typing import Any, ClassVar
 
     import sqlalchemy as sa
+    from pydantic import BaseModel
     from sqlalchemy.ext.asyncio import AsyncSession
     from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -63,6 +64,29 @@ APP = textwrap.dedent('''
         job.check_lease()
         if job.lease_lost or job.wait_lease_lost(0.5):
             raise PermanentError(f"{idempotency_key} {attempt} {names} {key} {headers} {order_id} {lease}")
+
+
+    class OrderPlaced(BaseModel):
+        __topic__: ClassVar[str] = "order.placed"
+        order_id: int
+
+
+    @ob.subscriber("order.placed", consumer="typed")
+    def typed(job: Job[OrderPlaced]) -> None:
+        order_id: int = job.payload.order_id
+        print(order_id)
+
+
+    @ob.subscriber("order.placed", consumer="typed_tx", transactional=True, payload=OrderPlaced)
+    def typed_tx(job: Job[OrderPlaced], session: Session) -> None:
+        print(job.payload.order_id + job.fence)
+
+
+    def publish_typed(s: Session) -> None:
+        first: int = publish(s, OrderPlaced(order_id=1), key="order:1")
+        second: int = publish(s, "order.placed", OrderPlaced(order_id=2))
+        ids: list[int] = publish_many(s, [OrderPlaced(order_id=3), ("order.placed", OrderPlaced(order_id=4))])
+        assert first not in ids and second not in ids
 
 
     @ob.subscriber("order.placed", consumer="notify")
@@ -100,7 +124,7 @@ APP = textwrap.dedent('''
 
 #: (code appended to APP, the mypy error code it must draw, words of the message)
 MISTAKES = [
-    ("send_receipt(1)", "arg-type", 'Argument 1 to "send_receipt" has incompatible type "int"; expected "Job"'),
+    ("send_receipt(1)", "arg-type", 'Argument 1 to "send_receipt" has incompatible type "int"; expected "Job[Any]"'),
     ("create_invoice(Job(1, 1, 'c', 't', None, {}, {}, 1, 5, 1, 30.0))", "call-arg",
      'Missing positional argument "session" in call to "create_invoice"'),
     ("def f(job: Job) -> int:\n    return job.key", "return-value", 'got "str | None", expected "int"'),
@@ -113,6 +137,10 @@ MISTAKES = [
      'got "Coroutine[Any, Any, int]", expected "int"'),
     ("@ob.subscriber('t', consumer='tx', transactional=True)\ndef tx(job: Job) -> None: ...", "type-var",
      'Value of type variable "TransactionalHandlerT"'),
+    ("def m(job: Job[OrderPlaced]) -> str:\n    return job.payload.order_id", "return-value",
+     'got "int", expected "str"'),
+    ("def p(job: Job[OrderPlaced]) -> None:\n    print(job.payload.customer)", "attr-defined",
+     '"OrderPlaced" has no attribute "customer"'),
 ]
 
 
