@@ -1,7 +1,7 @@
 """``outbox-relay``: the command line.
 
 Commands: ``run`` (the default: ``outbox-relay --app module:attr`` runs router, workers,
-reaper and pruner), ``migrate``, ``demo``, ``psql``, ``grants`` (the relay and publisher
+reaper and pruner), ``migrate``, ``demo``, ``psql``, ``catalog`` (:mod:`outbox.ops.catalog`), ``grants`` (the relay and publisher
 roles: :mod:`outbox.ops.grants`), ``dashboard`` (the web dashboard, :mod:`outbox.ops.dashboard`,
 extra ``[dashboard]``), and the operator's commands, each a call of :mod:`outbox.admin` that
 this module only parses and prints: ``status``, ``dead``, ``redrive``, ``blocked``, ``skip``
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COMMANDS: tuple[str, ...] = ("run", "migrate", "demo", "status", "dead", "redrive", "blocked", "skip", "subscriptions", "unsubscribe",
-            "pause", "resume", "psql", "grants")
+            "pause", "resume", "psql", "grants", "catalog")
 #: The operator's commands (:mod:`outbox.admin`).
 ADMIN_COMMANDS = ("relays", "jobs", "cancel", "retry", "replay", "purge", "prune")
 COMMANDS += ADMIN_COMMANDS
@@ -207,6 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "other arguments go to psql (outbox-relay psql -c 'select 1').")
     psql.add_argument("--db-name", help="database on that server (default: the URL's, or postgres)")
     psql.add_argument("--pgdata", help="data folder of the embedded server (default ./.outbox/pgdata)")
+    catalog = add("catalog", "Describe --app's topics, consumers, forwarders (with their destinations) and payload "
+                             "schemas (pydantic models declared by subscribers) as an AsyncAPI 3.0.0 document, "
+                             "JSON or markdown; reads no database.")
+    catalog.add_argument("--app", required=True, help="module:attribute naming the outbox.Outbox registry")
+    catalog.add_argument("--format", choices=("asyncapi", "json", "markdown"), default="asyncapi",
+                         help="asyncapi (default), json or markdown")
+    catalog.add_argument("--title", default="outbox application", help="the document's title")
     grants = add("grants", "Print (or --apply) the GRANTs of a relay role and a publisher role on --schema's outbox: "
                            "DML for relays, publish() only for the application; create the roles first.")
     from outbox.ops.grants import add_arguments as add_grants_arguments
@@ -440,6 +447,11 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         return demo_main(args, settings)
     if args.command == "psql":
         return _psql(args, settings)
+    if args.command == "catalog":
+        from outbox.ops.catalog import render
+
+        sys.stdout.write(render(load_app(args.app), args.format, args.title))
+        return 0
     if args.command == "grants":
         from outbox.ops.grants import main as grants_main
 
