@@ -274,7 +274,8 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
     # Reads every item first (its fields' JSON types, then the rules), so a bad item raises
     # before any event is written; then takes the ordered keys' publish locks in ascending
     # order of their hash (as publish_many: two batches never deadlock each other); then
-    # writes the events in array order.
+    # writes the events in array order: in one statement when no item has a dedup_key, else
+    # one by one (each insert's conflict and look-up as outbox_publish's).
     f"""
     CREATE OR REPLACE FUNCTION {PUBLISH_MANY_FUNCTION}(events jsonb) RETURNS bigint[]
     LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
@@ -395,6 +396,19 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
               WHERE k.key IS NOT NULL
                 AND k.topic IN (SELECT s.topic FROM outbox_subscriptions s WHERE s.ordered)
               ORDER BY 1) ordered_keys;
+        IF NOT EXISTS (SELECT 1 FROM unnest(dedup_keys) AS d(k) WHERE d.k IS NOT NULL) THEN
+            -- No dedup key: one statement; ids are drawn in array order (ORDER BY the position).
+            WITH written AS (
+                INSERT INTO outbox_events (topic, key, payload, headers, run_at, priority)
+                SELECT e.t, e.k, coalesce(e.p, 'null'), CASE WHEN jsonb_typeof(e.h) = 'object' THEN e.h ELSE '{{}}' END,
+                       coalesce(e.r, now() + make_interval(secs => e.d)), e.pr
+                FROM unnest(topics, keys, payloads, headers, run_ats, delays, priorities)
+                     WITH ORDINALITY AS e(t, k, p, h, r, d, pr, n)
+                ORDER BY e.n
+                RETURNING id)
+            SELECT coalesce(array_agg(w.id ORDER BY w.id), '{{}}') INTO ids FROM written w;
+            RETURN ids;
+        END IF;
         FOR i IN 1..item_index LOOP
             ids := ids || outbox_insert_event(topics[i], payloads[i], keys[i], headers[i], run_ats[i], delays[i],
                                               priorities[i], dedup_keys[i]);
