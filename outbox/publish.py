@@ -395,7 +395,7 @@ def check_options(run_at: Any = None, delay: Any = None, dedup_key: Any = None,
         try:
             run_at = run_at.astimezone(UTC)
         except OverflowError:  # within a day of datetime's year 1 or 9999, past them in UTC
-            raise InvalidEventError("run_at", f"is out of range in UTC: {run_at.isoformat()}") from None
+            raise InvalidEventError("run_at", rules.RUN_AT_RANGE) from None
     if delay is not None:
         if isinstance(delay, bool) or not isinstance(delay, (int, float)):
             raise InvalidEventError("delay", rules.NOT_SECONDS % type(delay).__name__)

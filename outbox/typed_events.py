@@ -65,10 +65,13 @@ def topic_and_payload(topic: Any, payload: Any, missing: Any) -> tuple[Any, Any]
 
 
 def dump(payload: BaseModel) -> Any:
-    """``payload`` as the JSON value publish stores: ``model_dump(mode="json")``, checked by
+    """``payload`` as the JSON value publish stores: ``model_dump(mode="json", by_alias=True)``
+    (an alias is the name a field has in JSON, and what validation reads), checked by
     validating it again as ``type(payload)``. Raises InvalidEventError naming ``payload``
-    with pydantic's error when that validation fails."""
-    data = payload.model_dump(mode="json")
+    with pydantic's error when that validation fails: a subscriber of the model could not
+    read it either (a field assigned a bad value after construction, a required field
+    excluded from dumps, computed fields under ``extra="forbid"``)."""
+    data = payload.model_dump(mode="json", by_alias=True)
     model = type(payload)
     try:
         model.model_validate(data)
@@ -86,41 +89,58 @@ def _shown(exc: ValidationError) -> str:
 def declared_payload(handler: Callable[..., Any], payload: type[BaseModel] | None, where: str) -> type[BaseModel] | None:
     """The payload model of a subscriber: ``payload`` if given, else the ``X`` of a first
     parameter annotated ``Job[X]`` (X a pydantic model), else None. Raises
-    ConfigurationError naming ``where`` when ``payload`` is not a pydantic model class, or
-    when it and the annotation name different models."""
+    ConfigurationError naming ``where`` when ``payload`` is not a pydantic model class, when
+    it and the annotation name different models, when the annotation names models in a
+    union (``Job[Model | None]``), or when an annotation that names ``Job[...]`` does not
+    resolve (a model defined inside a function, under ``from __future__ import annotations``)."""
     if payload is not None and not (isinstance(payload, type) and issubclass(payload, BaseModel)):
         raise ConfigurationError(f"{where}: payload= must be a pydantic model class, got {payload!r}")
-    annotated = _annotated_model(handler)
+    annotated = _annotated_model(handler, where)
     if payload is not None and annotated is not None and annotated is not payload:
         raise ConfigurationError(f"{where}: payload={payload.__name__} but the handler's job is annotated "
                                  f"Job[{annotated.__name__}]; name one model")
     return payload if payload is not None else annotated
 
 
-def _annotated_model(handler: Callable[..., Any]) -> type[BaseModel] | None:
+def _annotated_model(handler: Callable[..., Any], where: str) -> type[BaseModel] | None:
     try:
         parameters = list(inspect.signature(handler).parameters.values())
-        hints = typing.get_type_hints(handler)
-    except (TypeError, ValueError, NameError):  # no signature, or annotations that do not resolve
+    except (TypeError, ValueError):  # no signature: the registry says what it needs
         return None
     if not parameters:
         return None
-    hint = hints.get(parameters[0].name)
+    raw = parameters[0].annotation
+    try:
+        hint = typing.get_type_hints(handler).get(parameters[0].name)
+    except Exception as exc:  # noqa: BLE001 - a NameError, or whatever evaluating an annotation raised
+        if isinstance(raw, str) and "Job[" in raw.replace(" ", ""):
+            raise ConfigurationError(f"{where}: the job's annotation {raw!r} does not resolve ({exc}): a model "
+                                     "defined inside a function, or a forward reference; pass payload=Model "
+                                     "or define the model at module level") from None
+        return None
     if typing.get_origin(hint) is not Job:
         return None
     (argument,) = typing.get_args(hint)
-    return argument if isinstance(argument, type) and issubclass(argument, BaseModel) else None
+    if isinstance(argument, type) and issubclass(argument, BaseModel):
+        return argument
+    if any(isinstance(a, type) and issubclass(a, BaseModel) for a in typing.get_args(argument)):
+        raise ConfigurationError(f"{where}: the job is annotated Job[{argument}]; a payload model is one pydantic "
+                                 "model class (Optional and unions are not taken: a payload that is not the "
+                                 "model is dead at once)")
+    return None  # Job[Any], Job[dict[str, Any]]: plain JSON
 
 
 def decode(job: Job[Any], model: type[BaseModel]) -> None:
     """Make ``job.payload`` the stored payload validated as ``model``. Raises
     PermanentError (the job goes dead at once) with pydantic's error when it does not
-    validate."""
+    validate, or with the error a validator raised that pydantic does not wrap
+    (``TypeError``): no retry changes a stored payload."""
     try:
         job.use_payload(model.model_validate_json(job.payload_json))
-    except ValidationError as exc:
+    except (ValidationError, TypeError, ValueError) as exc:  # a validator's TypeError is not pydantic's
+        shown = _shown(exc) if isinstance(exc, ValidationError) else f"{type(exc).__name__}: {exc}"
         raise PermanentError(f"payload of event {job.event_id} does not validate as {model.__name__}: "
-                             f"{_shown(exc)}") from exc
+                             f"{shown}") from exc
 
 
 def typed_handler(handler: Callable[..., Any], model: type[BaseModel]) -> Callable[..., Any]:

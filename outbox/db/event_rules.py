@@ -22,8 +22,8 @@ The rules, in the order they are checked (the first problem is the one named):
    ``outbox.max_payload_bytes`` (``ALTER DATABASE ... SET outbox.max_payload_bytes = ...``),
    else the default.
 5. ``headers`` again: the rules of the payload, at most 64 KiB.
-6. ``run_at`` (an aware time) and ``delay`` (seconds, 0..100 years after the transaction's
-   start), at most one of them.
+6. ``run_at`` (an aware time, years 1 to 9999 in UTC: what Python's ``datetime`` holds) and
+   ``delay`` (seconds, 0..100 years after the transaction's start), at most one of them.
 7. ``dedup_key``: a string of 1..255 characters, not only whitespace.
 8. ``priority``: an integer in -1000..1000.
 
@@ -80,6 +80,7 @@ NOT_A_DATETIME = "must be a datetime, got %s"
 NAIVE_DATETIME = ("is a naive datetime; pass an aware one, such as "
                   "datetime.now(timezone.utc) + timedelta(minutes=5)")
 DELAY_WITH_RUN_AT = "cannot be given with run_at; pass one of them"
+RUN_AT_RANGE = "is out of range in UTC (years 1 to 9999)"
 NOT_SECONDS = "must be a number of seconds, got %s"
 DELAY_RANGE = f"must be seconds in 0..{MAX_DELAY_SECONDS}"
 NOT_AN_INT = "must be an int, got %s"
@@ -126,9 +127,14 @@ WRITING_FUNCTIONS = (
 
 #: CREATE statements of the SQL functions (migration 0010 and ``metadata.create_all``).
 #: Each function resolves outbox's tables in the schema it was created in (``SET search_path
-#: FROM CURRENT`` on those that read tables: the migrations run with the search path set to
-#: outbox's schema), so a caller's own search path does not matter.
+#: FROM CURRENT`` on those that read tables, after the first statement set it to outbox's
+#: schema and ``pg_temp``), so a caller's own search path, temporary tables included, does
+#: not matter.
 PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
+    # The search path the functions keep: outbox's schema, then pg_temp. Listed last, pg_temp
+    # cannot put a caller's temporary table named outbox_events in front of outbox's (unlisted,
+    # PostgreSQL searches it first). Transaction-local: the migration's transaction only.
+    "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', true)",
     """
     CREATE OR REPLACE FUNCTION outbox_json_type_name(value jsonb) RETURNS text
     LANGUAGE sql IMMUTABLE PARALLEL SAFE AS $$
@@ -180,10 +186,17 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
     LANGUAGE plpgsql STABLE AS $$
     DECLARE
         problem text;
-        max_payload_bytes integer := coalesce(
-            CAST(nullif(current_setting('outbox.max_payload_bytes', true), '') AS integer),
-            {DEFAULT_MAX_PAYLOAD_BYTES});
+        setting text := nullif(current_setting('outbox.max_payload_bytes', true), '');
+        max_payload_bytes integer := {DEFAULT_MAX_PAYLOAD_BYTES};
     BEGIN
+        IF setting IS NOT NULL THEN
+            IF setting !~ '^[0-9]{{1,9}}$' OR CAST(setting AS integer) < 1 THEN
+                RAISE EXCEPTION USING ERRCODE = 'invalid_parameter_value',
+                    MESSAGE = format('the setting outbox.max_payload_bytes must be a number of bytes in '
+                                     '1..999999999, got %s', quote_literal(left(setting, 40)));
+            END IF;
+            max_payload_bytes := CAST(setting AS integer);
+        END IF;
         IF types ? 'topic' THEN RETURN ARRAY['topic', types ->> 'topic']; END IF;
         IF topic IS NULL THEN RETURN ARRAY['topic', {_sql(REQUIRED)}]; END IF;
         problem := outbox_name_problem(topic, {MAX_NAME_LENGTH});
@@ -201,6 +214,9 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
             IF problem IS NOT NULL THEN RETURN ARRAY['headers', problem]; END IF;
         END IF;
         IF types ? 'run_at' THEN RETURN ARRAY['run_at', types ->> 'run_at']; END IF;
+        IF NOT (run_at >= '0001-01-01 00:00:00+00' AND run_at < '10000-01-01 00:00:00+00') THEN  -- infinities too
+            RETURN ARRAY['run_at', {_sql(RUN_AT_RANGE)}];
+        END IF;
         IF run_at IS NOT NULL AND (delay IS NOT NULL OR types ? 'delay') THEN
             RETURN ARRAY['delay', {_sql(DELAY_WITH_RUN_AT)}];
         END IF;
@@ -343,7 +359,7 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
                 ELSE
                     BEGIN
                         f_run_at := CAST(value ->> 0 AS timestamptz);
-                    EXCEPTION WHEN invalid_datetime_format OR datetime_field_overflow THEN
+                    EXCEPTION WHEN data_exception THEN  -- not a time, a field or an offset out of range
                         types := types || jsonb_build_object('run_at',
                             'is not an ISO 8601 date and time: ' || quote_literal(left(value ->> 0, 40)));
                     END;
@@ -357,7 +373,11 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
                 IF abs(CAST(value AS numeric)) > {MAX_DELAY_SECONDS} THEN
                     types := types || jsonb_build_object('delay', {_sql(DELAY_RANGE)});
                 ELSE
-                    f_delay := CAST(value AS double precision);
+                    BEGIN
+                        f_delay := CAST(value AS double precision);
+                    EXCEPTION WHEN numeric_value_out_of_range THEN
+                        f_delay := 0;  -- below the smallest double (1e-400): 0, as a JSON parser reads it
+                    END;
                 END IF;
             ELSIF jsonb_typeof(value) <> 'null' THEN
                 types := types || jsonb_build_object('delay', format({_sql(NOT_SECONDS)}, outbox_json_type_name(value)));

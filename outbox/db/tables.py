@@ -329,10 +329,9 @@ def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any)
     for statement in (*NOTIFY_DDL, *EVENTS_NOTIFY_DDL):
         connection.exec_driver_sql(statement)
     # The publish functions keep the search path they are created under (SET search_path FROM
-    # CURRENT): the schema the tables were just created in, alone, as the migrations set it.
+    # CURRENT): the schema the tables were just created in, then pg_temp; put back afterwards.
     search_path = connection.exec_driver_sql("SELECT current_setting('search_path')").scalar_one()
-    connection.exec_driver_sql("SELECT set_config('search_path', quote_ident(current_schema()), true)")
-    for statement in event_rules.PUBLISH_FUNCTIONS_DDL:
+    for statement in event_rules.PUBLISH_FUNCTIONS_DDL:  # the first sets the search path they keep
         connection.exec_driver_sql(statement.replace("%", "%%"))  # the driver reads % as a placeholder
     connection.exec_driver_sql("SELECT set_config('search_path', %(path)s, true)", {"path": search_path})
 

@@ -9,9 +9,11 @@ declares a pydantic model (:mod:`outbox.typed_events`). Three formats:
 * ``asyncapi`` (the default): an AsyncAPI 3.0.0 document. A topic is a channel (its id the
   topic with every character outside ``[A-Za-z0-9_-]`` replaced by ``_``, made unique; its
   ``address`` the topic itself); each consumer is a ``receive`` operation on its topic's
-  channels; a declared model is the channel's message payload (JSON Schema draft 07, as
-  pydantic writes it, its ``$defs`` moved to ``components.schemas``); outbox's settings are
-  ``x-outbox`` extensions of the operation, a forwarder's destination ``x-outbox-forward-to``.
+  channels; a declared model is the channel's message payload, its JSON Schema (validation
+  mode, by alias: what publish stores) and its nested models' in ``components.schemas``, all
+  made at once by pydantic so that models of one name in two modules stay apart; outbox's
+  settings are ``x-outbox`` extensions of the operation, a forwarder's destination
+  ``x-outbox-forward-to``.
   A test validates the document against the AsyncAPI 3.0.0 JSON Schema.
 * ``json``: the catalog itself, one object (``topics``: name -> consumers and schemas).
 * ``markdown``: a page per application, a section per topic.
@@ -29,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
 from outbox.registry import Outbox, Subscriber
 
@@ -59,38 +62,43 @@ class Consumer:
 
 @dataclass
 class Topic:
-    """One topic: its consumers and the JSON Schema of each model they declare (by name)."""
+    """One topic: its consumers, and the models they declare by the name the catalog gives
+    them (the class's name; ``module.qualname`` where two models share a name)."""
 
     name: str
     consumers: list[Consumer] = field(default_factory=list)
-    schemas: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models: dict[str, type[BaseModel]] = field(default_factory=dict)
+
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each model's JSON Schema, whole (its nested models under ``$defs``)."""
+        return {name: model.model_json_schema() for name, model in self.models.items()}
 
 
 def build(registry: Outbox) -> dict[str, Topic]:
     """The catalog of ``registry``: topic name -> :class:`Topic`, sorted by name."""
+    models = {sub.payload_type for sub in registry if sub.payload_type is not None}
+    short = [m.__name__ for m in models]
+    names = {m: m.__name__ if short.count(m.__name__) == 1 else f"{m.__module__}.{m.__qualname__}" for m in models}
     topics: dict[str, Topic] = {}
     for sub in sorted(registry, key=lambda s: s.consumer):
-        consumer = _consumer(sub)
+        consumer = _consumer(sub, names)
         for name in sub.topics:
             topic = topics.setdefault(name, Topic(name))
             topic.consumers.append(consumer)
             if sub.payload_type is not None:
-                topic.schemas[sub.payload_type.__name__] = _schema(sub.payload_type)
+                topic.models[names[sub.payload_type]] = sub.payload_type
     return dict(sorted(topics.items()))
 
 
-def _consumer(sub: Subscriber) -> Consumer:
+def _consumer(sub: Subscriber, names: dict[type[BaseModel], str]) -> Consumer:
     return Consumer(
         name=sub.consumer, kind="forwarder" if sub.sink is not None else "handler",
         mode="transactional" if sub.transactional else "lease", is_async=sub.is_async,
         max_attempts=sub.max_attempts, lease=sub.lease, priority=sub.priority, ordered=sub.ordered,
         on_dead=sub.on_dead, concurrency=sub.concurrency, rate_limit=sub.rate_limit, timeout=sub.timeout,
-        topics=sub.topics, payload=sub.payload_type.__name__ if sub.payload_type is not None else None,
+        topics=sub.topics, payload=names[sub.payload_type] if sub.payload_type is not None else None,
         forward_to=sub.sink.describe() if sub.sink is not None else None)
-
-
-def _schema(model: type[BaseModel]) -> dict[str, Any]:
-    return model.model_json_schema(ref_template="#/components/schemas/{model}")
 
 
 def as_json(catalog: dict[str, Topic]) -> dict[str, Any]:
@@ -124,20 +132,22 @@ def as_asyncapi(catalog: dict[str, Topic], title: str = "outbox application", ve
     channel_ids = _ids(list(catalog))
     consumers = {c.name: c for topic in catalog.values() for c in topic.consumers}
     operation_ids = _ids(sorted(consumers))
-    schemas: dict[str, Any] = {}
+    models = {name: model for topic in catalog.values() for name, model in topic.models.items()}
+    # All models at once: pydantic names their definitions apart (two Items of two modules)
+    # and a recursive model's definition is kept whole.
+    refs, definitions = models_json_schema([(m, "validation") for m in models.values()],
+                                           ref_template="#/components/schemas/{model}")
+    schemas: dict[str, Any] = definitions.get("$defs", {})
     messages: dict[str, Any] = {}
     channels: dict[str, Any] = {}
     for name, topic in catalog.items():
         channel: dict[str, Any] = {"address": name, "title": name}
-        if topic.schemas:
+        if topic.models:
             channel["messages"] = {}
-            for model, schema in topic.schemas.items():
-                schema = dict(schema)
-                schemas.update(schema.pop("$defs", {}))
-                key = _key(model)
-                schemas[key] = schema
-                messages[key] = {"name": model, "contentType": "application/json",
-                                 "payload": {"$ref": f"#/components/schemas/{key}"}}
+            for model_name, model in topic.models.items():
+                key = _key(model_name)
+                messages[key] = {"name": model_name, "contentType": "application/json",
+                                 "payload": refs[(model, "validation")]}
                 channel["messages"][key] = {"$ref": f"#/components/messages/{key}"}
         channels[channel_ids[name]] = channel
     operations: dict[str, Any] = {}

@@ -15,7 +15,7 @@ import re
 import shutil
 import subprocess
 import threading
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -239,6 +239,8 @@ BOUNDARIES = [
     {"priority": 1000}, {"priority": 1001}, {"priority": -1000}, {"priority": -1001},
     {"delay": 0}, {"delay": -1e-9}, {"delay": 3155760000}, {"delay": 3155760000.001}, {"delay": float("nan")},
     {"run_at": _AT}, {"run_at": _AT, "delay": 5},
+    {"run_at": datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=1)))},  # before year 1 in UTC
+    {"run_at": datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))},  # after 9999 in UTC
     {"payload": "x" * 38}, {"payload": "x" * 39},  # 40 bytes with the quotes: the limit below
     {"payload": [1e16, 1e-7, -0.0]}, {"payload": [1e16, 1e-7, -0.0, 1]},  # 38 and 40 bytes as jsonb prints them
     {"payload": 10**1000 - 1}, {"payload": -(10**1000)},
@@ -308,6 +310,40 @@ def test_batch_times_only_sql_callers_can_write(conn, run_at, problem):
     says so (publish_many gets datetimes and cannot meet the second)."""
     outcome = via_sql_many(conn, [{"topic": "t", "payload": 1, "run_at": run_at}], 1 << 20)
     assert outcome[:2] == ("error", "events[0].run_at") and outcome[2].startswith(problem), outcome
+
+
+@pytest.mark.parametrize("call, field, problem", [
+    ("SELECT outbox_publish('t', '1', run_at => 'infinity')", "run_at", "is out of range in UTC (years 1 to 9999)"),
+    ("SELECT outbox_publish('t', '1', run_at => '-infinity')", "run_at", "is out of range in UTC"),
+    ("SELECT outbox_publish('t', '1', run_at => '20000-01-01T00:00:00Z')", "run_at", "is out of range in UTC"),
+    ("""SELECT outbox_publish_many('[{"topic": "t", "payload": 1, "run_at": "4713-01-01 BC+00"}]')""",
+     "events[0].run_at", "is out of range in UTC"),
+    ("""SELECT outbox_publish_many('[{"topic": "t", "payload": 1, "run_at": "2030-01-01T00:00:00+99"}]')""",
+     "events[0].run_at", "is not an ISO 8601 date and time"),
+])
+def test_times_python_cannot_hold_are_refused(raw, call, field, problem):
+    """A time outside Python's datetime (years 1 to 9999 in UTC) would be written, and then
+    no relay could read its jobs: refused, as publish() refuses it."""
+    with pytest.raises(psycopg.errors.InvalidParameterValue) as info:
+        raw.execute(call)
+    assert info.value.diag.column_name == field and problem in str(info.value), str(info.value)
+
+
+def test_numbers_sql_callers_write_are_read_by_value(raw, engine):
+    """JSON numbers in a batch are read by value: a delay below the smallest double is 0 (as
+    a JSON parser reads it), not an error of another SQLSTATE."""
+    (ids,) = raw.execute("""SELECT outbox_publish_many('[{"topic": "t.tiny", "payload": 1, "delay": 1e-400}]')""")\
+        .fetchone()
+    raw.commit()
+    assert len(ids) == 1 and [e["payload"] for e in events_of(engine, "t.tiny")] == [1]
+
+
+@pytest.mark.parametrize("setting", ["abc", "0", "-1", "99999999999"])
+def test_a_bad_payload_limit_setting_is_named(raw, setting):
+    raw.execute("SELECT set_config('outbox.max_payload_bytes', %s, false)", [setting])
+    with pytest.raises(psycopg.errors.InvalidParameterValue, match="the setting outbox.max_payload_bytes must be a "
+                                                                   "number of bytes in 1..999999999"):
+        raw.execute("SELECT outbox_publish('t', '1')")
 
 
 def test_a_batch_that_is_not_an_array_is_refused(raw):
@@ -449,6 +485,20 @@ def test_the_callers_search_path_does_not_matter(engine, raw):
     raw.commit()
     (event,) = events_of(engine, "t.path")
     assert event["id"] == event_id
+
+
+def test_a_temporary_table_of_the_same_name_does_not_capture_events(engine, raw):
+    """PostgreSQL searches pg_temp first unless the search path lists it: the functions list
+    it last, so a caller's temporary outbox_events is not where their events go."""
+    raw.execute("CREATE TEMP TABLE outbox_events (id bigserial, topic text, key text, payload jsonb, headers jsonb,"
+                " run_at timestamptz, priority int, dedup_key text)")
+    raw.execute("CREATE UNIQUE INDEX ON outbox_events (topic, dedup_key) WHERE dedup_key IS NOT NULL")
+    raw.execute("CREATE TEMP TABLE outbox_subscriptions (topic text, ordered bool)")
+    one = raw.execute("SELECT outbox_publish('t.temp', '1', dedup_key => 'd')").fetchone()[0]
+    many = raw.execute("SELECT outbox_publish_many('[[\"t.temp\", 2]]')").fetchone()[0]
+    assert raw.execute("SELECT count(*) FROM pg_temp.outbox_events").fetchone()[0] == 0
+    raw.commit()
+    assert [e["id"] for e in events_of(engine, "t.temp")] == [one, *many]
 
 
 def test_publish_and_sql_agree_on_the_delay_clock(engine, raw):

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 import sqlalchemy as sa
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish, publish_many
@@ -147,6 +147,18 @@ def _statuses(engine: sa.Engine, event_id: int) -> dict[str, str]:
                               {"e": event_id}).all())
 
 
+class Aliased(BaseModel):
+    __topic__: ClassVar[str] = "aliased"
+    order_id: int = Field(alias="orderId")
+
+
+def test_a_model_with_aliases_is_stored_by_alias(engine):
+    """An alias is the field's name in JSON and what validation reads: the dump uses it."""
+    with Session(engine) as s, s.begin():
+        publish(s, Aliased(orderId=3))
+    assert payloads(engine, "aliased") == [{"orderId": 3}]
+
+
 def test_payload_declarations_are_checked():
     ob = Outbox()
     with pytest.raises(ConfigurationError, match="payload= must be a pydantic model class"):
@@ -155,3 +167,18 @@ def test_payload_declarations_are_checked():
     with pytest.raises(ConfigurationError, match="payload=Untopical but the handler's job is annotated"):
         @ob.subscriber("t", consumer="b", payload=Untopical)
         def mixed(job: Job[OrderPlaced]) -> None: ...
+
+    with pytest.raises(ConfigurationError, match="a payload model is one pydantic model class"):
+        @ob.subscriber("t", consumer="c")
+        def optional(job: Job[OrderPlaced | None]) -> None: ...
+
+    def local_model() -> None:
+        class Local(BaseModel):
+            n: int
+
+        @ob.subscriber("t", consumer="d")
+        def local(job: Job[Local]) -> None: ...  # a string under the module's future import
+
+    with pytest.raises(ConfigurationError, match="annotation 'Job\\[Local\\]' does not resolve"):
+        local_model()
+    assert "c" not in ob.consumers and "d" not in ob.consumers

@@ -130,6 +130,66 @@ def test_the_command_prints_the_catalog(tmp_path):
     assert bad.returncode == 2 and "no module named 'nowhere'" in bad.stderr, bad.stderr
 
 
+RECURSIVE_APP = textwrap.dedent('''
+    from __future__ import annotations
+
+    from pydantic import BaseModel
+
+    from outbox import Job, Outbox
+
+
+    class Node(BaseModel):
+        name: str
+        children: list[Node] = []
+
+
+    def module(name: str, fields: dict[str, type]) -> type[BaseModel]:
+        return type(name, (BaseModel,), {"__annotations__": fields, "__module__": f"pkg.{name.lower()}s"})
+
+
+    class ItemA(BaseModel):
+        sku: str
+
+
+    class ItemB(BaseModel):
+        weight_kg: float
+
+
+    ItemA.__name__ = ItemB.__name__ = "Item"
+    OrderA = type("Order", (BaseModel,), {"__annotations__": {"item": ItemA}, "__module__": "pkg.a"})
+    OrderB = type("Order", (BaseModel,), {"__annotations__": {"items": list[ItemB]}, "__module__": "pkg.b"})
+
+    ob = Outbox()
+    ob.subscriber("tree", consumer="tree", payload=Node)(lambda job: None)
+    ob.subscriber("orders.a", consumer="a", payload=OrderA)(lambda job: None)
+    ob.subscriber("orders.b", consumer="b", payload=OrderB)(lambda job: None)
+''')
+
+
+def test_recursive_models_and_models_of_one_name_stay_whole_and_apart(tmp_path, monkeypatch):
+    (tmp_path / "recursive_app.py").write_text(RECURSIVE_APP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("recursive_app", None)
+    import recursive_app  # type: ignore[import-not-found]
+
+    document = as_asyncapi(build(recursive_app.ob))
+    jsonschema.Draft7Validator(json.loads(SCHEMA.read_text())).validate(document)
+    schemas = document["components"]["schemas"]
+
+    def resolved(message: str) -> dict:
+        ref = document["components"]["messages"][message]["payload"]["$ref"]
+        return schemas[ref.rsplit("/", 1)[1]]
+
+    assert set(resolved("Node")["properties"]) == {"name", "children"}  # not a reference to itself
+    orders = [name for name in document["components"]["messages"] if name.endswith("Order")]
+    assert len(orders) == 2, orders
+    shapes = sorted(tuple(sorted(resolved(name)["properties"])) for name in orders)
+    assert shapes == [("item",), ("items",)]
+    item_refs = {json.dumps(resolved(name)["properties"]) for name in orders}
+    assert len(item_refs) == 2  # each Order names its own Item
+    sys.modules.pop("recursive_app", None)
+
+
 def test_an_empty_registry():
     from outbox import Outbox
 
