@@ -184,17 +184,22 @@ def as_markdown(catalog: dict[str, Topic], title: str = "outbox application") ->
     if not catalog:
         lines.append("No topics: the registry declares no subscriber or forwarder.")
     for name, topic in catalog.items():
-        lines += [f"## `{name}`", "", "| consumer | kind | mode | attempts | ordered | concurrency | rate limit "
-                  "| payload | forwarded to |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"## `{name}`", "", "| consumer | kind | mode | attempts | lease (s) | priority | timeout (s) "
+                  "| ordered | concurrency | rate limit | payload | forwarded to |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in topic.consumers:
             lines.append(f"| `{c.name}` | {c.kind} | {c.mode}{' (async)' if c.is_async else ''} | {c.max_attempts} "
-                         f"| {'yes, dead ' + c.on_dead + 's' if c.ordered else 'no'} | {c.concurrency or '-'} "
-                         f"| {c.rate_limit or '-'}/s | {c.payload or '-'} | {c.forward_to or '-'} |"
-                         .replace("| -/s |", "| - |"))
+                         f"| {_or_dash(c.lease, 'default')} | {c.priority} | {_or_dash(c.timeout)} "
+                         f"| {'yes, dead ' + c.on_dead + 's' if c.ordered else 'no'} | {_or_dash(c.concurrency)} "
+                         f"| {_or_dash(c.rate_limit, suffix='/s')} | {c.payload or '-'} | {c.forward_to or '-'} |")
         for model, schema in topic.schemas.items():
             lines += ["", f"`{model}`:", "", "```json", json.dumps(schema, indent=2), "```"]
         lines.append("")
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _or_dash(value: float | None, none: str = "-", suffix: str = "") -> str:
+    return none if value is None else f"{value:g}{suffix}"
 
 
 def render(registry: Outbox, fmt: str = "asyncapi", title: str = "outbox application") -> str:

@@ -558,11 +558,13 @@ def test_json_values_round_trip(engine):
     assert row["headers"] == {"traceparent": "00-abc-01", "nested": {"x": [1]}}
 
 
-@pytest.mark.parametrize("target", ["engine", "none", "raw_dbapi", "string"])
+@pytest.mark.parametrize("target", ["engine", "none", "pool_proxy", "string"])
 def test_wrong_session_type_raises_type_error(engine, target):
+    """Anything but a SQLAlchemy session or connection or a psycopg connection (those:
+    test_publish_drivers.py), such as the pool's proxy of a psycopg connection."""
     raw = engine.raw_connection()
     try:
-        session = {"engine": engine, "none": None, "raw_dbapi": raw.driver_connection, "string": "postgresql://"}[target]
+        session = {"engine": engine, "none": None, "pool_proxy": raw, "string": "postgresql://"}[target]
         with pytest.raises(TypeError, match="Session, AsyncSession, Connection or AsyncConnection"):
             publish(session, "t", {})
         with pytest.raises(TypeError, match="Session"):

@@ -115,7 +115,8 @@ def test_json_and_markdown_say_the_same(app):
     page = render(app, "markdown", "shop")
     assert page.startswith("# shop: event catalog")
     assert "## `order.cancelled`" in page and "## `order.placed`" in page
-    assert "| `ledger` | handler | transactional | 5 | yes, dead skips |" in page
+    assert "| `ledger` | handler | transactional | 5 | default | 0 | - | yes, dead skips | - | - | - | - |" in page
+    assert "| `send_receipt` | handler | lease | 7 | default | 0 | - | no | 4 | 10/s | OrderPlaced | - |" in page
     assert '"order_id"' in page
 
 
