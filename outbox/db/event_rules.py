@@ -81,6 +81,12 @@ NAIVE_DATETIME = ("is a naive datetime; pass an aware one, such as "
                   "datetime.now(timezone.utc) + timedelta(minutes=5)")
 DELAY_WITH_RUN_AT = "cannot be given with run_at; pass one of them"
 RUN_AT_RANGE = "is out of range in UTC (years 1 to 9999)"
+#: The times Python's ``datetime`` holds, in UTC: a ``run_at`` outside them could not be read
+#: by a relay (psycopg refuses to load it), so the table's CHECK refuses it from every writer
+#: (migration 0011) and the SQL functions name it first.
+RUN_AT_FIRST = "0001-01-01 00:00:00+00"
+RUN_AT_END = "10000-01-01 00:00:00+00"
+RUN_AT_CHECK = f"run_at >= '{RUN_AT_FIRST}' AND run_at < '{RUN_AT_END}'"
 NOT_SECONDS = "must be a number of seconds, got %s"
 DELAY_RANGE = f"must be seconds in 0..{MAX_DELAY_SECONDS}"
 NOT_AN_INT = "must be an int, got %s"
@@ -214,7 +220,7 @@ PUBLISH_FUNCTIONS_DDL: tuple[str, ...] = (
             IF problem IS NOT NULL THEN RETURN ARRAY['headers', problem]; END IF;
         END IF;
         IF types ? 'run_at' THEN RETURN ARRAY['run_at', types ->> 'run_at']; END IF;
-        IF NOT (run_at >= '0001-01-01 00:00:00+00' AND run_at < '10000-01-01 00:00:00+00') THEN  -- infinities too
+        IF NOT ({RUN_AT_CHECK}) THEN  -- infinities too
             RETURN ARRAY['run_at', {_sql(RUN_AT_RANGE)}];
         END IF;
         IF run_at IS NOT NULL AND (delay IS NOT NULL OR types ? 'delay') THEN

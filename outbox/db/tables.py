@@ -89,6 +89,8 @@ events = Table(
     CheckConstraint("topic <> ''", name="topic_not_empty"),
     # Every writer's headers are an object, as publish's are (migration 0008).
     CheckConstraint("jsonb_typeof(headers) = 'object'", name="headers_object"),
+    # A run_at a relay can read, from every writer (migration 0011).
+    CheckConstraint(event_rules.RUN_AT_CHECK, name="run_at_in_range"),
     Index("ix_outbox_events_unrouted", "id", postgresql_where=text("routed_at IS NULL")),
     Index("ix_outbox_events_routed_at", "routed_at", postgresql_where=text("routed_at IS NOT NULL")),
     # Only events with a dedup key enter it; publish's INSERT ... ON CONFLICT DO NOTHING arbiter.

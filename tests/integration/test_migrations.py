@@ -201,6 +201,54 @@ def test_create_all_gives_the_same_schema_as_the_migrations(server, db_url, engi
     assert snapshot(empty_engine) == without_version_table(snapshot(engine))
 
 
+def _run_ats(engine: sa.Engine, ids: list[int]) -> list[str | None]:
+    with engine.connect() as conn:
+        found = dict(conn.execute(sa.text("SELECT id, CAST(run_at AT TIME ZONE 'UTC' AS text) FROM outbox_events"
+                                          " WHERE id = ANY (:ids)"), {"ids": ids}).all())
+    return [found[i] for i in ids]
+
+
+def _insert_run_ats(engine: sa.Engine, run_ats: list[str], *, routed: bool = False) -> list[int]:
+    with engine.begin() as conn:
+        return [conn.execute(sa.text(
+            "INSERT INTO outbox_events (topic, payload, run_at, routed_at)"
+            " VALUES ('t', '{}', CAST(:run_at AS timestamptz), CASE WHEN :routed THEN now() END) RETURNING id"),
+            {"run_at": r, "routed": routed}).scalar_one() for r in run_ats]
+
+
+def test_0011_keeps_run_at_readable_and_rewrites_the_backlogs(empty_engine, caplog):
+    """Before 0011 a plain INSERT could write a run_at no relay can load (psycopg refuses
+    years before 1 and after 9999), and routing and claims then failed for every consumer.
+    0011's CHECK refuses it from every writer; the backlog's such events are rewritten (before
+    year 1: NULL, due at once; after 9999: the end of 9999) with a warning and then route;
+    with routed history the CHECK stays NOT VALID, as 0008's."""
+    caplog.set_level(logging.WARNING, logger="outbox.db.migrate")
+    upgrade(empty_engine, "0010")
+    backlog = _insert_run_ats(empty_engine, ["-infinity", "0002-01-01 00:00:00+00 BC", "infinity",
+                                             "2030-01-01 00:00:00+00"])
+    upgrade(empty_engine, "0011")
+    assert _run_ats(empty_engine, backlog) == [None, None, "9999-12-31 23:59:59.999999", "2030-01-01 00:00:00"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "outbox.db.migrate"]
+    assert len(warnings) == 1 and "3 unrouted events" in warnings[0], warnings
+    with empty_engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT convalidated FROM pg_constraint"
+                                    " WHERE conname = 'ck_outbox_events_run_at_in_range'").scalar_one()
+    assert route_all(empty_engine).events == 4
+    for bad in ("-infinity", "infinity", "10000-01-01 00:00:00+00", "0001-12-31 23:00:00+00 BC"):
+        with pytest.raises(sa.exc.IntegrityError) as refused:
+            _insert_run_ats(empty_engine, [bad])
+        assert isinstance(refused.value.orig, psycopg.errors.CheckViolation), bad
+    assert drift(empty_engine) == []
+
+    downgrade(empty_engine, "0010")
+    history = _insert_run_ats(empty_engine, ["-infinity"], routed=True)
+    upgrade(empty_engine, "0011")
+    assert _run_ats(empty_engine, history) == ["-infinity"]  # routed: never read again, kept
+    with empty_engine.connect() as conn:
+        assert not conn.exec_driver_sql("SELECT convalidated FROM pg_constraint"
+                                        " WHERE conname = 'ck_outbox_events_run_at_in_range'").scalar_one()
+
+
 # ------------------------------------------------------------- concurrent migrations
 
 
