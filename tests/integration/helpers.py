@@ -1,11 +1,16 @@
 """Small helpers shared by the router, job, handler and fencing tests: subscriptions,
-events, routed jobs, reading job rows back, and a relay running in the test's process, all
-on a real PostgreSQL."""
+events, routed jobs, reading job rows back, a relay running in the test's process, and an
+``outbox-relay`` process started and stopped as an operator would, all on a real PostgreSQL."""
 
 from __future__ import annotations
 
 import contextlib
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -99,3 +104,40 @@ def running_relays(n: int, registry: Outbox, settings: OutboxSettings, **parts: 
     finally:
         for relay in started:
             relay.stop()
+
+
+@contextlib.contextmanager
+def relay_process(argv: list[str], *, env: dict[str, str], timeout: float, cwd: Path | None = None,
+                  what: str = "the relay") -> Iterator[tuple[subprocess.Popen[str], list[str]]]:
+    """Start ``argv`` (an ``outbox-relay`` run) and wait until it logs "relay started"
+    (asserting it did within ``timeout`` seconds, naming ``what`` and the log's end); yield
+    the process and its stderr lines as they come. On leaving: SIGTERM, then a kill after
+    ``timeout`` seconds. The caller asserts the exit status (``process.returncode``)."""
+    process = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+            if "relay started" in line:
+                started.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not started.wait(0.1) and process.poll() is None and time.monotonic() < deadline:
+            pass
+        assert started.is_set(), f"{what} did not start: {''.join(lines)[-3000:]}"
+        yield process, lines
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        reader.join(5)

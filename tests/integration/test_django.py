@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +30,7 @@ from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 from tests import docs_pages
 from tests.docs_pages import ROOT
+from tests.integration.helpers import relay_process
 
 pytest.importorskip("django", reason="Django is not installed (pip install 'outbox-relay[django]')")
 
@@ -481,38 +479,12 @@ def test_the_documented_view_and_handler_module_run_as_written(project: DjangoPr
     shop/views.py and shop/jobs.py): an order placed through the view, handled by
     ``outbox-relay --app shop.jobs:ob``, whose handler reads it and writes its receipt
     through the ORM."""
-    relay = subprocess.Popen([str(Path(sys.executable).parent / "outbox-relay"), "--app", "shop.jobs:ob"],
-                             cwd=project.folder, env=project.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True)
-    log: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        assert relay.stderr is not None
-        for line in relay.stderr:
-            log.append(line)
-            if "relay started" in line:
-                started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not started.wait(0.1) and relay.poll() is None and time.monotonic() < deadline:
-            pass
-        assert started.is_set(), f"the relay did not start: {''.join(log)[-3000:]}"
+    argv = [str(Path(sys.executable).parent / "outbox-relay"), "--app", "shop.jobs:ob"]
+    with relay_process(argv, env=project.env, cwd=project.folder, timeout=TIMEOUT) as (relay, log):
         seen = project.scenario("views")
         order_id = seen["placed"][1]["order_id"]
         receipts = wait_for(lambda: rows(engine, "SELECT order_id, total_cents FROM shop_receipt"), timeout=30,
                             what="the receipt written by the documented handler")
-    finally:
-        relay.send_signal(signal.SIGTERM)
-        try:
-            relay.wait(TIMEOUT)
-        except subprocess.TimeoutExpired:
-            relay.kill()
-            relay.wait()
-        reader.join(5)
     assert receipts == [(order_id, 2500)]
     assert relay.returncode == 0, "".join(log)[-3000:]
     assert rows(engine, "SELECT status FROM outbox_jobs WHERE consumer = 'write_receipt'") == [("done",)]

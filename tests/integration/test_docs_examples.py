@@ -30,11 +30,8 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import threading
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -46,6 +43,7 @@ from sqlalchemy.engine import URL
 from outbox.db.engine import make_engine
 from tests import docs_pages
 from tests.docs_pages import ROOT, Block
+from tests.integration.helpers import relay_process
 
 #: URLs the examples show for "your database"; the test puts the page's database in their place.
 PLACEHOLDER_URLS = ("postgresql+psycopg://app@localhost/shop", "postgresql://app@localhost/shop")
@@ -232,32 +230,8 @@ def _is_relay(argv: list[str]) -> bool:
 
 
 def _run_relay(argv: list[str], env: dict[str, str], block: Block) -> None:
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    started = threading.Event()
-
-    def read() -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            lines.append(line)
-            if "relay started" in line:
-                started.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + COMMAND_TIMEOUT
-    while not started.is_set() and process.poll() is None and time.monotonic() < deadline:
-        started.wait(0.1)
-    try:
-        assert started.is_set(), f"{block}: {shlex.join(argv)} did not start: {''.join(lines)[-2000:]}"
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(COMMAND_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        reader.join(5)
+    with relay_process(argv, env=env, timeout=COMMAND_TIMEOUT, what=f"{block}: {shlex.join(argv)}") as (process, lines):
+        pass
     assert process.returncode == 0, f"{block}: {shlex.join(argv)} exited {process.returncode}: {''.join(lines)[-2000:]}"
 
 
