@@ -406,6 +406,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
+#: Most lines of an error's message ``dead`` prints (the first beside the job, the rest indented).
+ERROR_LINES_SHOWN = 12
+
+
+def _error_message(last_error: str | None) -> list[str]:
+    """The lines of ``last_error``'s message, without the traceback that follows it, at most
+    ``ERROR_LINES_SHOWN`` (the last then says how many more there were)."""
+    lines: list[str] = []
+    for line in (last_error or "").splitlines():
+        if line.startswith("Traceback (most recent call last):"):
+            break
+        lines.append(line)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if len(lines) > ERROR_LINES_SHOWN:
+        lines = [*lines[:ERROR_LINES_SHOWN - 1], f"... {len(lines) - ERROR_LINES_SHOWN + 1} more lines (dead --json)"]
+    return lines
+
+
 def _setting_error(error: Any) -> str:
     field = ".".join(map(str, error["loc"]))
     message = str(error["msg"]).removeprefix("Value error, ")  # pydantic's wrapping of our own ValueError
@@ -614,9 +633,12 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
                 if args.json:
                     print(json.dumps({**admin.as_dict(job), "finished_at": str(job.finished_at)}))
                 else:
-                    first = (job.last_error or "").splitlines()[0] if job.last_error else ""
+                    message = _error_message(job.last_error)
                     print(f"job {job.id} event {job.event_id} {job.consumer} attempts {job.attempts}/"
-                          f"{job.max_attempts}{f' snoozes {job.snoozes}' if job.snoozes else ''}: {first}")
+                          f"{job.max_attempts}{f' snoozes {job.snoozes}' if job.snoozes else ''}: "
+                          f"{message[0] if message else ''}")
+                    for line in message[1:]:  # a message of several lines: a validation error's fields
+                        print(f"    {line}")
         elif args.command == "redrive":
             if not args.ids and not args.consumer and not args.all:
                 raise UsageError("redrive needs job ids, --consumer or --all")

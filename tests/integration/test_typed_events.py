@@ -7,7 +7,9 @@ validate is dead at once with the validation error, never retried; plain dicts k
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import io
 import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -20,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from outbox import Job, Outbox, publish, publish_many
 from outbox.errors import ConfigurationError, InvalidEventError
+from outbox.ops.cli import main
 from outbox.relay.relay import Relay
 from outbox.testing import wait_for
 
@@ -139,6 +142,15 @@ def test_subscribers_get_their_model_and_a_bad_payload_is_dead_at_once(engine, s
         assert attempts == 1, consumer  # never retried
         assert "does not validate as OrderPlaced" in last_error and "order_id" in last_error, last_error
     assert _statuses(engine, good) == dict.fromkeys(("kw", "annotated", "async_typed", "tx", "plain"), "done")
+    # `dead` shows the validation error's lines under the job, not its first line alone.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["dead", "--consumer", "kw", "--database-url", engine.url.render_as_string(hide_password=False)]) \
+            == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("job ") and "does not validate as OrderPlaced" in lines[0], lines
+    assert any(line.startswith("    order_id") for line in lines[1:]), lines
+    assert not any("Traceback" in line for line in lines), lines
 
 
 def _statuses(engine: sa.Engine, event_id: int) -> dict[str, str]:
