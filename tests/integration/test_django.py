@@ -330,8 +330,10 @@ class DjangoProject:
                          "execute_from_command_line(sys.argv)\n",
             "shopsite/__init__.py": "",
             "shopsite/settings.py": SETTINGS % {"name": db_url.database, "user": db_url.username,
-                                                "password": db_url.password or "", "host": db_url.host or "",
-                                                "port": str(db_url.port or "")},
+                                                "password": db_url.password or "",
+                                                # the embedded server's socket folder is the URL's ?host=
+                                                "host": db_url.host or db_url.query.get("host") or "",
+                                                "port": str(db_url.port or db_url.query.get("port") or "")},
             "shopsite/urls.py": URLS,
             "shop/__init__.py": "",
             "shop/migrations/__init__.py": "",
