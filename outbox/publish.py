@@ -738,6 +738,30 @@ def publish_many(
     return sorted(ids)  # ids are drawn in the order of events; RETURNING promises no order
 
 
+def publish_drafts(session: Session | Connection, drafts: Sequence[EventDraft], *,
+                   schema: str | None = None) -> list[int]:
+    """Write events already validated by :func:`make_event` in ``session``'s transaction, as
+    :func:`publish_many` writes events without options; returns their ids in the order of
+    ``drafts``. For writers that validate each event on its own first (the intake: a bad
+    message is rejected alone, not with its batch)."""
+    _check_session(session)
+    statements = queries.in_schema(schema)
+    ids: list[int] = []
+    rows = [f'[{_dumps_plain(d.topic)},{"null" if d.key is None else _dumps_plain(d.key)},{d.payload},{d.headers}]'
+            for d in drafts]
+    with _schema_hint(statements):
+        start = 0
+        while start < len(rows):
+            size, end = 1, start
+            while end < len(rows) and (end == start or size + len(rows[end]) + 1 <= MANY_BATCH_CHARS):
+                size += len(rows[end]) + 1
+                end += 1
+            batch = f"[{','.join(rows[start:end])}]"
+            ids.extend(sorted(session.execute(statements.event_insert_many, {"events": batch}).scalars()))
+            start = end
+    return ids
+
+
 def _publish_many_plain_plan(batches: list[str], statements: queries.Statements) -> _Plan:
     """``event_insert_many`` per batch; the ids sorted (drawn in the order of events)."""
     ids: list[int] = []

@@ -18,7 +18,9 @@ from typing import Any, Literal, TypeVar, overload
 from pydantic import BaseModel
 
 from outbox import typed_events
+from outbox.db.event_rules import DEFAULT_MAX_PAYLOAD_BYTES
 from outbox.errors import ConfigurationError, InvalidEventError
+from outbox.intake import Intake, Received, Source, TopicRule, declare
 from outbox.job import Job
 from outbox.publish import check_name
 from outbox.schedule import Schedule, make_schedule
@@ -104,6 +106,7 @@ class Outbox:
     def __init__(self) -> None:
         self._subscribers: dict[str, Subscriber] = {}
         self._schedules: dict[str, Schedule] = {}
+        self._intakes: dict[str, Intake] = {}
 
     @overload
     def subscriber(
@@ -227,6 +230,52 @@ class Outbox:
         sub = _validated(topic, consumer, forwarded_by_sink, max_attempts, lease, False, priority)
         sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
         self._add(dataclasses.replace(sub, sink=to))
+
+    def intake(
+        self,
+        name: str,
+        *,
+        source: Source,
+        topic: TopicRule = None,
+        identity: Callable[[Received], str] | None = None,
+        key: Callable[[Received], str | None] | None = None,
+        batch: int = 100,
+        max_backlog: int | None = 10_000,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> Intake:
+        """Declare an intake (the inbox, :mod:`outbox.intake`): the messages of ``source``
+        become events of this database, each once, whatever the broker redelivers or the
+        sender re-sends. The relay runs it (``outbox-relay intake-http`` serves a
+        :class:`~outbox.intake.webhooks.Webhook` source); subscribers handle its events as any.
+
+        ``name``: the intake's durable name (its identities are remembered under it; unique
+        within the registry). ``source``: a :class:`~outbox.intake.jetstream.JetStreamSource`,
+        :class:`~outbox.intake.rabbitmq.RabbitMQSource`, :class:`~outbox.intake.kafka.KafkaSource`
+        or :class:`~outbox.intake.webhooks.Webhook`. ``topic``: the events' topic: a name, a
+        mapping from the message's subject (JetStream subject, RabbitMQ routing key, Kafka
+        topic, webhook ``type``) to a name (a subject not in it is rejected), a function of
+        the :class:`~outbox.intake.Received` message, or None (default: the sender's
+        ``Outbox-Topic`` header, which outbox's forwarders send). ``identity``: a function
+        giving a message's dedup identity (default: the ``Outbox-Idempotency-Key`` header,
+        else the broker's message id; :func:`outbox.intake.body_hash` for messages with
+        neither). ``key``: a function giving the event's key (default: the ``Outbox-Key``
+        header, else the record key). ``batch``: 1..10000 messages per transaction (default
+        100). ``max_backlog``: stop taking in while this many events wait to be routed or
+        jobs of the topics' consumers are ready (default 10,000; None: never).
+        ``max_payload_bytes``: larger bodies are rejected (default publish's 1 MiB).
+
+        Returns the :class:`~outbox.intake.Intake`. Raises :class:`ConfigurationError`
+        naming the option for a bad value or a name declared twice."""
+        declared = declare(name, source, topic, identity, key, batch, max_backlog, max_payload_bytes)
+        if declared.name in self._intakes:
+            raise ConfigurationError(f"intake {declared.name!r} is declared twice; intake names must be unique")
+        self._intakes[declared.name] = declared
+        return declared
+
+    @property
+    def intakes(self) -> list[Intake]:
+        """The declared intakes, in declaration order."""
+        return list(self._intakes.values())
 
     def _add(self, sub: Subscriber) -> None:
         if sub.consumer in self._subscribers:

@@ -252,6 +252,87 @@ event_prune_candidates: TextClause = text(
 
 event_unrouted_count: TextClause = text("SELECT count(*) FROM outbox_events WHERE routed_at IS NULL")
 
+# -------------------------------------------------------------------------- intake
+
+intake_known_many: TextClause = text(
+    """
+    SELECT identity FROM outbox_intake
+    WHERE source = :source AND identity = ANY (CAST(:identities AS text[]))
+    """
+)
+"""Which of ``:identities`` intake ``:source`` has taken in (or rejected) before."""
+
+intake_record_many: TextClause = text(
+    """
+    INSERT INTO outbox_intake AS i (source, identity, event_id, problem, subject, headers, body, body_size)
+    SELECT :source, r.identity, r.event_id, r.problem, r.subject, r.headers, r.body, r.body_size
+    FROM unnest(CAST(:identities AS text[]), CAST(:event_ids AS bigint[]), CAST(:problems AS text[]),
+                CAST(:subjects AS text[]), CAST(:headers AS jsonb[]), CAST(:bodies AS bytea[]),
+                CAST(:body_sizes AS bigint[]))
+         AS r(identity, event_id, problem, subject, headers, body, body_size)
+    ON CONFLICT (source, identity) DO NOTHING
+    RETURNING i.identity
+    """
+)
+"""Record what intake ``:source`` took in: per identity the event it became (``problem``,
+``subject``, ``headers``, ``body`` NULL), or why it was rejected and what it was (event id
+NULL). An identity recorded meanwhile by another transaction (the same message taken in by
+two relays at once) is not returned: the caller rolls back and runs the batch again, and
+then finds it known (``intake_known_many``). Waits for such a transaction to end first."""
+
+intake_prune_many: TextClause = text(
+    """
+    DELETE FROM outbox_intake
+    WHERE ctid IN (
+        SELECT ctid FROM outbox_intake
+        WHERE problem IS NULL AND taken_at < now() - make_interval(secs => :older_than)
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    """
+)
+"""Forget up to ``:limit`` messages taken in more than ``:older_than`` seconds ago (a
+redelivery after that is taken in again). Rejected ones stay until an operator forgets
+them (``intake_forget_rejected``)."""
+
+intake_rejected_list: TextClause = text(
+    """
+    SELECT source, identity, taken_at, problem, subject, headers, body, body_size
+    FROM outbox_intake
+    WHERE problem IS NOT NULL AND (CAST(:source AS text) IS NULL OR source = :source)
+    ORDER BY taken_at DESC, source, identity
+    LIMIT :limit
+    """
+)
+"""The latest ``:limit`` rejected messages, of intake ``:source`` (NULL: of every intake)."""
+
+intake_forget_rejected: TextClause = text(
+    """
+    DELETE FROM outbox_intake
+    WHERE problem IS NOT NULL AND source = :source
+      AND (CAST(:identities AS text[]) IS NULL OR identity = ANY (CAST(:identities AS text[])))
+    RETURNING identity
+    """
+)
+"""Forget rejected messages of intake ``:source``: those of ``:identities`` (NULL: all). A
+message forgotten is taken in again if its broker delivers it again."""
+
+intake_backlog: TextClause = text(
+    """
+    SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox_events WHERE routed_at IS NULL LIMIT :limit) e)
+         + (SELECT count(*) FROM (
+                SELECT 1 FROM outbox_jobs j
+                WHERE j.status = 'ready'
+                  AND (CAST(:topics AS text[]) IS NULL
+                       OR j.consumer IN (SELECT s.consumer FROM outbox_subscriptions s
+                                         WHERE s.topic = ANY (CAST(:topics AS text[]))))
+                LIMIT :limit) j)
+    """
+)
+"""How much waits, counted up to ``:limit`` of each kind: unrouted events, and ready jobs of
+the consumers of ``:topics`` (NULL: of every consumer). An intake takes nothing while it is
+at its ``max_backlog``."""
+
 # --------------------------------------------------------------------- subscriptions
 
 subscription_upsert_many: TextClause = text(
@@ -2179,6 +2260,14 @@ class Statements:
     event_prune_many: TextClause
     event_prune_candidates: TextClause
     event_unrouted_count: TextClause
+
+    # intake
+    intake_known_many: TextClause
+    intake_record_many: TextClause
+    intake_prune_many: TextClause
+    intake_rejected_list: TextClause
+    intake_forget_rejected: TextClause
+    intake_backlog: TextClause
 
     # subscriptions
     subscription_upsert_many: TextClause

@@ -3,7 +3,8 @@
 
 Done and cancelled jobs finished more than ``retention_done`` seconds ago go first, then
 events older than ``retention_events`` seconds that have no job left, then the rows of relays
-gone for ``RELAY_GONE_AFTER`` seconds that hold no running job. Dead jobs are never pruned:
+gone for ``RELAY_GONE_AFTER`` seconds that hold no running job, and the messages intakes took
+in more than ``intake_retention`` seconds ago (:func:`prune_intake`). Dead jobs are never pruned:
 they wait for a person (``outbox-relay dead``, ``outbox-relay redrive``). Work is done in
 bounded batches (``PRUNE_BATCH`` rows of each kind per call), so pruning never holds long
 locks. A row whose delete fails with a data error (a trigger, a foreign key of the
@@ -74,3 +75,10 @@ def prune_relays(conn: Connection, older_than: float = RELAY_GONE_AFTER, *, sche
     hold no running job: killed relays, whose buffer lists no claim the reaper could still
     meet. Returns how many were removed."""
     return conn.execute(queries.in_schema(schema).relay_prune_many, {"older_than": older_than}).rowcount
+
+
+def prune_intake(conn: Connection, older_than: float, limit: int = PRUNE_BATCH, *, schema: str | None = None) -> int:
+    """Forget up to ``limit`` messages intakes took in more than ``older_than`` seconds ago
+    (``intake_retention``); rejected ones stay. Returns how many were forgotten."""
+    return conn.execute(queries.in_schema(schema).intake_prune_many,
+                        {"older_than": older_than, "limit": limit}).rowcount

@@ -30,6 +30,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     Sequence,
@@ -233,6 +234,34 @@ schedules = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("name"),
+)
+
+#: The inbox's memory (migration 0012): one row per message an intake took in
+#: (:mod:`outbox.intake`), under the intake's name (``source``) and the message's dedup
+#: ``identity`` (the sender's ``Outbox-Idempotency-Key``, else the broker's message id, else
+#: what the intake's ``identity=`` computes). A message whose (source, identity) is here is
+#: acknowledged and dropped. ``event_id``: the event it became, written in the same
+#: transaction as this row. A rejected message (not JSON, too large, no topic: a "poison"
+#: message) has no event: ``problem`` says why and ``body`` keeps its first bytes
+#: (``body_size`` all of them), with its ``subject`` and ``headers``, until an operator forgets
+#: it; taken-in rows are pruned ``intake_retention`` seconds after ``taken_at``.
+intake = Table(
+    "outbox_intake",
+    metadata,
+    Column("source", Text, nullable=False),
+    Column("identity", Text, nullable=False),
+    Column("event_id", BigInteger, nullable=True),
+    Column("taken_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("problem", Text, nullable=True),
+    Column("subject", Text, nullable=True),
+    Column("headers", JSONB, nullable=True),
+    Column("body", LargeBinary, nullable=True),
+    Column("body_size", BigInteger, nullable=True),
+    PrimaryKeyConstraint("source", "identity"),
+    CheckConstraint("(event_id IS NULL) <> (problem IS NULL)", name="taken_or_rejected"),
+    # The pruner reads taken-in rows by age; rejected ones are listed by source.
+    Index("ix_outbox_intake_taken_at", "taken_at", postgresql_where=text("problem IS NULL")),
+    Index("ix_outbox_intake_rejected", "source", "taken_at", postgresql_where=text("problem IS NOT NULL")),
 )
 
 #: NOTIFY channels. A statement-level trigger on each table sends one notification per

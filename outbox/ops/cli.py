@@ -65,7 +65,7 @@ _RUN_FLAGS = {
     "concurrency": int, "dispatchers": int, "claim_batch": int, "prefetch": int, "route_batch": int, "poll_interval": float,
     "wake_cooldown": float,
     "default_lease": float, "reap_interval": float, "shutdown_grace": float,
-    "retention_done": float, "retention_events": float, "prune_interval": float,
+    "retention_done": float, "retention_events": float, "intake_retention": float, "prune_interval": float,
     "backoff_base": float, "backoff_cap": float, "backoff_jitter": float, "reconnect_max": float,
     "pool_size": int, "pool_overflow": int, "pooler": str, "listen_url": str,
     "metrics_port": int, "metrics_host": str, "metrics_interval": float,

@@ -54,7 +54,7 @@ from outbox.db.poison import (
     try_record,
     whole_or_halves,
 )
-from outbox.db.retention import PRUNE_BATCH, prune, prune_relays
+from outbox.db.retention import PRUNE_BATCH, prune, prune_intake, prune_relays
 from outbox.relay.counters import Counters
 from outbox.relay.notify import Wakeup
 from outbox.relay.ordering import HeadSweeper
@@ -199,8 +199,8 @@ class Maintenance:
     """
 
     #: The names ``stats`` counts, from 0.
-    COUNTS = ("reaped", "reaped_dead", "reaped_unstarted", "pruned_jobs", "pruned_events", "vacuums", "vacuums_skipped",
-              "promoted")
+    COUNTS = ("reaped", "reaped_dead", "reaped_unstarted", "pruned_jobs", "pruned_events", "pruned_intake", "vacuums",
+              "vacuums_skipped", "promoted")
 
     def __init__(self, engine: Engine, settings: OutboxSettings, *, stop: threading.Event, wake_workers: Wakeup,
                  reconnect: Reconnector, upkeep: TableUpkeep | None = None) -> None:
@@ -294,9 +294,11 @@ class Maintenance:
                                                  PRUNE_BATCH, self.prune_quarantine, schema=self.schema)
                 if first:
                     prune_relays(conn, schema=self.schema)
+                remembered = prune_intake(conn, self.settings.intake_retention, PRUNE_BATCH, schema=self.schema)
             first = False
             jobs, events = jobs + batch_jobs, events + batch_events
-            full = batch_jobs >= PRUNE_BATCH or batch_events >= PRUNE_BATCH
+            self.stats.add("pruned_intake", remembered)
+            full = batch_jobs >= PRUNE_BATCH or batch_events >= PRUNE_BATCH or remembered >= PRUNE_BATCH
             self.prune_behind = full
             if not full or time.monotonic() >= deadline or self.stop_event.is_set():
                 break

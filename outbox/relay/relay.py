@@ -47,6 +47,7 @@ from outbox.db.engine import (
 )
 from outbox.db.migrate import check_schema
 from outbox.registry import Outbox
+from outbox.relay.intake import IntakeLoop
 from outbox.relay.maintenance import Maintenance, TableUpkeep
 from outbox.relay.notify import Listener, Wakeup
 from outbox.relay.reconnect import Reconnector
@@ -69,8 +70,9 @@ class Relay:
     """One relay: ``registry``'s handlers plus routing and maintenance for the whole
     database, configured by ``settings`` (``settings.database_url`` is required).
 
-    ``route``, ``work``, ``maintain`` and ``schedule`` turn the router, the job runner, the
-    reaper/pruner and the scheduler of the registry's schedules on or off (all on by
+    ``route``, ``work``, ``maintain``, ``schedule`` and ``intake`` turn the router, the job
+    runner, the reaper/pruner, the scheduler of the registry's schedules and its broker
+    intakes (:class:`~outbox.relay.intake.IntakeLoop`, ``intake``) on or off (all on by
     default); the parts are ``router`` (:class:`~outbox.relay.router.Router`), ``runner``
     (:class:`~outbox.relay.runner.JobRunner`), ``maintenance``
     (:class:`~outbox.relay.maintenance.Maintenance`) and ``scheduler``, each None when turned
@@ -91,7 +93,7 @@ class Relay:
     """
 
     def __init__(self, registry: Outbox, settings: OutboxSettings, *, route: bool = True,
-                 work: bool = True, maintain: bool = True, schedule: bool = True,
+                 work: bool = True, maintain: bool = True, schedule: bool = True, intake: bool = True,
                  worker_id: str | None = None) -> None:
         from outbox.errors import ConfigurationError
 
@@ -138,6 +140,9 @@ class Relay:
         self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect,
                                     schema=settings.schema_name)
                           if schedule and registry.schedules else None)
+        pulled = [i for i in registry.intakes if i.source.pulled]
+        self.intake = (IntakeLoop(self.engine, pulled, settings, stop=self.stop_event, reconnect=self.reconnect)
+                       if intake and pulled else None)
         self._threads: list[threading.Thread] = []  # the gauges' and the scheduler's
 
     @property
@@ -193,6 +198,11 @@ class Relay:
             self.maintenance.start()
         if self.scheduler:
             self._spawn("outbox-scheduler", self.scheduler.run)
+        if self.intake:
+            for i in self.intake.intakes:
+                log.info("intake %s: %s -> %s", i.name, i.source.describe(),
+                         ", ".join(i.topics() or ("topic by message",)))
+            self.intake.start()
 
     def stop(self, grace: float | None = None, cut_short: threading.Event | None = None) -> None:
         """Stop as on SIGTERM: stop claiming and routing, let in-flight handlers run for up
@@ -211,6 +221,8 @@ class Relay:
                 part.join(timeout=5)
         for thread in self._threads:
             thread.join(timeout=5)
+        if self.intake:
+            self.intake.join(timeout=10)
         if self.listener:
             self.listener.join(timeout=5)
         if self.metrics_server is not None:
@@ -221,6 +233,8 @@ class Relay:
         stats = {**self.stats, **(self.runner.stats if self.runner else {})}
         if self.scheduler:
             stats["scheduled_events"] = self.scheduler.published
+        if self.intake:
+            stats.update({f"intake_{name}": count for name, count in self.intake.stats.items()})
         log.info("relay stopped: %s", ", ".join(f"{k}={v}" for k, v in stats.items()))
 
     def run(self) -> int:

@@ -31,7 +31,7 @@ PACKAGE = Path(outbox.__file__).resolve().parent
 LAYERS: list[tuple[str, ...]] = [
     ("outbox.errors", "outbox.settings", "outbox.resources", "outbox.redaction", "outbox.job"),
     ("outbox.db",),
-    ("outbox", "outbox.registry", "outbox.publish", "outbox.typed_events", "outbox.fencing", "outbox.schedule", "outbox.backoff",
+    ("outbox", "outbox.registry", "outbox.publish", "outbox.typed_events", "outbox.intake", "outbox.fencing", "outbox.schedule", "outbox.backoff",
      "outbox.sinks", "outbox.telemetry"),
     ("outbox.relay",),
     ("outbox.admin", "outbox.testing", "outbox.pytest_plugin", "outbox.demo"),

@@ -1,0 +1,69 @@
+"""Taking a batch of messages in: the one transaction of an intake round (module notes of
+:mod:`outbox.intake`). Shared by the relay's intake loop and the webhook server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Connection
+
+from outbox.db import queries
+from outbox.intake import KEPT_BODY_BYTES, Arrival
+from outbox.publish import publish_drafts
+
+
+class RacedError(Exception):
+    """Another transaction recorded one of the batch's identities after this one looked them
+    up (two relays took the same message in at once): roll back and run the batch again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What one round did: ``events`` (identity -> id of the event each new message became),
+    ``duplicates`` (identities taken in before, or twice in the batch: dropped),
+    ``rejected`` (identities recorded as rejected)."""
+
+    events: dict[str, int]
+    duplicates: frozenset[str]
+    rejected: frozenset[str]
+
+
+def take_in(conn: Connection, source: str, arrivals: Sequence[Arrival], *, schema: str | None = None) -> Taken:
+    """In ``conn``'s transaction (which the caller commits): drop the arrivals whose identity
+    intake ``source`` has recorded (or that repeat an earlier one of the batch), write an
+    event for each new one with an event and record every new one in ``outbox_intake``.
+    Raises :class:`RacedError` when another transaction recorded one of the identities
+    meanwhile (the caller rolls back and calls again), and the database's errors."""
+    statements = queries.in_schema(schema)
+    wanted = list(dict.fromkeys(a.identity for a in arrivals))
+    known = set(conn.execute(statements.intake_known_many, {"source": source, "identities": wanted}).scalars())
+    fresh: dict[str, Arrival] = {}
+    duplicates = set(known)
+    for item in arrivals:
+        if item.identity in known or item.identity in fresh:
+            duplicates.add(item.identity)
+        else:
+            fresh[item.identity] = item
+    if not fresh:
+        return Taken({}, frozenset(duplicates), frozenset())
+    taking = [a for a in fresh.values() if a.event is not None]
+    ids = publish_drafts(conn, [a.event for a in taking if a.event is not None], schema=schema)
+    events = dict(zip((a.identity for a in taking), ids, strict=True))
+    rows = list(fresh.values())
+    rejected = [a for a in rows if a.event is None]
+    recorded = conn.execute(statements.intake_record_many, {
+        "source": source,
+        "identities": [a.identity for a in rows],
+        "event_ids": [events.get(a.identity) for a in rows],
+        "problems": [a.problem for a in rows],
+        "subjects": [None if a.event else a.message.subject for a in rows],
+        "headers": [None if a.event else json.dumps(dict(a.message.headers)) for a in rows],
+        "bodies": [None if a.event else a.message.body[:KEPT_BODY_BYTES] for a in rows],
+        "body_sizes": [None if a.event else len(a.message.body) for a in rows],
+    }).scalars().all()
+    if len(recorded) != len(rows):
+        raise RacedError(f"{len(rows) - len(recorded)} of the batch's messages were taken in by another "
+                         "transaction meanwhile")
+    return Taken(events, frozenset(duplicates), frozenset(a.identity for a in rejected))

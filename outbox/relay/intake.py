@@ -1,0 +1,184 @@
+"""The intake loop: the relay's part that takes messages in from brokers (:mod:`outbox.intake`).
+
+One thread (``outbox-intake``) runs one event loop with one task per broker intake of the
+registry. A task's round: wait while the intake's backlog is at its ``max_backlog``; fetch a
+batch from the source; decide what each message becomes (:func:`outbox.intake.arrival`);
+take the batch in, in one transaction (:func:`outbox.intake.taking.take_in`, on a worker
+thread, on the relay's pool); and only once that has committed, acknowledge the batch.
+
+Faults:
+
+* **The database is down** (or refuses the statement): the batch is held, unacknowledged,
+  and its transaction tried again with the relay's :class:`~outbox.relay.reconnect.Reconnector`
+  backoff until it commits, then acknowledged. Nothing is fetched meanwhile, so the broker
+  keeps the rest (RabbitMQ's prefetch and JetStream's ``max_ack_pending`` bound what a relay
+  holds). A relay stopped meanwhile acknowledges nothing of it: the broker delivers it again.
+* **Two relays take the same message in at once** (a redelivery to a second relay while the
+  first's transaction is open): the second waits on the first's row, finds it recorded,
+  rolls back and runs its batch again, dropping that message (:class:`RacedError`).
+* **The broker is down**: the source is reconnected with backoff (0.2 s doubling to
+  ``reconnect_max``), logged once when it goes and once when it is back. An acknowledgement
+  lost in an outage makes the broker deliver the batch again; it is dropped then.
+* **The backlog** (unrouted events, and ready jobs of the consumers of the intake's topics)
+  at ``max_backlog``: the intake fetches nothing until it is below, checked every
+  :data:`BACKLOG_CHECK` seconds. What is not fetched waits in the broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from sqlalchemy.engine import Engine
+
+from outbox import backoff
+from outbox.db import queries
+from outbox.intake import Arrival, Intake, Received, SourceUnavailableError, arrival
+from outbox.intake.taking import RacedError, Taken, take_in
+from outbox.relay.counters import Counters
+from outbox.relay.reconnect import Reconnector
+from outbox.settings import OutboxSettings
+
+log = logging.getLogger(__name__)
+
+#: Seconds between two readings of an intake's backlog while it is below its limit.
+BACKLOG_CHECK = 1.0
+#: Seconds a fetch waits for a first message before the loop looks at its stop flag again.
+FETCH_WAIT = 0.5
+
+
+class IntakeLoop:
+    """Runs ``intakes`` (broker intakes only) on ``engine``'s pool until ``stop`` is set.
+    ``stats``: ``taken`` (events written), ``duplicates`` (messages dropped as taken in
+    before), ``rejected``, ``batches``; per intake in ``by_intake``."""
+
+    COUNTS = ("taken", "duplicates", "rejected", "batches")
+
+    def __init__(self, engine: Engine, intakes: Sequence[Intake], settings: OutboxSettings, *,
+                 stop: threading.Event, reconnect: Reconnector) -> None:
+        self.engine = engine
+        self.intakes = list(intakes)
+        self.settings = settings
+        self.stop = stop
+        self.reconnect = reconnect
+        self.stats = Counters(self.COUNTS)
+        self.by_intake: dict[str, Counters] = {i.name: Counters(self.COUNTS) for i in self.intakes}
+        self._thread: threading.Thread | None = None
+        self._statements = queries.in_schema(settings.schema_name)
+
+    def start(self) -> None:
+        """Start the ``outbox-intake`` thread."""
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="outbox-intake", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the thread to end (after ``stop`` is set)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    async def _main(self) -> None:
+        await asyncio.gather(*(self._run(intake) for intake in self.intakes))
+
+    async def _run(self, intake: Intake) -> None:
+        source = copy.copy(intake.source)  # a connection of this loop's own (relays in one process share the registry)
+        connected = False
+        down_since: float | None = None  # when the source was found unreachable (logged once per outage)
+        failures = 0
+        backlog_checked = -1.0
+        try:
+            while not self.stop.is_set():
+                if not connected:
+                    try:
+                        await source.connect()
+                    except SourceUnavailableError as exc:
+                        failures += 1
+                        if down_since is None:
+                            log.warning("intake %s: source unreachable (%s); retrying", intake.name, exc)
+                            down_since = time.monotonic()
+                        await self._sleep(backoff.retry_delay(failures, base=0.2, cap=self.settings.reconnect_max,
+                                                              jitter=0.25))
+                        continue
+                    if down_since is not None:
+                        log.info("intake %s: source reachable again after %.1f s", intake.name,
+                                 time.monotonic() - down_since)
+                    else:
+                        log.info("intake %s: taking in from %s", intake.name, source.describe())
+                    connected, down_since, failures = True, None, 0
+                now = time.monotonic()
+                if intake.max_backlog is not None and now - backlog_checked >= BACKLOG_CHECK:
+                    backlog_checked = now
+                    if await asyncio.to_thread(self._backlog, intake) >= intake.max_backlog:
+                        backlog_checked = -1.0
+                        await self._sleep(BACKLOG_CHECK)
+                        continue
+                try:
+                    batch = await source.fetch(intake.batch, FETCH_WAIT)
+                except SourceUnavailableError as exc:
+                    connected, down_since = False, time.monotonic()
+                    log.warning("intake %s: source connection lost (%s); reconnecting", intake.name, exc)
+                    continue
+                if not batch:
+                    continue
+                taken = await asyncio.to_thread(self._take, intake, [arrival(intake, m) for m in batch])
+                if taken is None:  # stopped before the batch committed: the broker delivers it again
+                    return
+                self._count(intake, batch, taken)
+                try:
+                    await source.ack(batch)
+                except SourceUnavailableError as exc:  # delivered again later, then dropped as known
+                    log.warning("intake %s: acknowledgement lost (%s); the batch will be delivered again and "
+                                "dropped", intake.name, exc)
+                    connected, down_since = False, time.monotonic()
+        except Exception:  # noqa: BLE001 - a bug must not end the relay's other intakes silently
+            log.exception("intake %s stopped by an unexpected error", intake.name)
+        finally:
+            await source.close()
+
+    # --------------------------------------------------------------- database side
+
+    def _take(self, intake: Intake, arrivals: list[Arrival]) -> Taken | None:
+        """Take ``arrivals`` in, retrying until it commits; None when stopped first."""
+        failures = 0
+        what = f"intake {intake.name}"
+        while not self.stop.is_set() or failures == 0:
+            try:
+                with self.engine.begin() as conn:
+                    taken = take_in(conn, intake.name, arrivals, schema=self.settings.schema_name)
+                self.reconnect.recovered(failures, what)
+                return taken
+            except RacedError:
+                continue
+            except Exception as exc:  # noqa: BLE001 - any database error: held and retried, never acked
+                failures = self.reconnect.backoff(failures, what, exc, self.stop)
+        return None
+
+    def _backlog(self, intake: Intake) -> int:
+        topics = intake.topics()
+        limit = intake.max_backlog or 0
+        try:
+            with self.engine.connect() as conn:
+                return int(conn.execute(self._statements.intake_backlog,
+                                        {"topics": None if topics is None else list(topics), "limit": limit})
+                           .scalar_one())
+        except Exception as exc:  # noqa: BLE001 - unknown backlog: take in (the commit will tell)
+            log.debug("intake %s: backlog unknown (%s)", intake.name, exc)
+            return 0
+
+    def _count(self, intake: Intake, batch: Sequence[Received], taken: Taken) -> None:
+        for counters in (self.stats, self.by_intake[intake.name]):
+            counters.add("taken", len(taken.events))
+            counters.add("duplicates", len(batch) - len(taken.events) - len(taken.rejected))
+            counters.add("rejected", len(taken.rejected))
+            counters.add("batches", 1)
+        for identity in taken.rejected:
+            log.warning("intake %s: message %s rejected (outbox-relay intake rejected shows why)", intake.name,
+                        identity)
+
+    async def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while not self.stop.is_set() and time.monotonic() < end:
+            await asyncio.sleep(min(0.1, end - time.monotonic()))

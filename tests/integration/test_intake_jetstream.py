@@ -1,0 +1,178 @@
+"""Intake from NATS JetStream on a real NATS server (OUTBOX_TEST_NATS_URL, default
+nats://127.0.0.1:4222) into a real PostgreSQL: every message the sender committed has exactly
+one effect in a transactional handler, through re-sends, redeliveries after a lost
+acknowledgement, two relays on one durable consumer, a database outage and poison messages.
+Each test makes its own stream and deletes it."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Outbox
+from outbox.testing import wait_for
+from tests.acceptance.brokers import NATS_URL, nats_missing
+from tests.acceptance.proxy import TcpProxy, database_target, through
+
+from .helpers import running_relay, running_relays
+from .intake_helpers import counting_subscriber, effects, forwarded, intake_rows
+
+nats = pytest.importorskip("nats", reason="nats-py is not installed (pip install 'outbox-relay[nats]')")
+
+from outbox.intake.jetstream import JetStreamSource  # noqa: E402 (after the skip)
+
+_why = nats_missing()
+pytestmark = pytest.mark.skipif(_why is not None, reason=_why or "")
+
+TIMEOUT = 60.0
+
+
+class SenderStream:
+    """A stream of the test's own binding ``<name>.>``, written as a sender would."""
+
+    def __init__(self) -> None:
+        self.name = "in" + uuid.uuid4().hex[:12]
+        self.durable = "d" + uuid.uuid4().hex[:8]
+        asyncio.run(self._call(lambda js: js.add_stream(name=self.name, subjects=[f"{self.name}.>"],
+                                                         duplicate_window=120.0)))
+
+    @staticmethod
+    async def _call(action: Any) -> Any:
+        nc = await nats.connect(NATS_URL, connect_timeout=5, allow_reconnect=False)
+        try:
+            return await action(nc.jetstream())
+        finally:
+            await nc.close()
+
+    def send(self, messages: list[tuple[bytes, dict[str, str]]], subject: str = "orders") -> None:
+        """Publish each (body, headers) with its own Nats-Msg-Id (a re-send outside the
+        duplicate window is a second message to the stream)."""
+        async def send(js: Any) -> None:
+            for body, headers in messages:
+                await js.publish(f"{self.name}.{subject}", body, headers={**headers, "Nats-Msg-Id": uuid.uuid4().hex})
+
+        asyncio.run(self._call(send))
+
+    def consumer_state(self) -> tuple[int, int]:
+        """(messages not yet delivered, delivered and not acknowledged) of the durable consumer."""
+        async def info(js: Any) -> tuple[int, int]:
+            ci = await js.consumer_info(self.name, self.durable)
+            return int(ci.num_pending), int(ci.num_ack_pending)
+
+        return tuple(asyncio.run(self._call(info)))  # type: ignore[return-value]
+
+    def source(self, **options: Any) -> JetStreamSource:
+        return JetStreamSource(NATS_URL, stream=self.name, durable=self.durable, **options)
+
+    def delete(self) -> None:
+        asyncio.run(self._call(lambda js: js.delete_stream(self.name)))
+
+
+@pytest.fixture
+def stream() -> Iterator[SenderStream]:
+    s = SenderStream()
+    yield s
+    s.delete()
+
+
+def _settled(stream: SenderStream) -> bool:
+    return stream.consumer_state() == (0, 0)
+
+
+def test_each_committed_message_has_one_effect_through_resends_and_two_relays(engine: sa.Engine, settings: Any,
+                                                                             stream: SenderStream) -> None:
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(ack_wait=2), batch=20)
+    counting_subscriber(ob, engine)
+    sent = [forwarded(i) for i in range(200)]
+    stream.send(sent)
+    stream.send(sent[:40])  # the sender re-sends after a crash: new stream messages, same identities
+    with running_relays(2, ob, settings(poll_interval=0.2)):
+        assert wait_for(lambda: len(effects(engine)) == 200 and _settled(stream), TIMEOUT)
+    assert set(effects(engine).values()) == {1}
+    rows = intake_rows(engine, "orders")
+    assert len(rows) == 200 and all(r["event_id"] is not None and r["problem"] is None for r in rows)
+    with engine.connect() as conn:
+        event = conn.execute(sa.text("SELECT topic, key, payload, headers FROM outbox_events "
+                                     "WHERE payload->>'order_id' = '9'")).one()
+    assert event.topic == "order.placed" and event.key == "order:2"
+    assert event.payload == {"order_id": 9, "name": "caf\u00e9"}
+    assert event.headers["Outbox-Event-Id"] == "9" and event.headers["traceparent"] == f"00-{9:032x}-{9:016x}-01"
+    assert "Nats-Msg-Id" not in event.headers
+
+
+def test_a_lost_acknowledgement_redelivers_and_the_copy_is_dropped(engine: sa.Engine, settings: Any,
+                                                                  stream: SenderStream,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The window between the commit and the ack: the first batches' acks never reach NATS
+    (as when a relay dies right after its commit); NATS delivers them again after ack_wait
+    and the relay drops them as taken in."""
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(ack_wait=1), batch=10)
+    counting_subscriber(ob, engine)
+    real_ack = JetStreamSource.ack
+    lost: list[int] = []
+
+    async def ack(self: JetStreamSource, received: Any) -> None:
+        if len(lost) < 3:
+            lost.append(len(received))
+            return
+        await real_ack(self, received)
+
+    monkeypatch.setattr(JetStreamSource, "ack", ack)
+    stream.send([forwarded(i) for i in range(30)])
+    with running_relay(ob, settings(poll_interval=0.2)) as relay:
+        assert wait_for(lambda: len(effects(engine)) == 30 and _settled(stream), TIMEOUT)
+        assert relay.intake is not None
+        assert relay.intake.stats["duplicates"] >= sum(lost) > 0
+    assert set(effects(engine).values()) == {1}
+
+
+def test_poison_messages_are_kept_rejected_and_never_block_the_stream(engine: sa.Engine, settings: Any,
+                                                                      stream: SenderStream) -> None:
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(), topic={f"{stream.name}.orders": "order.placed"},
+              max_payload_bytes=1000)
+    counting_subscriber(ob, engine)
+    good = forwarded(1)
+    stream.send([(b"\xff not json", {"Outbox-Idempotency-Key": "p:1"}), good,
+                 (b'{"order_id": 2, "pad": "' + b"x" * 2000 + b'"}', {"Outbox-Idempotency-Key": "p:2"}),
+                 (b'{"order_id": 3}', {}),  # no identity (no header; the test sends its own Nats-Msg-Id)
+                 forwarded(4)])
+    stream.send([(b'{"order_id": 5}', {"Outbox-Idempotency-Key": "p:5"})], subject="elsewhere")
+    with running_relay(ob, settings(poll_interval=0.2)) as relay:
+        assert wait_for(lambda: len(effects(engine)) == 3 and _settled(stream), TIMEOUT)
+        assert relay.intake is not None and relay.intake.stats["rejected"] == 3
+    rows = {r["identity"]: r for r in intake_rows(engine, "orders")}
+    assert "not UTF-8 JSON" in rows["p:1"]["problem"] and rows["p:1"]["body"] == b"\xff not json"
+    assert "max_payload_bytes 1000" in rows["p:2"]["problem"] and rows["p:2"]["body_size"] > 2000
+    assert "no topic for subject" in rows["p:5"]["problem"] and rows["p:5"]["subject"] == f"{stream.name}.elsewhere"
+    assert effects(engine) == {1: 1, 3: 1, 4: 1}  # order 3 identified by its Nats-Msg-Id
+
+
+def test_a_database_outage_holds_the_batch_unacknowledged_until_it_commits(engine: sa.Engine, settings: Any,
+                                                                           db_url: sa.URL, stream: SenderStream) -> None:
+    proxy = TcpProxy(database_target(db_url))
+    proxy.start()
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(ack_wait=2), batch=10)
+    counting_subscriber(ob, engine)
+    try:
+        with running_relay(ob, settings(database_url=through(db_url, proxy).render_as_string(hide_password=False),
+                                        poll_interval=0.2, reconnect_max=1.0)):
+            stream.send([forwarded(i) for i in range(10)])
+            assert wait_for(lambda: len(effects(engine)) == 10, TIMEOUT)
+            proxy.stop()
+            stream.send([forwarded(i) for i in range(10, 40)])
+            assert wait_for(lambda: stream.consumer_state()[1] > 0, TIMEOUT)  # delivered, held, not acknowledged
+            assert len(intake_rows(engine, "orders")) == 10
+            proxy.start()
+            assert wait_for(lambda: len(effects(engine)) == 40 and _settled(stream), TIMEOUT)
+    finally:
+        proxy.stop()
+    assert set(effects(engine).values()) == {1}
