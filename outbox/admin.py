@@ -680,6 +680,40 @@ def unsubscribe(conn: Connection, consumer: str, *, schema: str | None = None) -
 
 
 @dataclass(frozen=True, slots=True)
+class RejectedMessage:
+    """A message an intake rejected (:mod:`outbox.intake`): the intake (``source``), its
+    dedup ``identity``, when, why (``problem``), where it was addressed (``subject``), its
+    ``headers``, its first bytes (``body``) and its full size in bytes (``body_size``)."""
+
+    source: str
+    identity: str
+    taken_at: datetime
+    problem: str
+    subject: str | None
+    headers: dict[str, Any] | None
+    body: bytes | None
+    body_size: int | None
+
+
+def rejected_messages(conn: Connection, source: str | None = None, limit: int = 100, *,
+                      schema: str | None = None) -> list[RejectedMessage]:
+    """The latest ``limit`` messages intakes rejected (``outbox-relay intake rejected``), of
+    intake ``source`` (None: of every intake), newest first."""
+    rows = conn.execute(queries.in_schema(schema).intake_rejected_list, {"source": source, "limit": limit})
+    return [RejectedMessage(**{**r._asdict(), "body": None if r.body is None else bytes(r.body)}) for r in rows]
+
+
+def forget_rejected(conn: Connection, source: str, identities: Sequence[str] | None = None, *,
+                    schema: str | None = None) -> list[str]:
+    """Forget rejected messages of intake ``source`` (``outbox-relay intake forget``): those of
+    ``identities`` (None: all). Returns the identities forgotten. A forgotten message is taken
+    in again if its broker or sender delivers it again (after a fix of the intake's rules)."""
+    return list(conn.execute(queries.in_schema(schema).intake_forget_rejected,
+                             {"source": source, "identities": None if identities is None else list(identities)})
+                .scalars())
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduleState:
     """A schedule's row: its ``name``, ``cron`` expression and ``timezone``, the ``topic`` it
     publishes on, ``catch_up`` (missed slots published after a gap), the last slot published

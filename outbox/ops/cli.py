@@ -29,6 +29,7 @@ inspecting commands read and change its tables only.
 from __future__ import annotations
 
 import argparse
+import base64
 import importlib
 import json
 import logging
@@ -46,7 +47,7 @@ from outbox.settings import OutboxSettings
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from sqlalchemy.engine import URL, Engine
+    from sqlalchemy.engine import URL, Connection, Engine
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ ADMIN_COMMANDS = ("relays", "jobs", "cancel", "retry", "replay", "purge", "prune
 COMMANDS += ADMIN_COMMANDS
 #: The web dashboard (extra ``[dashboard]``; :mod:`outbox.ops.dashboard`).
 COMMANDS += ("dashboard",)
+#: The inbox (:mod:`outbox.intake`): rejected messages, and the webhook server (extra ``[dashboard]``).
+COMMANDS += ("intake", "intake-http")
 #: Exit status of a command that matched nothing (bad input and errors exit 2).
 NOTHING_MATCHED = 1
 
@@ -214,6 +217,19 @@ def build_parser() -> argparse.ArgumentParser:
     catalog.add_argument("--format", choices=("asyncapi", "json", "markdown"), default="asyncapi",
                          help="asyncapi (default), json or markdown")
     catalog.add_argument("--title", default="outbox application", help="the document's title")
+    intake = add("intake", "The inbox: `intake rejected` lists messages intakes rejected (why, their first bytes); "
+                           "`intake forget SOURCE [IDENTITY...]` forgets rejected ones (all of SOURCE's without "
+                           "identities), so a redelivery is taken in again.")
+    intake.add_argument("action", choices=("rejected", "forget"))
+    intake.add_argument("source", nargs="?", help="the intake's name (rejected: only its messages; forget: required)")
+    intake.add_argument("identities", nargs="*", help="forget: these identities only")
+    intake.add_argument("--limit", type=_positive_int, default=50, help="rejected: most messages listed (default 50)")
+    intake.add_argument("--json", action="store_true", help="rejected: one JSON object per line, body as base64")
+    intake_http = add("intake-http", "Serve --app's webhook intakes (Standard Webhooks signatures) at "
+                                     "POST /webhooks/<name>; answers after the commit (extra [dashboard]).")
+    intake_http.add_argument("--app", required=True, help="module:attribute naming the outbox.Outbox registry")
+    intake_http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    intake_http.add_argument("--port", type=_port, default=8080, help="TCP port (default 8080)")
     grants = add("grants", "Print (or --apply) the GRANTs of a relay role and a publisher role on --schema's outbox: "
                            "DML for relays, publish() only for the application; create the roles first.")
     from outbox.ops.grants import add_arguments as add_grants_arguments
@@ -479,6 +495,15 @@ def _dispatch(args: argparse.Namespace, settings: OutboxSettings) -> int:
         engine = _engine(settings)
         with translate_errors(engine.url, settings.schema_name):
             return grants_main(args, settings, engine)
+    if args.command == "intake-http":
+        try:
+            from outbox.ops.intake_http import serve as serve_intake
+        except ImportError as exc:
+            raise UsageError(f"intake-http needs the extra [dashboard] (pip install 'outbox-relay[dashboard]'): "
+                             f"{exc}") from None
+        return serve_intake(load_app(args.app), settings, host=args.host, port=args.port)
+    if args.command == "intake" and args.action == "forget" and not args.source:
+        raise UsageError("intake forget: name the intake (SOURCE)")
     if args.command == "dashboard":
         try:
             from outbox.ops.dashboard import serve
@@ -665,6 +690,33 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
             print(f"unsubscribed {args.consumer} from {', '.join(topics)}")
         elif args.command in ("pause", "resume"):
             _pause_or_resume(conn, schema, args.command, args.consumer)
+        elif args.command == "intake":
+            return _intake(conn, args, schema)
+    return 0
+
+
+def _intake(conn: Connection, args: argparse.Namespace, schema: str) -> int:
+    """``intake rejected`` and ``intake forget`` (:func:`outbox.admin.rejected_messages`,
+    :func:`outbox.admin.forget_rejected`)."""
+    from outbox import admin
+
+    if args.action == "forget":
+        forgotten = admin.forget_rejected(conn, args.source, args.identities or None, schema=schema)
+        print(f"forgot {len(forgotten)} rejected message{'s' if len(forgotten) != 1 else ''} of {args.source}")
+        return 0 if forgotten else NOTHING_MATCHED
+    rejected = admin.rejected_messages(conn, args.source, args.limit, schema=schema)
+    if args.json:
+        for m in rejected:
+            print(json.dumps({"source": m.source, "identity": m.identity, "taken_at": m.taken_at.isoformat(),
+                              "problem": m.problem, "subject": m.subject, "headers": m.headers,
+                              "body_base64": base64.b64encode(m.body or b"").decode(), "body_size": m.body_size}))
+        return 0
+    if not rejected:
+        print("no rejected messages" + (f" of intake {args.source}" if args.source else ""))
+    for m in rejected:
+        shown = (m.body or b"")[:200].decode("utf-8", "backslashreplace")
+        print(f"{m.taken_at.astimezone(UTC).isoformat()}  {m.source}  {m.identity}  subject {m.subject!r}  "
+              f"{m.body_size} bytes\n    {m.problem}\n    body: {shown!r}")
     return 0
 
 
