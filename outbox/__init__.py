@@ -15,7 +15,9 @@ Public API::
     with Session(engine) as s, s.begin():
         publish(s, "order.placed", {"order_id": 4}, key="order:4")
 
-``outbox-relay --app myapp.jobs:ob`` runs the router, the workers and the reaper.
+``outbox-relay --app myapp.jobs:ob`` runs the router, the workers and the reaper, and the
+registry's intakes: ``ob.intake("orders", source=JetStreamSource(...))`` takes another
+service's messages in as events, each once (:mod:`outbox.intake`).
 
 Guarantees:
 
@@ -67,6 +69,10 @@ from outbox.errors import (
     UndeliverableError,
 )
 from outbox.fencing import fenced_write
+from outbox.intake import Received, body_hash
+from outbox.intake.jetstream import JetStreamSource
+from outbox.intake.rabbitmq import RabbitMQSource
+from outbox.intake.webhooks import Webhook
 from outbox.job import Job
 from outbox.publish import publish, publish_many
 from outbox.registry import Outbox, Subscriber
@@ -86,6 +92,7 @@ __all__ = [
     "HandlerTimeoutError",
     "InvalidEventError",
     "JetStream",
+    "JetStreamSource",
     "Job",
     "Kafka",
     "LeaseLostError",
@@ -94,6 +101,8 @@ __all__ = [
     "OutboxSettings",
     "PermanentError",
     "RabbitMQ",
+    "RabbitMQSource",
+    "Received",
     "SchemaNotReadyError",
     "Sink",
     "Snooze",
@@ -101,6 +110,8 @@ __all__ = [
     "TransactionEndedError",
     "Subscriber",
     "UndeliverableError",
+    "Webhook",
+    "body_hash",
     "docs_dir",
     "fenced_write",
     "publish",
