@@ -242,6 +242,7 @@ class Outbox:
         batch: int = 100,
         max_backlog: int | None = 10_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        ordered: bool = False,
     ) -> Intake:
         """Declare an intake (the inbox, :mod:`outbox.intake`): the messages of ``source``
         become events of this database, each once, whatever the broker redelivers or the
@@ -263,10 +264,14 @@ class Outbox:
         100). ``max_backlog``: stop taking in while this many events wait to be routed or
         jobs of the topics' consumers are ready (default 10,000; None: never).
         ``max_payload_bytes``: larger bodies are rejected (default publish's 1 MiB).
+        ``ordered``: one relay at a time takes this intake in (the others stand by), so the
+        events are written in the order the broker delivers them and an ordered subscriber
+        sees each key in the sender's order (Kafka keeps it per partition, RabbitMQ per
+        queue, JetStream per stream); default False: every relay takes in at once.
 
         Returns the :class:`~outbox.intake.Intake`. Raises :class:`ConfigurationError`
         naming the option for a bad value or a name declared twice."""
-        declared = declare(name, source, topic, identity, key, batch, max_backlog, max_payload_bytes)
+        declared = declare(name, source, topic, identity, key, batch, max_backlog, max_payload_bytes, ordered)
         if declared.name in self._intakes:
             raise ConfigurationError(f"intake {declared.name!r} is declared twice; intake names must be unique")
         self._intakes[declared.name] = declared

@@ -317,6 +317,27 @@ intake_forget_rejected: TextClause = text(
 """Forget rejected messages of intake ``:source``: those of ``:identities`` (NULL: all). A
 message forgotten is taken in again if its broker delivers it again."""
 
+intake_lock_try: TextClause = text(
+    """
+    SELECT pg_try_advisory_lock(CAST(CAST(CAST('outbox_intake' AS regclass) AS oid) AS int), hashtext(:source)),
+           pg_backend_pid()
+    """
+)
+"""Try to take the session lock of an ordered intake ``:source`` (one relay at a time takes
+it in); returns whether it was taken and this session's pid (for ``intake_lock_held``)."""
+
+intake_lock_held: TextClause = text(
+    """
+    SELECT EXISTS (
+        SELECT 1 FROM pg_locks
+        WHERE locktype = 'advisory' AND granted AND pid = :pid
+          AND classid = CAST(CAST(CAST(CAST('outbox_intake' AS regclass) AS oid) AS int) AS oid)
+          AND objid = CAST(CAST(hashtext(:source) AS bigint) & 4294967295 AS oid) AND objsubid = 2)
+    """
+)
+"""Whether session ``:pid`` still holds ordered intake ``:source``'s lock: checked in each
+take-in transaction, so a relay whose lock session was lost commits nothing more."""
+
 intake_backlog: TextClause = text(
     """
     SELECT (SELECT count(*) FROM (SELECT 1 FROM outbox_events WHERE routed_at IS NULL LIMIT :limit) e)
@@ -2268,6 +2289,8 @@ class Statements:
     intake_rejected_list: TextClause
     intake_forget_rejected: TextClause
     intake_backlog: TextClause
+    intake_lock_try: TextClause
+    intake_lock_held: TextClause
 
     # subscriptions
     subscription_upsert_many: TextClause

@@ -113,6 +113,11 @@ class Source(abc.ABC):
         :class:`SourceUnavailableError` when the connection is down (they come again)."""
         raise NotImplementedError
 
+    async def settle(self) -> None:  # noqa: B027 - nothing to wait for by default
+        """Called once an ordered intake's relay has taken over, before its first fetch: wait
+        until what the broker delivered to an earlier holder and was never acknowledged is
+        delivered again ahead of newer messages (JetStream: up to ``ack_wait``)."""
+
     async def close(self) -> None:  # noqa: B027 - nothing to close by default
         """Close the connection; safe to call when it is not open. What was fetched and not
         acknowledged is delivered again by the broker."""
@@ -132,7 +137,9 @@ class Intake:
     key (None: the ``Outbox-Key`` header, else the record key). ``batch``: most messages per
     transaction. ``max_backlog``: the intake stops taking messages while this many events
     wait to be routed or jobs of its topics' consumers are ready (None: never).
-    ``max_payload_bytes``: the largest body taken in (larger ones are rejected)."""
+    ``max_payload_bytes``: the largest body taken in (larger ones are rejected).
+    ``ordered``: one relay at a time takes it in, so events are written in the order the
+    broker delivers (the relay's intake loop notes)."""
 
     name: str
     source: Source
@@ -142,6 +149,7 @@ class Intake:
     batch: int = 100
     max_backlog: int | None = 10_000
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    ordered: bool = False
 
     def topics(self) -> tuple[str, ...] | None:
         """The topics this intake can write, when known from its declaration (a topic or a
@@ -154,7 +162,7 @@ class Intake:
 
 
 def declare(name: Any, source: Any, topic: Any, identity: Any, key: Any, batch: Any, max_backlog: Any,
-            max_payload_bytes: Any) -> Intake:
+            max_payload_bytes: Any, ordered: Any = False) -> Intake:
     """An :class:`Intake` from ``Outbox.intake``'s arguments; raises
     :class:`ConfigurationError` naming the option that is wrong."""
     try:
@@ -186,7 +194,11 @@ def declare(name: Any, source: Any, topic: Any, identity: Any, key: Any, batch: 
         raise ConfigurationError(f"{where}: max_backlog must be a positive int or None, got {max_backlog!r}")
     if type(max_payload_bytes) is not int or not 1 <= max_payload_bytes <= 256 * 1024 * 1024:
         raise ConfigurationError(f"{where}: max_payload_bytes must be an int in 1..268435456, got {max_payload_bytes!r}")
-    return Intake(name, source, topic, identity, key, batch, max_backlog, max_payload_bytes)
+    if type(ordered) is not bool:
+        raise ConfigurationError(f"{where}: ordered must be True or False, got {ordered!r}")
+    if ordered and not source.pulled:
+        raise ConfigurationError(f"{where}: ordered=True is for broker sources; webhooks arrive in no order")
+    return Intake(name, source, topic, identity, key, batch, max_backlog, max_payload_bytes, ordered)
 
 
 def _check_topic(topic: Any, where: str) -> None:

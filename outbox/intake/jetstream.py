@@ -15,6 +15,7 @@ message to one of them at a time.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import math
 from collections.abc import Sequence
@@ -126,6 +127,20 @@ class JetStreamSource(Source):
             received.append(Received(body=bytes(msg.data), headers=headers, subject=msg.subject,
                                      message_id=headers.get("Nats-Msg-Id"), deliveries=deliveries, token=msg))
         return received
+
+    async def settle(self) -> None:
+        """When the durable consumer holds deliveries nobody acknowledged (a previous holder of
+        an ordered intake died with them), wait ``ack_wait`` for them to become due again:
+        the server then delivers them ahead of newer messages."""
+        import nats.errors  # noqa: PLC0415
+
+        try:
+            pending = int((await self._sub.consumer_info()).num_ack_pending)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            raise SourceUnavailableError(f"consumer info of {self.durable!r} failed ({type(exc).__name__}: {exc})") \
+                from None
+        if pending:
+            await asyncio.sleep(self.ack_wait)
 
     async def ack(self, received: Sequence[Received]) -> None:
         """Acknowledge each message and flush the acknowledgements to the server."""

@@ -14,6 +14,11 @@ from outbox.intake import KEPT_BODY_BYTES, Arrival
 from outbox.publish import publish_drafts
 
 
+class LockLostError(Exception):
+    """An ordered intake's relay no longer holds the intake's lock (its lock session ended):
+    nothing of the batch is committed; the relay stops taking in until it holds it again."""
+
+
 class RacedError(Exception):
     """Another transaction recorded one of the batch's identities after this one looked them
     up (two relays took the same message in at once): roll back and run the batch again."""
@@ -30,13 +35,19 @@ class Taken:
     rejected: frozenset[str]
 
 
-def take_in(conn: Connection, source: str, arrivals: Sequence[Arrival], *, schema: str | None = None) -> Taken:
+def take_in(conn: Connection, source: str, arrivals: Sequence[Arrival], *, schema: str | None = None,
+            lock_pid: int | None = None) -> Taken:
     """In ``conn``'s transaction (which the caller commits): drop the arrivals whose identity
     intake ``source`` has recorded (or that repeat an earlier one of the batch), write an
     event for each new one with an event and record every new one in ``outbox_intake``.
     Raises :class:`RacedError` when another transaction recorded one of the identities
-    meanwhile (the caller rolls back and calls again), and the database's errors."""
+    meanwhile (the caller rolls back and calls again), :class:`LockLostError` when
+    ``lock_pid`` (the session holding an ordered intake's lock) holds it no more, and the
+    database's errors."""
     statements = queries.in_schema(schema)
+    if lock_pid is not None and not conn.execute(statements.intake_lock_held,
+                                                 {"source": source, "pid": lock_pid}).scalar_one():
+        raise LockLostError(f"intake {source}: this relay's lock session ended")
     wanted = list(dict.fromkeys(a.identity for a in arrivals))
     known = set(conn.execute(statements.intake_known_many, {"source": source, "identities": wanted}).scalars())
     fresh: dict[str, Arrival] = {}

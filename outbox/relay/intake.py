@@ -19,6 +19,16 @@ Faults:
 * **The broker is down**: the source is reconnected with backoff (0.2 s doubling to
   ``reconnect_max``), logged once when it goes and once when it is back. An acknowledgement
   lost in an outage makes the broker deliver the batch again; it is dropped then.
+* **Ordered intakes** (``ordered=True``): one relay at a time takes the intake in. It holds a
+  session advisory lock of the intake on a connection of its own; the others stand by,
+  connected to no broker (so the broker hands them nothing), and try the lock every
+  :data:`LOCK_RETRY` seconds. Each take-in transaction checks that the lock's session still
+  holds it (:class:`~outbox.intake.taking.LockLostError` otherwise: nothing committed, the
+  batch unacknowledged, the relay stands by). A new holder first lets the source
+  :meth:`~outbox.intake.Source.settle` (JetStream: messages delivered to the previous holder
+  and never acknowledged come back first, after ``ack_wait``), so the events are written in
+  the order the broker delivers them. The lock check and the commit are two steps: a lock
+  lost between them lets one batch commit beside the next holder's first.
 * **The backlog** (unrouted events, and ready jobs of the consumers of the intake's topics)
   at ``max_backlog``: the intake fetches nothing until it is below, checked every
   :data:`BACKLOG_CHECK` seconds. What is not fetched waits in the broker.
@@ -33,12 +43,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from outbox import backoff
 from outbox.db import queries
 from outbox.intake import Arrival, Intake, Received, SourceUnavailableError, arrival
-from outbox.intake.taking import RacedError, Taken, take_in
+from outbox.intake.taking import LockLostError, RacedError, Taken, take_in
 from outbox.relay.counters import Counters
 from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
@@ -49,6 +59,15 @@ log = logging.getLogger(__name__)
 BACKLOG_CHECK = 1.0
 #: Seconds a fetch waits for a first message before the loop looks at its stop flag again.
 FETCH_WAIT = 0.5
+#: Seconds between a standby relay's tries to take an ordered intake's lock.
+LOCK_RETRY = 1.0
+
+
+class _Lost:
+    """What :meth:`IntakeLoop._take` returns when the ordered intake's lock was lost."""
+
+
+LOST = _Lost()
 
 
 class IntakeLoop:
@@ -89,8 +108,21 @@ class IntakeLoop:
         down_since: float | None = None  # when the source was found unreachable (logged once per outage)
         failures = 0
         backlog_checked = -1.0
+        lock: tuple[Connection, int] | None = None  # an ordered intake's lock session and its pid
+        settle = False
         try:
             while not self.stop.is_set():
+                if intake.ordered and lock is None:
+                    if connected:  # a standby holds no message: the broker keeps them for the holder
+                        await source.close()
+                        connected = False
+                    lock = await asyncio.to_thread(self._try_lock, intake)
+                    if lock is None:
+                        await self._sleep(LOCK_RETRY)
+                        continue
+                    log.info("intake %s: this relay takes it in now (ordered: the other relays stand by)",
+                             intake.name)
+                    settle = True
                 if not connected:
                     try:
                         await source.connect()
@@ -108,6 +140,14 @@ class IntakeLoop:
                     else:
                         log.info("intake %s: taking in from %s", intake.name, source.describe())
                     connected, down_since, failures = True, None, 0
+                if settle:
+                    try:
+                        await source.settle()
+                    except SourceUnavailableError as exc:
+                        connected, down_since = False, time.monotonic()
+                        log.warning("intake %s: source connection lost (%s); reconnecting", intake.name, exc)
+                        continue
+                    settle = False
                 now = time.monotonic()
                 if intake.max_backlog is not None and now - backlog_checked >= BACKLOG_CHECK:
                     backlog_checked = now
@@ -123,9 +163,17 @@ class IntakeLoop:
                     continue
                 if not batch:
                     continue
-                taken = await asyncio.to_thread(self._take, intake, [arrival(intake, m) for m in batch])
+                taken = await asyncio.to_thread(self._take, intake, [arrival(intake, m) for m in batch],
+                                                None if lock is None else lock[1])
                 if taken is None:  # stopped before the batch committed: the broker delivers it again
                     return
+                if isinstance(taken, _Lost):  # nothing committed; the batch comes again
+                    log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by",
+                                intake.name)
+                    if lock is not None:
+                        await asyncio.to_thread(self._unlock, lock)
+                    lock = None
+                    continue
                 self._count(intake, batch, taken)
                 try:
                     await source.ack(batch)
@@ -137,24 +185,60 @@ class IntakeLoop:
             log.exception("intake %s stopped by an unexpected error", intake.name)
         finally:
             await source.close()
+            if lock is not None:
+                await asyncio.to_thread(self._unlock, lock)
 
     # --------------------------------------------------------------- database side
 
-    def _take(self, intake: Intake, arrivals: list[Arrival]) -> Taken | None:
-        """Take ``arrivals`` in, retrying until it commits; None when stopped first."""
+    def _take(self, intake: Intake, arrivals: list[Arrival], lock_pid: int | None) -> Taken | _Lost | None:
+        """Take ``arrivals`` in, retrying until it commits; None when stopped first, LOST
+        when ``lock_pid`` (an ordered intake's lock session) holds the lock no more."""
         failures = 0
         what = f"intake {intake.name}"
         while not self.stop.is_set() or failures == 0:
             try:
                 with self.engine.begin() as conn:
-                    taken = take_in(conn, intake.name, arrivals, schema=self.settings.schema_name)
+                    taken = take_in(conn, intake.name, arrivals, schema=self.settings.schema_name, lock_pid=lock_pid)
                 self.reconnect.recovered(failures, what)
                 return taken
             except RacedError:
                 continue
+            except LockLostError:
+                return LOST
             except Exception as exc:  # noqa: BLE001 - any database error: held and retried, never acked
                 failures = self.reconnect.backoff(failures, what, exc, self.stop)
         return None
+
+    def _try_lock(self, intake: Intake) -> tuple[Connection, int] | None:
+        """Take ordered ``intake``'s session lock on a connection held for as long as this
+        relay takes it in; None when another relay holds it (or the database is down)."""
+        try:
+            conn = self.engine.connect()
+        except Exception as exc:  # noqa: BLE001 - retried after LOCK_RETRY
+            log.debug("intake %s: cannot try the lock (%s)", intake.name, exc)
+            return None
+        try:
+            taken, pid = conn.execute(self._statements.intake_lock_try, {"source": intake.name}).one()
+            conn.commit()  # the lock is the session's; no transaction stays open
+        except Exception as exc:  # noqa: BLE001 - retried after LOCK_RETRY
+            log.debug("intake %s: cannot try the lock (%s)", intake.name, exc)
+            conn.invalidate()
+            conn.close()
+            return None
+        if not taken:
+            conn.close()
+            return None
+        return conn, int(pid)
+
+    @staticmethod
+    def _unlock(lock: tuple[Connection, int]) -> None:
+        """End the lock session (its connection is discarded, not pooled: the lock goes with it)."""
+        conn = lock[0]
+        try:
+            conn.invalidate()
+            conn.close()
+        except Exception:  # noqa: BLE001 - a lost connection has released the lock already
+            pass
 
     def _backlog(self, intake: Intake) -> int:
         topics = intake.topics()

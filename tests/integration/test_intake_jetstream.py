@@ -7,6 +7,8 @@ Each test makes its own stream and deletes it."""
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -176,3 +178,56 @@ def test_a_database_outage_holds_the_batch_unacknowledged_until_it_commits(engin
     finally:
         proxy.stop()
     assert set(effects(engine).values()) == {1}
+
+
+def test_an_ordered_intake_keeps_each_keys_order_through_lost_acks_and_a_takeover(
+        engine: sa.Engine, settings: Any, stream: SenderStream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two relays, one ordered intake: one takes in, the other stands by; acks are lost now and
+    then (redeliveries); the holder stops mid-stream and the other takes over. An ordered
+    subscriber on the receiving side sees every key's messages once each, in the sender's order."""
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(ack_wait=1), batch=7, ordered=True)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE seen (n serial PRIMARY KEY, key text NOT NULL, seq int NOT NULL)")
+
+    @ob.subscriber("order.placed", consumer="log", transactional=True, ordered=True)
+    def log_it(job: Any, session: Any) -> None:
+        session.execute(sa.text("INSERT INTO seen (key, seq) VALUES (:k, :s)"), {"k": job.key, "s": job.payload["seq"]})
+
+    real_ack = JetStreamSource.ack
+    calls: list[int] = []
+
+    async def ack(self: JetStreamSource, received: Any) -> None:
+        calls.append(len(received))
+        if len(calls) % 5 == 2:  # every fifth ack is lost: those messages come again after ack_wait
+            return
+        await real_ack(self, received)
+
+    monkeypatch.setattr(JetStreamSource, "ack", ack)
+    keys, per_key = 6, 25
+
+    def messages(seqs: range) -> list[tuple[bytes, dict[str, str]]]:
+        return [(json.dumps({"seq": s}).encode(), {"Outbox-Idempotency-Key": f"s:{k}:{s}", "Outbox-Topic": "order.placed",
+                                                    "Outbox-Key": f"k{k}"}) for s in seqs for k in range(keys)]
+
+    def seen() -> dict[str, list[int]]:
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT key, seq FROM seen ORDER BY n")).all()
+        by_key: dict[str, list[int]] = {}
+        for key, seq in rows:
+            by_key.setdefault(key, []).append(seq)
+        return by_key
+
+    with running_relays(2, ob, settings(poll_interval=0.2)) as relays:
+        for start in range(0, 10, 2):  # while both relays run
+            stream.send(messages(range(start, start + 2)))
+            time.sleep(0.2)
+        assert wait_for(lambda: sum(map(len, seen().values())) == keys * 10, TIMEOUT)
+        holders = [r for r in relays if r.intake is not None and r.intake.stats["batches"] > 0]
+        assert len(holders) == 1
+        holders[0].stop()  # the other relay takes over
+        for start in range(10, per_key, 3):
+            stream.send(messages(range(start, min(start + 3, per_key))))
+            time.sleep(0.2)
+        assert wait_for(lambda: sum(map(len, seen().values())) == keys * per_key and _settled(stream), TIMEOUT)
+    assert seen() == {f"k{k}": list(range(per_key)) for k in range(keys)}

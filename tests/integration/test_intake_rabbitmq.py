@@ -7,6 +7,7 @@ test declares its own exchange and queue and deletes them."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -125,3 +126,34 @@ def test_the_body_hash_identity_takes_messages_without_ids_once(engine: sa.Engin
         assert wait_for(lambda: len(effects(engine)) == 20 and queue.count() == 0, TIMEOUT)
     assert set(effects(engine).values()) == {1}
     assert all(r["identity"].startswith("sha256:") for r in intake_rows(engine, "orders"))
+
+
+def test_an_ordered_intake_is_taken_in_by_one_relay_at_a_time_in_queue_order(engine: sa.Engine, settings: Any,
+                                                                          queue: BoundQueue) -> None:
+    """RabbitMQ spreads a queue's messages over its consumers; an ordered intake has one
+    consumer across relays (the others stand by, unconnected), so each key's events are
+    written, and handled by an ordered subscriber, in queue order."""
+    ob = Outbox()
+    ob.intake("orders", source=source(queue, prefetch=5), batch=5, ordered=True)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE seen (n serial PRIMARY KEY, key text NOT NULL, seq int NOT NULL)")
+
+    @ob.subscriber("order.placed", consumer="log", transactional=True, ordered=True)
+    def log_it(job: Any, session: Any) -> None:
+        session.execute(sa.text("INSERT INTO seen (key, seq) VALUES (:k, :s)"), {"k": job.key, "s": job.payload["seq"]})
+
+    keys, per_key = 5, 30
+    with running_relays(3, ob, settings(poll_interval=0.2)) as relays:
+        send(queue, [(json.dumps({"seq": s}).encode(), {"Outbox-Idempotency-Key": f"s:{k}:{s}",
+                                                         "Outbox-Topic": "order.placed", "Outbox-Key": f"k{k}"})
+                     for s in range(per_key) for k in range(keys)])
+        with engine.connect() as conn:
+            def count() -> int:
+                return int(conn.execute(sa.text("SELECT count(*) FROM seen")).scalar_one())
+
+            assert wait_for(lambda: count() == keys * per_key and queue.count() == 0, TIMEOUT)
+        assert sum(1 for r in relays if r.intake is not None and r.intake.stats["batches"] > 0) == 1
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT key, seq FROM seen ORDER BY n")).all()
+    for k in range(keys):
+        assert [seq for key, seq in rows if key == f"k{k}"] == list(range(per_key))
