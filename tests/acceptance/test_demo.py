@@ -143,3 +143,31 @@ def test_demo_without_nats_skips_forwarding_in_one_line_and_passes(server, tmp_p
     assert skipped[0].startswith(f"nats: forwarding skipped: no NATS server answers at nats://127.0.0.1:{port} ("
                                  "ConnectionRefusedError"), output
     assert "forward_to_nats" not in done.stdout and "JetStream" not in done.stdout, output
+
+
+@pytest.mark.slow
+def test_the_two_service_demo_has_one_effect_per_committed_order_under_faults(server, tmp_path):
+    """``demo --services 2``: A's relays and B's intake holder SIGKILLed, B's next holder
+    SIGSTOPped past its lease, NATS cut: every invariant holds, B booked each committed order
+    of A once, in each customer's order."""
+    why = _nats_missing()
+    if why is not None:
+        pytest.skip(why)
+    url, _ = server
+    name = f"outbox_demo_test_{uuid.uuid4().hex[:10]}"
+    command = [sys.executable, "-m", "outbox.ops.cli", "demo", "--services", "2", "--database-url",
+               url.render_as_string(hide_password=False), "--db-name", name, "--log-dir", str(tmp_path / "logs"),
+               "--orders", "200", "--duration", "10", "--lease", "2", "--cut-for", "2", "--drain-timeout", "60"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+    try:
+        done = subprocess.run(command, cwd=tmp_path, env={**env, "OUTBOX_DEMO_NATS_URL": NATS_URL},
+                              capture_output=True, text=True, timeout=180)
+    finally:
+        for suffix in ("_a", "_b"):
+            drop_database(url.set(database=name + suffix))
+    assert done.returncode == 0, _output(done)
+    out = done.stdout
+    assert "all 9 invariants hold" in out, _output(done)
+    assert "(the intake's holder)" in out and ", the intake's holder," in out and "broker cut" in out, _output(done)
+    booked = re.search(r"B booked exactly A's committed orders: (\d+) booked, (\d+) committed", out)
+    assert booked is not None and booked.group(1) == booked.group(2) and int(booked.group(1)) > 150, _output(done)

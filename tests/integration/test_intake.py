@@ -1,6 +1,7 @@
-"""``outbox-relay intake rejected`` and ``intake forget`` on a real PostgreSQL: rejected
-messages listed with their reason and first bytes (text and JSON), forgotten by identity or
-all of an intake, after which a redelivery is taken in again."""
+"""The intake without a broker, on a real PostgreSQL: ``outbox-relay intake rejected`` and
+``intake forget`` (rejected messages listed with their reason and first bytes, as text and
+JSON, forgotten by identity or all of an intake, after which a redelivery is taken in
+again), and the lease of an ordered intake's lock."""
 
 from __future__ import annotations
 
@@ -57,3 +58,35 @@ def test_rejected_messages_are_listed_and_forgotten(db_url: sa.URL, engine: sa.E
 def test_forget_needs_the_intakes_name(db_url: sa.URL, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["intake", "forget", *_url(db_url)]) == 2
     assert "name the intake" in capsys.readouterr().err
+
+
+def test_an_ordered_intakes_lock_is_leased_a_silent_holder_loses_it(engine: sa.Engine, settings: object) -> None:
+    """The lock session of an ordered intake ends when its holder stops pinging it for a lease
+    (idle_session_timeout): a standby takes the lock, and the old holder's next take-in finds
+    the lock gone and commits nothing."""
+    import threading
+    import time
+
+    from outbox.intake.taking import LockLostError
+    from outbox.relay.intake import IntakeLoop
+    from outbox.relay.reconnect import Reconnector
+
+    intake = Outbox().intake("hooks", source=Webhook(SECRET), topic="t")
+    loop = IntakeLoop(engine, [], settings(default_lease=1.0), stop=threading.Event(),  # type: ignore[operator]
+                      reconnect=Reconnector(1.0))
+    holder = loop._try_lock(intake)
+    assert holder is not None and loop._try_lock(intake) is None  # held: a standby waits
+    for _ in range(4):  # a live holder pings every lease/3 and keeps it
+        time.sleep(0.33)
+        assert holder.ping()
+    assert loop._try_lock(intake) is None
+    time.sleep(1.8)  # silent for more than the lease (a SIGSTOPped relay)
+    standby = loop._try_lock(intake)
+    assert standby is not None and not holder.ping()
+    message = Received(body=b"{}", headers={}, subject="s", message_id="m1")
+    with pytest.raises(LockLostError), engine.begin() as conn:
+        take_in(conn, "hooks", [arrival(intake, message)], lock_pid=holder.pid)
+    with engine.begin() as conn:
+        assert take_in(conn, "hooks", [arrival(intake, message)], lock_pid=standby.pid).events
+    holder.release()
+    standby.release()
