@@ -231,3 +231,30 @@ def test_an_ordered_intake_keeps_each_keys_order_through_lost_acks_and_a_takeove
             time.sleep(0.2)
         assert wait_for(lambda: sum(map(len, seen().values())) == keys * per_key and _settled(stream), TIMEOUT)
     assert seen() == {f"k{k}": list(range(per_key)) for k in range(keys)}
+
+
+def test_the_documented_receiving_service_runs_as_written(engine: sa.Engine, settings: Any,
+                                                         stream: SenderStream) -> None:
+    """docs/intake.md's first example (its stream, durable and server replaced by this test's)
+    takes in what an outbox forwarder sends, re-sends included, and bills each order once."""
+    from tests import docs_pages
+
+    block = next(b for b in docs_pages.blocks(docs_pages.DOCS / "intake.md") if b.language == "python")
+    source = (block.text.replace('"ORDERS"', repr(stream.name)).replace('durable="billing"', f"durable={stream.durable!r}")
+              .replace('"nats://127.0.0.1:4222"', repr(NATS_URL)))
+    assert source != block.text
+    namespace: dict[str, Any] = {}
+    exec(compile(source, str(block), "exec"), namespace)  # noqa: S102 - the documented module, as written
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE bills (order_id int PRIMARY KEY, cents int NOT NULL)")
+    sent = [(json.dumps({"order_id": i, "total_cents": 100 * i}).encode(),
+             {**forwarded(i)[1], "Outbox-Key": f"customer:{i % 3}"}) for i in range(1, 21)]
+    stream.send(sent)
+    stream.send(sent[:5])  # re-sent
+    with running_relay(namespace["ob"], settings(poll_interval=0.2)):
+        assert wait_for(lambda: _bills(engine) == {i: 100 * i for i in range(1, 21)} and _settled(stream), TIMEOUT)
+
+
+def _bills(engine: sa.Engine) -> dict[int, int]:
+    with engine.connect() as conn:
+        return dict(conn.execute(sa.text("SELECT order_id, cents FROM bills")).all())

@@ -189,20 +189,24 @@ def test_concurrent_duplicates_of_one_id_write_one_event(engine: sa.Engine, hook
 
 def test_the_command_serves_the_registrys_webhook_intakes(db_url: sa.URL, engine: sa.Engine,
                                                           tmp_path: Path) -> None:
-    """``outbox-relay intake-http --app M:OB`` as the docs run it, then a counting relay."""
-    (tmp_path / "hooks_app.py").write_text(
-        "from outbox import Outbox\nfrom outbox.intake.webhooks import Webhook\n"
-        f"ob = Outbox()\nob.intake('billing', source=Webhook({SECRET!r}), topic='order.placed')\n")
+    """docs/webhooks.md's module, written as billing/hooks.py, served by ``outbox-relay
+    intake-http --app billing.hooks:ob`` as the page runs it: a signed request is taken in."""
+    from tests import docs_pages
+
+    block = next(b for b in docs_pages.blocks(docs_pages.DOCS / "webhooks.md") if b.language == "python")
+    (tmp_path / "billing").mkdir()
+    (tmp_path / "billing" / "__init__.py").write_text("")
+    (tmp_path / "billing" / "hooks.py").write_text(block.text)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "OUTBOX_DATABASE_URL": db_url.render_as_string(hide_password=False),
-           "PYTHONPATH": str(tmp_path)}
-    process = subprocess.Popen([sys.executable, "-m", "outbox.ops.cli", "intake-http", "--app", "hooks_app:ob",
-                                "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
+           "PYTHONPATH": str(tmp_path), "PAYMENTS_WEBHOOK_SECRET": SECRET}
+    process = subprocess.Popen([str(Path(sys.executable).parent / "outbox-relay"), "intake-http", "--app",
+                                "billing.hooks:ob", "--port", str(port)], env=env, stderr=subprocess.PIPE, text=True)
     try:
         hook = Webhook(SECRET)
-        body = json.dumps({"order_id": 5}).encode()
+        body = json.dumps({"type": "payment.succeeded", "data": {"order_id": 5}}).encode()
 
         def up() -> bool:
             try:
@@ -211,11 +215,12 @@ def test_the_command_serves_the_registrys_webhook_intakes(db_url: sa.URL, engine
                 return False
 
         assert wait_for(up, 30)
-        answer = httpx.post(f"http://127.0.0.1:{port}/webhooks/billing", content=body,
+        answer = httpx.post(f"http://127.0.0.1:{port}/webhooks/payments", content=body,
                             headers=signed(hook, "msg_5", body))
         assert answer.status_code == 200 and answer.json()["status"] == "taken in"
     finally:
         process.terminate()
         process.wait(20)
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT topic, payload FROM outbox_events")).one() == ("order.placed", {"order_id": 5})
+        assert conn.execute(sa.text("SELECT topic, payload->'data' FROM outbox_events")).one() == (
+            "payment.received", {"order_id": 5})
