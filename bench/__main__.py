@@ -7,6 +7,7 @@
     python -m bench --only profile     # where the relay's time goes (py-spy, round trips)
     python -m bench --only ordered     # ordered delivery per key against unordered (issue 10)
     python -m bench --only forward     # forwarding to JetStream / RabbitMQ against their raw clients (issue 11)
+    python -m bench --only intake      # taking messages in from JetStream / RabbitMQ against their raw consumers (issue 31)
     python -m bench --only ceiling     # the leanest SQL doing outbox's work: claim + complete, whole pipeline (issue 14)
     python -m bench --only sustained   # a steady rate on a server of its own, a snapshot held for the middle third (issue 28)
     python -m bench --only drift       # the same rate for 30 minutes, no snapshot, 5-minute retention: p99 drift, table sizes
@@ -35,13 +36,13 @@ from typing import Any
 from .common import BENCH, ROOT, SIZES, Databases, is_server_restart, log, server_facts, server_url, wait_for_server
 
 SCENARIOS = ("raw", "e2e", "peers", "publish", "latency", "scale", "soak", "ordered", "forward", "metrics", "ceiling",
-             "sustained")
+             "sustained", "intake")
 #: Run only when named (``--only``): they take long and answer one question each.
 ON_REQUEST = ("profile", "drift")
 ALIASES = {str(i + 1): name for i, name in enumerate(SCENARIOS)} | {name: name for name in ON_REQUEST}
 # The order they run in: the ceiling right after scenario 1, so the two limits are measured
 # side by side and just before the end-to-end runs they are compared with.
-RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-2], "sustained", "drift", "profile")
+RUN_ORDER = ("raw", "ceiling", *SCENARIOS[1:-3], "intake", "sustained", "drift", "profile")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         ceiling,
         e2e,
         forward,
+        intake,
         latency,
         metrics_cost,
         ordered,
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     modules = {"raw": raw, "ceiling": ceiling, "e2e": e2e, "peers": peers, "publish": publish_cost, "latency": latency,
                "scale": scale, "soak": soak, "ordered": ordered, "forward": forward, "metrics": metrics_cost,
-               "sustained": sustained}
+               "sustained": sustained, "intake": intake}
     with Databases(server) as dbs:
         for name in args.scenarios:
             t0 = time.monotonic()

@@ -79,3 +79,33 @@ def forwarding() -> Outbox:
                 json.dump(batches, f)
         atexit.register(dump)
     return ob
+
+
+def intake() -> Outbox:
+    """The intake ``bench_in`` of the broker ``BENCH_INTAKE`` names (``jetstream``:
+    ``BENCH_INTAKE_URL``, ``BENCH_INTAKE_STREAM``, ``BENCH_INTAKE_DURABLE``; ``rabbitmq``:
+    ``BENCH_INTAKE_URL``, ``BENCH_INTAKE_QUEUE``), for the intake scenario, topic from the
+    sender's header. When ``BENCH_RECORD`` names a file, a no-op subscriber ``h`` of
+    ``bench.event`` notes ``(the sender's event id, time.time())`` at each start and the list
+    is written there as JSON when the process exits; without it no subscriber is declared."""
+    from outbox import JetStreamSource, RabbitMQSource
+
+    kind, url = os.environ["BENCH_INTAKE"], os.environ["BENCH_INTAKE_URL"]
+    source = (JetStreamSource(url, stream=os.environ["BENCH_INTAKE_STREAM"], durable=os.environ["BENCH_INTAKE_DURABLE"])
+              if kind == "jetstream" else RabbitMQSource(url, queue=os.environ["BENCH_INTAKE_QUEUE"]))
+    ob = Outbox()
+    ob.intake("bench_in", source=source, max_backlog=None)
+    record = os.environ.get("BENCH_RECORD")
+    if record:
+        samples: list[tuple[str, float]] = []
+
+        def started(job, _note=samples.append, _now=time.time) -> None:  # type: ignore[no-untyped-def]
+            _note((job.headers["Outbox-Event-Id"], _now()))
+
+        ob.subscriber(TOPIC, consumer="h")(started)
+
+        def dump() -> None:
+            with open(record, "w") as f:
+                json.dump(samples, f)
+        atexit.register(dump)
+    return ob

@@ -104,6 +104,10 @@ class Size:
     lean_pool: int = 400_000             # ready jobs preloaded before the first lean claim + complete run
     # 10 metrics cost
     metrics_events: int = 10_000         # events per run of each pair (jobs = 3x)
+    # 13 intake
+    intake_events: int = 10_000          # messages taken in per run (and consumed raw)
+    intake_rate: float = 200.0           # events/s of the latency run (sender -> JetStream -> receiver)
+    intake_latency_seconds: float = 10.0
     notes: tuple[str, ...] = field(default=())
 
 
@@ -117,7 +121,7 @@ SIZES = {
         ordered_events=1_000, ordered_keys=100, claim_ready=2_000, blocked_jobs=5_000, claim_seconds=0.3,
         forward_events=1_000, forward_sweep_events=500, forward_latency_seconds=5.0, lean_seconds=2.0,
         lean_pool=60_000, metrics_events=1_000, sustained_seconds=30.0, sustained_rate=100.0, sustained_window=5.0,
-        drift_seconds=60.0, drift_retention=15.0, drift_span=15.0),
+        drift_seconds=60.0, drift_retention=15.0, drift_span=15.0, intake_events=1_000, intake_latency_seconds=3.0),
     "default": Size(name="default"),
     "full": Size(
         name="full", pgbench_seconds=10.0, pgbench_pool=300_000, loop_seconds=8.0,

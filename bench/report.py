@@ -277,6 +277,26 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
     fw = data.get("forward")
     if fw:
         out += forward_rows(fw)
+    taken = data.get("intake")
+    if taken:
+        out += intake_rows(taken)
+    return out
+
+
+def intake_rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
+    """The rows of scenario 13 (intake, issue 31)."""
+    out: list[tuple[str, str, str, str, str]] = []
+    for kind, why in data.get("skipped", {}).items():
+        out.append(("13 intake", kind, f"skipped: {why}", "", ""))
+    for kind, b in data.get("brokers", {}).items():
+        out.append(("13 intake", f"{kind}: {b['events']:,} messages taken in by one relay / consumed and acked by the "
+                                 "raw client, no PostgreSQL",
+                    f"{_n(b['intake_per_s'])} / {_n(b['raw_per_s'])} messages/s ({b['ratio']:.0%})", "", ""))
+    lat = data.get("latency")
+    if lat:
+        out.append(("13 intake", f"JetStream: sender commit -> receiver handler start, {lat['rate']:.0f} events/s, "
+                                 f"{lat['observed']} events", f"p50 {lat['p50_ms']:.1f} / p95 {lat['p95_ms']:.1f} / "
+                                 f"p99 {lat['p99_ms']:.1f} ms", "", ""))
     return out
 
 
