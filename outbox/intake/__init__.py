@@ -192,6 +192,9 @@ def declare(name: Any, source: Any, topic: Any, identity: Any, key: Any, batch: 
         raise ConfigurationError(f"{where}: batch must be an int in 1..10000, got {batch!r}")
     if max_backlog is not None and (type(max_backlog) is not int or max_backlog < 1):
         raise ConfigurationError(f"{where}: max_backlog must be a positive int or None, got {max_backlog!r}")
+    if max_backlog is not None and max_backlog < batch:
+        raise ConfigurationError(f"{where}: max_backlog ({max_backlog}) must be at least batch ({batch}): the intake "
+                                 "fetches a batch only while the backlog plus a batch fits")
     if type(max_payload_bytes) is not int or not 1 <= max_payload_bytes <= 256 * 1024 * 1024:
         raise ConfigurationError(f"{where}: max_payload_bytes must be an int in 1..268435456, got {max_payload_bytes!r}")
     if type(ordered) is not bool:

@@ -30,9 +30,12 @@ Faults:
   and never acknowledged come back first, after ``ack_wait``), so the events are written in
   the order the broker delivers them. The lock check and the commit are two steps: a lock
   lost between them lets one batch commit beside the next holder's first.
-* **The backlog** (unrouted events, and ready jobs of the consumers of the intake's topics)
-  at ``max_backlog``: the intake fetches nothing until it is below, checked every
-  :data:`BACKLOG_CHECK` seconds. What is not fetched waits in the broker.
+* **The backlog** (unrouted events, and ready jobs of the consumers of the intake's topics):
+  a batch is fetched only while the backlog plus a batch stays within ``max_backlog``. The
+  backlog is read every :data:`BACKLOG_CHECK` seconds, and at once when the last reading
+  plus what was taken in since would pass the limit, so the intake stops within one batch
+  of it; it then reads again every :data:`BACKLOG_CHECK` seconds until there is room. What
+  is not fetched waits in the broker.
 """
 
 from __future__ import annotations
@@ -141,6 +144,7 @@ class IntakeLoop:
         down_since: float | None = None  # when the source was found unreachable (logged once per outage)
         failures = 0
         backlog_checked = -1.0
+        backlog = 0  # the last reading plus the events taken in since
         lock: IntakeLock | None = None  # an ordered intake's lock session, while this relay holds it
         keeper: asyncio.Task[None] | None = None  # pings it
         settle = False
@@ -184,10 +188,11 @@ class IntakeLoop:
                         continue
                     settle = False
                 now = time.monotonic()
-                if intake.max_backlog is not None and now - backlog_checked >= BACKLOG_CHECK:
+                if intake.max_backlog is not None and (now - backlog_checked >= BACKLOG_CHECK
+                                                       or backlog + intake.batch > intake.max_backlog):
                     backlog_checked = now
-                    if await asyncio.to_thread(self._backlog, intake) >= intake.max_backlog:
-                        backlog_checked = -1.0
+                    backlog = await asyncio.to_thread(self._backlog, intake)
+                    if backlog + intake.batch > intake.max_backlog:
                         await self._sleep(BACKLOG_CHECK)
                         continue
                 try:
@@ -212,6 +217,7 @@ class IntakeLoop:
                     lock = None
                     continue
                 self._count(intake, batch, taken)
+                backlog += len(taken.events)
                 try:
                     await source.ack(batch)
                 except SourceUnavailableError as exc:  # delivered again later, then dropped as known

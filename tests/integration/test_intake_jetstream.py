@@ -258,3 +258,26 @@ def test_the_documented_receiving_service_runs_as_written(engine: sa.Engine, set
 def _bills(engine: sa.Engine) -> dict[int, int]:
     with engine.connect() as conn:
         return dict(conn.execute(sa.text("SELECT order_id, cents FROM bills")).all())
+
+
+def test_the_intake_stops_at_its_backlog_and_the_broker_keeps_the_rest(engine: sa.Engine, settings: Any,
+                                                                      stream: SenderStream) -> None:
+    """max_backlog=30 with the only consumer paused: the intake takes in about the backlog (a
+    batch more at most) and leaves the rest in the stream; resumed, everything comes in once."""
+    from outbox import admin
+
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(), batch=10, max_backlog=30)
+    counting_subscriber(ob, engine)
+    with engine.begin() as conn:
+        admin.pause(conn, "book")
+    stream.send([forwarded(i) for i in range(200)])
+    with running_relay(ob, settings(poll_interval=0.2)):
+        assert wait_for(lambda: len(intake_rows(engine, "orders")) >= 30, TIMEOUT)
+        time.sleep(3)  # three backlog readings: it stays stopped
+        held = len(intake_rows(engine, "orders"))
+        assert 20 <= held <= 30 and stream.consumer_state()[0] >= 160, held
+        with engine.begin() as conn:
+            admin.resume(conn, "book")
+        assert wait_for(lambda: len(effects(engine)) == 200 and _settled(stream), TIMEOUT)
+    assert set(effects(engine).values()) == {1}

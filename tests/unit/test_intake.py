@@ -82,7 +82,7 @@ def test_a_failing_user_function_rejects_the_message_naming_it() -> None:
 @pytest.mark.parametrize(("options", "named"), [
     ({"topic": ""}, "topic"), ({"topic": {}}, "mapping is empty"), ({"topic": 3}, "topic="),
     ({"identity": "header"}, "identity="), ({"batch": 0}, "batch"), ({"max_backlog": 0}, "max_backlog"),
-    ({"max_payload_bytes": 0}, "max_payload_bytes"),
+    ({"max_payload_bytes": 0}, "max_payload_bytes"), ({"batch": 50, "max_backlog": 40}, "at least batch"),
 ])
 def test_bad_declarations_name_the_option(options: dict[str, object], named: str) -> None:
     with pytest.raises(ConfigurationError, match=named):
