@@ -56,6 +56,7 @@ from outbox.intake.taking import LockLostError, RacedError, Taken, take_in
 from outbox.relay.counters import Counters
 from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
+from outbox.telemetry.metrics import RelayMetrics
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +115,13 @@ class IntakeLoop:
     COUNTS = ("taken", "duplicates", "rejected", "batches")
 
     def __init__(self, engine: Engine, intakes: Sequence[Intake], settings: OutboxSettings, *,
-                 stop: threading.Event, reconnect: Reconnector) -> None:
+                 stop: threading.Event, reconnect: Reconnector, metrics: RelayMetrics | None = None) -> None:
         self.engine = engine
         self.intakes = list(intakes)
         self.settings = settings
         self.stop = stop
         self.reconnect = reconnect
+        self.metrics = metrics
         self.stats = Counters(self.COUNTS)
         self.by_intake: dict[str, Counters] = {i.name: Counters(self.COUNTS) for i in self.intakes}
         self._thread: threading.Thread | None = None
@@ -303,11 +305,15 @@ class IntakeLoop:
             return 0
 
     def _count(self, intake: Intake, batch: Sequence[Received], taken: Taken) -> None:
+        duplicates = len(batch) - len(taken.events) - len(taken.rejected)
         for counters in (self.stats, self.by_intake[intake.name]):
             counters.add("taken", len(taken.events))
-            counters.add("duplicates", len(batch) - len(taken.events) - len(taken.rejected))
+            counters.add("duplicates", duplicates)
             counters.add("rejected", len(taken.rejected))
             counters.add("batches", 1)
+        if self.metrics is not None:
+            self.metrics.taken_in(intake.name, {"taken": len(taken.events), "duplicate": duplicates,
+                                                "rejected": len(taken.rejected)})
         for identity in taken.rejected:
             log.warning("intake %s: message %s rejected (outbox-relay intake rejected shows why)", intake.name,
                         identity)

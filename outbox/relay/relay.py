@@ -141,8 +141,8 @@ class Relay:
                                     schema=settings.schema_name)
                           if schedule and registry.schedules else None)
         pulled = [i for i in registry.intakes if i.source.pulled]
-        self.intake = (IntakeLoop(self.engine, pulled, settings, stop=self.stop_event, reconnect=self.reconnect)
-                       if intake and pulled else None)
+        self.intake = (IntakeLoop(self.engine, pulled, settings, stop=self.stop_event, reconnect=self.reconnect,
+                                  metrics=self.metrics) if intake and pulled else None)
         self._threads: list[threading.Thread] = []  # the gauges' and the scheduler's
 
     @property

@@ -142,6 +142,7 @@ class RelayMetrics:
         self._lock = threading.Lock()
         self._jobs: dict[tuple[str, str], int] = {}
         self._forwarded: dict[tuple[str, str], int] = {}
+        self._intake: dict[tuple[str, str], int] = {}
         self._handler: dict[str, Histogram] = {}
         self._latency: dict[str, Histogram] = {}
         self._claim = Histogram(CLAIM_BUCKETS)
@@ -177,6 +178,14 @@ class RelayMetrics:
                 if n:
                     key = (consumer, result)
                     self._forwarded[key] = self._forwarded.get(key, 0) + n
+
+    def taken_in(self, intake: str, results: Mapping[str, int]) -> None:
+        """Add an intake's batch (result -> messages: ``taken``, ``duplicate``, ``rejected``)."""
+        with self._lock:
+            for result, n in results.items():
+                if n:
+                    key = (intake, result)
+                    self._intake[key] = self._intake.get(key, 0) + n
 
     def handlers_finished(self, runs: Iterable[HandlerRun]) -> None:
         """Observe the handler duration and the start latency of ``runs`` whose handlers ran
@@ -233,6 +242,7 @@ class RelayMetrics:
         with self._lock:
             jobs = dict(self._jobs)
             forwarded = dict(self._forwarded)
+            intake = dict(self._intake)
             handler = {c: (h.cumulative(), h.total) for c, h in self._handler.items()}
             latency = {c: (h.cumulative(), h.total) for c, h in self._latency.items()}
             claim = (self._claim.cumulative(), self._claim.total)
@@ -246,6 +256,11 @@ class RelayMetrics:
                                      "consumer and broker result.", labels=["consumer", "result"])
         for (consumer, result), n in sorted(forwarded.items()):
             family.add_metric([consumer, result], n)
+        yield family
+        family = CounterMetricFamily("outbox_intake_messages", "Messages this relay's intakes took from their brokers, "
+                                     "by intake and result.", labels=["intake", "result"])
+        for (name, result), n in sorted(intake.items()):
+            family.add_metric([name, result], n)
         yield family
         yield CounterMetricFamily("outbox_stale_writes_rejected", "fenced_write calls in this process refused "
                                   "because a newer fence had written the row.", value=stale_writes)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -147,9 +148,14 @@ def test_poison_messages_are_kept_rejected_and_never_block_the_stream(engine: sa
                  (b'{"order_id": 3}', {}),  # no identity (no header; the test sends its own Nats-Msg-Id)
                  forwarded(4)])
     stream.send([(b'{"order_id": 5}', {"Outbox-Idempotency-Key": "p:5"})], subject="elsewhere")
-    with running_relay(ob, settings(poll_interval=0.2)) as relay:
+    with running_relay(ob, settings(poll_interval=0.2, metrics_port=0)) as relay:
         assert wait_for(lambda: len(effects(engine)) == 3 and _settled(stream), TIMEOUT)
         assert relay.intake is not None and relay.intake.stats["rejected"] == 3
+        assert relay.metrics_server is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{relay.metrics_server.port}/metrics", timeout=10) as answer:
+            scraped = answer.read().decode()
+        assert 'outbox_intake_messages_total{intake="orders",result="rejected"} 3.0' in scraped
+        assert 'outbox_intake_messages_total{intake="orders",result="taken"} 3.0' in scraped
     rows = {r["identity"]: r for r in intake_rows(engine, "orders")}
     assert "not UTF-8 JSON" in rows["p:1"]["problem"] and rows["p:1"]["body"] == b"\xff not json"
     assert "max_payload_bytes 1000" in rows["p:2"]["problem"] and rows["p:2"]["body_size"] > 2000
