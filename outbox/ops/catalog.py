@@ -15,8 +15,13 @@ declares a pydantic model (:mod:`outbox.typed_events`). Three formats:
   settings are ``x-outbox`` extensions of the operation, a forwarder's destination
   ``x-outbox-forward-to``.
   A test validates the document against the AsyncAPI 3.0.0 JSON Schema.
-* ``json``: the catalog itself, one object (``topics``: name -> consumers and schemas).
+* ``json``: the catalog itself, one object (``topics``: name -> consumers and schemas;
+  ``intakes``: see below).
 * ``markdown``: a page per application, a section per topic.
+
+The registry's intakes (:mod:`outbox.intake`) are listed beside the topics: name, source
+(its ``describe()``, no credentials or secrets), the topics they write (or how a message's
+topic is found), whether ordered; in AsyncAPI as the root extension ``x-outbox-intakes``.
 
 Two consumers of one topic that declare different models give the channel two messages
 (one per model). The catalog says what the registry declares; what publishers send is not
@@ -75,6 +80,27 @@ class Topic:
         return {name: model.model_json_schema() for name, model in self.models.items()}
 
 
+@dataclass(frozen=True)
+class IntakeEntry:
+    """One intake as the catalog shows it."""
+
+    name: str
+    source: str
+    topics: str  # the topics it writes, comma-separated, or how a message's topic is found
+    ordered: bool
+
+
+def intakes(registry: Outbox) -> list[IntakeEntry]:
+    """The registry's intakes, by name."""
+    out = []
+    for intake in sorted(registry.intakes, key=lambda i: i.name):
+        known = intake.topics()
+        topics = (", ".join(known) if known is not None else
+                  "the sender's Outbox-Topic header" if intake.topic is None else "chosen per message by a function")
+        out.append(IntakeEntry(intake.name, intake.source.describe(), topics, intake.ordered))
+    return out
+
+
 def build(registry: Outbox) -> dict[str, Topic]:
     """The catalog of ``registry``: topic name -> :class:`Topic`, sorted by name."""
     models = {sub.payload_type for sub in registry if sub.payload_type is not None}
@@ -101,10 +127,11 @@ def _consumer(sub: Subscriber, names: dict[type[BaseModel], str]) -> Consumer:
         forward_to=sub.sink.describe() if sub.sink is not None else None)
 
 
-def as_json(catalog: dict[str, Topic]) -> dict[str, Any]:
-    """The catalog as one JSON-ready object."""
+def as_json(catalog: dict[str, Topic], taken: list[IntakeEntry] | None = None) -> dict[str, Any]:
+    """The catalog (and the intakes ``taken``) as one JSON-ready object."""
     return {"topics": {name: {"consumers": [asdict(c) for c in topic.consumers], "schemas": topic.schemas}
-                       for name, topic in catalog.items()}}
+                       for name, topic in catalog.items()},
+            "intakes": [asdict(i) for i in taken or []]}
 
 
 def _key(name: str) -> str:
@@ -127,8 +154,10 @@ def _ids(names: list[str]) -> dict[str, str]:
     return out
 
 
-def as_asyncapi(catalog: dict[str, Topic], title: str = "outbox application", version: str = "1.0.0") -> dict[str, Any]:
-    """The catalog as an AsyncAPI 3.0.0 document (module notes)."""
+def as_asyncapi(catalog: dict[str, Topic], title: str = "outbox application", version: str = "1.0.0",
+                taken: list[IntakeEntry] | None = None) -> dict[str, Any]:
+    """The catalog as an AsyncAPI 3.0.0 document (module notes); the intakes ``taken`` as
+    the root extension ``x-outbox-intakes``."""
     channel_ids = _ids(list(catalog))
     consumers = {c.name: c for topic in catalog.values() for c in topic.consumers}
     operation_ids = _ids(sorted(consumers))
@@ -174,12 +203,15 @@ def as_asyncapi(catalog: dict[str, Topic], title: str = "outbox application", ve
                                 "operations": operations}
     if schemas or messages:
         document["components"] = {"schemas": schemas, "messages": messages}
+    if taken:
+        document["x-outbox-intakes"] = [asdict(i) for i in taken]
     return document
 
 
-def as_markdown(catalog: dict[str, Topic], title: str = "outbox application") -> str:
+def as_markdown(catalog: dict[str, Topic], title: str = "outbox application",
+                taken: list[IntakeEntry] | None = None) -> str:
     """The catalog as a markdown page: a section per topic, a table of its consumers, and
-    each declared model's JSON Schema."""
+    each declared model's JSON Schema; then the intakes ``taken``, when any."""
     lines = [f"# {title}: event catalog", ""]
     if not catalog:
         lines.append("No topics: the registry declares no subscriber or forwarder.")
@@ -195,6 +227,9 @@ def as_markdown(catalog: dict[str, Topic], title: str = "outbox application") ->
         for model, schema in topic.schemas.items():
             lines += ["", f"`{model}`:", "", "```json", json.dumps(schema, indent=2), "```"]
         lines.append("")
+    if taken:
+        lines += ["## Intakes", "", "| intake | takes in from | writes topics | ordered |", "|---|---|---|---|"]
+        lines += [f"| `{i.name}` | {i.source} | {i.topics} | {'yes' if i.ordered else 'no'} |" for i in taken]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
@@ -205,11 +240,11 @@ def _or_dash(value: float | None, none: str = "-", suffix: str = "") -> str:
 def render(registry: Outbox, fmt: str = "asyncapi", title: str = "outbox application") -> str:
     """The catalog of ``registry`` in format ``fmt`` (:data:`FORMATS`), as text. Raises
     ValueError for an unknown format."""
-    catalog = build(registry)
+    catalog, taken = build(registry), intakes(registry)
     if fmt == "asyncapi":
-        return json.dumps(as_asyncapi(catalog, title), indent=2) + "\n"
+        return json.dumps(as_asyncapi(catalog, title, taken=taken), indent=2) + "\n"
     if fmt == "json":
-        return json.dumps(as_json(catalog), indent=2) + "\n"
+        return json.dumps(as_json(catalog, taken), indent=2) + "\n"
     if fmt == "markdown":
-        return as_markdown(catalog, title)
+        return as_markdown(catalog, title, taken)
     raise ValueError(f"unknown catalog format {fmt!r}; one of {', '.join(FORMATS)}")

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from outbox.ops.catalog import as_asyncapi, build, render
+from outbox.ops.catalog import intakes as catalog_intakes
 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install -e '.[dev]')")
 
@@ -31,7 +32,7 @@ APP = textwrap.dedent('''
     from pydantic import BaseModel
     from sqlalchemy.orm import Session
 
-    from outbox import Job, JetStream, Outbox
+    from outbox import Job, JetStream, JetStreamSource, Outbox, Webhook
 
 
     class Address(BaseModel):
@@ -63,6 +64,10 @@ APP = textwrap.dedent('''
 
     ob.forward("order.placed", to=JetStream("nats://user:secret@127.0.0.1:4222", subject="shop.{topic}"),
                consumer="to_nats")
+
+    ob.intake("from_shop", source=JetStreamSource("nats://user:secret@127.0.0.1:4222", stream="SHOP",
+                                                  durable="billing"), ordered=True)
+    ob.intake("payments", source=Webhook("whsec_c2VjcmV0LXNpZ25pbmcta2V5LTEyMw=="), topic={"paid": "order.paid"})
 ''')
 
 
@@ -78,7 +83,7 @@ def app(tmp_path, monkeypatch):
 
 
 def test_the_asyncapi_document_validates_and_says_what_the_registry_declares(app):
-    document = as_asyncapi(build(app), title="shop")
+    document = as_asyncapi(build(app), title="shop", taken=catalog_intakes(app))
     jsonschema.Draft7Validator(json.loads(SCHEMA.read_text())).validate(document)
     channels = document["channels"]
     assert {c["address"] for c in channels.values()} == {"order.placed", "order.cancelled"}
@@ -97,6 +102,10 @@ def test_the_asyncapi_document_validates_and_says_what_the_registry_declares(app
     assert set(operations["audit_trail"]["x-outbox"]["topics"]) == {"order.placed", "order.cancelled"}
     forward = operations["to_nats"]["x-outbox-forward-to"]
     assert "shop.{topic}" in forward and "secret" not in json.dumps(document)  # no credentials
+    intakes = {i["name"]: i for i in document["x-outbox-intakes"]}
+    assert intakes["from_shop"]["ordered"] is True and "stream SHOP durable billing" in intakes["from_shop"]["source"]
+    assert intakes["from_shop"]["topics"] == "the sender's Outbox-Topic header"
+    assert intakes["payments"]["topics"] == "order.paid" and "c2VjcmV0" not in json.dumps(document)
 
 
 def test_a_broken_document_fails_the_validation(app):
@@ -118,6 +127,7 @@ def test_json_and_markdown_say_the_same(app):
     assert "| `ledger` | handler | transactional | 5 | default | 0 | - | yes, dead skips | - | - | - | - |" in page
     assert "| `send_receipt` | handler | lease | 7 | default | 0 | - | no | 4 | 10/s | OrderPlaced | - |" in page
     assert '"order_id"' in page
+    assert "| `payments` | signed webhooks" in page and as_json["intakes"][0]["name"] == "from_shop"
 
 
 def test_the_command_prints_the_catalog(tmp_path):
