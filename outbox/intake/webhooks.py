@@ -70,11 +70,12 @@ class Webhook(Source):
 
     def describe(self) -> str:
         """What it takes (never the secrets)."""
-        return (f"signed webhooks (Standard Webhooks, {len(self._keys)} secret(s), tolerance {self.tolerance:g} s, "
+        keys = f"{len(self._keys)} signing key{'s' if len(self._keys) > 1 else ''}"
+        return (f"signed webhooks (Standard Webhooks, {keys}, tolerance {self.tolerance:g} s, "
                 f"bodies up to {self.max_body_bytes} bytes)")
 
     def __repr__(self) -> str:
-        return f"Webhook({len(self._keys)} secret(s) hidden, tolerance={self.tolerance:g})"
+        return f"Webhook({len(self._keys)} signing key(s) hidden, tolerance={self.tolerance:g})"
 
     def verify(self, headers: Mapping[str, str], body: bytes, now: float) -> Received:
         """The message of a request with ``headers`` (names in lower case) and ``body``,
