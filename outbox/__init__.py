@@ -71,6 +71,7 @@ from outbox.errors import (
 from outbox.fencing import fenced_write
 from outbox.intake import Received, body_hash
 from outbox.intake.jetstream import JetStreamSource
+from outbox.intake.kafka import KafkaSource
 from outbox.intake.rabbitmq import RabbitMQSource
 from outbox.intake.webhooks import Webhook
 from outbox.job import Job
@@ -95,6 +96,7 @@ __all__ = [
     "JetStreamSource",
     "Job",
     "Kafka",
+    "KafkaSource",
     "LeaseLostError",
     "Outbox",
     "OutboxError",

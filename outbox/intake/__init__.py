@@ -26,8 +26,9 @@ The identity of a message (:func:`identity_of`), first found of: the intake's ``
 (a function of the :class:`Received` message, say :func:`body_hash`), the sender's
 ``Outbox-Idempotency-Key`` header (an outbox forwarder's ``<consumer>:<event id>``, the same
 on every re-send), the broker's message id (JetStream's ``Nats-Msg-Id``, RabbitMQ's
-``message_id``, a webhook's ``webhook-id``). Kafka records have no id of their own; without
-the header or ``identity=`` a record is rejected. Identities are remembered
+``message_id``, a webhook's ``webhook-id``, a Kafka record's position
+``<topic>/<partition>/<offset>``: a re-read is dropped, a producer's re-send is caught only by
+the header or ``identity=``). Identities are remembered
 ``intake_retention`` seconds (default 14 days: longer than Kafka's default retention of 7
 days, the longest span over which a broker delivers a message again unless told to).
 """
