@@ -49,6 +49,10 @@ from outbox.publish import EventDraft, check_name, make_event
 
 #: First bytes of a rejected message's body kept in ``outbox_intake.body``.
 KEPT_BODY_BYTES = 65_536
+#: Longest identity, characters: a longer one (or one PostgreSQL cannot store: a NUL, a lone
+#: surrogate) rejects its message, recorded under ``unfit:`` and a hash of it. The primary
+#: key's btree refuses entries over about 2.7 kB.
+MAX_IDENTITY_LENGTH = 512
 
 #: Headers outbox's forwarders add; the sender's idempotency key is the default identity,
 #: its key the default key and its topic the default topic of an intake.
@@ -244,34 +248,60 @@ class Arrival:
 
 def arrival(intake: Intake, message: Received) -> Arrival:
     """Decide what ``message`` becomes under ``intake``'s rules. Never raises: an error of
-    the intake's own functions rejects the message, naming it."""
+    the intake's own functions, or anything the message makes fail (a body nested too deep
+    to parse), rejects the message, naming it."""
+    try:
+        return _arrival(intake, message)
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile message makes fail rejects it, never the intake
+        return Arrival(_unidentified(message), message, problem=clean_text(f"{type(exc).__name__}: {exc}"))
+
+
+def _arrival(intake: Intake, message: Received) -> Arrival:
     try:
         identity = identity_of(intake, message)
     except Exception as exc:  # noqa: BLE001 - a user function's failure rejects the message
-        return Arrival(_unidentified(message), message, problem=f"identity= raised {type(exc).__name__}: {exc}")
-    if not isinstance(identity, str) or not identity or "\x00" in identity:
+        return Arrival(_unidentified(message), message,
+                       problem=clean_text(f"identity= raised {type(exc).__name__}: {exc}"))
+    if not isinstance(identity, str) or not identity:
         why = ("no identity: no Outbox-Idempotency-Key header and no message id (pass identity= to the intake, "
                "say outbox.intake.body_hash)" if identity is None else f"identity= returned {identity!r}")
-        return Arrival(_unidentified(message), message, problem=why)
+        return Arrival(_unidentified(message), message, problem=clean_text(why))
+    if len(identity) > MAX_IDENTITY_LENGTH or clean_text(identity) != identity:
+        digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).hexdigest()
+        return Arrival(f"unfit:sha256:{digest}", message,
+                       problem=f"identity of {len(identity)} characters is over {MAX_IDENTITY_LENGTH} or holds a NUL or "
+                               "a lone surrogate")
     if len(message.body) > intake.max_payload_bytes:
         return Arrival(identity, message, problem=f"body of {len(message.body)} bytes is over the intake's "
                                                   f"max_payload_bytes {intake.max_payload_bytes}")
     try:
         payload = json.loads(message.body.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        return Arrival(identity, message, problem=f"body is not UTF-8 JSON: {exc}")
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        return Arrival(identity, message, problem=clean_text(f"body is not UTF-8 JSON: {exc}"))
     try:
         topic = topic_of(intake, message)
         key = key_of(intake, message)
     except Exception as exc:  # noqa: BLE001 - a user function's failure rejects the message
-        return Arrival(identity, message, problem=str(exc) if isinstance(exc, LookupError) else
-                       f"{type(exc).__name__}: {exc}")
+        return Arrival(identity, message, problem=clean_text(str(exc) if isinstance(exc, LookupError) else
+                                                             f"{type(exc).__name__}: {exc}"))
     headers = {name: value for name, value in message.headers.items() if name.lower() not in BROKER_HEADERS}
     try:
         event = make_event(topic, payload, key, headers, max_payload_bytes=intake.max_payload_bytes)
     except InvalidEventError as exc:
-        return Arrival(identity, message, problem=f"not a valid event: {exc}")
+        return Arrival(identity, message, problem=clean_text(f"not a valid event: {exc}"))
     return Arrival(identity, message, event=event)
+
+
+def clean_text(value: str) -> str:
+    """``value`` as PostgreSQL text can hold it: a NUL written ``\\u0000`` and a lone
+    surrogate as its escape (``\\udc80``); anything else unchanged."""
+    if "\x00" in value:
+        value = value.replace("\x00", "\\u0000")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def topic_of(intake: Intake, message: Received) -> str:

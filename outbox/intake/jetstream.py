@@ -87,12 +87,18 @@ class JetStreamSource(Source):
         from nats.js.api import AckPolicy, ConsumerConfig  # noqa: PLC0415
 
         await self.close()
+
+        async def quiet(exc: Exception) -> None:
+            return None  # a lost connection is reported by fetch and ack, once, by the relay's loop
+
         try:
-            nc = await nats.connect(servers=self.servers, allow_reconnect=True, max_reconnect_attempts=-1,
-                                    connect_timeout=math.ceil(self.connect_timeout))
+            nc = await asyncio.wait_for(
+                nats.connect(servers=self.servers, allow_reconnect=True, max_reconnect_attempts=-1,
+                             connect_timeout=math.ceil(self.connect_timeout), error_cb=quiet),
+                self.connect_timeout)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             raise SourceUnavailableError(f"cannot reach NATS at {','.join(redact(s) for s in self.servers)} "
-                                         f"({type(exc).__name__}: {exc})") from None
+                                         f"within {self.connect_timeout:g} s ({type(exc).__name__}: {exc})") from None
         try:
             config = ConsumerConfig(durable_name=self.durable, ack_policy=AckPolicy.EXPLICIT,
                                     ack_wait=self.ack_wait, max_ack_pending=self.max_ack_pending,

@@ -12,12 +12,20 @@ redelivered; a redelivery of one already taken in is dropped by its identity: th
 sets both). Messages without either need the intake's ``identity=``. After a lost connection
 the source connects anew (the relay's intake loop retries with backoff); what the old
 channel delivered and was not acknowledged comes again.
+
+An ordered intake's new holder must not consume while an earlier holder's connection still
+holds deliveries (a holder paused past its lease keeps its prefetch until RabbitMQ drops
+its connection): :meth:`RabbitMQSource.settle` waits until the queue has no consumer left
+before this one starts, so those deliveries are requeued (in their places) first. The
+connection's ``heartbeat`` (default 10 s) bounds how long RabbitMQ takes to drop a paused
+peer (it allows a few missed heartbeats).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +33,8 @@ from urllib.parse import urlsplit
 from outbox.errors import ConfigurationError
 from outbox.intake import Received, Source, SourceUnavailableError, finite
 from outbox.redaction import redact
+
+log = logging.getLogger(__name__)
 
 #: Longest queue name AMQP 0-9-1 carries (a short string).
 QUEUE_NAME_MAX = 255
@@ -40,9 +50,9 @@ class RabbitMQSource(Source):
     extra = "rabbitmq"
 
     def __init__(self, url: str = "amqp://guest:guest@127.0.0.1:5672/", *, queue: str, prefetch: int = 500,
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, heartbeat: int = 10) -> None:
         if not isinstance(url, str) or urlsplit(url).scheme not in ("amqp", "amqps") or not urlsplit(url).hostname:
-            shown = redact(url) if isinstance(url, str) else repr(url)
+            shown = redact(url) if isinstance(url, str) else f"a {type(url).__name__}"
             raise ConfigurationError(f"RabbitMQSource: url must be an amqp:// or amqps:// URL with a host, got {shown}")
         if not isinstance(queue, str) or not queue or len(queue.encode()) > QUEUE_NAME_MAX:
             raise ConfigurationError(f"RabbitMQSource: queue must be a queue name of 1..{QUEUE_NAME_MAX} bytes, "
@@ -52,13 +62,18 @@ class RabbitMQSource(Source):
         if not finite(connect_timeout) or not 0 < connect_timeout <= 3600:
             raise ConfigurationError(f"RabbitMQSource: connect_timeout must be seconds in (0, 3600], "
                                      f"got {connect_timeout!r}")
+        if type(heartbeat) is not int or not 1 <= heartbeat <= 600:
+            raise ConfigurationError(f"RabbitMQSource: heartbeat must be seconds, an int in 1..600, got {heartbeat!r}")
         if importlib.util.find_spec("aio_pika") is None:
             raise ConfigurationError("RabbitMQSource needs aio-pika: pip install 'outbox-relay[rabbitmq]'")
         self.url = url
         self.queue = queue
         self.prefetch = prefetch
         self.connect_timeout = float(connect_timeout)
+        self.heartbeat = heartbeat
         self._connection: Any = None
+        self._queue: Any = None
+        self._consuming = False
         self._delivered: asyncio.Queue[Any] | None = None
 
     def describe(self) -> str:
@@ -66,7 +81,8 @@ class RabbitMQSource(Source):
         return f"{redact(self.url)} queue {self.queue!r}"
 
     async def connect(self) -> None:
-        """Connect, open a channel with the prefetch limit and start consuming. Raises
+        """Connect and open a channel with the prefetch limit; consuming starts at the first
+        :meth:`fetch` (after :meth:`settle`, for an ordered intake). Raises
         :class:`SourceUnavailableError` when the broker cannot be reached, refuses the login,
         or the queue does not exist."""
         import aio_pika  # noqa: PLC0415 (an optional dependency, imported when used)
@@ -76,24 +92,52 @@ class RabbitMQSource(Source):
         connection = None
         try:
             async with asyncio.timeout(self.connect_timeout):
-                connection = await aio_pika.connect(self.url, timeout=self.connect_timeout)
+                connection = await aio_pika.connect(self.url, timeout=self.connect_timeout, heartbeat=self.heartbeat)
                 channel = await connection.channel()
                 await channel.set_qos(prefetch_count=self.prefetch)
                 queue = await channel.get_queue(self.queue, ensure=True)
-                await queue.consume(delivered.put, no_ack=False)
         except Exception as exc:  # noqa: BLE001 - every failure to start is "unavailable", said why
             if connection is not None:
                 await _quietly(connection.close())
             reason = "timed out" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
             raise SourceUnavailableError(f"cannot consume {self.describe()}: {reason}") from None
         self._connection = connection
+        self._queue = queue
+        self._consuming = False
         self._delivered = delivered
+
+    async def settle(self) -> None:
+        """Wait until the queue has no consumer (an earlier holder's connection gone, its
+        deliveries requeued), checking every half second, for at most three heartbeats and
+        ``connect_timeout``; then consuming may start. Raises :class:`SourceUnavailableError`
+        when the connection is lost meanwhile."""
+        deadline = asyncio.get_running_loop().time() + 3 * self.heartbeat + self.connect_timeout
+        while True:
+            try:
+                result = await self._queue.channel.declare_queue(self.queue, passive=True)
+            except Exception as exc:  # noqa: BLE001 - the channel or the connection is gone
+                raise SourceUnavailableError(f"cannot read {self.describe()}: {type(exc).__name__}: {exc}") from None
+            consumers = int(result.declaration_result.consumer_count)
+            if consumers == 0:
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                log.warning("RabbitMQ queue %r still has %d consumer(s) after %.0f s; consuming beside them",
+                            self.queue, consumers, 3 * self.heartbeat + self.connect_timeout)
+                return
+            await asyncio.sleep(0.5)
 
     async def fetch(self, limit: int, wait: float) -> list[Received]:
         """Up to ``limit`` delivered messages, waiting up to ``wait`` seconds for the first."""
         delivered = self._delivered
         if delivered is None or self._connection is None or self._connection.is_closed:
             raise SourceUnavailableError(f"not connected to {self.describe()}")
+        if not self._consuming:
+            try:
+                await self._queue.consume(delivered.put, no_ack=False)
+            except Exception as exc:  # noqa: BLE001 - the channel or the connection is gone
+                raise SourceUnavailableError(f"cannot consume {self.describe()}: {type(exc).__name__}: {exc}") \
+                    from None
+            self._consuming = True
         try:
             first = await asyncio.wait_for(delivered.get(), wait)
         except TimeoutError:
@@ -116,7 +160,7 @@ class RabbitMQSource(Source):
 
     async def close(self) -> None:
         """Close the connection; what was delivered and not acknowledged is requeued."""
-        connection, self._connection, self._delivered = self._connection, None, None
+        connection, self._connection, self._delivered, self._queue = self._connection, None, None, None
         if connection is not None:
             await _quietly(connection.close())
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Connection
 
 from outbox.db import queries
-from outbox.intake import KEPT_BODY_BYTES, Arrival
+from outbox.intake import KEPT_BODY_BYTES, Arrival, Received, clean_text
 from outbox.publish import publish_drafts
 
 
@@ -68,9 +68,10 @@ def take_in(conn: Connection, source: str, arrivals: Sequence[Arrival], *, schem
         "source": source,
         "identities": [a.identity for a in rows],
         "event_ids": [events.get(a.identity) for a in rows],
-        "problems": [a.problem for a in rows],
-        "subjects": [None if a.event else a.message.subject for a in rows],
-        "headers": [None if a.event else json.dumps(dict(a.message.headers)) for a in rows],
+        "problems": [None if a.problem is None else clean_text(a.problem) for a in rows],
+        "subjects": [None if a.event else clean_text(a.message.subject) for a in rows],
+        "headers": [None if a.event else json.dumps({clean_text(k): clean_text(v) for k, v in a.message.headers.items()})
+                    for a in rows],
         "bodies": [None if a.event else a.message.body[:KEPT_BODY_BYTES] for a in rows],
         "body_sizes": [None if a.event else len(a.message.body) for a in rows],
     }).scalars().all()
@@ -78,3 +79,10 @@ def take_in(conn: Connection, source: str, arrivals: Sequence[Arrival], *, schem
         raise RacedError(f"{len(rows) - len(recorded)} of the batch's messages were taken in by another "
                          "transaction meanwhile")
     return Taken(events, frozenset(duplicates), frozenset(a.identity for a in rejected))
+
+
+def refused(item: Arrival, error: str) -> Arrival:
+    """``item`` rejected because the database refused to write it (``error``), with no more
+    of the message than surely fits: its first bytes, no subject, no headers."""
+    bare = Received(body=item.message.body, headers={}, subject="", message_id=item.message.message_id)
+    return Arrival(item.identity, bare, problem=clean_text(f"the database refused it: {error}"))

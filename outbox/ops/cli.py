@@ -695,6 +695,12 @@ def _inspect(args: argparse.Namespace, engine: Any, schema: str, settings: Outbo
     return 0
 
 
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped as Python writes them (``\\n``, ``\\x1b``):
+    what a message's sender chose cannot move the cursor or forge a line of the listing."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _intake(conn: Connection, args: argparse.Namespace, schema: str) -> int:
     """``intake rejected`` and ``intake forget`` (:func:`outbox.admin.rejected_messages`,
     :func:`outbox.admin.forget_rejected`)."""
@@ -715,8 +721,8 @@ def _intake(conn: Connection, args: argparse.Namespace, schema: str) -> int:
         print("no rejected messages" + (f" of intake {args.source}" if args.source else ""))
     for m in rejected:
         shown = (m.body or b"")[:200].decode("utf-8", "backslashreplace")
-        print(f"{m.taken_at.astimezone(UTC).isoformat()}  {m.source}  {m.identity}  subject {m.subject!r}  "
-              f"{m.body_size} bytes\n    {m.problem}\n    body: {shown!r}")
+        print(f"{m.taken_at.astimezone(UTC).isoformat()}  {_printable(m.source)}  {_printable(m.identity)}  "
+              f"subject {m.subject!r}  {m.body_size} bytes\n    {_printable(m.problem)}\n    body: {shown!r}")
     return 0
 
 

@@ -23,12 +23,14 @@ Faults:
   session advisory lock of the intake on a connection of its own, leased like a job
   (:class:`IntakeLock`: a paused holder loses it after ``default_lease``); the others stand by,
   connected to no broker (so the broker hands them nothing), and try the lock every
-  :data:`LOCK_RETRY` seconds. Each take-in transaction checks that the lock's session still
-  holds it (:class:`~outbox.intake.taking.LockLostError` otherwise: nothing committed, the
-  batch unacknowledged, the relay stands by). A new holder first lets the source
-  :meth:`~outbox.intake.Source.settle` (JetStream: messages delivered to the previous holder
-  and never acknowledged come back first, after ``ack_wait``), so the events are written in
-  the order the broker delivers them. The lock check and the commit are two steps: a lock
+  :data:`LOCK_RETRY` seconds. The holder checks the lock before each fetch (a holder woken
+  after its lease fetches nothing more), and each take-in transaction checks that the lock's
+  session still holds it (:class:`~outbox.intake.taking.LockLostError` otherwise: nothing
+  committed, the batch unacknowledged, the relay stands by). A new holder first lets the
+  source :meth:`~outbox.intake.Source.settle` (JetStream: messages delivered to the previous
+  holder and never acknowledged come back first, after ``ack_wait``; RabbitMQ: the previous
+  holder's connection is gone and its deliveries requeued), so the events are written in the
+  order the broker delivers them. The lock check and the commit are two steps: a lock
   lost between them lets one batch commit beside the next holder's first.
 * **The backlog** (unrouted events, and ready jobs of the consumers of the intake's topics):
   a batch is fetched only while the backlog plus a batch stays within ``max_backlog``. The
@@ -51,8 +53,9 @@ from sqlalchemy.engine import Connection, Engine
 
 from outbox import backoff
 from outbox.db import queries
+from outbox.db.poison import describe_error, is_data_error
 from outbox.intake import Arrival, Intake, Received, SourceUnavailableError, arrival
-from outbox.intake.taking import LockLostError, RacedError, Taken, take_in
+from outbox.intake.taking import LockLostError, RacedError, Taken, refused, take_in
 from outbox.relay.counters import Counters
 from outbox.relay.reconnect import Reconnector
 from outbox.settings import OutboxSettings
@@ -197,6 +200,14 @@ class IntakeLoop:
                     if backlog + intake.batch > intake.max_backlog:
                         await self._sleep(BACKLOG_CHECK)
                         continue
+                if lock is not None and not await asyncio.to_thread(self._still_held, intake, lock):
+                    log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by",
+                                intake.name)
+                    if keeper is not None:
+                        keeper.cancel()
+                    await asyncio.to_thread(lock.release)
+                    lock = None
+                    continue
                 try:
                     batch = await source.fetch(intake.batch, FETCH_WAIT)
                 except SourceUnavailableError as exc:
@@ -205,8 +216,7 @@ class IntakeLoop:
                     continue
                 if not batch:
                     continue
-                taken = await asyncio.to_thread(self._take, intake, [arrival(intake, m) for m in batch],
-                                                None if lock is None else lock.pid)
+                taken = await asyncio.to_thread(self._take, intake, batch, None if lock is None else lock.pid)
                 if taken is None:  # stopped before the batch committed: the broker delivers it again
                     return
                 if isinstance(taken, _Lost):  # nothing committed; the batch comes again
@@ -237,10 +247,17 @@ class IntakeLoop:
 
     # --------------------------------------------------------------- database side
 
-    def _take(self, intake: Intake, arrivals: list[Arrival], lock_pid: int | None) -> Taken | _Lost | None:
-        """Take ``arrivals`` in, retrying until it commits; None when stopped first, LOST
-        when ``lock_pid`` (an ordered intake's lock session) holds the lock no more."""
+    def _take(self, intake: Intake, messages: Sequence[Received], lock_pid: int | None) -> Taken | _Lost | None:
+        """Decide what ``messages`` become (on this worker thread: the intake's functions may
+        be slow) and take them in, retrying until it commits; None when stopped first, LOST
+        when ``lock_pid`` (an ordered intake's lock session) holds the lock no more. A data
+        error (a message the database refuses, whatever the checks let through) is found by
+        trying each message alone, in transactions rolled back, and that message is
+        rejected with the database's error instead (:func:`~outbox.intake.taking.refused`),
+        once; a data error after that is retried with backoff like any other."""
+        arrivals = [arrival(intake, m) for m in messages]
         failures = 0
+        isolated = False
         what = f"intake {intake.name}"
         while not self.stop.is_set() or failures == 0:
             try:
@@ -253,8 +270,31 @@ class IntakeLoop:
             except LockLostError:
                 return LOST
             except Exception as exc:  # noqa: BLE001 - any database error: held and retried, never acked
+                if is_data_error(exc) and not isolated:
+                    isolated = True
+                    arrivals = self._without_refused(intake, arrivals)
+                    continue
                 failures = self.reconnect.backoff(failures, what, exc, self.stop)
         return None
+
+    def _without_refused(self, intake: Intake, arrivals: list[Arrival]) -> list[Arrival]:
+        """``arrivals`` with each one the database refuses alone replaced by its rejection:
+        each tried alone in a transaction rolled back (nothing is written here)."""
+        out = []
+        with self.engine.connect() as conn:
+            for item in arrivals:
+                trial = conn.begin()
+                try:
+                    take_in(conn, intake.name, [item], schema=self.settings.schema_name)
+                    out.append(item)
+                except Exception as exc:  # noqa: BLE001 - only data errors make a rejection
+                    out.append(refused(item, describe_error(exc)) if is_data_error(exc) else item)
+                    if is_data_error(exc):
+                        log.warning("intake %s: message %r refused by the database (%s); rejected", intake.name,
+                                    item.identity, describe_error(exc))
+                finally:
+                    trial.rollback()
+        return out
 
     def _try_lock(self, intake: Intake) -> IntakeLock | None:
         """Take ordered ``intake``'s session lock on a connection held for as long as this
@@ -287,6 +327,17 @@ class IntakeLoop:
             return None
         return IntakeLock(conn, int(pid), lease)
 
+    def _still_held(self, intake: Intake, lock: IntakeLock) -> bool:
+        """Whether ``lock``'s session still holds ordered ``intake``'s lock, read before each
+        fetch: a holder that wakes after its lease (paused) fetches nothing more. True when
+        the database cannot say (the take-in's own check decides then)."""
+        try:
+            with self.engine.connect() as conn:
+                return bool(conn.execute(self._statements.intake_lock_held,
+                                         {"source": intake.name, "pid": lock.pid}).scalar_one())
+        except Exception:  # noqa: BLE001 - unknown: the take-in transaction checks again
+            return True
+
     async def _keep(self, lock: IntakeLock) -> None:
         """Ping ``lock``'s session every lease/3 until it is gone or this task is cancelled."""
         while await asyncio.to_thread(lock.ping):
@@ -315,7 +366,7 @@ class IntakeLoop:
             self.metrics.taken_in(intake.name, {"taken": len(taken.events), "duplicate": duplicates,
                                                 "rejected": len(taken.rejected)})
         for identity in taken.rejected:
-            log.warning("intake %s: message %s rejected (outbox-relay intake rejected shows why)", intake.name,
+            log.warning("intake %s: message %r rejected (outbox-relay intake rejected shows why)", intake.name,
                         identity)
 
     async def _sleep(self, seconds: float) -> None:

@@ -174,7 +174,8 @@ def parse_servers(url: object) -> list[str]:
     """The server URLs of ``url`` (one ``nats://`` or ``tls://`` URL, or several separated by
     commas). Raises :class:`ConfigurationError` naming ``url`` for anything else."""
     if not isinstance(url, str) or not url.strip():
-        raise ConfigurationError(f"JetStream: url must be a nats:// or tls:// URL, got {url!r}")
+        shown = repr(url) if isinstance(url, str) else f"a {type(url).__name__}"  # bytes could hold a password
+        raise ConfigurationError(f"JetStream: url must be a nats:// or tls:// URL, got {shown}")
     servers = []
     for part in url.split(","):
         part = part.strip()

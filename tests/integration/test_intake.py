@@ -90,3 +90,22 @@ def test_an_ordered_intakes_lock_is_leased_a_silent_holder_loses_it(engine: sa.E
         assert take_in(conn, "hooks", [arrival(intake, message)], lock_pid=standby.pid).events
     holder.release()
     standby.release()
+
+
+def test_rejections_of_hostile_messages_are_stored_and_listed_printably(db_url: sa.URL, engine: sa.Engine,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """NULs and lone surrogates in a rejected message's subject, headers and reason are
+    stored escaped (PostgreSQL's text refuses them as they are); control characters in an
+    identity are escaped in the listing, so a sender cannot forge a line of it."""
+    intake = Outbox().intake("hooks", source=Webhook(SECRET), topic="t")
+    hostile = Received(body=b'{"a": 1}', headers={"x-\x00": "v\x00", "y": "\udc80", "Outbox-Key": "k\x00"},
+                       subject="s\x00", message_id="id\n2026-01-01  hooks  forged\x1b[2J")
+    _take(engine, intake, hostile)
+    with engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT subject, headers, problem FROM outbox_intake")).one()
+    assert row.subject == "s\\u0000" and row.headers["x-\\u0000"] == "v\\u0000" and row.headers["y"] == "\\udc80"
+    assert "not a valid event" in row.problem
+    assert main(["intake", "rejected", *_url(db_url)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "id\\n2026-01-01  hooks  forged\\x1b[2J" in out
+    assert len([line for line in out.splitlines() if "hooks" in line]) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import urllib.request
 import uuid
@@ -287,3 +288,59 @@ def test_the_intake_stops_at_its_backlog_and_the_broker_keeps_the_rest(engine: s
             admin.resume(conn, "book")
         assert wait_for(lambda: len(effects(engine)) == 200 and _settled(stream), TIMEOUT)
     assert set(effects(engine).values()) == {1}
+
+
+def test_a_message_the_database_refuses_is_rejected_and_the_rest_taken_in(engine: sa.Engine, settings: Any,
+                                                                          stream: SenderStream) -> None:
+    """An application's trigger refuses one event (an error no check of outbox's foresees):
+    that message is rejected with the database's error, acknowledged, and the others of its
+    batch and after it are taken in (it was retried for ever, holding the stream)."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql("""
+            CREATE FUNCTION refuse_13() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                IF NEW.payload->>'order_id' = '13' THEN RAISE EXCEPTION 'order 13 is refused'; END IF;
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER refuse_13 BEFORE INSERT ON outbox_events FOR EACH ROW EXECUTE FUNCTION refuse_13();
+        """)
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(), batch=10)
+    counting_subscriber(ob, engine)
+    stream.send([forwarded(i) for i in range(30)])
+    with running_relay(ob, settings(poll_interval=0.2)):
+        assert wait_for(lambda: len(effects(engine)) == 29 and _settled(stream), TIMEOUT)
+    rows = {r["identity"]: r for r in intake_rows(engine, "orders")}
+    assert "the database refused it" in rows["fwd:13"]["problem"] and "order 13 is refused" in rows["fwd:13"]["problem"]
+    assert 13 not in effects(engine) and set(effects(engine).values()) == {1}
+
+
+def test_slow_intake_functions_keep_an_ordered_intakes_lock(engine: sa.Engine, settings: Any,
+                                                           stream: SenderStream) -> None:
+    """The intake's functions run beside the lock's pings, not in their way: an identity
+    function taking 0.3 s a message, batches of 10 (3 s each) under a 1 s lease still
+    commit (the holder lost its lock batch after batch before)."""
+    def slow_identity(message: Any) -> str:
+        time.sleep(0.3)
+        return str(message.headers["Outbox-Idempotency-Key"])
+
+    ob = Outbox()
+    ob.intake("orders", source=stream.source(), batch=10, ordered=True, identity=slow_identity)
+    counting_subscriber(ob, engine)
+    stream.send([forwarded(i) for i in range(20)])
+    with running_relay(ob, settings(poll_interval=0.2, default_lease=1.0)) as relay:
+        assert wait_for(lambda: len(effects(engine)) == 20 and _settled(stream), TIMEOUT)
+        assert relay.intake is not None and relay.intake.stats["batches"] >= 2
+
+
+def test_an_unreachable_server_fails_connect_within_its_timeout() -> None:
+    from outbox.intake import SourceUnavailableError
+
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    source = JetStreamSource(f"nats://u:pw@127.0.0.1:{port}", stream="S", durable="d", connect_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(SourceUnavailableError) as refused:
+        asyncio.run(source.connect())
+    assert time.monotonic() - started < 3 and "pw" not in str(refused.value)

@@ -157,3 +157,34 @@ def test_an_ordered_intake_is_taken_in_by_one_relay_at_a_time_in_queue_order(eng
         rows = conn.execute(sa.text("SELECT key, seq FROM seen ORDER BY n")).all()
     for k in range(keys):
         assert [seq for key, seq in rows if key == f"k{k}"] == list(range(per_key))
+
+
+def test_a_new_holder_waits_until_the_old_holders_deliveries_are_requeued(queue: BoundQueue) -> None:
+    """settle(): while another consumer (a paused holder) holds deliveries, the new holder
+    does not consume; once that consumer's connection is gone, the requeued messages come
+    first, in their places (a holder paused past its lease kept its prefetch, and the next
+    one consumed the messages behind them first)."""
+    send(queue, [forwarded(i) for i in range(6)])
+
+    async def scenario() -> list[str]:
+        old = await aio_pika.connect(AMQP_URL)
+        channel = await old.channel()
+        await channel.set_qos(prefetch_count=3)
+        held: asyncio.Queue[Any] = asyncio.Queue()
+        await (await channel.get_queue(queue.name)).consume(held.put)  # holds 3, never acks
+        for _ in range(3):
+            await asyncio.wait_for(held.get(), 10)
+        fresh = source(queue, heartbeat=5)
+        await fresh.connect()
+        settling = asyncio.create_task(fresh.settle())
+        await asyncio.sleep(1.5)
+        assert not settling.done()  # the old holder is still there
+        await old.close()  # its connection gone: RabbitMQ requeues its three
+        await asyncio.wait_for(settling, 10)
+        got: list[str] = []
+        while len(got) < 6:
+            got += [m.headers["Outbox-Idempotency-Key"] for m in await fresh.fetch(10, 2)]
+        await fresh.close()
+        return got
+
+    assert asyncio.run(scenario()) == [f"fwd:{i}" for i in range(6)]

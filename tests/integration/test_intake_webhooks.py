@@ -122,7 +122,7 @@ def _hook_effects(engine: sa.Engine) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("case", ["bad signature", "wrong secret", "no signature", "replay", "future", "too large",
-                                  "not json", "unknown type", "no id", "unknown intake"])
+                                  "not json", "too deep", "unknown type", "no id", "unknown intake"])
 def test_refused_requests_write_nothing(engine: sa.Engine, hook: Webhook, case: str) -> None:
     body = order(3)
     headers = signed(hook, "msg_3", body)
@@ -149,6 +149,10 @@ def test_refused_requests_write_nothing(engine: sa.Engine, hook: Webhook, case: 
     elif case == "not json":
         body = b"order 3"
         headers = signed(hook, "msg_3", body)
+    elif case == "too deep":  # deeper than the JSON parser goes, within the size limit (was a 500)
+        hook = Webhook([OTHER, SECRET])
+        body = b"[" * 5000 + b"]" * 5000
+        headers = signed(hook, "msg_3", body)
     elif case == "unknown type":
         body = json.dumps({"type": "order.refunded"}).encode()
         headers = signed(hook, "msg_3", body)
@@ -163,6 +167,19 @@ def test_refused_requests_write_nothing(engine: sa.Engine, hook: Webhook, case: 
     with engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT count(*) FROM outbox_events").scalar_one() == 0
     assert intake_rows(engine, "billing") == []
+
+
+def test_each_signature_header_line_counts(engine: sa.Engine, hook: Webhook) -> None:
+    """A request with two webhook-signature lines, a stale one and a valid one, is taken in
+    (every listed signature may match, as the scheme says)."""
+    body = order(6)
+    good = signed(hook, "msg_6", body)
+    lines = [(k, v) for k, v in good.items() if k != "webhook-signature"]
+    lines += [("webhook-signature", "v1," + base64.b64encode(b"x" * 32).decode()),
+              ("webhook-signature", good["webhook-signature"])]
+    with serving(engine, registry(hook)) as base, httpx.Client(base_url=base) as http:
+        answer = http.post("/webhooks/billing", content=body, headers=lines)
+    assert answer.status_code == 200 and answer.json()["status"] == "taken in", answer.text
 
 
 def test_concurrent_duplicates_of_one_id_write_one_event(engine: sa.Engine, hook: Webhook) -> None:

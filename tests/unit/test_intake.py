@@ -125,3 +125,24 @@ def test_bad_webhook_secrets_are_refused_without_showing_them(secret: object, na
     with pytest.raises(ConfigurationError, match=named) as refused:
         Webhook(secret)  # type: ignore[arg-type]
     assert "c2hvcnQ" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("message", "problem"), [
+    (message(b"[" * 5000 + b"]" * 5000, message_id="1"), "not UTF-8 JSON"),  # deeper than the parser goes
+    (message(headers={"Outbox-Idempotency-Key": "x" * 10_000}), "identity of 10000 characters"),
+    (message(headers={"Outbox-Idempotency-Key": "a\x00b"}), "holds a NUL"),
+    (message(headers={"Outbox-Idempotency-Key": "a\udc80b"}), "a lone surrogate"),
+])
+def test_hostile_messages_are_rejected_never_raise(message: Received, problem: str) -> None:
+    got = arrival(intake(topic="t"), message)
+    assert got.event is None and problem in (got.problem or ""), got.problem
+    assert len(got.identity) <= 600 and "\x00" not in got.identity
+
+
+def test_a_hostile_exception_message_is_kept_printable() -> None:
+    def broken(m: Received) -> str:
+        raise ValueError("bad \x00 and \udc80")
+
+    got = arrival(intake(topic="t", identity=broken), message())
+    assert got.problem is not None and "\x00" not in got.problem and "\\u0000" in got.problem
+    got.problem.encode("utf-8")  # storable
