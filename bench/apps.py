@@ -94,7 +94,7 @@ def intake() -> Outbox:
     source = (JetStreamSource(url, stream=os.environ["BENCH_INTAKE_STREAM"], durable=os.environ["BENCH_INTAKE_DURABLE"])
               if kind == "jetstream" else RabbitMQSource(url, queue=os.environ["BENCH_INTAKE_QUEUE"]))
     ob = Outbox()
-    ob.intake("bench_in", source=source, max_backlog=None)
+    ob.intake("bench_in", source=source, max_backlog=None, batch=int(os.environ.get("BENCH_INTAKE_BATCH", "500")))
     record = os.environ.get("BENCH_RECORD")
     if record:
         samples: list[tuple[str, float]] = []

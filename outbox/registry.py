@@ -239,7 +239,7 @@ class Outbox:
         topic: TopicRule = None,
         identity: Callable[[Received], str] | None = None,
         key: Callable[[Received], str | None] | None = None,
-        batch: int = 100,
+        batch: int = 500,
         max_backlog: int | None = 10_000,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         ordered: bool = False,
@@ -261,7 +261,7 @@ class Outbox:
         else the broker's message id; :func:`outbox.intake.body_hash` for messages with
         neither). ``key``: a function giving the event's key (default: the ``Outbox-Key``
         header, else the record key). ``batch``: 1..10000 messages per transaction (default
-        100). ``max_backlog``: stop taking in while this many events wait to be routed or
+        500). ``max_backlog``: stop taking in while this many events wait to be routed or
         jobs of the topics' consumers are ready (default 10,000; None: never).
         ``max_payload_bytes``: larger bodies are rejected (default publish's 1 MiB).
         ``ordered``: one relay at a time takes this intake in (the others stand by), so the

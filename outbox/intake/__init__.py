@@ -151,7 +151,7 @@ class Intake:
     topic: TopicRule = None
     identity: Callable[[Received], str] | None = None
     key: Callable[[Received], str | None] | None = None
-    batch: int = 100
+    batch: int = 500
     max_backlog: int | None = 10_000
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     ordered: bool = False
