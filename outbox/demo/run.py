@@ -553,8 +553,9 @@ class Demo:
             "--reap-interval", str(max(0.2, cfg.lease / 6)), "--poll-interval", "0.5",
             "--shutdown-grace", str(cfg.grace), "--backoff-base", "0.2", "--backoff-cap", "2",
         ]
-        proc = subprocess.Popen(command, env=self.relay_env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        # cwd: the log folder, not the caller's: a folder named outbox there (a checkout) would hide the package
+        proc = subprocess.Popen(command, env=self.relay_env, cwd=cfg.log_dir.resolve(), stdin=subprocess.DEVNULL,
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
         relay = RelayProcess(name, proc, log_path, log_file)
         self.state.relays.append(relay)
         return relay

@@ -11,9 +11,10 @@ NATS JetStream, exactly once end to end under faults.
   a line in ``demo_b_log``, all in the job's transaction.
 * Both services' NATS connections go through a TCP proxy of the run's own
   (:class:`~outbox.demo.proxy.TcpProxy`), so the broker can be cut without touching it.
-* **Faults**, while orders flow: a relay of A and a relay of B are SIGKILLed (replacements
-  started), a relay of B is SIGSTOPped for three leases, and the broker is cut for
-  ``--cut-for`` seconds.
+* **Faults**, while orders flow: a relay of A and B's intake holder are SIGKILLed
+  (replacements started), B's next holder is SIGSTOPped for three leases, the broker is cut
+  for ``--cut-for`` seconds, and A's first messages are re-sent with new message ids (a
+  sender re-sending after a crash, past the stream's duplicate window).
 
 Then the invariants, each a query: B booked exactly the orders A committed (none of the
 rolled-back ones), each booking's transaction committed once (``runs = 1``), every customer's
@@ -59,6 +60,8 @@ INTAKE = "from_service_a"
 BOOKER = "book_order"
 #: The durable consumer of the stream service B reads.
 DURABLE = "service_b"
+#: Messages the demo re-sends as a crashed sender would (the fault at 0.85 of the duration).
+RESENT = 20
 #: Service A's customers: each one's orders share a key, so B must book them in A's order.
 CUSTOMERS = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
 
@@ -149,6 +152,8 @@ class ServicesDemo:
     seed: int
     relays: list[_Relay] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stream: Any = None  # the run's DemoStream, once made
+    resent: int = 0
 
     def run(self) -> int:
         started = time.monotonic()
@@ -157,6 +162,7 @@ class ServicesDemo:
         except ForwardingSkipped as exc:
             print(f"demo --services 2 needs NATS with JetStream: {exc}")
             return 2
+        self.stream = stream
         target = urlsplit(self.nats_url)
         proxy = TcpProxy((target.hostname or "127.0.0.1", target.port or 4222))
         proxy.start()
@@ -176,6 +182,7 @@ class ServicesDemo:
         try:
             for service in ("A", "A", "B", "B"):
                 self._spawn(service, envs[service])
+            self._wait_started()
             producer = _Orders(engine_a, self.orders, self.duration, self.rollback_share, self.seed)
             t0 = time.monotonic()
             producer.start()
@@ -192,6 +199,7 @@ class ServicesDemo:
                     relay.proc.send_signal(signal.SIGTERM)
             exits = {r.name: r.proc.wait(30) for r in self.relays if not r.name.endswith("killed")}
             checks = self._checks(engine_a, engine_b, producer, drained, exits)
+            redelivered = _redelivered(stream)
         finally:
             for relay in self.relays:
                 if relay.proc.poll() is None:
@@ -203,6 +211,8 @@ class ServicesDemo:
             engine_a.dispose()
             engine_b.dispose()
         print()
+        print(f"B was handed copies: {self.resent} messages re-sent by A's sender, {redelivered} delivered again by "
+              "JetStream (kills, the pause, the cut); each taken in once, as the checks below say")
         for name, ok, detail in checks:
             print(f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}")
         failed = [name for name, ok, _ in checks if not ok]
@@ -220,11 +230,25 @@ class ServicesDemo:
                    "outbox.demo.services:" + ("sender" if service == "A" else "receiver"),
                    "--default-lease", str(self.lease), "--reap-interval", str(max(0.2, self.lease / 6)),
                    "--poll-interval", "0.5", "--backoff-base", "0.2", "--backoff-cap", "2", "--shutdown-grace", "5"]
-        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        # cwd: the log folder, not the caller's: a folder named outbox there (a checkout) would hide the package
+        proc = subprocess.Popen(command, env=env, cwd=self.log_dir.resolve(), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         relay = _Relay(service, name, proc, log)
         self.relays.append(relay)
         return relay
+
+    def _wait_started(self, timeout: float = 60.0) -> None:
+        """Wait until every relay logged "relay started"; raise :class:`ConfigurationError` with
+        the log's end of one that exited or did not start in time."""
+        deadline = time.monotonic() + timeout
+        for relay in self.relays:
+            path = self.log_dir / f"{relay.name}.log"
+            while "relay started" not in path.read_text(errors="replace"):
+                if relay.proc.poll() is not None or time.monotonic() > deadline:
+                    tail = "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+                    raise ConfigurationError(f"{relay.name} did not start (exit status {relay.proc.poll()}); the end "
+                                             f"of {path}:\n{tail}")
+                time.sleep(0.1)
 
     def _fault(self, t0: float, text: str) -> None:
         self.notes.append(text)
@@ -232,7 +256,8 @@ class ServicesDemo:
 
     def _faults(self, t0: float, envs: dict[str, dict[str, str]], proxy: TcpProxy) -> None:
         """The fault schedule, at shares of ``duration``: kill a relay of A (0.2), cut the
-        broker (0.35), kill a relay of B (0.5), pause another relay of B for three leases (0.65)."""
+        broker (0.35), kill B's intake holder (0.5), pause the next holder for three leases
+        (0.65), re-send A's first :data:`RESENT` messages with new ids (0.85)."""
         def at(share: float) -> None:
             time.sleep(max(0.0, t0 + share * self.duration - time.monotonic()))
 
@@ -267,6 +292,10 @@ class ServicesDemo:
         paused.proc.send_signal(signal.SIGCONT)
         paused.stopped = False
         self._fault(t0, f"SIGCONT {paused.name}")
+        at(0.85)
+        self.resent = self.stream.resend(RESENT)
+        self._fault(t0, f"service A's sender re-sends its first {self.resent} messages with new Nats-Msg-Ids (a re-send "
+                        "after a crash, past the stream's duplicate window): new messages to the stream, B must drop them")
 
     def _holder(self) -> _Relay | None:
         """The live relay of B that took the intake in last (it logs "takes it in now"), or None."""
@@ -293,9 +322,11 @@ class ServicesDemo:
                 open_b = conn.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status <> 'done'")).scalar_one()
             with engine_a.connect() as conn:
                 open_a = conn.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status <> 'done'")).scalar_one()
+            unread = self.stream.unfinished(DURABLE)
             print(f"[{time.monotonic() - t0:6.1f}s] A committed {len(committed)} orders, jobs open {open_a} | "
-                  f"B booked {booked}, jobs open {open_b}", flush=True)
-            if booked >= len(committed) and not open_a and not open_b:
+                  f"stream messages not yet acknowledged by B {unread} | B booked {booked}, jobs open {open_b}",
+                  flush=True)
+            if booked >= len(committed) and not open_a and not open_b and not unread:
                 return True
             time.sleep(1.0)
         return False
@@ -319,7 +350,8 @@ class ServicesDemo:
         out_of_order = [c for c, ids in by_customer.items() if ids != sorted(ids)]
         twice = {o: n for o, n in runs.items() if n != 1}
         return [
-            ("drained", drained, "every job of both services done, every committed order booked"
+            ("drained", drained, "every job of both services done, every committed order booked, every stream "
+             "message (the re-sent ones too) acknowledged by B"
              if drained else f"not within {self.drain_timeout:g}s"),
             ("B booked exactly A's committed orders", set(booked) == committed,
              f"{len(booked)} booked, {len(committed)} committed, missing {sorted(committed - set(booked))[:10]}, "
@@ -327,7 +359,8 @@ class ServicesDemo:
             ("no rolled-back order reached B", not (set(booked) & rolled), f"{len(rolled)} rolled back"),
             ("each booking committed once", not twice and len(runs) == len(booked),
              f"{len(runs)} bookings; committed more than once: {dict(list(twice.items())[:10])}"),
-            ("each booking names A's event of its order", all(a_events.get(o) == e for o, e in booked.items()), ""),
+            ("each booking names A's event of its order", all(a_events.get(o) == e for o, e in booked.items()),
+             f"{len(booked)} bookings, each with its Outbox-Event-Id"),
             ("every customer's orders booked in A's commit order", not out_of_order,
              f"{len(by_customer)} customers" + (f"; out of order: {out_of_order[:5]}" if out_of_order else "")),
             ("B took each message in once", taken[0] == taken[1] == len(booked),
@@ -336,6 +369,14 @@ class ServicesDemo:
              f"A {a_jobs}, B {b_jobs}"),
             ("relays exited 0 on SIGTERM", all(code == 0 for code in exits.values()), str(exits)),
         ]
+
+
+def _redelivered(stream: DemoStream) -> int | str:
+    """How many messages B's durable consumer delivered more than once (informative)."""
+    try:
+        return stream.redelivered(DURABLE)
+    except Exception as exc:  # noqa: BLE001 - informative only
+        return f"(unknown: {exc})"
 
 
 class _Orders(threading.Thread):

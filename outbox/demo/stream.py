@@ -107,6 +107,39 @@ class DemoStream:
 
         return self._call(read)
 
+    def resend(self, count: int) -> int:
+        """Publish the stream's first ``count`` messages again, bodies and headers as stored
+        but each with a new ``Nats-Msg-Id``, as a sender re-sending after a crash past the
+        duplicate window does: the stream stores them as new messages. Returns how many."""
+        async def again(js: Any) -> int:
+            info = await js.stream_info(self.name)
+            last = min(info.state.last_seq, info.state.first_seq + count - 1)
+            sent = 0
+            for seq in range(info.state.first_seq, last + 1):
+                raw = await js.get_msg(self.name, seq)
+                headers = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-")}
+                await js.publish(raw.subject, raw.data or b"", headers={**headers, "Nats-Msg-Id": uuid.uuid4().hex})
+                sent += 1
+            return sent
+
+        return self._call(again)
+
+    def unfinished(self, durable: str) -> int:
+        """Messages the durable consumer ``durable`` has not delivered yet or not seen
+        acknowledged (0: everything in the stream was taken and acknowledged)."""
+        async def read(js: Any) -> int:
+            info = await js.consumer_info(self.name, durable)
+            return int(info.num_pending) + int(info.num_ack_pending)
+
+        return self._call(read)
+
+    def redelivered(self, durable: str) -> int:
+        """How many messages the stream's durable consumer ``durable`` delivered more than once."""
+        async def read(js: Any) -> int:
+            return int((await js.consumer_info(self.name, durable)).num_redelivered)
+
+        return self._call(read)
+
     def delete(self) -> None:
         """Delete the stream (nothing happens when it is gone already)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from outbox.errors import ConfigurationError
 from outbox.intake import Received, Source, SourceUnavailableError, finite
 from outbox.redaction import redact
 from outbox.sinks.jetstream import STREAM_NAME, parse_servers
+
+log = logging.getLogger(__name__)
 
 
 class JetStreamSource(Source):
@@ -146,6 +149,8 @@ class JetStreamSource(Source):
             raise SourceUnavailableError(f"consumer info of {self.durable!r} failed ({type(exc).__name__}: {exc})") \
                 from None
         if pending:
+            log.info("JetStream durable %r holds %d deliveries nobody acknowledged: waiting ack_wait (%g s) for them "
+                     "to come back ahead of newer messages", self.durable, pending, self.ack_wait)
             await asyncio.sleep(self.ack_wait)
 
     async def ack(self, received: Sequence[Received]) -> None:

@@ -169,5 +169,6 @@ def test_the_two_service_demo_has_one_effect_per_committed_order_under_faults(se
     out = done.stdout
     assert "all 9 invariants hold" in out, _output(done)
     assert "(the intake's holder)" in out and ", the intake's holder," in out and "broker cut" in out, _output(done)
+    assert "B was handed copies: 20 messages re-sent by A's sender" in out, _output(done)
     booked = re.search(r"B booked exactly A's committed orders: (\d+) booked, (\d+) committed", out)
     assert booked is not None and booked.group(1) == booked.group(2) and int(booked.group(1)) > 150, _output(done)
