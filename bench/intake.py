@@ -52,26 +52,13 @@ def _message(i: int) -> tuple[bytes, dict[str, str]]:
              "Outbox-Event-Id": str(i)})
 
 
-class JetStreamInput:
-    kind = "jetstream"
-    missing = staticmethod(JetStreamBroker.missing)
+class JetStreamInput(JetStreamBroker):
+    """A stream of the bench's own (made and deleted as the forwarding scenario's), filled
+    with messages as a sender would, taken in by a relay or consumed raw."""
 
     def __init__(self) -> None:
-        self.name = "bin" + uuid.uuid4().hex[:10]
+        super().__init__()
         self.durable = "d" + uuid.uuid4().hex[:8]
-
-    async def _js(self) -> tuple[Any, Any]:
-        import nats
-
-        nc = await nats.connect(NATS_URL)
-        return nc, nc.jetstream()
-
-    async def create(self) -> None:
-        nc, js = await self._js()
-        try:
-            await js.add_stream(name=self.name, subjects=[f"{self.name}.>"], duplicate_window=120.0)
-        finally:
-            await nc.close()
 
     async def fill(self, n: int) -> None:
         nc, js = await self._js()
@@ -104,28 +91,9 @@ class JetStreamInput:
         return {"BENCH_INTAKE": "jetstream", "BENCH_INTAKE_URL": NATS_URL, "BENCH_INTAKE_STREAM": self.name,
                 "BENCH_INTAKE_DURABLE": self.durable}
 
-    async def delete(self) -> None:
-        nc, js = await self._js()
-        try:
-            await js.delete_stream(self.name)
-        except Exception as exc:  # noqa: BLE001 - a leftover stream must not lose the results
-            log(f"could not delete stream {self.name}: {exc}")
-        finally:
-            await nc.close()
 
-
-class RabbitMQInput:
-    kind = "rabbitmq"
-    missing = staticmethod(RabbitMQBroker.missing)
-
-    def __init__(self) -> None:
-        self.name = "bin" + uuid.uuid4().hex[:10]
-
-    async def _channel(self, confirms: bool = False) -> tuple[Any, Any]:
-        import aio_pika
-
-        conn = await aio_pika.connect(AMQP_URL)
-        return conn, await conn.channel(publisher_confirms=confirms)
+class RabbitMQInput(RabbitMQBroker):
+    """A durable queue of the bench's own (no exchange: filled through the default one)."""
 
     async def create(self) -> None:
         conn, ch = await self._channel()
