@@ -86,6 +86,7 @@ class Subscriber:
     timeout: float | None = None
     sink: Sink | None = None
     payload_type: type[BaseModel] | None = None
+    coalesce: bool = False
 
 
 def forwarded_by_sink(job: Job) -> None:
@@ -107,6 +108,10 @@ class Outbox:
         self._subscribers: dict[str, Subscriber] = {}
         self._schedules: dict[str, Schedule] = {}
         self._intakes: dict[str, Intake] = {}
+        #: failure hooks by consumer, then by kind ("dead", "retry")
+        self._hooks: dict[str, dict[str, list[Callable[..., Any]]]] = {}
+        #: consumers listed by a fan-in, by topic
+        self._fanned_in: dict[str, set[str]] = {}
 
     @overload
     def subscriber(
@@ -351,6 +356,16 @@ class Outbox:
 
     def __getitem__(self, consumer: str) -> Subscriber:
         return self._subscribers[consumer]
+
+    def hooks_of(self, consumer: str) -> tuple[str, ...]:
+        """The kinds of failure hook (``"dead"``, ``"retry"``) declared for ``consumer``, sorted;
+        empty when none."""
+        return tuple(sorted(kind for kind, calls in self._hooks.get(consumer, {}).items() if calls))
+
+    def fanned_in(self, topic: str, consumer: str) -> bool:
+        """Whether a fan-in of ``topic`` lists ``consumer``: its jobs' completions then look
+        for a fan-in to fire."""
+        return consumer in self._fanned_in.get(topic, ())
 
     @property
     def consumers(self) -> list[str]:

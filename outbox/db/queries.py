@@ -71,7 +71,7 @@ event_route_many: TextClause = text(
                     ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + b.priority)) AS smallint) END
                    AS priority,
                s.max_attempts, coalesce(b.run_at, now()) AS run_at,
-               CASE WHEN s.ordered THEN b.key END AS ordering_key
+               CASE WHEN s.ordered THEN b.key END AS ordering_key, s.fan_in
         FROM batch b
         JOIN outbox_subscriptions s ON s.topic = b.topic
     ), unfinished AS (
@@ -97,8 +97,8 @@ event_route_many: TextClause = text(
         FROM unfinished u
         WHERE u.place = 2 OR (u.place = 1 AND u.id IN (SELECT id FROM heads))
     ), inserted AS (
-        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, status)
-        SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at, w.ordering_key,
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, fan_in, status)
+        SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at, w.ordering_key, w.fan_in,
                CASE WHEN w.ordering_key IS NULL THEN 'ready'
                     WHEN EXISTS (SELECT 1 FROM busy b
                                  WHERE b.consumer = w.consumer AND b.ordering_key = w.ordering_key) THEN 'pending'
@@ -359,11 +359,17 @@ at its ``max_backlog``."""
 subscription_upsert_many: TextClause = text(
     """
     INSERT INTO outbox_subscriptions AS s
-        (topic, consumer, max_attempts, lease_seconds, priority, transactional, ordered, on_dead)
-    SELECT * FROM unnest(
+        (topic, consumer, max_attempts, lease_seconds, priority, transactional, ordered, on_dead, coalescing, fan_in,
+         hooks)
+    SELECT u.topic, u.consumer, u.max_attempts, u.lease_seconds, u.priority, u.transactional, u.ordered, u.on_dead,
+           u.coalescing, u.fan_in, string_to_array(u.hooks, ',')
+    FROM unnest(
         CAST(:topics AS text[]), CAST(:consumers AS text[]), CAST(:max_attempts AS int[]),
         CAST(:leases AS float8[]), CAST(:priorities AS smallint[]), CAST(:transactional AS bool[]),
-        CAST(:ordered AS bool[]), CAST(:on_dead AS text[]))
+        CAST(:ordered AS bool[]), CAST(:on_dead AS text[]), CAST(:coalesce AS bool[]), CAST(:fan_in AS bool[]),
+        CAST(:hooks AS text[]))
+        AS u(topic, consumer, max_attempts, lease_seconds, priority, transactional, ordered, on_dead, coalescing,
+             fan_in, hooks)
     ON CONFLICT (topic, consumer) DO UPDATE
     SET max_attempts = EXCLUDED.max_attempts,
         lease_seconds = EXCLUDED.lease_seconds,
@@ -371,19 +377,24 @@ subscription_upsert_many: TextClause = text(
         transactional = EXCLUDED.transactional,
         ordered = EXCLUDED.ordered,
         on_dead = EXCLUDED.on_dead,
+        coalescing = EXCLUDED.coalescing,
+        fan_in = EXCLUDED.fan_in,
+        hooks = EXCLUDED.hooks,
         updated_at = now()
-    WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional, s.ordered, s.on_dead)
+    WHERE (s.max_attempts, s.lease_seconds, s.priority, s.transactional, s.ordered, s.on_dead, s.coalescing, s.fan_in,
+           s.hooks)
           IS DISTINCT FROM
           (EXCLUDED.max_attempts, EXCLUDED.lease_seconds, EXCLUDED.priority, EXCLUDED.transactional,
-           EXCLUDED.ordered, EXCLUDED.on_dead)
+           EXCLUDED.ordered, EXCLUDED.on_dead, EXCLUDED.coalescing, EXCLUDED.fan_in, EXCLUDED.hooks)
     RETURNING s.topic, s.consumer, s.max_attempts, s.lease_seconds, s.priority, s.transactional,
-              s.ordered, s.on_dead, (s.xmax <> 0) AS updated
+              s.ordered, s.on_dead, s.coalescing, s.fan_in, s.hooks, (s.xmax <> 0) AS updated
     """
 )
 """Write the registry's (topic, consumer) pairs and their options; unchanged rows are left
-alone. Other relays' subscriptions are never removed. Returns the rows inserted or
-changed; ``updated`` is true for an existing subscription whose options changed (a
-non-zero ``xmax`` marks the ON CONFLICT update)."""
+alone. Other relays' subscriptions are never removed. ``:hooks[i]`` is the comma-separated
+list of failure hooks consumer ``:consumers[i]`` declares (``''``: none). Returns the rows
+inserted or changed; ``updated`` is true for an existing subscription whose options changed
+(a non-zero ``xmax`` marks the ON CONFLICT update)."""
 
 consumer_upsert_many: TextClause = text(
     """

@@ -117,6 +117,11 @@ subscriptions = Table(
     Column("ordered", Boolean, nullable=False, server_default=text("false")),
     Column("on_dead", Text, nullable=False, server_default=text("'block'")),
     PrimaryKeyConstraint("topic", "consumer"),
+    # Migration 0013: coalescing (only the newest ready job of a key runs), fan_in (listed by a
+    # fan-in of this topic), hooks (the failure hooks declared: 'dead', 'retry').
+    Column("coalescing", Boolean, nullable=False, server_default=text("false")),
+    Column("fan_in", Boolean, nullable=False, server_default=text("false")),
+    Column("hooks", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
     CheckConstraint("on_dead IN ('block', 'skip')", name="on_dead_known"),
     CheckConstraint("max_attempts >= 1", name="max_attempts_positive"),
     CheckConstraint("lease_seconds > 0", name="lease_positive"),
@@ -149,9 +154,17 @@ jobs = Table(
     # Migration 0006: set by ``outbox-relay cancel`` on a running job; the heartbeat tells the
     # handler (``job.cancel_requested``) and the attempt's outcome records ``cancelled``.
     Column("cancel_requested", Boolean, nullable=False, server_default=text("false")),
+    # Migration 0013 (issue 32). started_at: when the current or last attempt began (the
+    # claim sets it); history: the earlier attempts that did not end done, a JSON array of
+    # {attempt, started_at, ended_at, relay, outcome, error}, appended by the statement that
+    # ends each; fan_in: the consumer is listed by a fan-in of the event's topic.
+    Column("started_at", DateTime(timezone=True), nullable=True),
+    Column("history", JSONB, nullable=True),
+    Column("fan_in", Boolean, nullable=False, server_default=text("false")),
     PrimaryKeyConstraint("id"),
     UniqueConstraint("event_id", "consumer"),
-    CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled')", name="status_known"),
+    CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled', 'superseded')",
+                    name="status_known"),
     CheckConstraint("attempts >= 0 AND attempts <= max_attempts", name="attempts_in_range"),
     CheckConstraint("status <> 'running' OR lease_until IS NOT NULL", name="running_has_lease"),
     # Claiming reads only ready rows, in claim order; done rows never enter this index.
@@ -163,6 +176,8 @@ jobs = Table(
     Index("ix_outbox_jobs_dead", "consumer", "id", postgresql_where=text("status = 'dead'")),
     # Cancelled jobs by age (migration 0006): pruned like done ones, counted by ``status``.
     Index("ix_outbox_jobs_cancelled", "finished_at", postgresql_where=text("status = 'cancelled'")),
+    # Superseded jobs by age (migration 0013): pruned like done ones.
+    Index("ix_outbox_jobs_superseded", "finished_at", postgresql_where=text("status = 'superseded'")),
     # The unfinished jobs of each (ordered consumer, key) in event order: the key's head,
     # the jobs waiting behind it, and a dead job blocking it. Done rows never enter it.
     Index("ix_outbox_jobs_ordering", "consumer", "ordering_key", "event_id",
@@ -262,6 +277,57 @@ intake = Table(
     # The pruner reads taken-in rows by age; rejected ones are listed by source.
     Index("ix_outbox_intake_taken_at", "taken_at", postgresql_where=text("problem IS NULL")),
     Index("ix_outbox_intake_rejected", "source", "taken_at", postgresql_where=text("problem IS NOT NULL")),
+)
+
+#: Failure-hook calls due (migration 0013, :mod:`outbox.relay.hooks`): one row per job that went
+#: ``dead`` (or back to ``ready`` after a failure: ``retry``) whose consumer declares such a
+#: hook. A relay running that consumer's hooks takes a due row (``due_at``), calls the hook and
+#: deletes the row; a failed call is retried later (``calls``, ``last_error``) a bounded number
+#: of times, so a hook runs at least once and never for ever.
+hook_calls = Table(
+    "outbox_hook_calls",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), nullable=False),
+    Column("job_id", BigInteger, nullable=False),
+    Column("consumer", Text, nullable=False),
+    Column("hook", Text, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("error", Text, nullable=True),
+    Column("calls", Integer, nullable=False, server_default=text("0")),
+    Column("due_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("id"),
+    CheckConstraint("hook IN ('dead', 'retry')", name="hook_known"),
+)
+
+#: The declared fan-ins (migration 0013): when every consumer in ``consumers`` has finished
+#: (done) its job of an event on ``topic``, an event on ``follow_topic`` is published once.
+#: Written by the relays from their registry.
+fanins = Table(
+    "outbox_fanins",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("topic", Text, nullable=False),
+    Column("consumers", ARRAY(Text), nullable=False),
+    Column("follow_topic", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("name"),
+)
+
+#: Which fan-in fired for which event (migration 0013), written in the transaction of the
+#: completion that finished the last listed job, with the follow-up event it published: its
+#: primary key makes the follow-up once per (event, fan-in). Pruned with the events (by
+#: ``event_id``, the key's first column).
+fanin_fired = Table(
+    "outbox_fanin_fired",
+    metadata,
+    Column("name", Text, nullable=False),
+    Column("event_id", BigInteger, nullable=False),
+    Column("follow_event_id", BigInteger, nullable=True),
+    Column("fired_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("event_id", "name"),
 )
 
 #: NOTIFY channels. A statement-level trigger on each table sends one notification per

@@ -105,6 +105,9 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
             "transactional": [s.transactional for _, s in pairs],
             "ordered": [s.ordered for _, s in pairs],
             "on_dead": [s.on_dead for _, s in pairs],
+            "coalesce": [s.coalesce for _, s in pairs],
+            "fan_in": [registry.fanned_in(topic, s.consumer) for topic, s in pairs],
+            "hooks": [",".join(registry.hooks_of(s.consumer)) for _, s in pairs],
         }).all()
         flow = conn.execute(queries.in_schema(settings.schema_name).consumer_upsert_many, {
             "consumers": [s.consumer for s in subs],
@@ -120,9 +123,10 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
     for row in changed:
         if row.updated:
             log.warning("subscription %s on %s now has this registry's options (max_attempts=%s, lease=%gs, "
-                        "priority=%s, transactional=%s, ordered=%s, on_dead=%s); another registry declaring it "
-                        "differently would be overwritten the same way", row.consumer, row.topic, row.max_attempts,
-                        row.lease_seconds, row.priority, row.transactional, row.ordered, row.on_dead)
+                        "priority=%s, transactional=%s, ordered=%s, on_dead=%s, coalescing=%s, fan_in=%s, hooks=%s); another "
+                        "registry declaring it differently would be overwritten the same way", row.consumer, row.topic,
+                        row.max_attempts, row.lease_seconds, row.priority, row.transactional, row.ordered, row.on_dead,
+                        row.coalescing, row.fan_in, row.hooks)
     for row in flow:
         if row.updated:
             log.warning("consumer %s now has this registry's flow control (concurrency=%s, rate_limit=%s/s)",
