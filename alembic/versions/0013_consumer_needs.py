@@ -14,6 +14,9 @@ functions that use them come with the migrations after this one.
   itself (``started_at``, ``finished_at``, ``locked_by``).
 * ``superseded``: a terminal status. A coalescing consumer's ready job ends so when a newer
   event of its key is routed to that consumer; pruned like done (``ix_outbox_jobs_superseded``).
+* ``outbox_jobs.coalesce_key``: the event's key on the jobs of a coalescing consumer, and
+  ``ix_outbox_jobs_coalesce``: their waiting (ready, pending) jobs by (consumer, key), which
+  the router supersedes when it routes a newer event of the key.
 * ``outbox_jobs.fan_in``: the job's consumer is listed by a fan-in of its topic (copied from
   ``outbox_subscriptions.fan_in`` when routed), so only such jobs' completions look for one.
 * ``outbox_subscriptions.coalescing`` / ``fan_in`` / ``hooks`` (the failure hooks the consumer
@@ -30,7 +33,7 @@ held until the upgrade commits. The new
 CHECK admits every status the old one did, so existing rows need no check: it is validated
 here only when ``outbox_jobs`` is empty; otherwise ``ALTER TABLE outbox_jobs VALIDATE
 CONSTRAINT ck_outbox_jobs_status_known`` in a transaction of its own validates it later
-without blocking writes. The new partial index starts empty but reads the table once.
+without blocking writes. The new partial indexes start empty but each reads the table once.
 """
 import sqlalchemy as sa
 from alembic import op
@@ -69,12 +72,14 @@ def upgrade() -> None:
     _lock_tables()
     op.execute(
         "ALTER TABLE outbox_jobs ADD COLUMN started_at timestamptz, ADD COLUMN history jsonb,"
-        " ADD COLUMN fan_in boolean NOT NULL DEFAULT false,"
+        " ADD COLUMN fan_in boolean NOT NULL DEFAULT false, ADD COLUMN coalesce_key text,"
         f" DROP CONSTRAINT {CHECK}, ADD CONSTRAINT {CHECK} CHECK ({_STATUSES}) NOT VALID")
     if not op.get_bind().execute(sa.text("SELECT EXISTS (SELECT 1 FROM outbox_jobs)")).scalar_one():
         op.execute(f"ALTER TABLE outbox_jobs VALIDATE CONSTRAINT {CHECK}")
     op.create_index('ix_outbox_jobs_superseded', 'outbox_jobs', ['finished_at'],
                     postgresql_where=sa.text("status = 'superseded'"))
+    op.create_index('ix_outbox_jobs_coalesce', 'outbox_jobs', ['consumer', 'coalesce_key', 'event_id'],
+                    postgresql_where=sa.text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending')"))
     op.execute(
         "ALTER TABLE outbox_subscriptions ADD COLUMN coalescing boolean NOT NULL DEFAULT false,"
         " ADD COLUMN fan_in boolean NOT NULL DEFAULT false, ADD COLUMN hooks text[] NOT NULL DEFAULT '{}'::text[]")
@@ -122,7 +127,8 @@ def downgrade() -> None:
     op.drop_table('outbox_fanins')
     op.drop_table('outbox_hook_calls')
     op.execute("ALTER TABLE outbox_subscriptions DROP COLUMN hooks, DROP COLUMN fan_in, DROP COLUMN coalescing")
+    op.drop_index('ix_outbox_jobs_coalesce', table_name='outbox_jobs')
     op.drop_index('ix_outbox_jobs_superseded', table_name='outbox_jobs')
     op.execute(
         f"ALTER TABLE outbox_jobs DROP CONSTRAINT {CHECK}, ADD CONSTRAINT {CHECK} CHECK ({_STATUSES_BEFORE}),"
-        " DROP COLUMN fan_in, DROP COLUMN history, DROP COLUMN started_at")
+        " DROP COLUMN coalesce_key, DROP COLUMN fan_in, DROP COLUMN history, DROP COLUMN started_at")

@@ -161,6 +161,8 @@ jobs = Table(
     Column("started_at", DateTime(timezone=True), nullable=True),
     Column("history", JSONB, nullable=True),
     Column("fan_in", Boolean, nullable=False, server_default=text("false")),
+    # coalesce_key: the event's key, on the jobs of a coalescing consumer (NULL otherwise).
+    Column("coalesce_key", Text, nullable=True),
     PrimaryKeyConstraint("id"),
     UniqueConstraint("event_id", "consumer"),
     CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled', 'superseded')",
@@ -178,6 +180,9 @@ jobs = Table(
     Index("ix_outbox_jobs_cancelled", "finished_at", postgresql_where=text("status = 'cancelled'")),
     # Superseded jobs by age (migration 0013): pruned like done ones.
     Index("ix_outbox_jobs_superseded", "finished_at", postgresql_where=text("status = 'superseded'")),
+    # The waiting jobs of each (coalescing consumer, key), which a newer event of the key supersedes.
+    Index("ix_outbox_jobs_coalesce", "consumer", "coalesce_key", "event_id",
+          postgresql_where=text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending')")),
     # The unfinished jobs of each (ordered consumer, key) in event order: the key's head,
     # the jobs waiting behind it, and a dead job blocking it. Done rows never enter it.
     Index("ix_outbox_jobs_ordering", "consumer", "ordering_key", "event_id",

@@ -31,10 +31,10 @@ VERSION_TABLE = "outbox_alembic_version"
 
 #: What migrations 0012 and 0013 add, which a database at an earlier revision lacks.
 LATER_TABLES = {"outbox_intake", "outbox_hook_calls", "outbox_fanins", "outbox_fanin_fired"}
-LATER_COLUMNS = {("outbox_jobs", "started_at"), ("outbox_jobs", "history"), ("outbox_jobs", "fan_in"),
+LATER_COLUMNS = {("outbox_jobs", "started_at"), ("outbox_jobs", "history"), ("outbox_jobs", "fan_in"), ("outbox_jobs", "coalesce_key"),
                  ("outbox_subscriptions", "coalescing"), ("outbox_subscriptions", "fan_in"),
                  ("outbox_subscriptions", "hooks")}
-LATER_INDEXES = {"ix_outbox_jobs_superseded"}
+LATER_INDEXES = {"ix_outbox_jobs_superseded", "ix_outbox_jobs_coalesce"}
 
 
 def drift_before_intake(engine: sa.Engine) -> list[object]:
@@ -70,6 +70,8 @@ PARTIAL_INDEXES = {
     "ix_outbox_jobs_dead": "ON public.outbox_jobs USING btree (consumer, id) WHERE (status = 'dead'::text)",
     "ix_outbox_jobs_cancelled": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'cancelled'::text)",
     "ix_outbox_jobs_superseded": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'superseded'::text)",
+    "ix_outbox_jobs_coalesce": "ON public.outbox_jobs USING btree (consumer, coalesce_key, event_id)"
+                               " WHERE ((coalesce_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'pending'::text])))",
     "ix_outbox_jobs_ordering": "ON public.outbox_jobs USING btree (consumer, ordering_key, event_id)"
                                " WHERE ((ordering_key IS NOT NULL) AND (status <> 'done'::text))",
     "ix_outbox_events_unrouted_key": "ON public.outbox_events USING btree (key, id)"
