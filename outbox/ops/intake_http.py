@@ -114,10 +114,8 @@ def serve(registry: Outbox, settings: OutboxSettings, *, host: str = "127.0.0.1"
     """Serve ``registry``'s webhook intakes on ``host``:``port`` until interrupted; returns
     0 after a clean stop. Raises :class:`ConfigurationError` when no database is configured,
     the registry declares no webhook intake, or the address cannot be bound."""
-    import uvicorn  # noqa: PLC0415
-
     from outbox.db.engine import make_engine, redact  # noqa: PLC0415
-    from outbox.ops.dashboard import listen  # noqa: PLC0415
+    from outbox.ops.dashboard import listen, serve_app  # noqa: PLC0415
     from outbox.ops.dashboard.auth import bind_address  # noqa: PLC0415
 
     url = settings.url()
@@ -130,12 +128,8 @@ def serve(registry: Outbox, settings: OutboxSettings, *, host: str = "127.0.0.1"
     log.info("intake-http on http://%s:%d for %s, schema %s: %s", f"[{address}]" if ":" in address else address,
              port, redact(url), settings.schema_name,
              ", ".join(f"POST /webhooks/{name}" for name in webhook_intakes(registry)))
-    server = uvicorn.Server(uvicorn.Config(app, host=address, port=port, log_config=None, server_header=False))
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
+        serve_app(app, sock, address, port)
     finally:
-        sock.close()
         engine.dispose()
     return 0

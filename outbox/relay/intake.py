@@ -143,6 +143,16 @@ class IntakeLoop:
     async def _main(self) -> None:
         await asyncio.gather(*(self._run(intake) for intake in self.intakes))
 
+    @staticmethod
+    async def _stand_by(intake: Intake, lock: IntakeLock | None, keeper: asyncio.Task[None] | None) -> None:
+        """This relay lost an ordered intake's lock (its session ended): stop pinging it and
+        let the session go; the caller then stands by, holding no lock."""
+        log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by", intake.name)
+        if keeper is not None:
+            keeper.cancel()
+        if lock is not None:
+            await asyncio.to_thread(lock.release)
+
     async def _run(self, intake: Intake) -> None:
         source = copy.copy(intake.source)  # a connection of this loop's own (relays in one process share the registry)
         connected = False
@@ -201,11 +211,7 @@ class IntakeLoop:
                         await self._sleep(BACKLOG_CHECK)
                         continue
                 if lock is not None and not await asyncio.to_thread(self._still_held, intake, lock):
-                    log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by",
-                                intake.name)
-                    if keeper is not None:
-                        keeper.cancel()
-                    await asyncio.to_thread(lock.release)
+                    await self._stand_by(intake, lock, keeper)
                     lock = None
                     continue
                 try:
@@ -220,12 +226,7 @@ class IntakeLoop:
                 if taken is None:  # stopped before the batch committed: the broker delivers it again
                     return
                 if isinstance(taken, _Lost):  # nothing committed; the batch comes again
-                    log.warning("intake %s: this relay lost the intake's lock (its session ended); standing by",
-                                intake.name)
-                    if keeper is not None:
-                        keeper.cancel()
-                    if lock is not None:
-                        await asyncio.to_thread(lock.release)
+                    await self._stand_by(intake, lock, keeper)
                     lock = None
                     continue
                 self._count(intake, batch, taken)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from typing import Any
 
 from outbox.errors import ConfigurationError
 from outbox.ops.dashboard.accesslog import redact_access_log
@@ -81,8 +82,6 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
     the allowed hosts (:class:`~outbox.ops.dashboard.origin.HostPolicy`) first, so nothing
     listens when it refuses. A database that is down at start or later makes
     pages answer 503; the server stays up and recovers with the database."""
-    import uvicorn
-
     from outbox.db.engine import make_engine, redact
 
     auth = DashboardAuth.from_settings(settings)
@@ -99,6 +98,21 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
     log.info("dashboard on http://%s:%d for %s, schema %s%s; auth: %s", shown, port, redact(url),
              settings.schema_name, " (read-only)" if read_only else "", auth.describe() if auth else "none (loopback)")
     redact_access_log()
+    try:
+        started = serve_app(app, sock, address, port)
+    finally:
+        engine.dispose()
+    if not started:
+        raise ConfigurationError(f"dashboard: the server on {host} port {port} did not start (its log says why)")
+    return 0
+
+
+def serve_app(app: Any, sock: socket.socket, address: str, port: int) -> bool:
+    """Serve the ASGI ``app`` with uvicorn on the bound ``sock`` (``address``, ``port``: what
+    uvicorn reports) until interrupted (Ctrl-C ends it cleanly), then close ``sock``. Returns
+    whether the server started. Outbox's HTTP commands (the dashboard, ``intake-http``) share it."""
+    import uvicorn
+
     server = uvicorn.Server(uvicorn.Config(app, host=address, port=port, log_config=None, server_header=False))
     try:
         server.run(sockets=[sock])
@@ -106,7 +120,4 @@ def serve(settings: OutboxSettings, *, host: str = "127.0.0.1", port: int = 8000
         pass
     finally:
         sock.close()
-        engine.dispose()
-    if not server.started:
-        raise ConfigurationError(f"dashboard: the server on {host} port {port} did not start (its log says why)")
-    return 0
+    return bool(server.started)
