@@ -69,6 +69,7 @@ from outbox.errors import (
     UndeliverableError,
 )
 from outbox.fencing import fenced_write
+from outbox.hooks import JobFailure
 from outbox.intake import Received, body_hash
 from outbox.intake.jetstream import JetStreamSource
 from outbox.intake.kafka import KafkaSource
@@ -78,6 +79,7 @@ from outbox.job import Job
 from outbox.publish import publish, publish_many
 from outbox.registry import Outbox, Subscriber
 from outbox.resources import docs_dir
+from outbox.retry import Backoff
 from outbox.settings import OutboxSettings
 from outbox.sinks import Sink
 from outbox.sinks.jetstream import JetStream
@@ -85,6 +87,7 @@ from outbox.sinks.kafka import Kafka
 from outbox.sinks.rabbitmq import RabbitMQ
 
 __all__ = [
+    "Backoff",
     "ConfigurationError",
     "DatabaseStatementError",
     "DatabaseUnavailableError",
@@ -95,6 +98,7 @@ __all__ = [
     "JetStream",
     "JetStreamSource",
     "Job",
+    "JobFailure",
     "Kafka",
     "KafkaSource",
     "LeaseLostError",

@@ -3,9 +3,10 @@
 ``cancel``, ``retry``, ``replay``, ``purge``, ``prune``, ``subscriptions``, ``unsubscribe``,
 ``pause`` and ``resume`` do, as plain functions returning plain dataclasses (the command
 line parses its arguments and prints them, ``--json`` dumps them, ``outbox-relay dashboard``
-renders them); besides, for the dashboard: a consumer's jobs in keyset pages
-(``jobs_page``: no OFFSET, nothing counted), an event with its job for every consumer
-(``event_trace``, ``events_by_key``) and jobs done per minute (``throughput``).
+renders them); one job with its attempt history (``job_detail``: ``jobs show``); besides, for
+the dashboard: a consumer's jobs in keyset pages (``jobs_page``: no OFFSET, nothing counted),
+an event with its job for every consumer and their attempts (``event_trace``,
+``events_by_key``) and jobs done per minute (``throughput``).
 
 It builds on the db layer only (the statements, their wrappers and the rules the relay
 shares: :mod:`outbox.db.retention`, :mod:`outbox.db.promotion`, :mod:`outbox.db.poison`)
@@ -30,7 +31,8 @@ running ones.
 
 **Cost with millions of rows** (``status``): ready, running, dead, pending and cancelled jobs
 are counted exactly, each through its status's partial index, so the cost follows the
-unfinished jobs, never the done ones. Done jobs are counted exactly only when asked
+unfinished jobs, never the done ones. Done jobs, and superseded ones (a coalescing
+consumer's, as many), are counted exactly only when asked
 (``exact=True``) or when the jobs table holds fewer than :data:`DONE_EXACT_BELOW` rows by
 the planner's estimate; otherwise ``status`` gives the table-wide estimate
 (``pg_class.reltuples`` minus the exact unfinished counts) and no per-consumer figure. Events
@@ -114,10 +116,10 @@ def as_dict(result: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class ConsumerStatus:
-    """One consumer's jobs: counts per status (``done``: None unless counted exactly),
-    ``blocked_keys`` (ordered keys held by a dead job), ``lag_seconds`` (how long its oldest due
-    ready job has waited, database clock; None: none due), ``paused_at`` and whether it still
-    has a subscription."""
+    """One consumer's jobs: counts per status (``done`` and ``superseded``: None unless
+    counted exactly), ``blocked_keys`` (ordered keys held by a dead job), ``lag_seconds`` (how
+    long its oldest due ready job has waited, database clock; None: none due), ``paused_at``
+    and whether it still has a subscription."""
 
     consumer: str
     ready: int
@@ -130,6 +132,7 @@ class ConsumerStatus:
     lag_seconds: float | None
     paused_at: datetime | None
     subscribed: bool
+    superseded: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,13 +169,16 @@ def status(conn: Connection, *, exact: bool = False, schema: str | None = None) 
     table_rows = int(conn.execute(statements.job_table_reltuples).scalar_one() or 0)
     done_exact = exact or table_rows < DONE_EXACT_BELOW
     done: dict[str, int] = {}
+    superseded: dict[str, int] = {}
     if done_exact:
         done = {r.consumer: r.n for r in conn.execute(statements.job_done_count_by_consumer)}
-    consumers = [replace(c, done=done.get(c.consumer, 0)) if done_exact else c
-                 for c in consumer_statuses(conn, schema=schema)]
+        superseded = {r.consumer: r.n for r in conn.execute(statements.job_superseded_count_by_consumer)}
+    consumers = [replace(c, done=done.get(c.consumer, 0), superseded=superseded.get(c.consumer, 0)) if done_exact
+                 else c for c in consumer_statuses(conn, schema=schema)]
     names = {c.consumer for c in consumers}
-    consumers += [ConsumerStatus(c, 0, 0, 0, 0, 0, n, 0, None, None, False)  # only done jobs left
-                  for c, n in sorted(done.items()) if c not in names]
+    consumers += [ConsumerStatus(c, 0, 0, 0, 0, 0, done.get(c, 0), 0, None, None, False,  # only finished jobs left
+                                 superseded.get(c, 0))
+                  for c in sorted(set(done) | set(superseded)) if c not in names]
     unfinished = sum(c.ready + c.running + c.dead + c.pending + c.cancelled for c in consumers)
     unrouted = conn.execute(statements.event_unrouted_stats).one()
     limit = None if exact else UNSUBSCRIBED_SCAN
@@ -484,7 +490,7 @@ def purge(engine: Engine, consumer: str, *, batch: int = CHANGE_BATCH, schema: s
 
 @dataclass(frozen=True, slots=True)
 class PruneResult:
-    """Rows pruned: done and cancelled ``jobs``, finished ``events``, forgotten ``relays``."""
+    """Rows pruned: done, cancelled and superseded ``jobs``, finished ``events``, forgotten ``relays``."""
 
     jobs: int
     events: int
@@ -519,8 +525,8 @@ def redrive(conn: Connection, ids: Sequence[int] | None = None, consumer: str | 
     that are jobs of ``consumer``, in the same statement), or with ``every`` and neither,
     every dead job (``--all``); relays are woken on commit. Returns the ids redriven
     (sorted); jobs that are not dead are left alone; ``last_error`` is kept until the next
-    failure. Raises :class:`AdminError` for neither ``ids`` nor ``consumer`` without
-    ``every``."""
+    failure, and the attempt history is kept (the next attempt is numbered 1 again). Raises
+    :class:`AdminError` for neither ``ids`` nor ``consumer`` without ``every``."""
     target = None if every and not ids and consumer is None else _one_target(ids, consumer, "redrive")
     changed = sorted(conn.execute(queries.in_schema(schema).job_redrive_many,
                                   {"ids": target, "consumer": consumer}).scalars())
@@ -743,7 +749,7 @@ def database_now(conn: Connection, *, schema: str | None = None) -> datetime:
 # ------------------------------------------------------------------ jobs and events
 
 #: What the dashboard pages through, per consumer.
-JOB_STATUSES = ("ready", "running", "pending", "dead", "done", "cancelled")
+JOB_STATUSES = ("ready", "running", "pending", "dead", "done", "cancelled", "superseded")
 #: Most jobs on one page, and the most recent events a look-up by key reads.
 PAGE_LIMIT = 200
 KEY_SCAN = 100_000
@@ -908,11 +914,87 @@ def list_jobs(conn: Connection, *, consumer: str | None = None, statuses: Sequen
     return JobList(jobs, jobs[-1].id if len(rows) > limit else None)
 
 
+# ------------------------------------------------------------------ attempt history
+
+#: How an attempt may end in a job's history, each named by the status it left the job in:
+#: ``failed``, ``timed out``, ``lease expired``, ``snoozed``, ``released`` (back to ready;
+#: a snooze and a release are not counted), ``dead``, ``cancelled``; ``done`` and ``running``
+#: are the row's own current attempt (:func:`history_of`).
+ATTEMPT_OUTCOMES = ("done", "running", "failed", "timed out", "lease expired", "snoozed", "released", "dead",
+                    "cancelled")
+#: Most ended attempts a job's history keeps, the newest (:data:`outbox.db.queries.HISTORY_KEPT`).
+HISTORY_KEPT = queries.HISTORY_KEPT
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One attempt of a job (architecture notes, "Attempt history"): its number
+    (``attempt``, the claim's count: a snoozed or released attempt was not counted, so the next
+    claim runs under the same number, and a redrive starts again from 1); when it began
+    (``started_at``, when the claim took the job, database clock; None for a claim made before
+    migration 0013, or for a ready job dead-lettered because its claim failed, which never
+    started) and ended (``ended_at``; None while it runs); the relay that ran it (``relay``,
+    its worker id ``host:pid:suffix``); how it ended (``outcome``, one of
+    :data:`ATTEMPT_OUTCOMES`) and its error (``error``, as ``last_error`` keeps it: type,
+    message, bounded traceback; None when it did not fail)."""
+
+    attempt: int
+    started_at: datetime | None
+    ended_at: datetime | None
+    relay: str | None
+    outcome: str
+    error: str | None
+
+
+def history_of(row: Any) -> list[Attempt]:
+    """The attempts of a job row (read by column name: ``history``, ``status``, ``attempts``,
+    ``started_at``, ``finished_at``, ``locked_by``), oldest first: the entries ``history``
+    keeps (the newest :data:`outbox.db.queries.HISTORY_KEPT`), then the row's own attempt
+    when it is ``done`` (a done attempt writes no entry: the row is its record) or
+    ``running`` (no end yet)."""
+    attempts = [Attempt(e["attempt"], _moment(e.get("started_at")), _moment(e.get("ended_at")), e.get("relay"),
+                        e["outcome"], e.get("error")) for e in row.history or ()]
+    if row.status in ("done", "running"):
+        attempts.append(Attempt(row.attempts, row.started_at, row.finished_at if row.status == "done" else None,
+                                row.locked_by, row.status, None))
+    return attempts
+
+
+def _moment(text: str | None) -> datetime | None:
+    """A timestamp of a history entry (``to_json`` of a ``timestamptz``: ISO 8601 with offset)."""
+    return None if text is None else datetime.fromisoformat(text)
+
+
+@dataclass(frozen=True, slots=True)
+class JobDetail(ListedJob):
+    """One job (``outbox-relay jobs show``): its row and its event's ``topic`` and ``key`` as
+    :func:`list_jobs` gives them, when its current or last attempt began (``started_at``) and
+    its attempts (``history``, oldest first: :func:`history_of`)."""
+
+    started_at: datetime | None
+    history: list[Attempt]
+
+
+def job_detail(conn: Connection, job_id: int, *, schema: str | None = None) -> JobDetail | None:
+    """Job ``job_id`` with its attempt history (:class:`JobDetail`), one statement by primary
+    key; None when there is no such job (never routed, or pruned: a job's history goes with
+    its row). Raises :class:`AdminError` for an id out of the bigint range."""
+    if not 1 <= job_id <= MAX_ID:
+        raise AdminError(f"jobs show: not a job id: {job_id}")
+    row = conn.execute(queries.in_schema(schema).job_get, {"id": job_id}).one_or_none()
+    if row is None:
+        return None
+    fields = row._asdict()
+    del fields["history"]  # the JSON column: history_of reads it
+    return JobDetail(**fields, history=history_of(row))
+
+
 @dataclass(frozen=True, slots=True)
 class EventTrace:
     """One event and where it went: topic, key, payload, headers, created and routed times
     (``routed_at`` None: not routed yet), publish options (``run_at``, ``priority``,
-    ``dedup_key``); ``jobs``: its job for every consumer it was routed to, by consumer;
+    ``dedup_key``); ``jobs``: its job for every consumer it was routed to, by consumer, each
+    with its attempts (:class:`TracedJob`);
     ``unrouted_consumers``: consumers subscribed to its topic now that have no job of it
     (subscribed after it was routed, their job pruned, or the event not routed yet)."""
 
@@ -926,12 +1008,27 @@ class EventTrace:
     run_at: datetime | None
     priority: int | None
     dedup_key: str | None
-    jobs: list[JobRow]
+    jobs: list[TracedJob]
     unrouted_consumers: list[str]
 
 
+@dataclass(frozen=True, slots=True)
+class TracedJob(JobRow):
+    """A job of :class:`EventTrace`: its row, when its current or last attempt began
+    (``started_at``) and its attempts (``history``, oldest first: :func:`history_of`)."""
+
+    started_at: datetime | None
+    history: list[Attempt]
+
+
+def _traced(row: Any) -> TracedJob:
+    fields = row._asdict()
+    del fields["history"]
+    return TracedJob(**fields, history=history_of(row))
+
+
 def _trace(conn: Connection, statements: Any, row: Any) -> EventTrace:
-    jobs = [JobRow(**r._asdict()) for r in conn.execute(statements.job_list_of_event, {"event_id": row.id})]
+    jobs = [_traced(r) for r in conn.execute(statements.job_list_of_event, {"event_id": row.id})]
     have = {j.consumer for j in jobs}
     subscribed = conn.execute(statements.subscription_consumers_of, {"topic": row.topic}).scalars()
     return EventTrace(**row._asdict(), jobs=jobs, unrouted_consumers=[c for c in subscribed if c not in have])

@@ -20,10 +20,13 @@ from pydantic import BaseModel
 from outbox import typed_events
 from outbox.db.event_rules import DEFAULT_MAX_PAYLOAD_BYTES
 from outbox.errors import ConfigurationError, InvalidEventError
+from outbox.fan_in import FanIn, listing_problem, loop_of, make_fan_in
 from outbox.intake import Intake, Received, Source, TopicRule, declare
 from outbox.job import Job
 from outbox.publish import check_name
+from outbox.retry import Backoff, RetryPolicy, check_policy, policy_of
 from outbox.schedule import Schedule, make_schedule
+from outbox.settings import OutboxSettings
 from outbox.sinks import Sink
 
 _Handler = TypeVar("_Handler", bound=Callable[..., Any])
@@ -38,6 +41,9 @@ RATE_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
 #: Seconds a forwarder waits, by default, for the broker to acknowledge a batch.
 FORWARD_TIMEOUT = 10.0
 
+#: ``retry_on=`` / ``dead_on=``: an exception type or a tuple of them.
+ExceptionTypes = type[BaseException] | tuple[type[BaseException], ...]
+
 #: What a dead job does to its key under ``ordered=True``.
 OnDead = Literal["block", "skip"]
 
@@ -46,6 +52,8 @@ OnDead = Literal["block", "skip"]
 LeaseHandlerT = TypeVar("LeaseHandlerT", bound=Callable[[Job], object])
 #: A transactional handler: ``handler(job, session)``.
 TransactionalHandlerT = TypeVar("TransactionalHandlerT", bound=Callable[[Job, Any], object])
+#: A failure hook: ``hook(failure)`` (:class:`~outbox.JobFailure`), a ``def`` or an ``async def``.
+HookT = TypeVar("HookT", bound=Callable[..., object])
 #: Either, when ``transactional`` is not a literal.
 HandlerT = TypeVar("HandlerT", bound=Callable[..., object])
 
@@ -69,7 +77,11 @@ class Subscriber:
     all relays (None: no limit). ``timeout``: seconds a handler may run before its attempt
     is failed (None: no limit); a forwarder's is how long it waits for the broker's
     acknowledgements of a batch. ``payload_type``: the pydantic model the payload is
-    validated as (``handler`` then decodes it first: :mod:`outbox.typed_events`)."""
+    validated as (``handler`` then decodes it first: :mod:`outbox.typed_events`).
+    ``backoff``, ``retry_on``, ``dead_on``: the retry policy (:mod:`outbox.retry`; None,
+    None, (): the relay's settings, every failure retried). ``coalesce``: of the jobs of one
+    event key, only the newest event's runs; older waiting ones end ``superseded``
+    (architecture notes, "Coalescing")."""
 
     topics: tuple[str, ...]
     consumer: str
@@ -87,6 +99,9 @@ class Subscriber:
     sink: Sink | None = None
     payload_type: type[BaseModel] | None = None
     coalesce: bool = False
+    backoff: Backoff | None = None
+    retry_on: tuple[type[BaseException], ...] | None = None
+    dead_on: tuple[type[BaseException], ...] = ()
 
 
 def forwarded_by_sink(job: Job) -> None:
@@ -110,8 +125,12 @@ class Outbox:
         self._intakes: dict[str, Intake] = {}
         #: failure hooks by consumer, then by kind ("dead", "retry")
         self._hooks: dict[str, dict[str, list[Callable[..., Any]]]] = {}
+        #: failure hooks of every consumer of the registry (declared with consumer=None), by kind
+        self._hooks_everywhere: dict[str, list[Callable[..., Any]]] = {}
         #: consumers listed by a fan-in, by topic
         self._fanned_in: dict[str, set[str]] = {}
+        #: the fan-ins (:meth:`after`), by name
+        self._fan_ins: dict[str, FanIn] = {}
 
     @overload
     def subscriber(
@@ -119,7 +138,8 @@ class Outbox:
         transactional: Literal[False] = ..., priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
-        payload: type[BaseModel] | None = ...,
+        payload: type[BaseModel] | None = ..., backoff: Backoff | None = ...,
+        retry_on: ExceptionTypes | None = ..., dead_on: ExceptionTypes | None = ..., coalesce: bool = ...,
     ) -> Callable[[LeaseHandlerT], LeaseHandlerT]: ...
 
     @overload
@@ -128,7 +148,8 @@ class Outbox:
         transactional: Literal[True], priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
-        payload: type[BaseModel] | None = ...,
+        payload: type[BaseModel] | None = ..., backoff: Backoff | None = ...,
+        retry_on: ExceptionTypes | None = ..., dead_on: ExceptionTypes | None = ..., coalesce: bool = ...,
     ) -> Callable[[TransactionalHandlerT], TransactionalHandlerT]: ...
 
     @overload
@@ -137,7 +158,8 @@ class Outbox:
         transactional: bool, priority: int = ...,
         ordered: bool = ..., on_dead: OnDead = ..., concurrency: int | None = ...,
         rate_limit: str | float | None = ..., timeout: float | None = ...,
-        payload: type[BaseModel] | None = ...,
+        payload: type[BaseModel] | None = ..., backoff: Backoff | None = ...,
+        retry_on: ExceptionTypes | None = ..., dead_on: ExceptionTypes | None = ..., coalesce: bool = ...,
     ) -> Callable[[HandlerT], HandlerT]: ...
 
     def subscriber(
@@ -155,6 +177,10 @@ class Outbox:
         rate_limit: str | float | None = None,
         timeout: float | None = None,
         payload: type[BaseModel] | None = None,
+        backoff: Backoff | None = None,
+        retry_on: ExceptionTypes | None = None,
+        dead_on: ExceptionTypes | None = None,
+        coalesce: bool = False,
     ) -> Callable[[Any], Any]:
         """Decorator declaring ``handler`` as consumer ``consumer`` (default: the
         function's ``module.qualname``) of events on ``topic`` (a topic, or a sequence of
@@ -180,6 +206,22 @@ class Outbox:
         (``job.payload`` is then an instance; one that does not validate is dead at once);
         a first parameter annotated ``Job[Model]`` declares it too (:mod:`outbox.typed_events`).
 
+        Retry policy (:mod:`outbox.retry`): ``backoff``, a :class:`~outbox.Backoff` of this
+        subscriber's retry delays (its fields left None, and no ``backoff``: the relay's
+        settings); ``retry_on``, an exception type or a tuple of them: a failure raising
+        anything else is dead at once; ``dead_on``, the same for failures dead at once
+        (it wins over ``retry_on``). A :class:`~outbox.PermanentError` is dead at once
+        whatever they say; a timeout and an expired lease are retried until
+        ``max_attempts``.
+
+        ``coalesce``: only the newest event of a key runs (architecture notes, "Coalescing"): when an event
+        of a key is routed while an older job of that key waits (ready, or pending behind
+        an ordered key's head), the older job ends ``superseded`` and never runs; a running
+        job is never superseded (should its attempt fail, it ends ``superseded`` rather than
+        run again). Newer means a higher event id: an event routed after a newer one of its
+        key has a waiting or running job is itself superseded at once. Events without a key
+        never coalesce.
+
         Raises :class:`ConfigurationError` naming the option for bad values, a duplicate
         consumer name, or a handler whose signature does not fit its mode. Returns the
         handler unchanged, and type checkers see it so: ``@ob.subscriber(...)`` on
@@ -193,7 +235,8 @@ class Outbox:
             model = typed_events.declared_payload(handler, payload, f"consumer {name!r}")
             if model is not None:
                 sub = dataclasses.replace(sub, handler=typed_events.typed_handler(handler, model), payload_type=model)
-            self._add(_with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout))
+            sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
+            self._add(_with_coalesce(_with_policy(sub, backoff, retry_on, dead_on), coalesce))
             return handler
 
         return register
@@ -212,6 +255,10 @@ class Outbox:
         concurrency: int | None = None,
         rate_limit: str | float | None = None,
         timeout: float = FORWARD_TIMEOUT,
+        backoff: Backoff | None = None,
+        retry_on: ExceptionTypes | None = None,
+        dead_on: ExceptionTypes | None = None,
+        coalesce: bool = False,
     ) -> None:
         """Declare a forwarder: consumer ``consumer`` of ``topic`` (one or a sequence) whose
         jobs are sent to the broker ``to`` (a :class:`~outbox.sinks.Sink`:
@@ -222,7 +269,11 @@ class Outbox:
 
         ``timeout``: seconds (0.01..86400, default 10) the relay waits for the broker's
         acknowledgements of a batch; a message unacknowledged by then is a failed attempt.
-        The other options are :meth:`subscriber`'s.
+        The other options are :meth:`subscriber`'s; a forwarder's failed attempt raises
+        :class:`~outbox.ForwardingError` (refused, or not acknowledged in time), which
+        ``retry_on`` / ``dead_on`` may name, or :class:`~outbox.UndeliverableError` (dead at once).
+        With ``coalesce``, only the newest event of a key is sent (older waiting jobs end
+        ``superseded``).
 
         Raises :class:`ConfigurationError` naming the option for bad values, a sink that is
         not a :class:`~outbox.sinks.Sink`, or a consumer name already declared.
@@ -234,7 +285,7 @@ class Outbox:
             raise ConfigurationError(f"forwarder {consumer!r}: timeout must be seconds in 0.01..86400, got None")
         sub = _validated(topic, consumer, forwarded_by_sink, max_attempts, lease, False, priority)
         sub = _with_flow(sub, ordered, on_dead, concurrency, rate_limit, timeout)
-        self._add(dataclasses.replace(sub, sink=to))
+        self._add(dataclasses.replace(_with_coalesce(_with_policy(sub, backoff, retry_on, dead_on), coalesce), sink=to))
 
     def intake(
         self,
@@ -290,6 +341,10 @@ class Outbox:
     def _add(self, sub: Subscriber) -> None:
         if sub.consumer in self._subscribers:
             raise ConfigurationError(f"consumer {sub.consumer!r} is declared twice; consumer names must be unique")
+        for f in self._fan_ins.values():  # a fan-in declared before the consumer it lists
+            problem = listing_problem(f, sub.consumer, {sub.consumer: sub}) if sub.consumer in f.consumers else None
+            if problem is not None:
+                raise ConfigurationError(f"fan-in {f.name!r} {problem}")
         self._subscribers[sub.consumer] = sub
 
     def periodic(
@@ -330,7 +385,8 @@ class Outbox:
         if schedule.name in self._schedules:
             raise ConfigurationError(f"schedule {schedule.name!r} is declared twice; pass name= to tell them apart")
         unknown = set(subscriber_options) - {"consumer", "max_attempts", "lease", "transactional", "priority", "ordered",
-                                             "on_dead", "concurrency", "rate_limit", "timeout"}
+                                             "on_dead", "concurrency", "rate_limit", "timeout", "backoff",
+                                             "retry_on", "dead_on", "coalesce"}
         if unknown:
             raise ConfigurationError(f"schedule {schedule.name!r}: unknown options {sorted(unknown)}")
         self._schedules[schedule.name] = schedule
@@ -348,6 +404,56 @@ class Outbox:
         """The declared schedules, in declaration order."""
         return list(self._schedules.values())
 
+    def after(self, topic: str, *, consumers: Sequence[str], publish: str, name: str | None = None) -> FanIn:
+        """Declare a fan-in (:mod:`outbox.fan_in`): when every consumer of ``consumers`` has
+        done its job of an event on ``topic``, one event is published on ``publish``, in the
+        transaction that records the last of those completions, with the original event's key
+        and payload, its trace context, and the headers ``fan_in`` (``name``) and
+        ``fan_in_event_id`` (the original event's id). Once per event, across relays and
+        crashes; a dead listed job holds it back until a redrive ends done, a cancelled one
+        means it never fires for that event. The follow-up's subscribers are declared as
+        any (``@ob.subscriber(publish, ...)``); a fan-in of their topic makes a chain.
+
+        ``consumers``: 1..100 distinct consumers, each a subscriber of ``topic`` that does
+        not coalesce, declared before or after this call (checked at the declaration of
+        either, and when the relay starts). ``name``: the fan-in's durable name (default:
+        the ``publish`` topic; unique within the registry): rename it and it fires again for
+        events finishing after the rename.
+
+        Returns the :class:`~outbox.fan_in.FanIn`. Raises :class:`ConfigurationError` naming
+        the problem: a bad topic, name or consumer list, a name declared twice, a listed
+        consumer already declared that does not subscribe to ``topic`` or coalesces, or a
+        ``publish`` topic that would close a loop of fan-ins (follow-ups for ever)."""
+        declared = make_fan_in(topic, consumers, publish, name)
+        if declared.name in self._fan_ins:
+            raise ConfigurationError(f"fan-in {declared.name!r} is declared twice; pass name= to tell them apart")
+        for consumer in declared.consumers:
+            problem = listing_problem(declared, consumer, self._subscribers) if consumer in self._subscribers else None
+            if problem is not None:
+                raise ConfigurationError(f"fan-in {declared.name!r} {problem}")
+        loop = loop_of(declared, list(self._fan_ins.values()))
+        if loop is not None:
+            raise ConfigurationError(f"fan-in {declared.name!r}: publishing on {declared.follow_topic!r} closes a loop "
+                                     f"of fan-ins ({' -> '.join(loop)}): its follow-ups would never end")
+        self._fan_ins[declared.name] = declared
+        self._fanned_in.setdefault(declared.topic, set()).update(declared.consumers)
+        return declared
+
+    @property
+    def fan_ins(self) -> list[FanIn]:
+        """The declared fan-ins, in declaration order."""
+        return list(self._fan_ins.values())
+
+    def check_fan_ins(self) -> None:
+        """Raise :class:`ConfigurationError` when a fan-in lists a consumer the registry does
+        not declare (the one check :meth:`after` cannot make when the consumer comes later;
+        the relay makes it when it starts, before writing anything)."""
+        for f in self._fan_ins.values():
+            for consumer in f.consumers:
+                problem = listing_problem(f, consumer, self._subscribers)
+                if problem is not None:
+                    raise ConfigurationError(f"fan-in {f.name!r} {problem}")
+
     def __iter__(self) -> Iterator[Subscriber]:
         return iter(self._subscribers.values())
 
@@ -357,10 +463,88 @@ class Outbox:
     def __getitem__(self, consumer: str) -> Subscriber:
         return self._subscribers[consumer]
 
+    def retry_policies(self, settings: OutboxSettings) -> dict[str, RetryPolicy]:
+        """Each consumer's retry policy (:func:`outbox.retry.policy_of`), its backoff's empty
+        fields taken from ``settings``. Raises :class:`ConfigurationError` naming the
+        consumer whose backoff does not fit the settings (base above the cap)."""
+        return {s.consumer: policy_of(settings, s.backoff, s.retry_on, s.dead_on, consumer=s.consumer) for s in self}
+
+    def on_dead(self, consumer: str | Sequence[str] | None = None) -> Callable[[HookT], HookT]:
+        """Decorator declaring a failure hook called after a job of ``consumer`` (a consumer
+        name, a list of them, or None: every consumer of this registry, those declared later
+        too) went ``dead``, by any path: its last attempt failed, :class:`~outbox.PermanentError`,
+        ``dead_on`` / ``retry_on``, a lease that expired on its last attempt, a poison row.
+
+        The hook is ``hook(failure)``, a ``def`` or an ``async def``, given a
+        :class:`~outbox.JobFailure`; the relay calls it after the job's transaction
+        committed, at least once, in a thread of its own (:mod:`outbox.hooks`): for alerts,
+        never able to change the job's outcome. What it returns is ignored; if it raises or
+        runs past ``hook_timeout`` it is called again later, a bounded number of times.
+
+        Raises :class:`ConfigurationError` for a consumer name this registry has not declared
+        (declare the subscriber first) or a hook that does not take one argument. Returns
+        the hook unchanged."""
+        return self._hook("dead", consumer)
+
+    def on_retry(self, consumer: str | Sequence[str] | None = None) -> Callable[[HookT], HookT]:
+        """Decorator declaring a failure hook called after a job of ``consumer`` failed an
+        attempt and went back to ``ready`` to be retried (a failure with attempts left, or a
+        lease that expired with attempts left; not a snooze, a release or a redrive).
+        Otherwise as :meth:`on_dead`."""
+        return self._hook("retry", consumer)
+
+    def _hook(self, kind: str, consumer: Any) -> Callable[[HookT], HookT]:
+        option = f"on_{kind}"
+        if consumer is None:
+            consumers: tuple[str, ...] | None = None
+        else:
+            consumers = (consumer,) if isinstance(consumer, str) else tuple(consumer) \
+                if isinstance(consumer, Sequence) else ()
+            if not consumers or not all(isinstance(c, str) for c in consumers):
+                raise ConfigurationError(f"{option}: consumer must be a consumer name, a non-empty list of them or None, "
+                                         f"got {consumer!r}")
+            unknown = [c for c in consumers if c not in self._subscribers]
+            if unknown:
+                raise ConfigurationError(f"{option}: consumer {unknown[0]!r} is not declared in this registry "
+                                         "(declare its subscriber first)")
+
+        def register(hook: HookT) -> HookT:
+            if not callable(hook):
+                raise ConfigurationError(f"{option}: the hook must be callable, got {hook!r}")
+            try:
+                inspect.signature(hook).bind(None)
+            except TypeError:
+                raise ConfigurationError(f"{option}: hook {getattr(hook, '__qualname__', hook)!r} must accept "
+                                         f"(failure), its signature is {inspect.signature(hook)}") from None
+            except ValueError:
+                pass  # no signature (some builtins): trust it
+            if consumers is None:
+                self._hooks_everywhere.setdefault(kind, []).append(hook)
+            else:
+                for name in consumers:
+                    self._hooks.setdefault(name, {}).setdefault(kind, []).append(hook)
+            return hook
+
+        return register
+
+    def hooks_for(self, consumer: str, kind: str) -> list[tuple[str, Callable[..., Any]]]:
+        """The failure hooks of ``kind`` (``"dead"``, ``"retry"``) for ``consumer``: those
+        declared for every consumer, then those naming it, each with its name
+        (``module.qualname``, ``#2``, ``#3`` appended to a name met again), which a due call
+        remembers once the hook returned."""
+        hooks = [*self._hooks_everywhere.get(kind, ()), *self._hooks.get(consumer, {}).get(kind, ())]
+        named: list[tuple[str, Callable[..., Any]]] = []
+        seen: dict[str, int] = {}
+        for hook in hooks:
+            name = f"{getattr(hook, '__module__', '?')}.{getattr(hook, '__qualname__', type(hook).__qualname__)}"
+            seen[name] = seen.get(name, 0) + 1
+            named.append((name if seen[name] == 1 else f"{name}#{seen[name]}", hook))
+        return named
+
     def hooks_of(self, consumer: str) -> tuple[str, ...]:
-        """The kinds of failure hook (``"dead"``, ``"retry"``) declared for ``consumer``, sorted;
-        empty when none."""
-        return tuple(sorted(kind for kind, calls in self._hooks.get(consumer, {}).items() if calls))
+        """The kinds of failure hook (``"dead"``, ``"retry"``) declared for ``consumer`` (by
+        name or for every consumer), sorted; empty when none."""
+        return tuple(kind for kind in ("dead", "retry") if self.hooks_for(consumer, kind))
 
     def fanned_in(self, topic: str, consumer: str) -> bool:
         """Whether a fan-in of ``topic`` lists ``consumer``: its jobs' completions then look
@@ -435,6 +619,17 @@ def _with_flow(sub: Subscriber, ordered: Any, on_dead: Any, concurrency: Any, ra
         timeout = float(timeout)
     return dataclasses.replace(sub, ordered=ordered, on_dead=on_dead, concurrency=concurrency,
                                rate_limit=per_second, timeout=timeout)
+
+
+def _with_policy(sub: Subscriber, backoff: Any, retry_on: Any, dead_on: Any) -> Subscriber:
+    checked, retried, dead = check_policy(sub.consumer, backoff, retry_on, dead_on)
+    return dataclasses.replace(sub, backoff=checked, retry_on=retried, dead_on=dead)
+
+
+def _with_coalesce(sub: Subscriber, coalesce: Any) -> Subscriber:
+    if type(coalesce) is not bool:
+        raise ConfigurationError(f"subscriber {sub.consumer!r}: coalesce must be True or False, got {coalesce!r}")
+    return dataclasses.replace(sub, coalesce=coalesce)
 
 
 def parse_rate(value: Any, consumer: str = "?") -> float:

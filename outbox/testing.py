@@ -5,7 +5,7 @@ the relay's work run in-process, a server to test against and throw-away databas
 :func:`drain` routes and runs every due job of a registry in the calling thread, with the
 relay's own claim, handler execution (:class:`outbox.relay.executor.JobExecutor`) and fenced
 statements, and returns how each attempt ended (Oban's ``drain_queue``, River's
-``rivertest``). The pytest fixtures of :mod:`outbox.pytest_plugin` give each test a
+``rivertest``); :func:`run_hooks` then makes the failure-hook calls its failures left due. The pytest fixtures of :mod:`outbox.pytest_plugin` give each test a
 migrated database of its own.
 
 :func:`server_url` picks the server: ``OUTBOX_TEST_DATABASE_URL``, else
@@ -147,7 +147,7 @@ def make_job(
 #: ``locked_by`` of the jobs :func:`drain` claims.
 DRAIN_WORKER_ID = "outbox.testing.drain"
 
-DrainOutcome = Literal["done", "retried", "dead", "released", "snoozed", "cancelled", "stale"]
+DrainOutcome = Literal["done", "retried", "dead", "released", "snoozed", "cancelled", "superseded", "stale"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +161,9 @@ class DrainResult:
     its connection broke), ``"snoozed"`` (the handler raised :class:`~outbox.Snooze`: back to
     ``ready`` after the delay, the attempt not counted; like a retried job, run again only
     with ``run_retries``, once due), ``"cancelled"`` (a transactional handler's job an
-    operator cancelled while it ran: its transaction rolled back, nothing of it committed) or
+    operator cancelled while it ran: its transaction rolled back, nothing of it committed),
+    ``"superseded"`` (a coalescing consumer's job failed while a newer event of its key was
+    routed: it does not run again) or
     ``"stale"`` (the claim was no longer drain's: another worker
     took the job, nothing was written). ``error`` is the job's ``last_error`` text for
     ``retried`` and ``dead`` (type, message, traceback), else None. ``attempt`` counts from 1."""
@@ -249,7 +251,8 @@ def drain(
         threading.Thread(target=watchdog.run, name="outbox-drain-watchdog", daemon=True).start()
     executor = JobExecutor(settings, transaction.HandlerConnections(engine, settings.reconnect_max),
                            held=lambda job: time.monotonic() < deadlines.get(job.fence, 0.0),
-                           stopping=threading.Event(), reraise_interrupts=True, watchdog=watchdog)
+                           stopping=threading.Event(), reraise_interrupts=True, watchdog=watchdog,
+                           policies=ob.retry_policies(settings))
     context = WorkerContext(lambda: make_async_engine(engine.url, pool_size=1, max_overflow=0,
                                                       application_name="outbox-drain"))
     results: list[DrainResult] = []
@@ -361,7 +364,8 @@ def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, s
             ended = "snoozed" if job.id in snooze_jobs(conn, [(job, outcome)], schema=schema) else "stale"
         elif isinstance(outcome, Failure):
             status = fail_jobs(conn, [(job, outcome)], schema=schema).get(job.id)
-            ended = "retried" if status == "ready" else "dead" if status == "dead" else "stale"
+            ended = ("retried" if status == "ready" else "dead" if status == "dead"
+                     else "superseded" if status == "superseded" else "stale")
             error = outcome.error if ended != "stale" else None
         else:
             ended = "stale"
@@ -369,6 +373,29 @@ def _record(engine: sa.Engine, job: Job, outcome: Outcome | Failure | Snoozed, s
 
 
 # ------------------------------------------------------------ servers and databases
+
+
+def run_hooks(engine: sa.Engine, ob: Outbox, *, settings: OutboxSettings | None = None, max_rounds: int = 100) -> int:
+    """Make the due failure-hook calls (``on_dead``, ``on_retry``: :mod:`outbox.hooks`) of
+    ``ob``'s consumers now, as a relay's hook runner does (:class:`outbox.relay.hooks.HookRunner`:
+    leased, each hook in a thread of its own bounded by ``hook_timeout``, deleted once every
+    hook returned), until none is due, at most ``max_rounds`` rounds of up to 16 calls;
+    returns how many calls were made. A hook that raises is logged and its call due again
+    after the runner's backoff, so it is not made again by this call. Run it after
+    :func:`drain` (which writes the calls as a relay's statements do). ``settings`` as in
+    :func:`drain`. Database errors propagate."""
+    from outbox.relay.hooks import HookRunner
+    from outbox.relay.reconnect import Reconnector
+
+    settings = settings if settings is not None else OutboxSettings()
+    runner = HookRunner(engine, ob, settings, stop=threading.Event(), reconnect=Reconnector(settings.reconnect_max))
+    made = 0
+    for _ in range(max_rounds):
+        leased = runner.round()
+        made += leased
+        if not leased:
+            break
+    return made
 
 
 def server_url() -> tuple[URL, bool]:

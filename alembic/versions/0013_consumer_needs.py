@@ -15,8 +15,11 @@ functions that use them come with the migrations after this one.
 * ``superseded``: a terminal status. A coalescing consumer's ready job ends so when a newer
   event of its key is routed to that consumer; pruned like done (``ix_outbox_jobs_superseded``).
 * ``outbox_jobs.coalesce_key``: the event's key on the jobs of a coalescing consumer, and
-  ``ix_outbox_jobs_coalesce``: their waiting (ready, pending) jobs by (consumer, key), which
-  the router supersedes when it routes a newer event of the key.
+  ``ix_outbox_jobs_coalesce``: their live (ready, pending, running) jobs by (consumer, key,
+  event), which the router supersedes (a running one: marks) when it routes a newer event of
+  the key; ``outbox_jobs.superseded_by``: the id of the newer event that superseded the job,
+  set on a running job too, whose attempt then ends ``superseded`` if it would go back to
+  waiting (architecture notes, "Coalescing").
 * ``outbox_jobs.fan_in``: the job's consumer is listed by a fan-in of its topic (copied from
   ``outbox_subscriptions.fan_in`` when routed), so only such jobs' completions look for one.
 * ``outbox_subscriptions.coalescing`` / ``fan_in`` / ``hooks`` (the failure hooks the consumer
@@ -72,14 +75,14 @@ def upgrade() -> None:
     _lock_tables()
     op.execute(
         "ALTER TABLE outbox_jobs ADD COLUMN started_at timestamptz, ADD COLUMN history jsonb,"
-        " ADD COLUMN fan_in boolean NOT NULL DEFAULT false, ADD COLUMN coalesce_key text,"
+        " ADD COLUMN fan_in boolean NOT NULL DEFAULT false, ADD COLUMN coalesce_key text, ADD COLUMN superseded_by bigint,"
         f" DROP CONSTRAINT {CHECK}, ADD CONSTRAINT {CHECK} CHECK ({_STATUSES}) NOT VALID")
     if not op.get_bind().execute(sa.text("SELECT EXISTS (SELECT 1 FROM outbox_jobs)")).scalar_one():
         op.execute(f"ALTER TABLE outbox_jobs VALIDATE CONSTRAINT {CHECK}")
     op.create_index('ix_outbox_jobs_superseded', 'outbox_jobs', ['finished_at'],
                     postgresql_where=sa.text("status = 'superseded'"))
     op.create_index('ix_outbox_jobs_coalesce', 'outbox_jobs', ['consumer', 'coalesce_key', 'event_id'],
-                    postgresql_where=sa.text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending')"))
+                    postgresql_where=sa.text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending', 'running')"))
     op.execute(
         "ALTER TABLE outbox_subscriptions ADD COLUMN coalescing boolean NOT NULL DEFAULT false,"
         " ADD COLUMN fan_in boolean NOT NULL DEFAULT false, ADD COLUMN hooks text[] NOT NULL DEFAULT '{}'::text[]")
@@ -131,4 +134,4 @@ def downgrade() -> None:
     op.drop_index('ix_outbox_jobs_superseded', table_name='outbox_jobs')
     op.execute(
         f"ALTER TABLE outbox_jobs DROP CONSTRAINT {CHECK}, ADD CONSTRAINT {CHECK} CHECK ({_STATUSES_BEFORE}),"
-        " DROP COLUMN coalesce_key, DROP COLUMN fan_in, DROP COLUMN history, DROP COLUMN started_at")
+        " DROP COLUMN superseded_by, DROP COLUMN coalesce_key, DROP COLUMN fan_in, DROP COLUMN history, DROP COLUMN started_at")

@@ -381,6 +381,11 @@ class FailedAttempt(Protocol):
     def error(self) -> str:
         """The ``last_error`` text."""
 
+    @property
+    def timed_out(self) -> bool:
+        """True: the handler ran past its timeout (the attempt's history entry says ``timed
+        out`` instead of ``failed``)."""
+
 
 class SnoozedAttempt(Protocol):
     """What :func:`snooze_jobs` records of a snoozed attempt (the runner's
@@ -402,12 +407,13 @@ def snooze_jobs(conn: Executor, snoozed: list[tuple[Job, SnoozedAttempt]], *, sc
 
 
 def fail_jobs(conn: Executor, failures: list[tuple[Job, FailedAttempt]], *, schema: str | None = None) -> dict[int, str]:
-    """Record failed attempts (fenced); returns ``{id: new status}`` for rows that changed."""
+    """Record failed attempts (fenced), each appended to its job's attempt history; returns
+    ``{id: new status}`` for rows that changed."""
     if not failures:
         return {}
     rows = _rows(conn, queries.in_schema(schema).job_fail_many, {
         "ids": [j.id for j, _ in failures], "fences": [j.fence for j, _ in failures],
         "delays": [f.delay for _, f in failures], "permanent": [f.permanent for _, f in failures],
-        "errors": [f.error for _, f in failures],
+        "errors": [f.error for _, f in failures], "timed_out": [f.timed_out for _, f in failures],
     })
     return {r.id: r.status for r in rows}

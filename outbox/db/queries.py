@@ -61,7 +61,8 @@ event_route_many: TextClause = text(
         SELECT l.id, l.topic, l.key, l.run_at, l.priority
         FROM locked l
         WHERE l.key IS NULL
-           OR NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = l.topic AND s.ordered)
+           OR NOT EXISTS (SELECT 1 FROM outbox_subscriptions s
+                          WHERE s.topic = l.topic AND (s.ordered OR s.coalescing))
            OR NOT EXISTS (SELECT 1 FROM outbox_events p
                           WHERE p.key = l.key AND p.routed_at IS NULL AND p.id < l.id
                             AND p.id NOT IN (SELECT id FROM locked))
@@ -71,9 +72,29 @@ event_route_many: TextClause = text(
                     ELSE CAST(greatest(-32768, least(32767, CAST(s.priority AS int) + b.priority)) AS smallint) END
                    AS priority,
                s.max_attempts, coalesce(b.run_at, now()) AS run_at,
-               CASE WHEN s.ordered THEN b.key END AS ordering_key, s.fan_in
+               CASE WHEN s.ordered THEN b.key END AS ordering_key, s.fan_in,
+               CASE WHEN s.coalescing THEN b.key END AS coalesce_key
         FROM batch b
         JOIN outbox_subscriptions s ON s.topic = b.topic
+    ), newest AS (
+        SELECT n.consumer, n.coalesce_key, n.id,
+               coalesce(
+                   (SELECT min(p.id) FROM outbox_events p
+                    WHERE p.key = n.coalesce_key AND p.routed_at IS NULL AND p.id > n.id
+                      AND p.id NOT IN (SELECT id FROM batch)
+                      AND EXISTS (SELECT 1 FROM outbox_subscriptions s
+                                  WHERE s.topic = p.topic AND s.consumer = n.consumer)),
+                   (SELECT max(j.event_id) FROM outbox_jobs j
+                    WHERE j.consumer = n.consumer AND j.coalesce_key = n.coalesce_key
+                      AND j.status IN ('ready', 'pending', 'running') AND j.event_id > n.id)) AS overtaken_by
+        FROM (SELECT consumer, coalesce_key, max(id) AS id FROM wanted
+              WHERE coalesce_key IS NOT NULL GROUP BY consumer, coalesce_key) n
+    ), older AS (
+        SELECT j.id, n.id AS by
+        FROM newest n
+        JOIN outbox_jobs j ON j.consumer = n.consumer AND j.coalesce_key = n.coalesce_key
+        WHERE n.overtaken_by IS NULL
+          AND j.status IN ('ready', 'pending', 'running') AND j.event_id < n.id
     ), unfinished AS (
         SELECT k.consumer, k.ordering_key, h.id, h.place
         FROM (SELECT DISTINCT consumer, ordering_key FROM wanted WHERE ordering_key IS NOT NULL) k
@@ -85,30 +106,66 @@ event_route_many: TextClause = text(
             ORDER BY j.event_id
             LIMIT 2
         ) h
-    ), heads AS MATERIALIZED (
-        SELECT j.id
+    ), held AS MATERIALIZED (
+        SELECT j.id, j.status
         FROM outbox_jobs j
-        WHERE j.id IN (SELECT id FROM unfinished)
-          AND j.status <> 'done' AND j.status <> 'cancelled'
+        WHERE j.id IN (SELECT id FROM unfinished UNION ALL SELECT id FROM older)
         ORDER BY j.id
         FOR KEY SHARE
+    ), heads AS (
+        SELECT h.id
+        FROM held h
+        WHERE h.id IN (SELECT id FROM unfinished) AND h.status <> 'done' AND h.status <> 'cancelled'
     ), busy AS (
         SELECT u.consumer, u.ordering_key
         FROM unfinished u
         WHERE u.place = 2 OR (u.place = 1 AND u.id IN (SELECT id FROM heads))
+    ), taken AS MATERIALIZED (
+        SELECT j.id
+        FROM outbox_jobs j
+        WHERE j.id IN (SELECT id FROM older)
+          AND (SELECT count(*) FROM held) >= 0
+        ORDER BY j.id
+        FOR NO KEY UPDATE
+    ), replaced AS (
+        UPDATE outbox_jobs j
+        SET status = CASE WHEN j.status = 'running' THEN 'running' ELSE 'superseded' END,
+            finished_at = CASE WHEN j.status = 'running' THEN j.finished_at ELSE now() END,
+            ordering_key = CASE WHEN j.status = 'running' THEN j.ordering_key END,
+            superseded_by = greatest(j.superseded_by, o.by),
+            updated_at = now()
+        FROM older o
+        WHERE j.id = ANY (ARRAY(SELECT id FROM taken)) AND o.id = j.id
+          AND j.status IN ('ready', 'pending', 'running')
+        RETURNING j.id, j.consumer, j.coalesce_key, j.status
     ), inserted AS (
-        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, fan_in, status)
-        SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at, w.ordering_key, w.fan_in,
-               CASE WHEN w.ordering_key IS NULL THEN 'ready'
+        INSERT INTO outbox_jobs (event_id, consumer, priority, max_attempts, run_at, ordering_key, fan_in,
+                                 coalesce_key, superseded_by, finished_at, status)
+        SELECT w.id, w.consumer, w.priority, w.max_attempts, w.run_at,
+               CASE WHEN x.by IS NULL THEN w.ordering_key END, w.fan_in, w.coalesce_key, x.by,
+               CASE WHEN x.by IS NOT NULL THEN now() END,
+               CASE WHEN x.by IS NOT NULL THEN 'superseded'
+                    WHEN w.ordering_key IS NULL THEN 'ready'
+                    WHEN w.coalesce_key IS NOT NULL THEN
+                        CASE WHEN EXISTS (SELECT 1 FROM replaced r
+                                          WHERE r.consumer = w.consumer AND r.coalesce_key = w.coalesce_key
+                                            AND r.status = 'running')
+                                  OR EXISTS (SELECT 1 FROM unfinished u
+                                             WHERE u.consumer = w.consumer AND u.ordering_key = w.ordering_key
+                                               AND u.id NOT IN (SELECT id FROM older)
+                                               AND (u.place = 2 OR u.id IN (SELECT id FROM heads)))
+                             THEN 'pending' ELSE 'ready' END
                     WHEN EXISTS (SELECT 1 FROM busy b
                                  WHERE b.consumer = w.consumer AND b.ordering_key = w.ordering_key) THEN 'pending'
                     WHEN row_number() OVER (PARTITION BY w.consumer, w.ordering_key ORDER BY w.id) > 1
                         THEN 'pending'
                     ELSE 'ready' END
         FROM wanted w
+        LEFT JOIN newest n ON n.consumer = w.consumer AND n.coalesce_key = w.coalesce_key
+        CROSS JOIN LATERAL (SELECT CASE WHEN w.id < n.id THEN n.id ELSE n.overtaken_by END AS by) x
         ORDER BY w.id, w.consumer
         ON CONFLICT (event_id, consumer) DO NOTHING
-        RETURNING status, priority, run_at
+        RETURNING consumer, status, priority, run_at
     ), first_ready AS (
         SELECT priority, run_at FROM inserted WHERE status = 'ready' ORDER BY priority, run_at LIMIT 1
     ), announced AS (
@@ -123,6 +180,11 @@ event_route_many: TextClause = text(
         FROM batch b
         WHERE NOT EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.topic = b.topic)
         GROUP BY b.topic
+    ), superseded AS (
+        SELECT c.consumer, count(*) AS jobs
+        FROM (SELECT consumer FROM inserted WHERE status = 'superseded'
+              UNION ALL SELECT consumer FROM replaced WHERE status = 'superseded') c
+        GROUP BY c.consumer
     )
     SELECT
         (SELECT count(*) FROM routed) AS events,
@@ -136,7 +198,9 @@ event_route_many: TextClause = text(
         (SELECT run_at FROM first_ready) AS first_run_at,
         (SELECT count(*) FROM announced) AS announced,
         (SELECT max(id) FROM locked) AS scanned_to,
-        (SELECT min(id) FROM locked WHERE id NOT IN (SELECT id FROM batch)) AS first_held
+        (SELECT min(id) FROM locked WHERE id NOT IN (SELECT id FROM batch)) AS first_held,
+        (SELECT array_agg(consumer ORDER BY consumer) FROM superseded) AS superseded_consumers,
+        (SELECT array_agg(jobs ORDER BY consumer) FROM superseded) AS superseded_counts
     """
 )
 """Route up to ``:limit`` unrouted events with ids above ``:after`` (0: from the first): one
@@ -150,7 +214,9 @@ back (``first_held``), NULL when none, from which the router's next scan starts.
 events routed, jobs created, events that matched no subscription (``unsubscribed``; their
 topics and how many of each in ``unsubscribed_topics`` and ``unsubscribed_counts``, arrays
 in topic order, NULL when none), events held back
-(``held_back``), ordered keys found busy (``busy_keys``) and the claim-order key
+(``held_back``), ordered keys found busy (``busy_keys``), the jobs made ``superseded`` per
+consumer (``superseded_consumers``, ``superseded_counts``: arrays in consumer order, NULL
+when none; coalescing below) and the claim-order key
 (``first_priority``, ``first_run_at``) of the first job it made ready (NULL when none),
 which it also sends to the relays listening on ``:channel`` (the schema's jobs channel:
 ``ready <priority> <epoch seconds>``, on commit), so a relay whose claims went past that key
@@ -167,7 +233,7 @@ and taken by a later round, while another router holds the earlier one. For a su
 gets ``ordering_key`` = the event's key and is ``pending`` when its (consumer, key)
 already has an unfinished job, or an earlier one in this batch, else ``ready``. The
 key's first two unfinished jobs (its head and the next) are locked ``FOR KEY SHARE``
-(``heads``), so a completion of the head committing meanwhile is either seen (the lock
+(``held``, giving ``heads``), so a completion of the head committing meanwhile is either seen (the lock
 re-reads the newest version and drops a finished head) or waits for this commit, and then
 its promotion sees the job inserted here. ``FOR KEY SHARE`` conflicts only with ``FOR
 UPDATE``, which every statement that finishes a job takes first (completion, failure,
@@ -178,8 +244,44 @@ while its completion part waited for a head this statement held deadlocked with 
 (``place = 2``) keeps the key busy whatever became of the head, and its lock keeps it from
 being promoted before this commits. The heads are locked in id order, like every statement that
 locks job rows and waits (completion, heartbeat, failure, promotion), so none of them can
-deadlock with this one; ``heads`` is ``MATERIALIZED`` and counted in the result so its
-locks are always all taken.
+deadlock with this one; ``held`` is ``MATERIALIZED`` and read whole by ``taken``, which
+the data-modifying ``replaced`` always runs, so its locks are always all taken.
+
+Coalescing (architecture notes, "Coalescing"; a subscription with ``coalescing``): the job gets
+``coalesce_key`` = the event's key, and of the jobs of one (consumer, key) only the newest
+event's may wait. "Newer" is a higher event id. A keyed event of a topic with a coalescing
+subscription is held back, as for ordering, while an earlier event of its key is unrouted
+outside the batch. Then, per (consumer, key) of the batch (``newest``): its newest event is
+*overtaken* when a later event of the key on one of the consumer's topics is unrouted
+outside the batch (it will be routed after) or already has a live (ready, pending,
+running) job; the batch's other events of the key, and the newest when overtaken, get their
+job inserted ``superseded`` (``finished_at = now()``, ``superseded_by`` = the newer event,
+no ``ordering_key``), so each (event, consumer) still has its one job. Otherwise the
+key's older live jobs (``older``, read through ``ix_outbox_jobs_coalesce``) are replaced
+(``replaced``): a ready or pending one ends ``superseded`` and leaves its ordered key; a
+running one stays running with ``superseded_by`` set, and the statement that ends its
+attempt records ``superseded`` instead of putting it back to ``ready`` (``job_fail_many``,
+``job_reap_many``, ``job_release_many``, ``job_snooze_many``; done and dead stay). Together
+these keep at most one waiting job per (consumer, key), the one of the highest event id,
+across routers: of two routers routing events a < b of one key at once, the one with b held
+it back if it saw a unrouted, so a committed after its snapshot, while b was already
+committed: the one with a then sees b unrouted and makes a's job superseded.
+
+Locks. ``held`` locks the ordered keys' first two unfinished jobs and the coalescing keys'
+older live jobs together, in id order, ``FOR KEY SHARE`` (for the reasons below); then
+``taken`` locks the older live jobs again ``FOR NO KEY UPDATE``, in id order, after every
+``held`` lock is taken (its InitPlan reads ``held`` whole first). A statement that finishes
+a job (``FOR UPDATE``) and holds one of them is waited for in ``held``, before this one
+holds anything it could wait for; in ``taken`` only ``FOR NO KEY UPDATE`` holders are
+waited for: a claim (the last statement of its transaction, which waits for nothing
+more), a promotion or another router (both id-ordered). So none of them can deadlock with
+this one. ``replaced`` updates what ``taken`` holds and reads each row's newest version: a
+ready job a claim took meanwhile (the claim won the row lock; this statement waited for
+its commit) is running, marked, never superseded; a job whose failure committed meanwhile
+is ready again, and superseded. For an ordered coalescing consumer the new job is
+``pending`` only when an older job of its key is still running (marked), or an unfinished
+job of the key that is not coalescing (dead and blocking, or routed before the consumer
+coalesced) keeps it busy as below; else ``ready``.
 
 ``routed`` marks the batch by primary key (``e.id = ANY (ARRAY(...))``, an InitPlan, as in
 the claim) and needs no ``routed_at IS NULL``: ``locked`` holds each row ``FOR UPDATE`` and
@@ -218,24 +320,32 @@ began, off the routing path."""
 
 event_prune_many: TextClause = text(
     """
-    DELETE FROM outbox_events
-    WHERE id IN (
-        SELECT e.id
-        FROM outbox_events e
-        WHERE e.routed_at IS NOT NULL
-          AND e.routed_at < now() - make_interval(secs => :older_than)
-          AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id)
-          AND e.id <> ALL (CAST(:skip AS bigint[]))
-          AND (CAST(:only AS bigint[]) IS NULL OR e.id = ANY (CAST(:only AS bigint[])))
-        LIMIT :limit
-        FOR UPDATE SKIP LOCKED
+    WITH pruned AS (
+        DELETE FROM outbox_events
+        WHERE id IN (
+            SELECT e.id
+            FROM outbox_events e
+            WHERE e.routed_at IS NOT NULL
+              AND e.routed_at < now() - make_interval(secs => :older_than)
+              AND NOT EXISTS (SELECT 1 FROM outbox_jobs j WHERE j.event_id = e.id)
+              AND e.id <> ALL (CAST(:skip AS bigint[]))
+              AND (CAST(:only AS bigint[]) IS NULL OR e.id = ANY (CAST(:only AS bigint[])))
+            LIMIT :limit
+            FOR UPDATE SKIP LOCKED
+        )
+        RETURNING id
+    ), fired AS (
+        DELETE FROM outbox_fanin_fired r USING pruned p WHERE r.event_id = p.id
     )
-    RETURNING id
+    SELECT id FROM pruned
     """
 )
 """Delete up to ``:limit`` events routed more than ``:older_than`` seconds ago that have no
 job left (all done and pruned). Events with a live or dead job stay. ``:skip`` and
-``:only`` as in ``event_route_many``; returns the ids deleted."""
+``:only`` as in ``event_route_many``; returns the ids deleted. The fan-in records of the
+events go with them (``fired``: ``outbox_fanin_fired`` by its key's first column), so a
+record lives exactly as long as its event, and a replay, which needs the event, always
+finds it."""
 
 event_prune_candidates: TextClause = text(
     """
@@ -549,6 +659,24 @@ subscription_list: TextClause = text(
 #   once to the worker slots the dispatcher reserved for them. A claim of at most
 #   ``claim_batch`` rows: the window function sorts them in memory.
 # * ``marked``: this relay's row (``:relay``; no row, no write) gains the ``listed`` fences.
+# * ``history`` (attempt history; architecture notes, "Attempt history"): every statement that
+#   ends a started attempt other than as ``done`` appends one entry to the JSON array, the
+#   same expression in each: ``jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98
+#   to last]') || jsonb_build_array(jsonb_build_object('attempt', j.attempts, 'started_at',
+#   j.started_at, 'ended_at', now(), 'relay', j.locked_by, 'outcome', ..., 'error', ...))``:
+#   the newest 99 entries and the new one, so at most :data:`HISTORY_KEPT`. A SET reads the
+#   row as it was, so ``j.attempts`` is the attempt that ended (before a release or a snooze
+#   gives it back). The outcome names the status the attempt left the job in: ``failed``,
+#   ``timed out``, ``lease expired``, ``snoozed``, ``released`` (all back to ``ready``),
+#   ``dead``, ``cancelled``. A claim its relay still lists as buffered never started: the
+#   reaper and the release append nothing for it. A done attempt appends nothing (the row is
+#   its record), so the claim's ``started_at = now()`` is all the done path pays.
+
+#: Most entries ``outbox_jobs.history`` keeps, the newest: each statement that appends one
+#: keeps the newest 99 (``'$[last - 98 to last]'``) and adds it (a unit test holds the two
+#: together). A job may fail up to ``max_attempts`` times and snooze without end; 100 entries
+#: of at most ``MAX_ERROR_CHARS`` of error each bound the JSON rewritten by each append.
+HISTORY_KEPT = 100
 
 job_claim_many: TextClause = text(
     """
@@ -574,6 +702,7 @@ job_claim_many: TextClause = text(
         fence = nextval('outbox_fence_seq'),
         lease_until = now() + make_interval(secs => w.lease_seconds),
         locked_by = :worker,
+        started_at = now(),
         updated_at = now()
     FROM wanted w, outbox_events e
     WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
@@ -586,7 +715,9 @@ job_claim_many: TextClause = text(
 )
 """Claim up to ``:limit`` due ready jobs of ``:consumers`` (lease ``:leases[i]`` seconds for
 ``:consumers[i]``): ``running``, ``attempts + 1``, a new fence from ``outbox_fence_seq``,
-``lease_until = now() + lease``. Returns the job and its event. Consumers that are paused,
+``lease_until = now() + lease``, ``started_at = now()`` (when this attempt began; a
+prefetched job's handler may start later: architecture notes, "Attempt history"). Returns
+the job and its event. Consumers that are paused,
 capped or rate-limited in ``outbox_consumers`` are left out (``job_claim_limited_many``
 claims the last two; architecture notes, "Flow control"): a pause holds for every claim
 whose snapshot is taken after it committed."""
@@ -633,27 +764,46 @@ job_complete_many: TextClause = text(
     ), kept AS (
         UPDATE outbox_jobs j
         SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'done' END,
-            lease_until = NULL, finished_at = now(), updated_at = now()
+            lease_until = NULL, finished_at = now(), updated_at = now(),
+            history = CASE WHEN NOT j.cancel_requested THEN j.history
+                           ELSE jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                                || jsonb_build_array(jsonb_build_object(
+                                    'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(),
+                                    'relay', j.locked_by, 'outcome', 'cancelled', 'error', NULL)) END
         FROM locked l, args a
         WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
           AND (CAST(:keep_done AS boolean) OR l.cancel_requested)
-        RETURNING j.id
+        RETURNING j.id, j.event_id, j.fan_in
     ), deleted AS (
         DELETE FROM outbox_jobs j
         USING locked l, args a
         WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
           AND NOT CAST(:keep_done AS boolean) AND NOT l.cancel_requested
-        RETURNING j.id
+        RETURNING j.id, j.event_id, j.fan_in
     ), completed AS (
-        SELECT id FROM kept UNION ALL SELECT id FROM deleted
+        SELECT id, event_id, fan_in FROM kept UNION ALL SELECT id, event_id, fan_in FROM deleted
+    ), fan_in_locked AS MATERIALIZED (
+        SELECT pg_advisory_xact_lock(CAST(CAST(CAST('outbox_fanin_fired' AS regclass) AS oid) AS int), f.lock_key)
+        FROM (SELECT DISTINCT CAST(c.event_id & 2147483647 AS int) AS lock_key FROM completed c WHERE c.fan_in
+              ORDER BY 1) f
     )
     SELECT id FROM completed
+    WHERE (SELECT count(*) FROM fan_in_locked) >= 0
     """
 )
 """Mark many jobs done, each only if it still holds the given fence and is running
 (``cancelled`` instead when an operator asked to cancel it while it ran); with
 ``:keep_done`` false a done job is deleted instead of kept (``retention_done = 0``). Jobs
-missing from the result were stale reports and changed nothing."""
+missing from the result were stale reports and changed nothing. A done job's attempt adds
+nothing to ``history``: the row itself is its last attempt (``started_at``,
+``finished_at``, ``locked_by``); a cancelled one's appends its entry (``cancelled``: the
+notes on ``history`` before ``job_claim_many``).
+
+``fan_in_locked``: the fan-in locks of the events of the listed jobs it completed
+(``fan_in``), taken in key order, in a materialized CTE read as the final SELECT's one-time
+filter: after the rows changed, before the statement's AFTER triggers fire, so the fan-in
+trigger (:mod:`outbox.db.fan_in`) finds each event's lock held and two batches never take
+two events' locks in opposite orders. No listed job, no lock: one sort of nothing."""
 
 job_claim_after_many: TextClause = text(
     """
@@ -683,6 +833,7 @@ job_claim_after_many: TextClause = text(
             fence = nextval('outbox_fence_seq'),
             lease_until = now() + make_interval(secs => w.lease_seconds),
             locked_by = :worker,
+            started_at = now(),
             updated_at = now()
         FROM wanted w, outbox_events e
         WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
@@ -778,6 +929,7 @@ job_claim_limited_many: TextClause = text(
             fence = nextval('outbox_fence_seq'),
             lease_until = now() + make_interval(secs => w.lease_seconds),
             locked_by = :worker,
+            started_at = now(),
             updated_at = now()
         FROM wanted w, outbox_events e
         WHERE j.id = ANY (ARRAY(SELECT id FROM picked))
@@ -872,10 +1024,14 @@ comes while this transaction holds the row waits for its commit and finds the jo
 
 job_cancel_claimed: TextClause = text(
     """
-    UPDATE outbox_jobs
-    SET status = 'cancelled', lease_until = NULL, finished_at = now(), updated_at = now()
-    WHERE id = :id AND fence = :fence AND status = 'running' AND cancel_requested
-    RETURNING id
+    UPDATE outbox_jobs j
+    SET status = 'cancelled', lease_until = NULL, finished_at = now(), updated_at = now(),
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(),
+                      'relay', j.locked_by, 'outcome', 'cancelled', 'error', NULL))
+    WHERE j.id = :id AND j.fence = :fence AND j.status = 'running' AND j.cancel_requested
+    RETURNING j.id
     """
 )
 """Record ``cancelled`` for one claimed job (fenced) an operator asked to cancel, whose
@@ -889,8 +1045,8 @@ job_fail_many: TextClause = text(
     WITH args AS (
         SELECT * FROM unnest(CAST(:ids AS bigint[]), CAST(:fences AS bigint[]),
                              CAST(:delays AS float8[]), CAST(:permanent AS bool[]),
-                             CAST(:errors AS text[]))
-            AS a(id, fence, delay_seconds, permanent, error)
+                             CAST(:errors AS text[]), CAST(:timed_out AS bool[]))
+            AS a(id, fence, delay_seconds, permanent, error, timed_out)
     ), locked AS (
         SELECT j.id, j.cancel_requested
         FROM outbox_jobs j
@@ -902,16 +1058,27 @@ job_fail_many: TextClause = text(
     )
     UPDATE outbox_jobs j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                      WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+                      WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead'
+                      WHEN j.superseded_by IS NOT NULL THEN 'superseded' ELSE 'ready' END,
         run_at = CASE WHEN j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts THEN j.run_at
                       ELSE now() + make_interval(secs => a.delay_seconds) END,
-        finished_at = CASE WHEN j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts THEN now() END,
-        ordering_key = CASE WHEN (a.permanent OR j.attempts >= j.max_attempts) AND j.ordering_key IS NOT NULL
+        finished_at = CASE WHEN j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts
+                                OR j.superseded_by IS NOT NULL THEN now() END,
+        ordering_key = CASE WHEN j.superseded_by IS NOT NULL
+                                 AND NOT (j.cancel_requested OR a.permanent OR j.attempts >= j.max_attempts) THEN NULL
+                            WHEN (a.permanent OR j.attempts >= j.max_attempts) AND j.ordering_key IS NOT NULL
                                  AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
                             THEN NULL ELSE j.ordering_key END,
         lease_until = NULL,
         last_error = a.error,
-        updated_at = now()
+        updated_at = now(),
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(), 'relay', j.locked_by,
+                      'outcome', CASE WHEN j.cancel_requested THEN 'cancelled'
+                                      WHEN a.permanent OR j.attempts >= j.max_attempts THEN 'dead'
+                                      WHEN a.timed_out THEN 'timed out' ELSE 'failed' END,
+                      'error', a.error))
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
     RETURNING j.id, j.status
@@ -923,7 +1090,17 @@ to cancel the job while it ran (``cancel_requested``, ``job_cancel_many``). Fenc
 (id, new status) of rows changed. A
 job of an ordered consumer declared ``on_dead='skip'`` drops its ``ordering_key`` as it dies,
 so it no longer holds its key back (``job_promote_many`` then lets the next one go); under
-``'block'`` it keeps it (architecture notes, "Ordering")."""
+``'block'`` it keeps it (architecture notes, "Ordering"). Each appends its attempt to
+``history`` with the error: ``failed``, or ``timed out`` when ``:timed_out`` says the
+handler ran past its timeout, when it goes back to ``ready``; ``dead`` or ``cancelled``
+when it ends so.
+
+Coalescing (architecture notes, "Coalescing"): a job whose ``superseded_by`` the router set while it ran
+(a newer event of its key was routed) ends ``superseded`` instead of going back to
+``ready``, and leaves its ordered key (``ordering_key`` NULL), so the newer job's promotion
+goes on; ``dead`` and ``cancelled`` stay as they are. The router sets the mark holding the
+row, so this statement, which locks it first, either waits for the router's commit and
+reads the mark, or commits first and the router supersedes the job it finds ready."""
 
 job_release_many: TextClause = text(
     """
@@ -939,9 +1116,19 @@ job_release_many: TextClause = text(
         FOR UPDATE OF j
     )
     UPDATE outbox_jobs j
-    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
-        finished_at = CASE WHEN j.cancel_requested THEN now() END,
-        attempts = j.attempts - 1, lease_until = NULL, updated_at = now()
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN j.superseded_by IS NOT NULL THEN 'superseded' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.superseded_by IS NOT NULL THEN now() END,
+        ordering_key = CASE WHEN j.superseded_by IS NULL OR j.cancel_requested THEN j.ordering_key END,
+        attempts = j.attempts - 1, lease_until = NULL, updated_at = now(),
+        history = CASE WHEN EXISTS (SELECT 1 FROM outbox_relays r WHERE r.id = j.locked_by AND j.fence = ANY (r.buffered))
+                       THEN j.history
+                       ELSE jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                            || jsonb_build_array(jsonb_build_object(
+                                'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(),
+                                'relay', j.locked_by,
+                                'outcome', CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'released' END,
+                                'error', NULL)) END
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
     RETURNING j.id
@@ -951,7 +1138,11 @@ job_release_many: TextClause = text(
 since the handler did not fail. ``run_at`` is kept (it is already due: the job was
 claimed), so the job keeps its place at the head of the queue instead of waiting behind
 every job that became due while it ran. A job an operator asked to cancel while it ran
-(``cancel_requested``) is ``cancelled`` instead. Fenced."""
+(``cancel_requested``) is ``cancelled`` instead. Fenced. The attempt is appended to
+``history`` (``released`` or ``cancelled``) unless its relay still lists the claim as
+buffered (``outbox_relays.buffered``, as the reaper reads it): a claim handed back from the
+prefetch buffer never started, and leaves no entry. A job marked ``superseded_by`` while it
+ran (coalescing, as in ``job_fail_many``) ends ``superseded`` and leaves its ordered key."""
 
 job_snooze_many: TextClause = text(
     """
@@ -968,10 +1159,16 @@ job_snooze_many: TextClause = text(
         FOR UPDATE OF j
     )
     UPDATE outbox_jobs j
-    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'ready' END,
-        finished_at = CASE WHEN j.cancel_requested THEN now() END,
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
+                      WHEN j.superseded_by IS NOT NULL THEN 'superseded' ELSE 'ready' END,
+        finished_at = CASE WHEN j.cancel_requested OR j.superseded_by IS NOT NULL THEN now() END,
+        ordering_key = CASE WHEN j.superseded_by IS NULL OR j.cancel_requested THEN j.ordering_key END,
         attempts = j.attempts - 1, snoozes = j.snoozes + 1,
-        run_at = now() + make_interval(secs => a.delay_seconds), lease_until = NULL, updated_at = now()
+        run_at = now() + make_interval(secs => a.delay_seconds), lease_until = NULL, updated_at = now(),
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(), 'relay', j.locked_by,
+                      'outcome', CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'snoozed' END, 'error', NULL))
     FROM locked l, args a
     WHERE j.id = l.id AND a.id = j.id AND j.fence = a.fence AND (j.status = 'running') IS TRUE
     RETURNING j.id
@@ -980,7 +1177,10 @@ job_snooze_many: TextClause = text(
 """Snoozed jobs (the handler raised ``Snooze(seconds)``): back to ``ready`` at ``now() +
 delay``, the attempt given back (``attempts - 1``) and ``snoozes + 1``; ``last_error``
 kept; ``cancelled`` instead when an operator asked to cancel the job while it ran. Fenced;
-returns the ids of rows changed."""
+returns the ids of rows changed. The attempt is appended to ``history`` (``snoozed`` or
+``cancelled``, no error), under the number it had: the next claim runs that number again.
+A job marked ``superseded_by`` while it ran (coalescing, as in ``job_fail_many``) ends
+``superseded`` and leaves its ordered key."""
 
 jobs_notify_head: TextClause = text("SELECT pg_notify(:channel, 'head')")
 """Tell every relay listening on ``:channel`` (the schema's jobs channel) that ready jobs
@@ -1037,46 +1237,63 @@ job_bury: TextClause = text(
     WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.fence = :fence AND j.status = 'running' FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
-        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END,
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(), 'relay', j.locked_by,
+                      'outcome', 'dead', 'error', CAST(:error AS text)))
     WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.fence = :fence AND j.status = 'running'
     """
 )
 """Dead-letter one claimed job (fenced) whose own statement failed with a data error: a
 poison row (:mod:`outbox.db.poison`); ``:error`` names the statement and the database error.
 Its attempts stay as they are, so a redrive after the cause is fixed runs it afresh. The
-ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``."""
+ordering key is dropped under ``on_dead='skip'``, as in ``job_fail_many``. The attempt is
+appended to ``history`` as ``dead`` with ``:error``."""
 
 job_bury_ready: TextClause = text(
     """
     WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.status = 'ready' FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', finished_at = now(), last_error = :error, updated_at = now(),
-        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END,
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts + 1, 'started_at', NULL, 'ended_at', now(), 'relay', NULL,
+                      'outcome', 'dead', 'error', CAST(:error AS text)))
     WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.status = 'ready'
     """
 )
 """Dead-letter one ready job whose claim fails with a data error (no claim, so no fence:
-only a job still ``ready`` changes). The ordering key as in ``job_bury``."""
+only a job still ``ready`` changes). The ordering key as in ``job_bury``. ``history`` gets a
+``dead`` entry with ``:error`` and no start or relay: the attempt the claim would have
+begun (``attempts + 1``, not counted) never started."""
 
 job_bury_expired: TextClause = text(
     """
     WITH target AS (SELECT j.id FROM outbox_jobs j WHERE j.id = :id AND j.status = 'running' AND j.lease_until < now() FOR UPDATE)
     UPDATE outbox_jobs j
     SET status = 'dead', lease_until = NULL, finished_at = now(), last_error = :error, updated_at = now(),
-        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END
+        ordering_key = CASE WHEN j.ordering_key IS NOT NULL AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip') THEN NULL ELSE j.ordering_key END,
+        history = jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                  || jsonb_build_array(jsonb_build_object(
+                      'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(), 'relay', j.locked_by,
+                      'outcome', 'dead', 'error', CAST(:error AS text)))
     WHERE j.id IN (SELECT id FROM target) AND j.id = :id AND j.status = 'running' AND j.lease_until < now()
     """
 )
 """Dead-letter one job whose lease expired and whose reaping fails with a data error; the
 lease check is the reaper's own (a renewed lease means its worker still owns it). The
-ordering key as in ``job_bury``."""
+ordering key and ``history`` as in ``job_bury``."""
 
 job_reap_many: TextClause = text(
     """
     WITH expired AS (
         SELECT j.id,
                EXISTS (SELECT 1 FROM outbox_relays r
-                       WHERE r.id = j.locked_by AND j.fence = ANY (r.buffered)) AS unstarted
+                       WHERE r.id = j.locked_by AND j.fence = ANY (r.buffered)) AS unstarted,
+               format('LeaseExpired: lease expired at %s on attempt %s of %s (worker %s, fence %s)',
+                      j.lease_until, j.attempts, j.max_attempts, coalesce(j.locked_by, '?'), j.fence) AS note
         FROM outbox_jobs j
         WHERE j.status = 'running' AND j.lease_until < now()
           AND j.id <> ALL (CAST(:skip AS bigint[]))
@@ -1087,19 +1304,28 @@ job_reap_many: TextClause = text(
     )
     UPDATE outbox_jobs j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled'
-                      WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead' ELSE 'ready' END,
+                      WHEN NOT x.unstarted AND j.attempts >= j.max_attempts THEN 'dead'
+                      WHEN j.superseded_by IS NOT NULL THEN 'superseded' ELSE 'ready' END,
         attempts = j.attempts - x.unstarted::int,
         finished_at = CASE WHEN j.cancel_requested OR (NOT x.unstarted AND j.attempts >= j.max_attempts)
-                           THEN now() END,
-        ordering_key = CASE WHEN NOT x.unstarted AND j.attempts >= j.max_attempts AND j.ordering_key IS NOT NULL
+                                OR j.superseded_by IS NOT NULL THEN now() END,
+        ordering_key = CASE WHEN j.superseded_by IS NOT NULL AND NOT j.cancel_requested
+                                 AND (x.unstarted OR j.attempts < j.max_attempts) THEN NULL
+                            WHEN NOT x.unstarted AND j.attempts >= j.max_attempts AND j.ordering_key IS NOT NULL
                                  AND EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = j.consumer AND s.on_dead = 'skip')
                             THEN NULL ELSE j.ordering_key END,
         run_at = CASE WHEN x.unstarted THEN j.run_at ELSE now() END,
         lease_until = NULL,
-        last_error = CASE WHEN x.unstarted THEN j.last_error
-            ELSE format('LeaseExpired: lease expired at %s on attempt %s of %s (worker %s, fence %s)',
-                        j.lease_until, j.attempts, j.max_attempts, coalesce(j.locked_by, '?'), j.fence) END,
-        updated_at = now()
+        last_error = CASE WHEN x.unstarted THEN j.last_error ELSE x.note END,
+        updated_at = now(),
+        history = CASE WHEN x.unstarted THEN j.history
+                       ELSE jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - 98 to last]')
+                            || jsonb_build_array(jsonb_build_object(
+                                'attempt', j.attempts, 'started_at', j.started_at, 'ended_at', now(),
+                                'relay', j.locked_by,
+                                'outcome', CASE WHEN j.cancel_requested THEN 'cancelled'
+                                                WHEN j.attempts >= j.max_attempts THEN 'dead' ELSE 'lease expired' END,
+                                'error', x.note)) END
     FROM expired x
     WHERE j.id = x.id AND j.status = 'running' AND j.lease_until < now()
     RETURNING j.id, j.consumer, j.status, j.attempts, j.fence, x.unstarted
@@ -1118,7 +1344,11 @@ after ``max_attempts`` starts. ``:skip`` and ``:only`` as in ``event_route_many`
 back to ``ready`` keeps its ordering key and so its place at the head of its key; one
 dead-lettered drops it under ``on_dead='skip'``, as in ``job_fail_many`` (the reaper's
 promotion sweep then lets the next one of its key go). A job an operator asked to cancel
-while it ran (``cancel_requested``) ends ``cancelled`` instead."""
+while it ran (``cancel_requested``) ends ``cancelled`` instead. A started claim's attempt is
+appended to ``history`` with the lease note as its error (``lease expired``, ``dead`` or
+``cancelled``); an unstarted one was no attempt and appends nothing. A job marked
+``superseded_by`` while it ran (coalescing, as in ``job_fail_many``) ends ``superseded``
+instead of ``ready`` and leaves its ordered key (the sweep promotes the next)."""
 
 job_reap_candidates: TextClause = text(
     """
@@ -1174,6 +1404,33 @@ job_prune_cancelled_candidates: TextClause = text(
 )
 """Ids of the jobs ``job_prune_cancelled_many`` would delete, none locked."""
 
+job_prune_superseded_many: TextClause = text(
+    """
+    DELETE FROM outbox_jobs
+    WHERE id IN (
+        SELECT id FROM outbox_jobs
+        WHERE status = 'superseded' AND finished_at < now() - make_interval(secs => :older_than)
+          AND id <> ALL (CAST(:skip AS bigint[]))
+          AND (CAST(:only AS bigint[]) IS NULL OR id = ANY (CAST(:only AS bigint[])))
+        LIMIT :limit
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING id
+    """
+)
+"""``job_prune_done_many`` for superseded jobs (read through ``ix_outbox_jobs_superseded``):
+kept as long as done ones, then deleted."""
+
+job_prune_superseded_candidates: TextClause = text(
+    """
+    SELECT id FROM outbox_jobs
+    WHERE status = 'superseded' AND finished_at < now() - make_interval(secs => :older_than)
+      AND id <> ALL (CAST(:skip AS bigint[]))
+    LIMIT :limit
+    """
+)
+"""Ids of the jobs ``job_prune_superseded_many`` would delete, none locked."""
+
 job_prune_candidates: TextClause = text(
     """
     SELECT id FROM outbox_jobs
@@ -1206,7 +1463,8 @@ job_redrive_many: TextClause = text(
 )
 """Put dead jobs back to ``ready`` with a fresh attempt budget: those in ``:ids`` and/or of
 ``:consumer`` (both: only those ids that are jobs of ``:consumer``); ``last_error`` is kept
-until the next failure. Only ``dead`` rows change."""
+until the next failure, ``history`` is kept (the next attempt is numbered 1 again). Only
+``dead`` rows change."""
 
 job_retry_now_many: TextClause = text(
     """
@@ -1825,6 +2083,41 @@ schedule_list: TextClause = text(
     "SELECT name, cron, timezone, topic, catch_up, last_slot, next_slot FROM outbox_schedules ORDER BY name"
 )
 
+# --------------------------------------------------------------------------- fan-ins
+# The fan-ins of the registries (``Outbox.after``), which the fan-in trigger reads
+# (:mod:`outbox.db.fan_in`); written by every relay when it starts.
+
+fanin_upsert_many: TextClause = text(
+    """
+    INSERT INTO outbox_fanins AS f (name, topic, consumers, follow_topic)
+    SELECT d.name, d.topic, d.consumers, d.follow_topic
+    FROM jsonb_to_recordset(CAST(:fan_ins AS jsonb)) AS d(name text, topic text, consumers text[], follow_topic text)
+    ON CONFLICT (name) DO UPDATE
+    SET topic = EXCLUDED.topic, consumers = EXCLUDED.consumers, follow_topic = EXCLUDED.follow_topic,
+        updated_at = now()
+    WHERE (f.topic, f.consumers, f.follow_topic) IS DISTINCT FROM
+          (EXCLUDED.topic, EXCLUDED.consumers, EXCLUDED.follow_topic)
+    RETURNING f.name, f.topic, f.consumers, f.follow_topic, (f.xmax <> 0) AS updated
+    """
+)
+"""Write a registry's fan-ins, ``:fan_ins`` a JSON array of ``{"name", "topic", "consumers":
+[...], "follow_topic"}``; unchanged rows are left alone. Returns the rows inserted or
+changed; ``updated`` as for ``subscription_upsert_many``."""
+
+fanin_delete_undeclared: TextClause = text(
+    """
+    DELETE FROM outbox_fanins f
+    WHERE f.consumers <@ CAST(:consumers AS text[])
+      AND f.name <> ALL (CAST(:names AS text[]))
+    RETURNING f.name, f.topic, f.consumers, f.follow_topic
+    """
+)
+"""Forget the fan-ins a registry no longer declares: those every one of whose listed
+consumers is one of the registry's ``:consumers`` (a fan-in lists consumers of the registry
+that declares it, so these were this registry's) and whose name is not in ``:names``. A
+fan-in of another registry's consumers stays. Jobs routed while it was declared keep
+``fan_in`` and, finding no fan-in, fire nothing. Returns the rows deleted."""
+
 
 # ----------------------------------------------------------------------------- admin
 # The statements of ``outbox.admin`` (the operator's commands: status, relays, cancel,
@@ -1880,6 +2173,12 @@ job_done_count_by_consumer: TextClause = text(
 )
 """Exact done jobs per consumer: reads every done row (a scan of the table), so ``status``
 runs it only when asked (``--exact``) or when the table is small."""
+
+job_superseded_count_by_consumer: TextClause = text(
+    "SELECT consumer, count(*) AS n FROM outbox_jobs WHERE status = 'superseded' GROUP BY consumer"
+)
+"""Exact superseded jobs per consumer (coalescing consumers': as many as their done jobs, or
+more), counted with the done ones: only when asked (``--exact``) or when the table is small."""
 
 event_unrouted_stats: TextClause = text(
     """
@@ -2107,6 +2406,20 @@ Cost: a walk of the primary key from ``:after`` that stops at ``:limit`` matches
 ``uq_outbox_jobs_event_id_consumer``); a filter that matches few of many jobs (a rare
 key: events have no index on their key) reads more rows for a page."""
 
+job_get: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested, e.topic, e.key, j.started_at, j.history
+    FROM outbox_jobs j
+    LEFT JOIN outbox_events e ON e.id = j.event_id
+    WHERE j.id = :id
+    """
+)
+"""Job ``:id`` as ``job_list`` shows it, with when its current or last attempt began
+(``started_at``) and its attempt history (``history``, NULL when none was written); no row:
+no such job, or pruned (``outbox-relay jobs show``)."""
+
 # ------------------------------------------------------------------------- dashboard
 
 
@@ -2199,6 +2512,20 @@ job_page_cancelled: TextClause = text(
 )
 """``job_page_ready`` for cancelled jobs."""
 
+job_page_superseded: TextClause = text(
+    """
+    SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
+           j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
+           j.ordering_key, j.snoozes, j.cancel_requested
+    FROM outbox_jobs j
+    WHERE j.status = 'superseded' AND j.consumer = :consumer AND j.id < :before
+    ORDER BY j.id DESC
+    LIMIT :limit
+    """
+)
+"""``job_page_ready`` for superseded jobs (a coalescing consumer's, as many as its done ones:
+read as done ones are, by a backward scan of the primary key)."""
+
 job_done_per_minute_list: TextClause = text(
     """
     SELECT consumer, CAST(floor(extract(epoch FROM now() - finished_at) / 60) AS int) AS minutes_ago,
@@ -2240,19 +2567,90 @@ job_list_of_event: TextClause = text(
     """
     SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
            j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
-           j.ordering_key, j.snoozes, j.cancel_requested
+           j.ordering_key, j.snoozes, j.cancel_requested, j.started_at, j.history
     FROM outbox_jobs j
     WHERE j.event_id = :event_id
     ORDER BY j.consumer
     """
 )
 """Every job of event ``:event_id``, one per consumer it was routed to
-(``uq_outbox_jobs_event_id_consumer``)."""
+(``uq_outbox_jobs_event_id_consumer``), with its attempt history (``started_at``,
+``history``)."""
 
 subscription_consumers_of: TextClause = text(
     "SELECT consumer FROM outbox_subscriptions WHERE topic = :topic ORDER BY consumer"
 )
 """The consumers subscribed to ``:topic`` now."""
+
+# ------------------------------------------------------------------------ hook calls
+# Failure hooks (outbox.hooks): the trigger of migration 0014 writes a due call when a job
+# goes dead or back to ready after a failure; a relay declaring the hook leases it, calls
+# the hooks and deletes it. ``calls`` is the lease's fence: each lease adds one, and the
+# statements that end a call check it, so a relay whose lease ran out (another relay took
+# the call over) changes nothing.
+
+hook_call_lease_many: TextClause = text(
+    """
+    WITH declared AS (
+        SELECT * FROM unnest(CAST(:consumers AS text[]), CAST(:hooks AS text[])) AS d(consumer, hook)
+    ), due AS (
+        SELECT h.id, h.event_id
+        FROM outbox_hook_calls h
+        JOIN declared d ON d.consumer = h.consumer AND d.hook = h.hook
+        WHERE h.due_at <= now()
+        ORDER BY h.id
+        LIMIT :limit
+        FOR UPDATE OF h SKIP LOCKED
+    )
+    UPDATE outbox_hook_calls h
+    SET calls = h.calls + 1, due_at = now() + make_interval(secs => :lease)
+    FROM due LEFT JOIN outbox_events e ON e.id = due.event_id
+    WHERE h.id = due.id
+    RETURNING h.id, h.job_id, h.event_id, h.consumer, h.hook, h.attempt, h.max_attempts, h.error, h.calls,
+              h.done, h.created_at, e.topic, e.key, e.payload, e.headers
+    """
+)
+"""Lease up to ``:limit`` due hook calls (``due_at <= now()``) of the (consumer, hook) pairs
+``:consumers`` / ``:hooks`` (this relay's), oldest first, skipping those another relay
+holds: ``calls + 1`` (the new lease's fence) and due again after ``:lease`` seconds, so a
+relay that dies during the call leaves it to another once the lease runs out. Returns each
+call with its event's topic, key, payload and headers (NULL when the event is gone)."""
+
+hook_call_delete_many: TextClause = text(
+    """
+    DELETE FROM outbox_hook_calls h
+    USING unnest(CAST(:ids AS bigint[]), CAST(:calls AS integer[])) AS a(id, calls)
+    WHERE h.id = a.id AND h.calls = a.calls
+    RETURNING h.id
+    """
+)
+"""Delete hook calls that ended (every hook returned, or given up), each only while its
+``calls`` is the caller's lease (``:ids`` / ``:calls``, pairwise). Returns the ids deleted:
+one missing was taken over by another relay after the lease ran out."""
+
+hook_call_fail: TextClause = text(
+    """
+    UPDATE outbox_hook_calls
+    SET done = CAST(:done AS text[]), last_error = :error, due_at = now() + make_interval(secs => :delay)
+    WHERE id = :id AND calls = :calls
+    """
+)
+"""A hook call of which some hook failed: due again after ``:delay`` seconds, ``done`` the
+hooks that have returned so far (not called again), ``last_error`` the failure. Only while
+``calls`` is the caller's lease (``:calls``); the caller reads the row count."""
+
+hook_call_counts: TextClause = text(
+    """
+    SELECT h.consumer, h.hook, count(*) AS calls, min(h.created_at) AS oldest,
+           EXISTS (SELECT 1 FROM outbox_subscriptions s WHERE s.consumer = h.consumer AND h.hook = ANY (s.hooks))
+               AS declared
+    FROM outbox_hook_calls h
+    GROUP BY h.consumer, h.hook
+    ORDER BY h.consumer, h.hook
+    """
+)
+"""Hook calls waiting, by (consumer, hook), with the oldest's creation and whether a
+subscription of the consumer declares the hook now (when none does, no relay calls them)."""
 
 # --------------------------------------------------------------------------- schemas
 
@@ -2335,6 +2733,8 @@ class Statements:
     job_prune_done_many: TextClause
     job_prune_cancelled_many: TextClause
     job_prune_cancelled_candidates: TextClause
+    job_prune_superseded_many: TextClause
+    job_prune_superseded_candidates: TextClause
     job_prune_candidates: TextClause
     job_dead_list: TextClause
     job_redrive_many: TextClause
@@ -2403,9 +2803,14 @@ class Statements:
     schedule_advance: TextClause
     schedule_list: TextClause
 
+    # fan-ins
+    fanin_upsert_many: TextClause
+    fanin_delete_undeclared: TextClause
+
     # admin
     consumer_status_list: TextClause
     job_done_count_by_consumer: TextClause
+    job_superseded_count_by_consumer: TextClause
     event_unrouted_stats: TextClause
     event_unsubscribed_by_topic_list: TextClause
     event_recent_routed_count: TextClause
@@ -2422,6 +2827,7 @@ class Statements:
 
     # job listing
     job_list: TextClause
+    job_get: TextClause
 
     # dashboard
     job_page_ready: TextClause
@@ -2430,11 +2836,18 @@ class Statements:
     job_page_dead: TextClause
     job_page_done: TextClause
     job_page_cancelled: TextClause
+    job_page_superseded: TextClause
     job_done_per_minute_list: TextClause
     event_get: TextClause
     event_list_by_key: TextClause
     job_list_of_event: TextClause
     subscription_consumers_of: TextClause
+
+    # hook calls
+    hook_call_lease_many: TextClause
+    hook_call_delete_many: TextClause
+    hook_call_fail: TextClause
+    hook_call_counts: TextClause
 
     def __init__(self, schema: str) -> None:
         self.schema = check_schema_name(schema)

@@ -1,7 +1,7 @@
 """Retention: what the pruner deletes, shared by the relay's pruner
 (:mod:`outbox.relay.maintenance`) and ``outbox-relay prune`` (:func:`outbox.admin.prune_now`).
 
-Done and cancelled jobs finished more than ``retention_done`` seconds ago go first, then
+Done, cancelled and superseded jobs finished more than ``retention_done`` seconds ago go first, then
 events older than ``retention_events`` seconds that have no job left, then the rows of relays
 gone for ``RELAY_GONE_AFTER`` seconds that hold no running job, and the messages intakes took
 in more than ``intake_retention`` seconds ago (:func:`prune_intake`). Dead jobs are never pruned:
@@ -25,7 +25,7 @@ from sqlalchemy.engine import Connection
 from outbox.db import queries
 from outbox.db.poison import Quarantine, whole_or_halves
 
-#: Rows of each kind (done jobs, cancelled jobs, events) one :func:`prune` call deletes at most.
+#: Rows of each kind (done jobs, cancelled jobs, superseded jobs, events) one :func:`prune` call deletes at most.
 PRUNE_BATCH = 5000
 #: Seconds after which a relay that stopped writing its row of ``outbox_relays`` (a live one
 #: does at least every :data:`outbox.db.tables.RELAY_SEEN_INTERVAL`) and holds no running job
@@ -36,8 +36,8 @@ RELAY_GONE_AFTER = 600.0
 def prune(conn: Connection, done_older_than: float, events_older_than: float,
           limit: int = PRUNE_BATCH, quarantine: Quarantine | None = None, *,
           schema: str | None = None) -> tuple[int, int]:
-    """Delete up to ``limit`` done jobs and up to ``limit`` cancelled jobs finished more than
-    ``done_older_than`` seconds ago (counted together) and up to
+    """Delete up to ``limit`` done jobs, up to ``limit`` cancelled jobs and up to ``limit``
+    superseded jobs finished more than ``done_older_than`` seconds ago (counted together) and up to
     ``limit`` finished events older than ``events_older_than`` seconds; returns the counts
     (jobs, events). A row whose delete fails with a data error (a trigger, a foreign key of
     the application's pointing at an event) is found by halves (:mod:`outbox.db.poison`) and
@@ -48,6 +48,8 @@ def prune(conn: Connection, done_older_than: float, events_older_than: float,
                             done_older_than, limit, quarantine, "pruning the done job")
     jobs += _prune_by_halves(conn, statements.job_prune_cancelled_many, statements.job_prune_cancelled_candidates,
                              done_older_than, limit, quarantine, "pruning the cancelled job")
+    jobs += _prune_by_halves(conn, statements.job_prune_superseded_many, statements.job_prune_superseded_candidates,
+                             done_older_than, limit, quarantine, "pruning the superseded job")
     events = _prune_by_halves(conn, statements.event_prune_many, statements.event_prune_candidates,
                               events_older_than, limit, quarantine, "pruning the event")
     return jobs, events

@@ -14,6 +14,10 @@ Job states (``jobs.status``)::
 
     ready, pending --cancel--> cancelled
     running --cancel (cancel_requested)--> any outcome of that claim records cancelled
+
+    ready, pending --a newer event of the key routed (coalescing)--> superseded
+    running --a newer event of the key routed--> running, superseded_by set: an outcome
+            that would make it ready again records superseded (done and dead stay)
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.engine import Connection
 
 from outbox.db import event_rules
+from outbox.db.fan_in import FAN_IN_DDL, FAN_IN_FUNCTION
 
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
@@ -68,8 +73,9 @@ NOTIFY_FUNCTION = "outbox_notify"
 fence_seq = Sequence("outbox_fence_seq", metadata=metadata, start=1)
 
 #: ``pending``: an ordered job waiting for the earlier jobs of its key (migration 0005);
-#: ``cancelled``: stopped by an operator. Only ``ready`` is claimable.
-JOB_STATUSES = ("ready", "running", "done", "dead", "pending", "cancelled")
+#: ``cancelled``: stopped by an operator; ``superseded``: a coalescing consumer's job a newer
+#: event of its key replaced before it ran again (migration 0013). Only ``ready`` is claimable.
+JOB_STATUSES = ("ready", "running", "done", "dead", "pending", "cancelled", "superseded")
 
 events = Table(
     "outbox_events",
@@ -161,8 +167,11 @@ jobs = Table(
     Column("started_at", DateTime(timezone=True), nullable=True),
     Column("history", JSONB, nullable=True),
     Column("fan_in", Boolean, nullable=False, server_default=text("false")),
-    # coalesce_key: the event's key, on the jobs of a coalescing consumer (NULL otherwise).
+    # coalesce_key: the event's key, on the jobs of a coalescing consumer (NULL otherwise);
+    # superseded_by: the id of the newer event of that key that superseded the job (NULL:
+    # none), set on a running job too: its attempt then ends superseded rather than waiting again.
     Column("coalesce_key", Text, nullable=True),
+    Column("superseded_by", BigInteger, nullable=True),
     PrimaryKeyConstraint("id"),
     UniqueConstraint("event_id", "consumer"),
     CheckConstraint("status IN ('ready', 'running', 'done', 'dead', 'pending', 'cancelled', 'superseded')",
@@ -180,9 +189,10 @@ jobs = Table(
     Index("ix_outbox_jobs_cancelled", "finished_at", postgresql_where=text("status = 'cancelled'")),
     # Superseded jobs by age (migration 0013): pruned like done ones.
     Index("ix_outbox_jobs_superseded", "finished_at", postgresql_where=text("status = 'superseded'")),
-    # The waiting jobs of each (coalescing consumer, key), which a newer event of the key supersedes.
+    # The live jobs of each (coalescing consumer, key), which a newer event of the key supersedes
+    # (waiting ones) or marks (running ones): architecture notes, "Coalescing".
     Index("ix_outbox_jobs_coalesce", "consumer", "coalesce_key", "event_id",
-          postgresql_where=text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending')")),
+          postgresql_where=text("coalesce_key IS NOT NULL AND status IN ('ready', 'pending', 'running')")),
     # The unfinished jobs of each (ordered consumer, key) in event order: the key's head,
     # the jobs waiting behind it, and a dead job blocking it. Done rows never enter it.
     Index("ix_outbox_jobs_ordering", "consumer", "ordering_key", "event_id",
@@ -302,6 +312,12 @@ hook_calls = Table(
     Column("due_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_error", Text, nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    # Migration 0014: the job's event and max_attempts when it failed (the job may be pruned
+    # before a retry's hooks run); done: the hooks (by name) that already returned for this
+    # row, so a failing hook is called again without repeating the others.
+    Column("event_id", BigInteger, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    Column("done", ARRAY(Text), nullable=False, server_default=text("'{}'::text[]")),
     PrimaryKeyConstraint("id"),
     CheckConstraint("hook IN ('dead', 'retry')", name="hook_known"),
 )
@@ -323,8 +339,10 @@ fanins = Table(
 
 #: Which fan-in fired for which event (migration 0013), written in the transaction of the
 #: completion that finished the last listed job, with the follow-up event it published: its
-#: primary key makes the follow-up once per (event, fan-in). Pruned with the events (by
-#: ``event_id``, the key's first column).
+#: primary key makes the follow-up once per (event, fan-in). ``follow_event_id`` NULL: settled
+#: without a follow-up (a listed job was deleted before it was done: purged, or pruned once
+#: cancelled; :mod:`outbox.db.fan_in`). Pruned with the events (by ``event_id``, the key's
+#: first column).
 fanin_fired = Table(
     "outbox_fanin_fired",
     metadata,
@@ -357,7 +375,7 @@ def relation_names() -> frozenset[str]:
     unqualified; :func:`outbox.db.queries.in_schema` qualifies exactly these."""
     sequences = {v.name for v in globals().values() if isinstance(v, Sequence) and v.metadata is metadata}
     return frozenset({*metadata.tables, *sequences, VERSION_TABLE, NOTIFY_FUNCTION, EVENTS_NOTIFY_FUNCTION,
-                      *event_rules.FUNCTION_NAMES})
+                      HOOK_FUNCTION, FAN_IN_FUNCTION, *event_rules.FUNCTION_NAMES})
 
 
 # The function resolves no relation by name (pg_notify is in pg_catalog, searched first), so
@@ -426,6 +444,51 @@ NOTIFY_DROP_DDL = (
     "DROP FUNCTION IF EXISTS outbox_notify()",
 )
 
+#: Failure hooks (migration 0014, issue 32): a row trigger on ``outbox_jobs`` writes a due
+#: call to ``outbox_hook_calls`` when a job goes ``dead`` (from any status, by any statement)
+#: or back to ``ready`` after a failed attempt (``running`` to ``ready`` with ``attempts``
+#: unchanged: a failure with attempts left, or the reaper's expired lease of a started
+#: attempt; a release, a snooze and the reaper's unstarted claim give the attempt back, so
+#: ``attempts`` drops and they do not match), and only when a subscription of the job's
+#: consumer declares that hook (``outbox_subscriptions.hooks``, written by the relays). The
+#: WHEN clause is evaluated by the executor without calling the function, so claims,
+#: heartbeats and completions pay nothing; the call commits or rolls back with the
+#: statement that changed the job. The function keeps the search path it was created under
+#: (outbox's schema, then ``pg_temp``), like the publish functions.
+HOOK_FUNCTION = "outbox_hook_due"
+HOOK_TRIGGERS = {"dead": "outbox_jobs_dead_hook", "retry": "outbox_jobs_retry_hook"}
+HOOK_DDL = (
+    "SELECT set_config('search_path', quote_ident(current_schema()) || ', pg_temp', true)",
+    f"""
+    CREATE OR REPLACE FUNCTION {HOOK_FUNCTION}() RETURNS trigger
+    LANGUAGE plpgsql VOLATILE SET search_path FROM CURRENT AS $$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM outbox_subscriptions s
+                   WHERE s.consumer = NEW.consumer AND TG_ARGV[0] = ANY (s.hooks)) THEN
+            INSERT INTO outbox_hook_calls (job_id, event_id, consumer, hook, attempt, max_attempts, error)
+            VALUES (NEW.id, NEW.event_id, NEW.consumer, TG_ARGV[0], NEW.attempts, NEW.max_attempts, NEW.last_error);
+        END IF;
+        RETURN NULL;
+    END $$
+    """,
+    f"""
+    CREATE TRIGGER {HOOK_TRIGGERS["dead"]} AFTER UPDATE OF status ON outbox_jobs FOR EACH ROW
+    WHEN (NEW.status = 'dead' AND OLD.status IS DISTINCT FROM 'dead')
+    EXECUTE FUNCTION {HOOK_FUNCTION}('dead')
+    """,
+    f"""
+    CREATE TRIGGER {HOOK_TRIGGERS["retry"]} AFTER UPDATE OF status ON outbox_jobs FOR EACH ROW
+    WHEN (OLD.status = 'running' AND NEW.status = 'ready' AND NEW.attempts = OLD.attempts)
+    EXECUTE FUNCTION {HOOK_FUNCTION}('retry')
+    """,
+)
+#: The downgrade of 0014.
+HOOK_DROP_DDL = (
+    f"DROP TRIGGER IF EXISTS {HOOK_TRIGGERS['retry']} ON outbox_jobs",
+    f"DROP TRIGGER IF EXISTS {HOOK_TRIGGERS['dead']} ON outbox_jobs",
+    f"DROP FUNCTION IF EXISTS {HOOK_FUNCTION}()",
+)
+
 
 def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any) -> None:
     for statement in (*NOTIFY_DDL, *EVENTS_NOTIFY_DDL):
@@ -435,6 +498,10 @@ def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any)
     search_path = connection.exec_driver_sql("SELECT current_setting('search_path')").scalar_one()
     for statement in event_rules.PUBLISH_FUNCTIONS_DDL:  # the first sets the search path they keep
         connection.exec_driver_sql(statement.replace("%", "%%"))  # the driver reads % as a placeholder
+    for statement in HOOK_DDL:  # the first sets the search path the function keeps
+        connection.exec_driver_sql(statement)
+    for statement in FAN_IN_DDL:  # likewise (fan-in, migration 0015: outbox.db.fan_in)
+        connection.exec_driver_sql(statement.replace("%", "%%"))
     connection.exec_driver_sql("SELECT set_config('search_path', %(path)s, true)", {"path": search_path})
 
 

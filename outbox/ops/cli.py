@@ -7,8 +7,8 @@ extra ``[dashboard]``), and the operator's commands, each a call of :mod:`outbox
 this module only parses and prints: ``status``, ``dead``, ``redrive``, ``blocked``, ``skip``
 (ordered keys held by a dead job: architecture notes, "Ordering"), ``subscriptions``,
 ``unsubscribe``, ``pause``, ``resume`` (architecture notes, "Flow control"), ``relays``,
-``jobs``, ``cancel``, ``retry``, ``replay``, ``purge``, ``prune``. Only ``run`` imports the
-relay (:mod:`outbox.relay.relay`). Settings come from ``OUTBOX_*`` environment variables
+``jobs`` (``jobs show ID``: one job with its attempt history), ``cancel``, ``retry``,
+``replay``, ``purge``, ``prune``. Only ``run`` imports the relay (:mod:`outbox.relay.relay`). Settings come from ``OUTBOX_*`` environment variables
 (:class:`~outbox.settings.OutboxSettings`); flags given on the command line win.
 
 Errors a user can cause (a bad ``--app``, an unreachable database, missing migrations, an
@@ -158,10 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_demo_arguments(demo)
 
-    status = add("status", "Per consumer: ready, running, pending, dead, cancelled and done jobs, lag (how long "
-                           "its oldest due job has waited), blocked keys, paused; unrouted events and the oldest's "
-                           "age; retained events on topics nobody subscribes to; flow control and schedules. Done "
-                           "jobs are counted only on a small table (else estimated), and unsubscribed topics "
+    status = add("status", "Per consumer: ready, running, pending, dead, cancelled, done and superseded jobs, lag "
+                           "(how long its oldest due job has waited), blocked keys, paused; unrouted events and the "
+                           "oldest's age; retained events on topics nobody subscribes to; flow control and "
+                           "schedules. Done and superseded jobs are counted only on a small table (else done is "
+                           "estimated), and unsubscribed topics "
                            "looked for among the latest 100,000 events, unless --exact.")
     status.add_argument("--exact", action="store_true", help="count done jobs and scan every retained event "
                                                              "(reads the whole tables)")
@@ -249,7 +250,11 @@ def _add_admin_commands(add: Any) -> None:
                                                                        "relay is shown gone (default 90)")
     relays.add_argument("--json", action="store_true", help="one JSON array")
     jobs = add("jobs", "List jobs by consumer, status, event key, event id and age, in ascending id order, one "
-                       "page at a time: the last line names the --after of the next page. Nothing matched: status 1.")
+                       "page at a time: the last line names the --after of the next page. `jobs show ID`: one job "
+                       "with its attempt history (each attempt's start, end, relay, outcome and error). Nothing "
+                       "matched: status 1.")
+    jobs.add_argument("action", nargs="?", choices=("show",), help="show: one job and its attempts (jobs show ID)")
+    jobs.add_argument("job_id", nargs="?", type=_row_id, metavar="ID", help="the job to show")
     jobs.add_argument("--consumer", help="only this consumer's jobs")
     jobs.add_argument("--status", action="append", choices=JOB_STATUSES,
                       help="only jobs in this status (repeatable: any of them)")
@@ -262,7 +267,8 @@ def _add_admin_commands(add: Any) -> None:
                                                                   "page printed)")
     jobs.add_argument("--limit", type=_whole_number_to(LIST_LIMIT), default=50,
                       help=f"jobs per page, 1 to {LIST_LIMIT} (default 50)")
-    jobs.add_argument("--json", action="store_true", help="one JSON object: jobs, next_after")
+    jobs.add_argument("--json", action="store_true", help="one JSON object: jobs, next_after (show: the job, its "
+                                                          "attempts in history, oldest first)")
     cancel = add("cancel", "Cancel jobs: ready and pending ones become cancelled (kept, then pruned, like done "
                            "ones); a running one is asked to stop (job.cancel_requested) and its attempt's outcome "
                            "records cancelled.")
@@ -296,7 +302,7 @@ def _add_admin_commands(add: Any) -> None:
     purge.add_argument("consumer")
     purge.add_argument("--yes", action="store_true", help="really delete them")
     purge.add_argument("--json", action="store_true", help="one JSON object")
-    prune = add("prune", "Prune now, by the relay's pruner's rules: done and cancelled jobs older than "
+    prune = add("prune", "Prune now, by the relay's pruner's rules: done, cancelled and superseded jobs older than "
                          "--retention-done, finished events older than --retention-events, relays gone for 10 "
                          "minutes.")
     prune.add_argument("--retention-done", type=float, help="seconds (default $OUTBOX_RETENTION_DONE)")
@@ -756,7 +762,7 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
         out(rows, "\n".join(lines))
         return 0
     if command == "jobs":
-        return _jobs(args, engine, schema)
+        return _job_show(args, engine, schema) if args.action == "show" else _jobs(args, engine, schema)
     if command == "cancel":
         result = admin.cancel(engine, args.ids or None, args.consumer, statuses=args.status or admin.CANCELLABLE,
                               schema=schema)
@@ -816,7 +822,7 @@ def _admin(args: argparse.Namespace, engine: Any, schema: str, settings: OutboxS
         return 0
     pruned = admin.prune_now(engine, done_older_than=settings.retention_done,
                              events_older_than=settings.retention_events, schema=schema)
-    out(pruned, f"pruned {pruned.jobs} done or cancelled jobs, {pruned.events} events, {pruned.relays} relays gone")
+    out(pruned, f"pruned {pruned.jobs} done, cancelled or superseded jobs, {pruned.events} events, {pruned.relays} relays gone")
     return 0
 
 
@@ -845,9 +851,64 @@ def _jobs(args: argparse.Namespace, engine: Any, schema: str) -> int:
     return 0
 
 
+def _job_show(args: argparse.Namespace, engine: Any, schema: str) -> int:
+    """``jobs show ID``: :func:`outbox.admin.job_detail`, as text (the job, then a table of its
+    attempts, oldest first, each error's first line) or one JSON object; no such job: one
+    line on stderr, status 1."""
+    from outbox import admin
+
+    with engine.begin() as conn:
+        job = admin.job_detail(conn, args.job_id, schema=schema)
+    if job is None:
+        return _nothing(f"no job {args.job_id} (never routed, or pruned)")
+    if args.json:
+        print(json.dumps(admin.as_dict(job)))
+        return 0
+
+    def when(moment: datetime | None) -> str:
+        return moment.astimezone(UTC).isoformat(timespec="milliseconds") if moment else "-"
+
+    event = f"event {job.event_id}" + (f" ({_printable(job.topic)}" + (f", key {_printable(job.key)})"
+                                                                         if job.key is not None else ")")
+                                       if job.topic is not None else " (pruned)")
+    print(f"job {job.id}: {_printable(job.consumer)}, {event}")
+    print(f"status {job.status}{' (cancel requested)' if job.cancel_requested else ''}, attempts {job.attempts}/"
+          f"{job.max_attempts}{f', snoozes {job.snoozes}' if job.snoozes else ''}, priority {job.priority}, "
+          f"fence {job.fence}" + (f", ordered key {_printable(job.ordering_key)}" if job.ordering_key else ""))
+    print(f"created {when(job.created_at)}, run at {when(job.run_at)}, updated {when(job.updated_at)}"
+          + (f", finished {when(job.finished_at)}" if job.finished_at else "")
+          + (f", lease until {when(job.lease_until)}" if job.lease_until else ""))
+    if not job.history:
+        print("no attempt yet")
+        return 0
+    kept = sum(1 for a in job.history if a.outcome not in ("done", "running"))
+    print(f"{'attempt':>7}  {'outcome':<13} {'started':<29} {'ended':<29} {'relay':<32} error")
+    for a in job.history:
+        message = _error_message(a.error)
+        error = _printable(message[0][:120]) if message else ""
+        print(f"{a.attempt:>7}  {a.outcome:<13} {when(a.started_at):<29} {when(a.ended_at):<29} "
+              f"{_printable(a.relay or '-'):<32} {error}".rstrip())
+    if kept >= admin.HISTORY_KEPT:
+        print(f"(the newest {admin.HISTORY_KEPT} ended attempts are kept; older ones were dropped)")
+    if any(a.error for a in job.history):
+        print("each error's first line; the whole text: jobs show --json")
+    return 0
+
+
 def _check_jobs_args(args: argparse.Namespace) -> None:
     """Refuse ``jobs``' bad filters before anything connects, naming the flag; the ages go to
-    ``older_than_seconds`` and ``newer_than_seconds`` (None: not given)."""
+    ``older_than_seconds`` and ``newer_than_seconds`` (None: not given). ``jobs show`` takes a
+    job id and ``--json`` only."""
+    if args.action == "show":
+        if args.job_id is None:
+            raise UsageError("jobs show: name the job (jobs show ID)")
+        given = [flag for flag, value in (("--consumer", args.consumer), ("--status", args.status), ("--key", args.key),
+                                          ("--event", args.event), ("--older-than", args.older_than),
+                                          ("--newer-than", args.newer_than), ("--after", args.after))
+                 if value is not None]
+        if given or args.limit != 50:
+            raise UsageError(f"jobs show ID takes --json only, not {', '.join(given) or '--limit'}")
+        return
     if args.consumer is not None:
         _check_consumer_name("jobs", args.consumer)
     if args.key is not None and (not args.key or "\x00" in args.key):
@@ -936,16 +997,18 @@ def _print_status(state: Any) -> None:
     age = f" (oldest {_seconds(state.unrouted_oldest_seconds)})" if state.unrouted else ""
     print(f"unrouted events: {state.unrouted}{age}")
     print(f"{'consumer':<32} {'ready':>8} {'running':>8} {'pending':>8} {'dead':>8} {'cancelled':>9} "
-          f"{'done':>10} {'blocked':>7} {'lag':>8}  paused")
+          f"{'done':>10} {'superseded':>10} {'blocked':>7} {'lag':>8}  paused")
     for c in state.consumers:
         done = str(c.done) if c.done is not None else "~"
+        superseded = str(c.superseded) if c.superseded is not None else "~"
         lag = _seconds(c.lag_seconds) if c.lag_seconds is not None else "-"
         paused = c.paused_at.astimezone(UTC).isoformat() if c.paused_at else "-"
         note = "" if c.subscribed else "  (no subscription)"
         print(f"{c.consumer:<32} {c.ready:>8} {c.running:>8} {c.pending:>8} {c.dead:>8} {c.cancelled:>9} "
-              f"{done:>10} {c.blocked_keys:>7} {lag:>8}  {paused}{note}")
+              f"{done:>10} {superseded:>10} {c.blocked_keys:>7} {lag:>8}  {paused}{note}")
     if not state.done_exact:
-        print(f"done jobs: about {state.done_estimate} in all (estimated; --exact counts them per consumer)")
+        print(f"done and superseded jobs: about {state.done_estimate} in all (estimated; --exact counts them per "
+              "consumer)")
     where = ("retained" if state.unsubscribed_complete else f"latest {state.unsubscribed_scanned}") + " events"
     for t in state.unsubscribed:
         print(f"no subscription for topic {t.topic!r}: {t.events} of the {where}, "

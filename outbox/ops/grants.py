@@ -7,10 +7,13 @@ Three roles (operations notes, "Roles"), all created by the database administrat
 * the **relay** role runs ``outbox-relay run`` and the inspecting commands: DML on every
   table of outbox (``SELECT, INSERT, UPDATE, DELETE``), ``SELECT`` on the version table
   (the start-up check of the schema's revision), ``USAGE`` on outbox's sequences (the fence
-  sequence: every claim takes ``nextval``). No DDL, no TRUNCATE, no REFERENCES. LISTEN,
-  NOTIFY and advisory locks need no grant. ANALYZE and VACUUM of the queue's tables need
-  ownership (or, on PostgreSQL 17 and later, ``MAINTAIN``: ``maintain=True`` grants it);
-  without it the relay skips them with one warning (:class:`outbox.relay.maintenance.TableUpkeep`).
+  sequence: every claim takes ``nextval``), ``EXECUTE`` on ``outbox_publish`` and
+  ``outbox_insert_event`` (a fan-in's follow-up is published by the trigger on the jobs,
+  as the role completing the job; it could insert the event itself anyway). No DDL, no
+  TRUNCATE, no REFERENCES. LISTEN, NOTIFY and advisory locks need no grant. ANALYZE and
+  VACUUM of the queue's tables need ownership (or, on PostgreSQL 17 and later, ``MAINTAIN``:
+  ``maintain=True`` grants it); without it the relay skips them with one warning
+  (:class:`outbox.relay.maintenance.TableUpkeep`).
 * the **publisher** role is the application's: ``INSERT`` on the columns of
   ``outbox_events`` publish writes (:data:`PUBLISHER_EVENT_INSERT_COLUMNS`), and ``SELECT``
   on the columns publish reads back, no others: ``id`` (``RETURNING id``), ``topic`` and
@@ -67,6 +70,11 @@ PUBLISHER_EVENT_COLUMNS = ("id", "topic", "dedup_key")
 PUBLISHER_EVENT_INSERT_COLUMNS = ("topic", "key", "payload", "headers", "run_at", "priority", "dedup_key")
 #: Columns of ``outbox_subscriptions`` the publisher may read.
 PUBLISHER_SUBSCRIPTION_COLUMNS = ("topic", "ordered")
+#: The SQL functions the relay role may call: the fan-in trigger publishes a follow-up with
+#: ``outbox_publish`` (which calls ``outbox_insert_event``) with the privileges of the role
+#: completing the job (:mod:`outbox.db.fan_in`).
+RELAY_FUNCTIONS = tuple(f for f in event_rules.WRITING_FUNCTIONS
+                        if f.partition("(")[0] in (event_rules.PUBLISH_FUNCTION, "outbox_insert_event"))
 #: The queue's tables ``maintain=True`` grants MAINTAIN on (PostgreSQL 17 and later).
 MAINTAINED_TABLES = ("outbox_jobs", "outbox_events")
 
@@ -113,6 +121,9 @@ def relay_grants(role: str, schema: str = "public", *, maintain: bool = False) -
         sql.SQL("GRANT USAGE ON SEQUENCE {} TO {}").format(
             sql.SQL(", ").join(_table(schema, s) for s in sequences), role_id),
     ]
+    statements += [sql.SQL("GRANT EXECUTE ON FUNCTION {}.{} TO {}").format(sql.Identifier(schema), sql.SQL(signature),
+                                                                          role_id)
+                   for signature in RELAY_FUNCTIONS]
     if maintain:
         statements.append(sql.SQL("GRANT MAINTAIN ON TABLE {} TO {}").format(
             sql.SQL(", ").join(_table(schema, t) for t in MAINTAINED_TABLES), role_id))

@@ -207,6 +207,9 @@ class Completer:
         self._finished("released", [c for c in release if c.id in released])
         if released:
             notify_head(self.connection(), schema=self.schema)
+            # A coalescing consumer's job released after a newer event of its key was routed ends
+            # superseded and leaves its ordered key: let the key go on (a no-op for the others).
+            self.finished([c for c in release if c.id in released])
         self.stale([c for c in release if c.id not in released and c.id not in buried])
         self.claims.forget(release)
 
@@ -287,6 +290,7 @@ class Completer:
     def log_failures(self, failed: list[tuple[Claim, Failure]], statuses: dict[int, str]) -> None:
         dead: list[str] = []
         retried: list[str] = []
+        superseded: list[str] = []
         for claim, failure in failed:
             status = statuses.get(claim.id)
             if status == "dead":
@@ -303,7 +307,16 @@ class Completer:
                 log.info("job %s (%s) failed attempt %s/%s, retry in %.1fs: %s", claim.id, claim.consumer, claim.job.attempt,
                          claim.job.max_attempts, failure.delay, error,
                          extra=claim.fields(outcome="retried", delay_seconds=round(failure.delay, 3), error=error))
+            elif status == "superseded":  # a coalescing consumer's: a newer event of its key waits to run
+                self.stats.add("superseded")
+                superseded.append(claim.consumer)
+                error = failure.error.splitlines()[0][:200]
+                log.info("job %s (%s) failed attempt %s/%s and is superseded, not retried: a newer event of its key "
+                         "was routed while it ran: %s", claim.id, claim.consumer, claim.job.attempt,
+                         claim.job.max_attempts, error, extra=claim.fields(outcome="superseded", error=error))
         if self.metrics is not None:
+            if superseded:
+                self.metrics.jobs("superseded", superseded)
             if dead:
                 self.metrics.jobs("dead", dead)
             if retried:

@@ -18,8 +18,9 @@ READ COMMITTED, and a serialization failure or deadlock is retried in place
 use, one connection) and the same steps.
 
 Failures: an exception becomes a :class:`~outbox.relay.outcomes.Failure`: the job goes back
-to ``ready`` after :func:`outbox.backoff.retry_delay` or, once attempts reach
-``max_attempts``, to ``dead``; :class:`~outbox.PermanentError` goes to ``dead`` at once.
+to ``ready`` after its subscriber's retry delay (:class:`outbox.retry.RetryPolicy`) or, once
+attempts reach ``max_attempts``, to ``dead``; :class:`~outbox.PermanentError`, and what the
+subscriber's ``dead_on`` / ``retry_on`` declare dead, go to ``dead`` at once.
 ``last_error`` holds the type, message and a bounded traceback
 (:func:`outbox.relay.outcomes.format_error`).
 """
@@ -30,7 +31,7 @@ import asyncio
 import inspect
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,7 +40,6 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from outbox import backoff
 from outbox.db.engine import describe
 from outbox.errors import (
     HandlerMisuseError,
@@ -52,8 +52,9 @@ from outbox.job import Job
 from outbox.registry import Subscriber
 from outbox.relay import transaction
 from outbox.relay.counters import Counters
-from outbox.relay.outcomes import Failure, Outcome, Snoozed, format_error
+from outbox.relay.outcomes import MAX_ERROR_CHARS, Failure, Outcome, Snoozed, format_error
 from outbox.relay.watchdog import ASYNC_BACKSTOP_SECONDS, Watchdog
+from outbox.retry import RetryPolicy, policy_of
 from outbox.settings import OutboxSettings
 from outbox.telemetry import tracing
 from outbox.telemetry.logs import job_fields
@@ -188,7 +189,9 @@ class JobExecutor:
     ``held(job)`` says whether the caller still holds the claim; ``stopping`` (the relay
     draining) cuts waits short; ``completing(job)`` is called as the fenced completion of
     a transactional handler is about to run, ``abandoned(job)`` when that transaction
-    failed instead. ``stats["retried_in_place"]`` counts in-place retries.
+    failed instead. ``stats["retried_in_place"]`` counts in-place retries. ``policies``:
+    each consumer's retry policy (:func:`outbox.retry.policy_of`; a consumer not in it gets
+    the settings' backoff and every failure retried).
     ``reraise_interrupts=True`` (for :func:`outbox.testing.drain`, which runs handlers in the
     caller's thread) lets a ``KeyboardInterrupt`` or ``SystemExit`` out of a handler, after
     its transaction rolled back, instead of recording it as the attempt's failure; the
@@ -207,8 +210,11 @@ class JobExecutor:
                  completing: Callable[[Job], None] = lambda job: None,
                  abandoned: Callable[[Job], None] = lambda job: None,
                  stats: Counters | None = None, reraise_interrupts: bool = False,
-                 watchdog: Watchdog | None = None) -> None:
+                 watchdog: Watchdog | None = None, policies: Mapping[str, RetryPolicy] | None = None) -> None:
         self.reraise_interrupts = reraise_interrupts
+        # Each consumer's retry policy (outbox.retry); a consumer not in it: the settings' backoff, every failure retried.
+        self.policies = dict(policies or {})
+        self._default_policy = policy_of(settings)
         self.watchdog = watchdog
         self.settings = settings
         self.connections = connections
@@ -414,8 +420,10 @@ class JobExecutor:
         """The outcome of an attempt that raised ``exc``: :attr:`Outcome.STALE` when the
         claim was lost (``LeaseLostError``, or ``job.lease_lost``), :class:`Snoozed` for a
         :class:`~outbox.Snooze`, else a :class:`Failure`
-        whose delay is :func:`outbox.backoff.retry_delay` of the attempt (``PermanentError``:
-        permanent). Re-raises ``exc`` if it is a ``KeyboardInterrupt`` or ``SystemExit`` and
+        whose delay is the consumer's policy's (:meth:`outbox.retry.RetryPolicy.delay`) for the
+        attempt; permanent for a ``PermanentError`` and for what the policy's ``dead_on`` /
+        ``retry_on`` make dead at once, whose error then begins with a line naming the rule.
+        Re-raises ``exc`` if it is a ``KeyboardInterrupt`` or ``SystemExit`` and
         the executor was made with ``reraise_interrupts``."""
         if self.reraise_interrupts and isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise exc
@@ -425,11 +433,13 @@ class JobExecutor:
             return Snoozed(exc.seconds)
         if tracing.active():
             tracing.record_failure(job, exc)
-        s = self.settings
+        policy = self.policies.get(job.consumer, self._default_policy)
+        rule = policy.dead_at_once(exc)
         return Failure(
-            delay=backoff.retry_delay(job.attempt, base=s.backoff_base, cap=s.backoff_cap, jitter=s.backoff_jitter),
-            permanent=isinstance(exc, PermanentError),
-            error=format_error(exc),
+            delay=policy.delay(job.attempt),
+            permanent=rule is not None or isinstance(exc, PermanentError),
+            error=format_error(exc) if rule is None else f"{rule}\n{format_error(exc, MAX_ERROR_CHARS - len(rule) - 1)}",
+            timed_out=isinstance(exc, HandlerTimeoutError),
         )
 
     def _warn_return(self, sub: Subscriber, result: Any) -> None:

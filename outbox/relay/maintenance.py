@@ -70,11 +70,14 @@ REAP_BATCH = 1000
 class ReapResult:
     """Jobs taken back by one reaper round: ``retried`` (back to ready, attempt counted),
     ``dead`` (that was the last attempt), ``unstarted`` (back to ready with the attempt
-    given back: the claim sat in a relay's prefetch buffer and its handler never ran)."""
+    given back: the claim sat in a relay's prefetch buffer and its handler never ran),
+    ``superseded`` (a coalescing consumer's job a newer event of its key replaced while it
+    ran: it ends ``superseded`` rather than run again; architecture notes, "Coalescing")."""
 
     retried: int
     dead: int
     unstarted: int = 0
+    superseded: int = 0
 
 
 def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quarantine | None = None, *,
@@ -104,16 +107,21 @@ def reap_expired(conn: Connection, limit: int = REAP_BATCH, quarantine: Quaranti
         log.error("reaper: dead-lettered %d jobs whose reaping fails (%s)", len(buried),
                   describe_error(poisoned[0][1]))
     dead = [r for r in rows if r.status == "dead"]
-    unstarted = sum(1 for r in rows if r.unstarted)
+    superseded = sum(1 for r in rows if r.status == "superseded")
+    unstarted = sum(1 for r in rows if r.unstarted and r.status != "superseded")
     for r in dead:
         log.error("dead-lettered job %s (%s): lease expired on its last attempt (%s)", r.id, r.consumer, r.attempts,
                   extra={"job_id": r.id, "consumer": r.consumer, "attempt": r.attempts, "outcome": "dead"})
-    if len(rows) > len(dead) + unstarted:
-        log.info("reaper: %d jobs with expired leases back to ready", len(rows) - len(dead) - unstarted)
+    retried = len(rows) - len(dead) - unstarted - superseded
+    if retried:
+        log.info("reaper: %d jobs with expired leases back to ready", retried)
     if unstarted:
         log.info("reaper: %d jobs whose relay stopped before starting them back to ready, attempt not counted",
                  unstarted)
-    return ReapResult(retried=len(rows) - len(dead) - unstarted, dead=len(dead), unstarted=unstarted)
+    if superseded:
+        log.info("reaper: %d jobs with expired leases superseded (a newer event of their key waits to run)",
+                 superseded)
+    return ReapResult(retried=retried, dead=len(dead), unstarted=unstarted, superseded=superseded)
 
 
 def _bury_many(conn: Connection, poisoned: list[tuple[int, BaseException]], statement: Any, doing: str,
@@ -266,7 +274,7 @@ class Maintenance:
         if promoted:
             self.stats.add("promoted", len(promoted))
             self.wake_workers.set()
-        self.stats.add("reaped", reaped.retried + reaped.dead + reaped.unstarted)
+        self.stats.add("reaped", reaped.retried + reaped.dead + reaped.unstarted + reaped.superseded)
         self.stats.add("reaped_dead", reaped.dead)
         self.stats.add("reaped_unstarted", reaped.unstarted)
         if reaped.retried or reaped.unstarted:
@@ -305,7 +313,7 @@ class Maintenance:
         self.stats.add("pruned_jobs", jobs)
         self.stats.add("pruned_events", events)
         if jobs or events:
-            log.info("pruned %d done or cancelled jobs and %d finished events", jobs, events)
+            log.info("pruned %d done, cancelled or superseded jobs and %d finished events", jobs, events)
         self._vacuum_if_autovacuum_is_off()
         return jobs, events
 

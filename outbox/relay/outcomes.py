@@ -78,7 +78,9 @@ class Outcome(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A failed attempt: retry after ``delay`` seconds, unless ``permanent`` or out of
-    attempts. ``timed_out``: the handler ran past its timeout (the watchdog's report)."""
+    attempts. ``timed_out``: the handler ran past its timeout (the watchdog's report, or an
+    ``async def`` handler cancelled at it: :class:`~outbox.HandlerTimeoutError`); its entry
+    in the job's attempt history says ``timed out``."""
 
     delay: float
     permanent: bool

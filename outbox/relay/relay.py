@@ -14,6 +14,9 @@ the parts and their threads:
 * maintenance (:class:`outbox.relay.maintenance.Maintenance`): ``outbox-maintenance``
   runs the reaper and the ordered keys' promotion sweep every ``reap_interval``, the pruner
   every ``prune_interval``;
+* ``outbox-hooks`` when the registry declares failure hooks (``on_dead``, ``on_retry``) and
+  the job runner is on (:class:`outbox.relay.hooks.HookRunner`): calls them for the due
+  calls of its consumers, at least once each;
 * ``outbox-scheduler`` when the registry declares schedules (:mod:`outbox.schedule`): wakes
   at the next slot by the database clock and publishes it, once across all relays;
 * ``outbox-listener`` (:mod:`outbox.relay.notify`) when ``listen`` is on.
@@ -47,6 +50,7 @@ from outbox.db.engine import (
 )
 from outbox.db.migrate import check_schema
 from outbox.registry import Outbox
+from outbox.relay.hooks import HookRunner, warn_uncalled
 from outbox.relay.intake import IntakeLoop
 from outbox.relay.maintenance import Maintenance, TableUpkeep
 from outbox.relay.notify import Listener, Wakeup
@@ -75,8 +79,9 @@ class Relay:
     intakes (:class:`~outbox.relay.intake.IntakeLoop`, ``intake``) on or off (all on by
     default); the parts are ``router`` (:class:`~outbox.relay.router.Router`), ``runner``
     (:class:`~outbox.relay.runner.JobRunner`), ``maintenance``
-    (:class:`~outbox.relay.maintenance.Maintenance`) and ``scheduler``, each None when turned
-    off, and ``listener``, None when polling only. Use :meth:`run` in a process (handles
+    (:class:`~outbox.relay.maintenance.Maintenance`), ``scheduler`` and ``hooks``
+    (:class:`~outbox.relay.hooks.HookRunner`: with the runner, when the registry declares
+    failure hooks), each None when turned off, and ``listener``, None when polling only. Use :meth:`run` in a process (handles
     signals), or :meth:`start` / :meth:`stop` when embedding it (tests, an app's own
     process). Raises :class:`~outbox.errors.DatabaseUnavailableError`,
     :class:`~outbox.errors.SchemaNotReadyError` or :class:`~outbox.errors.ConfigurationError`
@@ -140,6 +145,9 @@ class Relay:
         self.scheduler = (Scheduler(self.engine, registry.schedules, self.stop_event, self.reconnect,
                                     schema=settings.schema_name)
                           if schedule and registry.schedules else None)
+        self.hooks = (HookRunner(self.engine, registry, settings, stop=self.stop_event, reconnect=self.reconnect,
+                                 metrics=self.metrics)
+                      if work and any(registry.hooks_of(c) for c in registry.consumers) else None)
         pulled = [i for i in registry.intakes if i.source.pulled]
         self.intake = (IntakeLoop(self.engine, pulled, settings, stop=self.stop_event, reconnect=self.reconnect,
                                   metrics=self.metrics) if intake and pulled else None)
@@ -150,10 +158,12 @@ class Relay:
         """The relay's tallies of routing and maintenance: the router's ``events_routed``,
         ``jobs_created``, ``events_unsubscribed`` and maintenance's ``reaped``,
         ``reaped_dead``, ``reaped_unstarted``, ``pruned_jobs``, ``pruned_events``,
-        ``vacuums``, ``vacuums_skipped``, ``promoted`` (0 for a part turned off). The job
-        runner's are in ``runner.stats``."""
-        return {**dict.fromkeys(Router.COUNTS + Maintenance.COUNTS, 0), **(self.router.stats if self.router else {}),
-                **(self.maintenance.stats if self.maintenance else {})}
+        ``vacuums``, ``vacuums_skipped``, ``promoted`` and the failure hooks'
+        ``hook_calls_ok``, ``hook_calls_failed``, ``hook_calls_gave_up`` (0 for a part turned
+        off). The job runner's are in ``runner.stats``."""
+        return {**dict.fromkeys(Router.COUNTS + Maintenance.COUNTS + HookRunner.COUNTS, 0),
+                **(self.router.stats if self.router else {}), **(self.maintenance.stats if self.maintenance else {}),
+                **(self.hooks.stats if self.hooks else {})}
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -164,6 +174,8 @@ class Relay:
             with self.engine.connect() as conn:
                 check_schema(conn, schema)
             register_subscriptions(self.engine, self.registry, self.settings)
+            if self.runner:
+                warn_uncalled(self.engine, schema)
             if self.scheduler:
                 register_schedules(self.engine, self.registry.schedules, self.settings.schema_name)
         pool_size, overflow = self.settings.pool_limits()
@@ -196,6 +208,8 @@ class Relay:
             self.runner.start()
         if self.maintenance:
             self.maintenance.start()
+        if self.hooks:
+            self.hooks.start()
         if self.scheduler:
             self._spawn("outbox-scheduler", self.scheduler.run)
         if self.intake:
@@ -216,7 +230,7 @@ class Relay:
             self.maintenance.stop()
         if self.runner:
             self.runner.stop(grace, cut_short)
-        for part in (self.router, self.maintenance):
+        for part in (self.router, self.maintenance, self.hooks):
             if part:
                 part.join(timeout=5)
         for thread in self._threads:

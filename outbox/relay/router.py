@@ -12,6 +12,12 @@ Ordered consumers (architecture notes, "Ordering"): a keyed event waits, unroute
 earlier event of its key is unrouted outside the batch, and an ordered consumer's job is
 created ``pending`` behind the unfinished jobs of its key (:mod:`outbox.relay.ordering`).
 
+Coalescing consumers (``coalesce=True``; architecture notes, "Coalescing"): of the jobs of one
+(consumer, key) only the newest event's waits; routing a newer event supersedes the older
+waiting ones and marks the running ones (their attempt ends ``superseded`` rather than
+waiting again), and an event overtaken by a newer one of its key gets its job ``superseded``
+at once. Each round counts the jobs it superseded (:attr:`RouteResult.superseded`).
+
 An event whose topic has no subscription is marked routed with no jobs and counted
 (``unsubscribed``); subscribing later does not deliver it.
 
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -68,8 +75,8 @@ HELD_BACK_RETRY = 0.05
 class RouteResult:
     """What one routing round did: events routed, jobs created, events with no subscriber,
     keyed events held back because an earlier event of their key was still unrouted
-    outside the batch (another router held it; architecture notes, "Ordering"), and the
-    topics of the events with no subscriber, with how many of each."""
+    outside the batch (another router held it; architecture notes, "Ordering"; coalescing
+    notes), and the topics of the events with no subscriber, with how many of each."""
 
     events: int
     jobs: int
@@ -82,6 +89,9 @@ class RouteResult:
     #: where the next scan may start (:class:`RouteHint`): the highest id the round locked, or
     #: just below the first it held back; None when it locked none
     routed_to: int | None = field(default=None, compare=False)
+    #: consumer -> jobs of it the round made ``superseded`` (coalescing consumers: older waiting
+    #: jobs of a key a newer event reached, and jobs created superseded)
+    superseded: Mapping[str, int] = field(default_factory=dict)
 
 
 def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSettings) -> None:
@@ -90,7 +100,10 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
     (the relay does at start, :func:`outbox.testing.drain` before routing): routing creates
     jobs for the pairs found there. Jobs of a consumer declared unordered that still hold an
     ordering key (it was ordered before) leave it: waiting ones become ready, a dead one no
-    longer blocks (``job_ordering_release_many``)."""
+    longer blocks (``job_ordering_release_many``). The registry's fan-ins are written in the
+    same transaction (:func:`register_fan_ins`); a fan-in listing a consumer the registry
+    does not declare raises :class:`~outbox.errors.ConfigurationError` first, writing nothing."""
+    registry.check_fan_ins()
     subs = list(registry)
     if not subs:
         return
@@ -117,6 +130,7 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
         unordered = [s.consumer for s in subs if not s.ordered]
         released = conn.execute(queries.in_schema(settings.schema_name).job_ordering_release_many,
                                 {"consumers": unordered}).all() if unordered else []
+        register_fan_ins(conn, registry, settings.schema_name)
     if released:
         log.warning("%d jobs of consumers now declared unordered left their ordering keys (%d were waiting, now "
                     "ready)", len(released), sum(1 for r in released if r.status == "ready"))
@@ -133,6 +147,29 @@ def register_subscriptions(engine: Engine, registry: Outbox, settings: OutboxSet
                         row.consumer, row.concurrency, row.rate_limit)
 
 
+def register_fan_ins(conn: Connection, registry: Outbox, schema: str) -> None:
+    """Write ``registry``'s fan-ins (:meth:`outbox.Outbox.after`) to ``outbox_fanins`` of
+    ``schema`` in ``conn``'s transaction, and forget the fan-ins of this registry's consumers
+    it no longer declares (``fanin_delete_undeclared``), logging each one changed or forgotten.
+    The fan-in trigger reads them (:mod:`outbox.db.fan_in`); the subscriptions' ``fan_in``
+    flags, written beside, say which consumers' jobs look for one."""
+    statements = queries.in_schema(schema)
+    fan_ins = registry.fan_ins
+    written = conn.execute(statements.fanin_upsert_many, {"fan_ins": json.dumps([
+        {"name": f.name, "topic": f.topic, "consumers": list(f.consumers), "follow_topic": f.follow_topic}
+        for f in fan_ins])}).all() if fan_ins else []
+    forgotten = conn.execute(statements.fanin_delete_undeclared, {
+        "consumers": registry.consumers, "names": [f.name for f in fan_ins]}).all()
+    for row in written:
+        if row.updated:
+            log.warning("fan-in %s now has this registry's definition (after %s by %s, publish %s); another "
+                        "registry declaring it differently would be overwritten the same way", row.name, row.topic,
+                        row.consumers, row.follow_topic)
+    for row in forgotten:
+        log.warning("fan-in %s (after %s by %s, publish %s) is no longer declared: forgotten, it fires no more",
+                    row.name, row.topic, row.consumers, row.follow_topic)
+
+
 def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
                 only: Sequence[int] | None = None, *, after: int = 0, schema: str | None = None) -> RouteResult:
     """Route up to ``limit`` unrouted events of ``schema`` (None: the process default,
@@ -145,8 +182,9 @@ def route_batch(conn: Connection, limit: int, skip: Sequence[int] = (),
     topics = dict(zip(row.unsubscribed_topics, row.unsubscribed_counts)) if row.unsubscribed_topics else {}
     first = None if row.first_priority is None else (row.first_priority, row.first_run_at, 0)
     routed_to = row.scanned_to if row.first_held is None else min(row.scanned_to, row.first_held - 1)
+    superseded = dict(zip(row.superseded_consumers, row.superseded_counts)) if row.superseded_consumers else {}
     return RouteResult(events=row.events, jobs=row.jobs, unsubscribed=row.unsubscribed, held_back=row.held_back,
-                       unsubscribed_topics=topics, first_ready=first, routed_to=routed_to)
+                       unsubscribed_topics=topics, first_ready=first, routed_to=routed_to, superseded=superseded)
 
 
 def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, after: int = 0,
@@ -168,13 +206,16 @@ def route_round(conn: Connection, limit: int, quarantine: Quarantine, *, after: 
     for event_id, exc in poisoned:
         quarantine.add(event_id, exc, "routing")
     topics: collections.Counter[str] = collections.Counter()
+    superseded: collections.Counter[str] = collections.Counter()
     for p in parts:
         topics.update(p.unsubscribed_topics)
+        superseded.update(p.superseded)
     firsts = [p.first_ready for p in parts if p.first_ready is not None]
     return RouteResult(events=sum(p.events for p in parts) + len(poisoned), jobs=sum(p.jobs for p in parts),
                        unsubscribed=sum(p.unsubscribed for p in parts), held_back=sum(p.held_back for p in parts),
                        unsubscribed_topics=dict(topics), first_ready=min(firsts) if firsts else None,
-                       routed_to=parts[0].routed_to if len(parts) == 1 and not poisoned else None)
+                       routed_to=parts[0].routed_to if len(parts) == 1 and not poisoned else None,
+                       superseded=dict(superseded))
 
 
 class RouteHint:
@@ -284,14 +325,16 @@ def route_all(engine: Engine, limit: int = 500, *, schema: str | None = None) ->
     """Route every event of ``schema`` (None: the process default) that is unrouted and not
     locked by another router, ``limit`` per transaction; returns the totals."""
     events = jobs = unsubscribed = 0
+    superseded: collections.Counter[str] = collections.Counter()
     while True:
         with engine.begin() as conn:
             result = route_batch(conn, limit, schema=schema)
         events += result.events
         jobs += result.jobs
         unsubscribed += result.unsubscribed
+        superseded.update(result.superseded)
         if result.events < limit:
-            return RouteResult(events, jobs, unsubscribed)
+            return RouteResult(events, jobs, unsubscribed, superseded=dict(superseded))
 
 
 class Router:
@@ -306,14 +349,15 @@ class Router:
     given, counts the events routed. Settings read: ``route_batch``, ``poll_interval``,
     ``wake_cooldown`` (seconds).
 
-    ``stats`` counts ``events_routed``, ``jobs_created`` and ``events_unsubscribed``;
+    ``stats`` counts ``events_routed``, ``jobs_created``, ``events_unsubscribed`` and
+    ``jobs_superseded`` (coalescing consumers' jobs the rounds made ``superseded``);
     ``quarantine`` holds the events whose routing fails alone (:mod:`outbox.db.poison`);
     ``unsubscribed_topics`` warns about topics with no subscriber. :meth:`run_round` is one
     round, for tests and callers without a thread.
     """
 
     #: The names ``stats`` counts, from 0.
-    COUNTS = ("events_routed", "jobs_created", "events_unsubscribed")
+    COUNTS = ("events_routed", "jobs_created", "events_unsubscribed", "jobs_superseded")
 
     def __init__(self, engine: Engine, settings: OutboxSettings, *, stop: threading.Event, wake: threading.Event,
                  wake_workers: Wakeup, reconnect: Reconnector, statistics: StatisticsKeeper | None = None,
@@ -412,6 +456,10 @@ class Router:
         self.stats.add("jobs_created", result.jobs)
         if self.metrics is not None and result.events:
             self.metrics.routed(result.events, result.unsubscribed)
+        if result.superseded:
+            self.stats.add("jobs_superseded", sum(result.superseded.values()))
+            if self.metrics is not None:
+                self.metrics.jobs_counted("superseded", result.superseded)
         if result.unsubscribed:
             self.stats.add("events_unsubscribed", result.unsubscribed)
             self.unsubscribed_topics.routed(result.unsubscribed_topics)  # a WARNING per topic, once a minute

@@ -114,8 +114,10 @@ class JobRunner:
         self.reconnect = reconnect or Reconnector(settings.reconnect_max)  # the relay's, shared by its loops
         self.subscribers: dict[str, Subscriber] = {s.consumer: s for s in registry}
         self.leases = {s.consumer: s.lease or settings.default_lease for s in registry}
+        # Each consumer's retry policy (outbox.retry), its backoff filled from settings: refused here if it does not fit.
+        self.policies = registry.retry_policies(settings)
         self.stats = Counters(("claimed", "completed", "cancelled", "retried", "dead", "stale", "lease_lost",
-                               "released", "retried_in_place", "snoozed", "timed_out"))
+                               "released", "retried_in_place", "snoozed", "timed_out", "superseded"))
         # Handlers run in the worker threads through one executor; an async transactional
         # handler's thread makes an async engine of one connection on first use.
         self._async_engine = async_engine or (lambda: make_async_engine(
@@ -125,8 +127,8 @@ class JobRunner:
         for consumer, sub in forwarders.items():  # before the forwarder connects them
             within, why = resend_span(lease=self.leases[consumer], reap_interval=settings.reap_interval,
                                       poll_interval=settings.poll_interval, timeout=sub.timeout or FORWARD_TIMEOUT,
-                                      max_attempts=sub.max_attempts, backoff_base=settings.backoff_base,
-                                      backoff_cap=settings.backoff_cap)
+                                      max_attempts=sub.max_attempts, backoff_base=self.policies[consumer].base,
+                                      backoff_cap=self.policies[consumer].cap)
             assert sub.sink is not None
             sub.sink.expect_resends(within, f"forwarder {consumer}: {why}")
         self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
@@ -151,7 +153,7 @@ class JobRunner:
                                     held=self._holds, stopping=self.signals.draining,
                                     completing=lambda job: self.claims.mark_finishing(job.fence),
                                     abandoned=lambda job: self.claims.unmark_finishing(job.fence), stats=self.stats,
-                                    watchdog=self.watchdog)
+                                    watchdog=self.watchdog, policies=self.policies)
         self.forwarder = Forwarder(forwarders, self.claims, self._post, self.executor.failure, self.signals,
                                    wake.poke, self.stats, metrics=metrics) if forwarders else None
         if self.forwarder is not None:

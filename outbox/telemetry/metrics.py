@@ -5,7 +5,8 @@ With ``metrics_port`` set (``--metrics-port``, ``OUTBOX_METRICS_PORT``) the rela
 serves (the table in the operations notes, "Metrics"):
 
 * **Counters of this process**, by consumer: ``outbox_jobs_total{consumer,outcome}``,
-  ``outbox_forwarded_messages_total{consumer,result}``, ``outbox_stale_writes_rejected_total``
+  ``outbox_forwarded_messages_total{consumer,result}``,
+  ``outbox_hook_calls_total{consumer,hook,result}`` (failure hooks), ``outbox_stale_writes_rejected_total``
   and the router's ``outbox_events_routed_total`` / ``outbox_events_unsubscribed_total``.
 * **Histograms of this process**: ``outbox_handler_duration_seconds{consumer}``,
   ``outbox_job_start_latency_seconds{consumer}`` (event created -> handler start) and
@@ -17,7 +18,10 @@ serves (the table in the operations notes, "Metrics"):
   relays counts it once.
 
 **Where each number is taken.** Each outcome is counted where it is written: the completer
-(done, retried, dead, snoozed, released, stale), the producer (claimed), the heartbeat
+(done, retried, dead, snoozed, released, stale, and superseded: a coalescing consumer's
+failed attempt that does not run again because a newer event of its key waits), the router
+(superseded: the waiting jobs a newer event of their key replaced, and the jobs it created
+superseded), the producer (claimed), the heartbeat
 (lease lost), the watchdog's report (timed out), the release at shutdown (released), the
 forwarder (each broker result), :func:`outbox.fenced_write` (stale writes). The dispatcher's
 thread writes most of them once per round, counts per consumer added under one lock
@@ -76,9 +80,12 @@ class HandlerRun(Protocol):
 
 #: The outcomes ``outbox_jobs_total`` counts (label ``outcome``).
 JOB_OUTCOMES = ("claimed", "done", "retried", "dead", "cancelled", "stale", "lease_lost", "released", "snoozed",
-                "timed_out")
+                "timed_out", "superseded")
 #: The results ``outbox_forwarded_messages_total`` counts (label ``result``).
 FORWARD_RESULTS = ("delivered", "duplicate", "failed", "unavailable")
+#: The results ``outbox_hook_calls_total`` counts (label ``result``): a hook returned, raised
+#: (or ran past ``hook_timeout``), or was given up after its last call (:mod:`outbox.relay.hooks`).
+HOOK_RESULTS = ("ok", "failed", "gave_up")
 #: Job statuses ``outbox_jobs`` reports (label ``status``).
 GAUGE_STATUSES = ("ready", "running", "dead")
 
@@ -143,6 +150,7 @@ class RelayMetrics:
         self._jobs: dict[tuple[str, str], int] = {}
         self._forwarded: dict[tuple[str, str], int] = {}
         self._intake: dict[tuple[str, str], int] = {}
+        self._hook_calls: dict[tuple[str, str, str], int] = {}
         self._handler: dict[str, Histogram] = {}
         self._latency: dict[str, Histogram] = {}
         self._claim = Histogram(CLAIM_BUCKETS)
@@ -186,6 +194,18 @@ class RelayMetrics:
                 if n:
                     key = (intake, result)
                     self._intake[key] = self._intake.get(key, 0) + n
+
+    def hook_called(self, consumer: str, hook: str, result: str, n: int = 1) -> None:
+        """Count ``n`` calls of ``consumer``'s failure hooks of kind ``hook`` (``dead``,
+        ``retry``) as ``result`` (:data:`HOOK_RESULTS`)."""
+        with self._lock:
+            key = (consumer, hook, result)
+            self._hook_calls[key] = self._hook_calls.get(key, 0) + n
+
+    def hook_calls(self, consumer: str, hook: str, result: str) -> int:
+        """``outbox_hook_calls_total`` of (consumer, hook, result) so far (tests)."""
+        with self._lock:
+            return self._hook_calls.get((consumer, hook, result), 0)
 
     def handlers_finished(self, runs: Iterable[HandlerRun]) -> None:
         """Observe the handler duration and the start latency of ``runs`` whose handlers ran
@@ -243,6 +263,7 @@ class RelayMetrics:
             jobs = dict(self._jobs)
             forwarded = dict(self._forwarded)
             intake = dict(self._intake)
+            hook_calls = dict(self._hook_calls)
             handler = {c: (h.cumulative(), h.total) for c, h in self._handler.items()}
             latency = {c: (h.cumulative(), h.total) for c, h in self._latency.items()}
             claim = (self._claim.cumulative(), self._claim.total)
@@ -261,6 +282,12 @@ class RelayMetrics:
                                      "by intake and result.", labels=["intake", "result"])
         for (name, result), n in sorted(intake.items()):
             family.add_metric([name, result], n)
+        yield family
+        family = CounterMetricFamily("outbox_hook_calls", "Failure hook calls this relay made, by consumer, hook "
+                                     "(dead, retry) and result (ok, failed, gave_up).",
+                                     labels=["consumer", "hook", "result"])
+        for (consumer, hook, result), n in sorted(hook_calls.items()):
+            family.add_metric([consumer, hook, result], n)
         yield family
         yield CounterMetricFamily("outbox_stale_writes_rejected", "fenced_write calls in this process refused "
                                   "because a newer fence had written the row.", value=stale_writes)

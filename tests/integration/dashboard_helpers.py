@@ -127,3 +127,20 @@ def served(engine: sa.Engine, **options: object) -> Iterator[str]:
         server.should_exit = True
         thread.join(20)
         sock.close()
+
+
+def attempted(engine: sa.Engine, consumer: str, error: str) -> int:
+    """Run two attempts of ``consumer``'s next due job with the relay's statements: the first
+    fails with ``error`` (an attempt history entry, ``failed``), the second is done (the row
+    itself); returns the job's id."""
+    from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs
+    from outbox.relay.outcomes import Failure
+
+    with engine.begin() as c:
+        [job] = claim_jobs(c, {consumer: 30.0}, 1, "host-b:2:y")
+        fail_jobs(c, [(job, Failure(0.0, False, error))])
+    with engine.begin() as c:
+        [again] = claim_jobs(c, {consumer: 30.0}, 1, "host-c:3:z")
+        assert again.id == job.id
+        complete_jobs(c, [again])
+    return job.id

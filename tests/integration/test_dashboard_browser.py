@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from outbox.db.engine import make_engine
 from tests.acceptance.proxy import TcpProxy, database_target, through
 
-from .dashboard_helpers import HOSTILE, Clock, paused, seed, served, statuses
+from .dashboard_helpers import HOSTILE, HOSTILE_ERROR, Clock, attempted, paused, seed, served, statuses
 
 playwright_sync = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (extra dev)")
 pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] is not installed")
@@ -181,6 +181,25 @@ def test_the_event_page_shows_one_job_per_consumer(engine, page):
         running = page.locator('#event-jobs tr[data-consumer="mail"]')
         expect(running).to_contain_text("running")
         expect(running).to_contain_text("host-a:1:x")  # the relay holding its lease
+
+
+def test_the_event_page_shows_the_attempts_of_each_job_and_a_hostile_error_is_text(engine, page):
+    s = seed(engine)
+    attempted(engine, "mail", HOSTILE_ERROR)
+    with served(engine) as base:
+        page.goto(base + f"/events/{s.hostile_event}")
+        attempts = page.locator('table.attempts[data-consumer="mail"] tbody tr')
+        expect(attempts).to_have_count(2)
+        expect(attempts.nth(0).locator(".status")).to_have_text("failed")
+        expect(attempts.nth(0)).to_contain_text("host-b:2:y")
+        expect(attempts.nth(0).locator(".error-line")).to_have_text("ValueError: <img src=x onerror=alert(2)> refused")
+        expect(attempts.nth(1).locator(".status")).to_have_text("done")
+        expect(page.locator('table.attempts[data-consumer="bill"]')).to_contain_text("no attempt yet")
+        assert page.locator("main img").count() == 0
+        attempts.nth(0).locator("summary").click()  # the traceback, opened: text as well
+        expect(attempts.nth(0).locator("pre.traceback")).to_contain_text("raise ValueError(...)")
+        assert page.locator("main img").count() == 0
+    assert page.dialogs == []
 
 
 def test_a_hostile_payload_is_text_and_never_runs(engine, page):

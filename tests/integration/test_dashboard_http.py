@@ -29,7 +29,7 @@ from outbox.settings import OutboxSettings
 from outbox.testing import wait_for
 from tests.acceptance.proxy import TcpProxy, database_target, through
 
-from .dashboard_helpers import HOSTILE, Clock, paused, seed, statuses
+from .dashboard_helpers import HOSTILE, HOSTILE_ERROR, Clock, attempted, paused, seed, statuses
 from .helpers import subscribe
 
 pytest.importorskip("starlette", reason="the dashboard's extra [dashboard] (starlette) is not installed")
@@ -687,6 +687,19 @@ def test_hostile_payloads_and_errors_are_escaped(engine):
     assert "&lt;img src=x onerror=alert(2)&gt;" in dead and "<img" not in dead
     assert "script-src 'self'" in event.headers["content-security-policy"]
     assert event.headers["x-frame-options"] == "DENY"
+
+
+def test_the_event_page_shows_each_job_s_attempts_escaped(engine):
+    s = seed(engine)
+    job_id = attempted(engine, "mail", HOSTILE_ERROR)  # mail's ready job: the hostile event's
+    body = _client(engine).get(f"/events/{s.hostile_event}").text
+    tables = dict(re.findall(r'<table class="attempts" data-consumer="(\w+)" data-job="\d+">(.*?)</table>', body,
+                             re.S))
+    assert set(tables) == {"bill", "mail", "ship"}
+    assert re.findall(r'<tr data-outcome="([a-z ]+)">', tables["mail"]) == ["failed", "done"]
+    assert "host-b:2:y" in tables["mail"] and "host-c:3:z" in tables["mail"] and f"job {job_id}" in body
+    assert "&lt;img src=x onerror=alert(2)&gt;" in tables["mail"] and "<img" not in body
+    assert "no attempt yet" in tables["bill"] and "no attempt yet" in tables["ship"]
 
 
 # -------------------------------------------------------------------- keyset pages

@@ -32,7 +32,11 @@ The model predicts every column of every job: status, fence, attempts, max_attem
 priority, locked_by, last_error, and the timestamps (run_at, lease_until, finished_at,
 updated_at, created_at) from the database clock of the operation's own transaction
 (``SELECT now()`` in it), and which jobs a claim picks (``priority, run_at, id`` among due
-ready jobs).
+ready jobs). Checked apart from those columns (``history_matches_the_model``): ``started_at``,
+which each claim sets to its own ``now()``, and the attempt history, entry by entry (attempt,
+start, end, relay, outcome, error): a failure appends ``failed`` (``timed out`` when drawn so)
+or ``dead``, a release ``released``, the reaper ``lease expired`` or ``dead`` with its note;
+completions append nothing, and redrive keeps what was there.
 
 Determinism: every precondition and every draw depends only on the model, and only on what
 in it follows from earlier draws, never on the database's clock or on an order the database
@@ -121,6 +125,7 @@ from hypothesis.stateful import (
 from outbox import Job, Outbox
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_and_claim_jobs, complete_jobs, fail_jobs, heartbeat_jobs, release_jobs
+from outbox.db.queries import HISTORY_KEPT
 from outbox.db.tables import JOB_STATUSES
 from outbox.relay import transaction
 from outbox.relay.maintenance import reap_expired
@@ -165,6 +170,10 @@ class ModelJob:
     lease_until: dt.datetime | None = None
     finished_at: dt.datetime | None = None
     last_error: str | re.Pattern[str] | None = None  # exact text, or the reaper's note as a pattern
+    # Checked apart from COLUMNS (history_matches_the_model): the claim's now(), and the
+    # attempts appended to outbox_jobs.history (error: exact text, or the reaper's pattern).
+    started_at: dt.datetime | None = None
+    history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # Not columns: what the rules decide on instead of comparing database timestamps (see the
     # module docstring). run_step: the step whose transaction set run_at (None: an hour ahead,
     # not due in this example); lapsed: a pause moved the lease of this claim into the past.
@@ -409,6 +418,7 @@ class JobLifecycle(RuleBasedStateMachine):
             assert (job.event_id, job.consumer, job.attempt, job.max_attempts, job.lease_seconds) == (
                 m.event_id, m.consumer, m.attempts + 1, m.max_attempts, LEASES[m.consumer])
             m.status, m.attempts, m.fence, m.locked_by = "running", m.attempts + 1, job.fence, worker
+            m.started_at = now
             m.lease_until, m.updated_at, m.lapsed = now + dt.timedelta(seconds=LEASES[m.consumer]), now, False
             self.max_fence = max(self.max_fence, job.fence)
         self.held[worker].extend(jobs)
@@ -444,6 +454,14 @@ class JobLifecycle(RuleBasedStateMachine):
     def expect_complete(self, batch: list[Job]) -> set[int]:
         """Ids a fenced completion of ``batch`` marks done: those of its valid claims."""
         return {j.id for j in batch if self.valid(j)}
+
+    @staticmethod
+    def ended(m: ModelJob, now: dt.datetime, outcome: str, error: str | re.Pattern[str] | None) -> None:
+        """The running attempt of ``m`` ended at ``now`` other than as done: its entry is
+        appended to the history (the newest ``HISTORY_KEPT`` kept). Called before the
+        attempt count or the relay of ``m`` change."""
+        m.history = [*m.history, {"attempt": m.attempts, "started_at": m.started_at, "ended_at": now,
+                                  "relay": m.locked_by, "outcome": outcome, "error": error}][-HISTORY_KEPT:]
 
     def mark_done(self, ids: Iterable[int], now: dt.datetime) -> None:
         """The jobs ``ids`` completed at ``now``: done, or gone when done jobs are not kept."""
@@ -525,9 +543,10 @@ class JobLifecycle(RuleBasedStateMachine):
         for job in batch:
             permanent = data.draw(st.booleans(), label=f"permanent {job.id}")
             delay = data.draw(st.sampled_from([0.0, 0.0, 0.0, 3600.0]), label=f"delay {job.id}")
+            timed_out = data.draw(st.booleans(), label=f"timed out {job.id}")
             self.errors += 1
             text = format_error(RuntimeError(f"failure {self.errors} of {worker}: 'q' \"dq\"; --\x00 \udcff ✓"))
-            failures.append((job, Failure(delay=delay, permanent=permanent, error=text)))
+            failures.append((job, Failure(delay=delay, permanent=permanent, error=text, timed_out=timed_out)))
         stale = self.stale_ids(batch)
         statuses, now, before, after = self.run(lambda conn, now: fail_jobs(conn, failures))
         expected = {}
@@ -537,6 +556,7 @@ class JobLifecycle(RuleBasedStateMachine):
             m = self.jobs[job.id]
             dead = failure.permanent or m.attempts >= m.max_attempts
             expected[job.id] = "dead" if dead else "ready"
+            self.ended(m, now, "dead" if dead else "timed out" if failure.timed_out else "failed", failure.error)
             m.status, m.lease_until, m.last_error, m.updated_at = expected[job.id], None, failure.error, now
             if dead:
                 m.finished_at = now
@@ -558,6 +578,7 @@ class JobLifecycle(RuleBasedStateMachine):
         assert released == expected, f"release of {worker}"
         for job_id in expected:
             m = self.jobs[job_id]
+            self.ended(m, now, "released", None)  # no relay lists it as buffered: a started attempt
             # run_at is kept: the job was due when claimed, so it goes back to the head of the queue.
             m.status, m.attempts, m.lease_until, m.updated_at = "ready", m.attempts - 1, None, now
         self.assert_only_changed(before, after, expected, "release", stale)
@@ -614,6 +635,7 @@ class JobLifecycle(RuleBasedStateMachine):
         assert (result.retried, result.dead) == (len(expired) - len(dead), len(dead)), "reaper counts"
         for m in expired:
             m.last_error = _reaper_note(m)
+            self.ended(m, now, "dead" if m in dead else "lease expired", m.last_error)
             m.status = "dead" if m in dead else "ready"
             m.run_at, m.lease_until, m.updated_at, m.run_step, m.lapsed = now, None, now, self.step, False
             m.finished_at = now if m in dead else None
@@ -662,6 +684,26 @@ class JobLifecycle(RuleBasedStateMachine):
                 assert m.last_error.fullmatch(row["last_error"] or ""), f"job {job_id}: {row['last_error']!r}"
             else:
                 assert row["last_error"] == m.last_error, f"job {job_id}: last_error"
+
+    @invariant()
+    def history_matches_the_model(self) -> None:
+        """``started_at`` and the attempt history, apart from COLUMNS: every field of every
+        entry predicted (the reaper's error as a pattern)."""
+        rows = self.rows()
+        for job_id, m in self.jobs.items():
+            row = rows[job_id]
+            assert row["started_at"] == m.started_at, f"job {job_id}: started_at"
+            stored = row["history"] or []
+            assert (row["history"] is None) == (not m.history), f"job {job_id}: history written for no attempt"
+            assert len(stored) == len(m.history), f"job {job_id}: history {stored} != model {m.history}"
+            for got, want in zip(stored, m.history, strict=True):
+                times = {k: dt.datetime.fromisoformat(got[k]) if got[k] else None for k in ("started_at", "ended_at")}
+                error = want["error"]
+                assert {**got, **times, "error": None} == {**want, "error": None}, f"job {job_id}: {got} != {want}"
+                if isinstance(error, re.Pattern):
+                    assert error.fullmatch(got["error"] or ""), f"job {job_id}: history error {got['error']!r}"
+                else:
+                    assert got["error"] == error, f"job {job_id}: history error"
 
     @invariant()
     def at_most_one_valid_claim_per_job(self) -> None:

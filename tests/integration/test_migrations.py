@@ -32,6 +32,7 @@ VERSION_TABLE = "outbox_alembic_version"
 #: What migrations 0012 and 0013 add, which a database at an earlier revision lacks.
 LATER_TABLES = {"outbox_intake", "outbox_hook_calls", "outbox_fanins", "outbox_fanin_fired"}
 LATER_COLUMNS = {("outbox_jobs", "started_at"), ("outbox_jobs", "history"), ("outbox_jobs", "fan_in"), ("outbox_jobs", "coalesce_key"),
+                 ("outbox_jobs", "superseded_by"),
                  ("outbox_subscriptions", "coalescing"), ("outbox_subscriptions", "fan_in"),
                  ("outbox_subscriptions", "hooks")}
 LATER_INDEXES = {"ix_outbox_jobs_superseded", "ix_outbox_jobs_coalesce"}
@@ -71,7 +72,7 @@ PARTIAL_INDEXES = {
     "ix_outbox_jobs_cancelled": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'cancelled'::text)",
     "ix_outbox_jobs_superseded": "ON public.outbox_jobs USING btree (finished_at) WHERE (status = 'superseded'::text)",
     "ix_outbox_jobs_coalesce": "ON public.outbox_jobs USING btree (consumer, coalesce_key, event_id)"
-                               " WHERE ((coalesce_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'pending'::text])))",
+                               " WHERE ((coalesce_key IS NOT NULL) AND (status = ANY (ARRAY['ready'::text, 'pending'::text, 'running'::text])))",
     "ix_outbox_jobs_ordering": "ON public.outbox_jobs USING btree (consumer, ordering_key, event_id)"
                                " WHERE ((ordering_key IS NOT NULL) AND (status <> 'done'::text))",
     "ix_outbox_events_unrouted_key": "ON public.outbox_events USING btree (key, id)"
@@ -145,13 +146,33 @@ def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engin
     snap = snapshot(engine)
     assert ("outbox_fence_seq", "bigint", 1, 1, False) in snap["sequences"]
     triggers = dict(snap["triggers"])
-    assert set(triggers) == {"outbox_events_notify", "outbox_jobs_notify"}
+    assert set(triggers) == {"outbox_events_notify", "outbox_jobs_notify", "outbox_jobs_dead_hook",
+                             "outbox_jobs_retry_hook", "outbox_jobs_fan_in_done", "outbox_jobs_fan_in_deleted"}
     assert triggers["outbox_events_notify"] == (
         "CREATE TRIGGER outbox_events_notify AFTER INSERT ON public.outbox_events REFERENCING NEW TABLE AS inserted "
         f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify_events('{EVENTS_CHANNEL}')")
     assert triggers["outbox_jobs_notify"] == (
         "CREATE TRIGGER outbox_jobs_notify AFTER INSERT ON public.outbox_jobs "
         f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')")
+    # Failure hooks (migration 0014): row triggers whose WHEN keeps claims, heartbeats and
+    # completions from calling the function.
+    assert triggers["outbox_jobs_dead_hook"] == (
+        "CREATE TRIGGER outbox_jobs_dead_hook AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
+        "WHEN (((new.status = 'dead'::text) AND (old.status IS DISTINCT FROM 'dead'::text))) "
+        "EXECUTE FUNCTION outbox_hook_due('dead')")
+    assert triggers["outbox_jobs_retry_hook"] == (
+        "CREATE TRIGGER outbox_jobs_retry_hook AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
+        "WHEN (((old.status = 'running'::text) AND (new.status = 'ready'::text) AND (new.attempts = old.attempts))) "
+        "EXECUTE FUNCTION outbox_hook_due('retry')")
+    # Fan-in (migration 0015): only a listed job's completion, or its deletion before done,
+    # calls the function.
+    assert triggers["outbox_jobs_fan_in_done"] == (
+        "CREATE TRIGGER outbox_jobs_fan_in_done AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
+        "WHEN ((new.fan_in AND (new.status = 'done'::text) AND (old.status IS DISTINCT FROM 'done'::text))) "
+        "EXECUTE FUNCTION outbox_fan_in()")
+    assert triggers["outbox_jobs_fan_in_deleted"] == (
+        "CREATE TRIGGER outbox_jobs_fan_in_deleted AFTER DELETE ON public.outbox_jobs FOR EACH ROW "
+        "WHEN ((old.fan_in AND (old.status <> 'done'::text))) EXECUTE FUNCTION outbox_fan_in()")
     indexes = dict(snap["indexes"])
     for name, definition in PARTIAL_INDEXES.items():
         assert indexes.get(name) == f"CREATE INDEX {name} {definition}"

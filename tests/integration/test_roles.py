@@ -147,6 +147,11 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
     def ledger(job: Job) -> None:
         done.append(("ledger", job.payload))
 
+    # A fan-in: its follow-up is published by the trigger, as the relay role (EXECUTE on outbox_publish).
+    ob.after("order.placed", consumers=["receipt", "ledger"], publish="order.fulfilled")
+    shipped: list[Any] = []
+    ob.subscriber("order.fulfilled", consumer="ship")(lambda job: shipped.append(job.headers["fan_in_event_id"]))
+
     caplog.set_level(logging.INFO)
     relay = Relay(ob, settings(database_url=_url_text(roles["relay"]), schema_name=SCHEMA, prune_interval=0.2))
     # ANALYZE due after every routed job, asked again at once: the warning must still come once.
@@ -180,6 +185,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
                             '{"topic": "order.placed", "payload": {"n": 8}, "dedup_key": "sql"}]'})
         wait_for(lambda: len(done) == 12, timeout=TIMEOUT, what="the jobs of two events published from SQL")
         assert [p["n"] for c, p in done if c == "ledger"][-2:] == [6, 7]
+        wait_for(lambda: len(shipped) == 6, timeout=TIMEOUT, what="a follow-up per order")
     finally:
         relay.stop()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "may not ANALYZE or VACUUM" in r.getMessage()]
@@ -205,8 +211,7 @@ def test_relay_and_publisher_roles_end_to_end(roles, settings, caplog):
         assert _denied(publisher, statement), statement
     # The relay: no DDL.
     relay_engine = make_engine(roles["relay"])
-    for statement in (f"SELECT {SCHEMA}.outbox_publish('t', '1')",  # EXECUTE is granted to the publisher only
-                      f"SELECT {SCHEMA}.outbox_insert_event('t', '1', NULL, NULL, NULL, NULL, NULL, NULL)",
+    for statement in (f"SELECT {SCHEMA}.outbox_publish_many('[]')",  # the fan-in needs outbox_publish only
                       f"CREATE TABLE {SCHEMA}.intruder (id int)",
                       f"ALTER TABLE {SCHEMA}.outbox_jobs ADD COLUMN intruder int",
                       f"TRUNCATE {SCHEMA}.outbox_jobs"):

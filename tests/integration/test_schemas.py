@@ -306,3 +306,28 @@ def test_drain_runs_one_schema(two_schemas):
     with two_schemas.connect() as conn:
         assert conn.execute(sa.text(f"SELECT count(*) FROM {B}.outbox_jobs")).scalar_one() == 0
         assert conn.execute(sa.text(f"SELECT count(*) FROM {B}.outbox_events WHERE routed_at IS NULL")).scalar_one() == 1
+
+
+def test_a_fan_in_fires_in_its_own_schema(two_schemas):
+    """The fan-in trigger of each schema reads and writes that schema's tables only (its
+    function keeps the search path it was created under): the same fan-in in both schemas
+    publishes each follow-up in the schema of its event, through that schema's publish
+    function, whatever the session's search path."""
+    from outbox.testing import drain
+
+    ob = Outbox()
+    for consumer in ("receipt", "invoice"):
+        ob.subscriber("order.placed", consumer=consumer)(lambda job: None)
+    ob.after("order.placed", consumers=["receipt", "invoice"], publish="order.fulfilled")
+    with Session(two_schemas) as s, s.begin():
+        placed = {A: publish_many(s, [("order.placed", {"n": n}, f"order:{n}") for n in range(2)], schema=A),
+                  B: [publish(s, "order.placed", {"n": 9}, key="order:9", schema=B)]}
+    for schema in (A, B):
+        drain(two_schemas, ob, settings=OutboxSettings(_env_file=None, schema_name=schema))
+    with two_schemas.connect() as conn:
+        for schema in (A, B):
+            follows = conn.execute(sa.text(f"SELECT key, headers FROM {schema}.outbox_events "
+                                           "WHERE topic = 'order.fulfilled' ORDER BY id")).all()
+            assert sorted(f.headers["fan_in_event_id"] for f in follows) == placed[schema]
+            fired = conn.execute(sa.text(f"SELECT count(*) FROM {schema}.outbox_fanin_fired")).scalar_one()
+            assert fired == len(placed[schema])

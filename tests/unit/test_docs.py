@@ -136,6 +136,7 @@ def test_python_blocks_compile(page):
 def test_every_topic_has_its_page():
     for name in ("publishing", "consumers", "ordering", "flow-control", "forwarding", "schedules", "operations",
                  "configuration", "schemas-and-roles", "poolers", "testing", "guarantees", "reliability",
-                 "performance", "performance-history", "architecture", "dashboard", "intake", "webhooks"):
+                 "performance", "performance-history", "architecture", "dashboard", "intake", "webhooks",
+                 "workflows", "coalescing"):
         assert (DOCS / f"{name}.md").exists(), name
         assert f"docs/{name}.md" in README.read_text(encoding="utf-8") or name == "performance-history", name

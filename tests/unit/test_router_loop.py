@@ -52,7 +52,8 @@ def test_a_round_routes_counts_and_wakes_the_workers(engine, settings):
         assert router.wake_workers.wait(0) == (True, False)
         assert router.run_round(conn).events == 0  # nothing left
     assert router.wake_workers.wait(0) == (False, False)  # a round without jobs wakes no worker
-    assert dict(router.stats) == {"events_routed": 4, "jobs_created": 6, "events_unsubscribed": 1}
+    assert dict(router.stats) == {"events_routed": 4, "jobs_created": 6, "events_unsubscribed": 1,
+                                  "jobs_superseded": 0}
     assert router.statistics.pending == 6  # counted for the keeper, no ANALYZE yet (floor 1,000)
     assert router.statistics.analyzed == 0
     assert _unrouted(engine) == 0

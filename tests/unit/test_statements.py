@@ -95,7 +95,7 @@ def test_statements_are_not_assembled_from_fragments():
 
 def test_job_pages_differ_in_their_status_only():
     pages = {status: getattr(queries, f"job_page_{status}").text
-             for status in ("ready", "running", "pending", "dead", "done", "cancelled")}
+             for status in ("ready", "running", "pending", "dead", "done", "cancelled", "superseded")}
     for status, text in pages.items():
         assert f"j.status = '{status}'" in text
         assert text.replace(f"'{status}'", "'ready'") == pages["ready"], status
@@ -107,3 +107,27 @@ def test_no_union_is_padded_with_nulls():
     padded = [name for name, statement in queries.statements().items()
               if re.search(r"UNION(?: ALL)? SELECT [^()]*\bNULL,NULL\b", _normal(statement.text))]
     assert padded == []
+
+
+#: The statements that end an attempt other than as ``done`` and append it to ``history``
+#: (the notes on ``history`` in :mod:`outbox.db.queries`).
+HISTORY_WRITERS = {"job_complete_many", "job_cancel_claimed", "job_fail_many", "job_release_many", "job_snooze_many",
+                   "job_bury", "job_bury_ready", "job_bury_expired", "job_reap_many"}
+
+
+def test_every_history_append_keeps_the_same_bound_and_entry():
+    """Each writer appends one entry with the same expression: the newest ``HISTORY_KEPT - 1``
+    entries kept, then the new one, with the six fields in one order; no other statement
+    writes ``history``, and every claim sets ``started_at``."""
+    keep = _normal(f"""jsonb_path_query_array(coalesce(j.history, '[]'), '$[last - {queries.HISTORY_KEPT - 2} to last]')
+                       || jsonb_build_array(jsonb_build_object(""")
+    entry = re.compile(re.escape(keep) + r"'attempt',j\.attempts( \+ 1)?,'started_at',(j\.started_at|NULL),"
+                       r"'ended_at',now\(\),'relay',(j\.locked_by|NULL),'outcome',.+?,'error',")
+    for name, statement in queries.statements().items():
+        text = _normal(statement.text)
+        writes = re.search(r"\bhistory =", text) is not None
+        assert writes == (name in HISTORY_WRITERS), name
+        if writes:
+            assert text.count(keep) == 1 and len(entry.findall(text)) == 1, name
+    for name in ("job_claim_many", "job_claim_after_many", "job_claim_limited_many"):
+        assert "started_at = now()" in queries.statements()[name].text, name

@@ -372,7 +372,7 @@ def create_app(engine: Engine, settings: OutboxSettings, *, read_only: bool = Fa
             trace = admin.event_trace(conn, event_id, schema=dash.schema)
         if trace is None:
             raise HTTPException(404, f"no event {event_id} (never published, or pruned)")
-        return dash.render(request, "event.html", trace=trace)
+        return dash.render(request, "event.html", trace=trace, history_kept=admin.HISTORY_KEPT)
 
     def relays_page(request: Request) -> Response:
         with dash.connect() as conn:
