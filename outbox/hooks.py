@@ -9,7 +9,7 @@ Declared with :meth:`outbox.Outbox.on_dead` and :meth:`outbox.Outbox.on_retry`; 
 given a :class:`JobFailure`. How they run (:mod:`outbox.relay.hooks`):
 
 * **Durable.** The statement that changes the job writes a due call to
-  ``outbox_hook_calls`` in its own transaction (a trigger, migration 0014), so a call is
+  ``outbox_hook_calls`` in its own transaction (a trigger, migration 0013), so a call is
   never lost to a crash, whichever relay (or ``outbox-relay`` command) changed the job.
 * **Outside the job's transaction, after it.** A relay whose registry declares the hook
   takes due calls (``FOR UPDATE SKIP LOCKED``, leased for twice ``hook_timeout``) and runs

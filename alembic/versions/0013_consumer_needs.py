@@ -4,8 +4,8 @@ Revision ID: 0013
 Revises: 0012
 Create Date: 2027-04-01 09:00:00.000000
 
-What consumers need next (issue 32). New columns, a new status and new tables; the trigger
-functions that use them come with the migrations after this one.
+What consumers need next (issue 32): new columns, a new status, new tables and the trigger
+functions of failure hooks and fan-in.
 
 * ``outbox_jobs.started_at``: when the current (or last) attempt began, set by the claim;
   ``outbox_jobs.history``: a JSON array of the job's earlier attempts that did not end
@@ -24,7 +24,19 @@ functions that use them come with the migrations after this one.
   ``outbox_subscriptions.fan_in`` when routed), so only such jobs' completions look for one.
 * ``outbox_subscriptions.coalescing`` / ``fan_in`` / ``hooks`` (the failure hooks the consumer
   declares: ``dead``, ``retry``), written by the relays from their registry.
-* ``outbox_hook_calls``: failure-hook calls due (at least once: deleted after the hook ran);
+* Failure hooks: the function ``outbox_hook_due`` and two row triggers on ``outbox_jobs``,
+  ``outbox_jobs_dead_hook`` (a job went ``dead``, from any status) and ``outbox_jobs_retry_hook``
+  (``running`` back to ``ready`` with ``attempts`` unchanged: a failed attempt with attempts
+  left), which write a due call to ``outbox_hook_calls`` only when a subscription of the job's
+  consumer lists the hook in ``outbox_subscriptions.hooks`` (:data:`outbox.db.tables.HOOK_DDL`;
+  the relays call the hooks, :mod:`outbox.relay.hooks`).
+* Fan-in: the function ``outbox_fan_in`` and two row triggers on ``outbox_jobs``,
+  ``outbox_jobs_fan_in_done`` and ``outbox_jobs_fan_in_deleted``: when every listed job of an
+  event is done, it records the fan-in in ``outbox_fanin_fired`` and publishes the follow-up
+  with ``outbox_publish``, in the completion's transaction (:mod:`outbox.db.fan_in`). Their
+  WHEN clauses keep claims, heartbeats and other completions from calling the functions.
+* ``outbox_hook_calls``: failure-hook calls due (at least once: deleted after the hook ran;
+  ``event_id`` and ``max_attempts`` as when it failed, ``done`` the hooks that returned);
   ``outbox_fanins``: the declared fan-ins; ``outbox_fanin_fired``: which fan-in fired for
   which event (once), with the follow-up event it published.
 
@@ -37,12 +49,17 @@ CHECK admits every status the old one did, so existing rows need no check: it is
 here only when ``outbox_jobs`` is empty; otherwise ``ALTER TABLE outbox_jobs VALIDATE
 CONSTRAINT ck_outbox_jobs_status_known`` in a transaction of its own validates it later
 without blocking writes. The new partial indexes start empty but each reads the table once.
+Creating the triggers needs no more than the locks held. No hook call is written for jobs
+that died before the upgrade, and no job was routed with ``fan_in`` before it. The downgrade
+drops the triggers and functions first, under the same short, retried locks.
 """
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
+from outbox.db.fan_in import FAN_IN_DDL, FAN_IN_DROP_DDL
 from outbox.db.migrate import run_with_short_locks
+from outbox.db.tables import HOOK_DDL, HOOK_DROP_DDL
 
 revision = '0013'
 down_revision = '0012'
@@ -98,6 +115,9 @@ def upgrade() -> None:
         sa.Column('due_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
         sa.Column('last_error', sa.Text(), nullable=True),
         sa.Column('created_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
+        sa.Column('event_id', sa.BigInteger(), nullable=False),
+        sa.Column('max_attempts', sa.Integer(), nullable=False),
+        sa.Column('done', postgresql.ARRAY(sa.Text()), server_default=sa.text("'{}'::text[]"), nullable=False),
         sa.CheckConstraint("hook IN ('dead', 'retry')", name=op.f('ck_outbox_hook_calls_hook_known')),
         sa.PrimaryKeyConstraint('id', name=op.f('pk_outbox_hook_calls')),
     )
@@ -119,6 +139,10 @@ def upgrade() -> None:
         sa.Column('fired_at', sa.DateTime(timezone=True), server_default=sa.text('now()'), nullable=False),
         sa.PrimaryKeyConstraint('event_id', 'name', name=op.f('pk_outbox_fanin_fired')),
     )
+    # The trigger functions and their triggers (the tables are locked already); each DDL
+    # tuple begins by setting the search path its function keeps.
+    for statement in (*HOOK_DDL, *FAN_IN_DDL):
+        op.execute(statement)
 
 
 def downgrade() -> None:
@@ -126,6 +150,8 @@ def downgrade() -> None:
     prune or purge them first. Pending hook calls, the fan-ins and their record, and every
     job's attempt history are dropped."""
     _lock_tables()
+    for statement in (*FAN_IN_DROP_DDL, *HOOK_DROP_DDL):
+        op.execute(statement)
     op.drop_table('outbox_fanin_fired')
     op.drop_table('outbox_fanins')
     op.drop_table('outbox_hook_calls')

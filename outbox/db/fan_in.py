@@ -1,4 +1,4 @@
-"""Fan-in in the database (migration 0015): the trigger that publishes a fan-in's follow-up in
+"""Fan-in in the database (migration 0013): the trigger that publishes a fan-in's follow-up in
 the transaction of the completion that finishes the last listed job (:mod:`outbox.fan_in`
 says what a fan-in is; :meth:`outbox.Outbox.after` declares one).
 
@@ -92,7 +92,7 @@ FAN_IN_LOCK_KEY = "CAST({event_id} & 2147483647 AS int)"
 
 _TRACE_KEYS = ", ".join(f"'{k}'" for k in TRACE_HEADERS)
 
-#: CREATE statements (migration 0015 and ``metadata.create_all``). The first sets the search
+#: CREATE statements (migration 0013 and ``metadata.create_all``). The first sets the search
 #: path the function keeps (transaction-local); the function; then the triggers, which take
 #: a lock on ``outbox_jobs``.
 FAN_IN_DDL: tuple[str, ...] = (
@@ -170,7 +170,7 @@ FAN_IN_DDL: tuple[str, ...] = (
     """,
 )
 
-#: The downgrade of 0015: the triggers, then the function.
+#: The downgrade of 0013 (its first statements): the triggers, then the function.
 FAN_IN_DROP_DDL: tuple[str, ...] = (
     f"DROP TRIGGER IF EXISTS {FAN_IN_TRIGGERS[1]} ON outbox_jobs",
     f"DROP TRIGGER IF EXISTS {FAN_IN_TRIGGERS[0]} ON outbox_jobs",

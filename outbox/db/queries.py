@@ -2583,7 +2583,7 @@ subscription_consumers_of: TextClause = text(
 """The consumers subscribed to ``:topic`` now."""
 
 # ------------------------------------------------------------------------ hook calls
-# Failure hooks (outbox.hooks): the trigger of migration 0014 writes a due call when a job
+# Failure hooks (outbox.hooks): the trigger of migration 0013 writes a due call when a job
 # goes dead or back to ready after a failure; a relay declaring the hook leases it, calls
 # the hooks and deletes it. ``calls`` is the lease's fence: each lease adds one, and the
 # statements that end a call check it, so a relay whose lease ran out (another relay took

@@ -312,7 +312,7 @@ hook_calls = Table(
     Column("due_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("last_error", Text, nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    # Migration 0014: the job's event and max_attempts when it failed (the job may be pruned
+    # Migration 0013: the job's event and max_attempts when it failed (the job may be pruned
     # before a retry's hooks run); done: the hooks (by name) that already returned for this
     # row, so a failing hook is called again without repeating the others.
     Column("event_id", BigInteger, nullable=False),
@@ -444,7 +444,7 @@ NOTIFY_DROP_DDL = (
     "DROP FUNCTION IF EXISTS outbox_notify()",
 )
 
-#: Failure hooks (migration 0014, issue 32): a row trigger on ``outbox_jobs`` writes a due
+#: Failure hooks (migration 0013, issue 32): a row trigger on ``outbox_jobs`` writes a due
 #: call to ``outbox_hook_calls`` when a job goes ``dead`` (from any status, by any statement)
 #: or back to ``ready`` after a failed attempt (``running`` to ``ready`` with ``attempts``
 #: unchanged: a failure with attempts left, or the reaper's expired lease of a started
@@ -482,7 +482,7 @@ HOOK_DDL = (
     EXECUTE FUNCTION {HOOK_FUNCTION}('retry')
     """,
 )
-#: The downgrade of 0014.
+#: The downgrade of 0013 (its first statements).
 HOOK_DROP_DDL = (
     f"DROP TRIGGER IF EXISTS {HOOK_TRIGGERS['retry']} ON outbox_jobs",
     f"DROP TRIGGER IF EXISTS {HOOK_TRIGGERS['dead']} ON outbox_jobs",
@@ -500,7 +500,7 @@ def _create_notify_triggers(target: MetaData, connection: Connection, **kw: Any)
         connection.exec_driver_sql(statement.replace("%", "%%"))  # the driver reads % as a placeholder
     for statement in HOOK_DDL:  # the first sets the search path the function keeps
         connection.exec_driver_sql(statement)
-    for statement in FAN_IN_DDL:  # likewise (fan-in, migration 0015: outbox.db.fan_in)
+    for statement in FAN_IN_DDL:  # likewise (fan-in, migration 0013: outbox.db.fan_in)
         connection.exec_driver_sql(statement.replace("%", "%%"))
     connection.exec_driver_sql("SELECT set_config('search_path', %(path)s, true)", {"path": search_path})
 

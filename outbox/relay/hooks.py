@@ -1,6 +1,6 @@
 """The failure hooks' runner (:class:`HookRunner`, thread ``outbox-hooks``): calls the
 registry's ``on_dead`` / ``on_retry`` hooks (:mod:`outbox.hooks`) for the due calls the
-trigger of migration 0014 wrote to ``outbox_hook_calls``.
+trigger of migration 0013 wrote to ``outbox_hook_calls``.
 
 A round:
 

@@ -1,5 +1,5 @@
 """Failure hooks (``on_dead``, ``on_retry``) on a real PostgreSQL: the triggers of migration
-0014 write a due call for exactly the changes that call a hook, whichever statement makes
+0013 write a due call for exactly the changes that call a hook, whichever statement makes
 them (the relay's own statements, run here one by one), and only for consumers declaring
 the hook; a running relay calls each hook once with the job and its error, for a death by
 failure, PermanentError, dead_on, the reaper and an operator's SQL; a retry calls on_retry;

@@ -154,7 +154,7 @@ def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engin
     assert triggers["outbox_jobs_notify"] == (
         "CREATE TRIGGER outbox_jobs_notify AFTER INSERT ON public.outbox_jobs "
         f"FOR EACH STATEMENT EXECUTE FUNCTION outbox_notify('{JOBS_CHANNEL}')")
-    # Failure hooks (migration 0014): row triggers whose WHEN keeps claims, heartbeats and
+    # Failure hooks (migration 0013): row triggers whose WHEN keeps claims, heartbeats and
     # completions from calling the function.
     assert triggers["outbox_jobs_dead_hook"] == (
         "CREATE TRIGGER outbox_jobs_dead_hook AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
@@ -164,7 +164,7 @@ def test_migrated_schema_has_sequence_triggers_and_partial_indexes(db_url, engin
         "CREATE TRIGGER outbox_jobs_retry_hook AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
         "WHEN (((old.status = 'running'::text) AND (new.status = 'ready'::text) AND (new.attempts = old.attempts))) "
         "EXECUTE FUNCTION outbox_hook_due('retry')")
-    # Fan-in (migration 0015): only a listed job's completion, or its deletion before done,
+    # Fan-in (migration 0013): only a listed job's completion, or its deletion before done,
     # calls the function.
     assert triggers["outbox_jobs_fan_in_done"] == (
         "CREATE TRIGGER outbox_jobs_fan_in_done AFTER UPDATE OF status ON public.outbox_jobs FOR EACH ROW "
