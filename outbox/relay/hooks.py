@@ -12,7 +12,9 @@ A round:
    ``done`` list runs in a thread of its own (an ``async def`` hook on an event loop of that
    thread), all of the round's at once, each given a :class:`~outbox.JobFailure`. The round
    waits for them up to ``hook_timeout``; a hook still running then is counted failed (its
-   thread is left to end on its own: Python cannot stop it).
+   thread is left to end on its own: Python cannot stop it). While :data:`MAX_HUNG` such
+   threads still run, no new call is leased, so hooks that hang hold a bounded number of
+   threads.
 3. **End**, one statement per outcome, each checking ``calls`` (the row count read): every
    hook returned: the row is deleted; some failed: ``done`` gains the hooks that returned,
    ``last_error`` the failure, and the call is due again after a backoff
@@ -69,6 +71,10 @@ MAX_CALLS = 5
 #: at RETRY_CAP, with a quarter of jitter.
 RETRY_BASE = 5.0
 RETRY_CAP = 300.0
+#: Most hook threads still running past ``hook_timeout`` (Python cannot stop a thread) before
+#: the runner leases no new call: hooks that hang (an alerting service that never answers)
+#: during a wave of dead jobs hold at most this many threads (plus one round's), not one per call.
+MAX_HUNG = 32
 
 
 @dataclass
@@ -120,6 +126,8 @@ class HookRunner:
         self.stats = Counters(self.COUNTS)
         self.pairs = [(consumer, kind) for consumer in registry.consumers for kind in registry.hooks_of(consumer)]
         self._thread: threading.Thread | None = None
+        self._hung: list[threading.Thread] = []  # hook threads left running past hook_timeout
+        self._full = False  # MAX_HUNG of them run (logged once when it begins)
 
     def start(self) -> None:
         """Start the loop's thread (``outbox-hooks``)."""
@@ -154,11 +162,14 @@ class HookRunner:
         lease runs out)."""
         if not self.pairs:
             return 0
+        room = self._room()
+        if room <= 0:
+            return 0
         timeout = self.settings.hook_timeout
         with self.engine.begin() as conn:
             rows = conn.execute(self.statements.hook_call_lease_many, {
                 "consumers": [c for c, _ in self.pairs], "hooks": [k for _, k in self.pairs],
-                "limit": BATCH, "lease": 2 * timeout}).all()
+                "limit": min(BATCH, room), "lease": 2 * timeout}).all()
         calls = [self._call_of(row) for row in rows]
         threads: list[tuple[_Call, str, threading.Thread]] = []
         for call in calls:
@@ -179,9 +190,22 @@ class HookRunner:
                 if self.stop_event.is_set():
                     continue  # stopping: the call stays leased and is made again after the lease
                 call.errors[name] = f"HookTimeout: ran past hook_timeout ({timeout:g} s)"
+        self._hung.extend(thread for _, _, thread in threads if thread.is_alive())
         for call in calls:
             self._end(call)
         return len(rows)
+
+    def _room(self) -> int:
+        """How many calls a round may lease: :data:`MAX_HUNG` less the hook threads still
+        running past their timeout (0 or less: none, logged when it starts)."""
+        self._hung = [thread for thread in self._hung if thread.is_alive()]
+        room = MAX_HUNG - len(self._hung)
+        full, self._full = self._full, room <= 0
+        if room <= 0 and not full:
+            log.warning("failure hooks: %d hook threads still run past hook_timeout (%g s); no new hook call "
+                        "until some end (they wait, leased, for this or another relay)", len(self._hung),
+                        self.settings.hook_timeout)
+        return room
 
     def _call_of(self, row: Any) -> _Call:
         failure = JobFailure(hook=row.hook, job_id=row.job_id, event_id=row.event_id, consumer=row.consumer,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -324,6 +325,42 @@ def test_a_hook_past_hook_timeout_counts_as_failed_and_is_called_again(engine, s
     finally:
         release.set()
     assert relay.stats["hook_calls_failed"] == 1 and relay.stats["hook_calls_ok"] == 1
+
+
+def test_hooks_that_hang_hold_a_bounded_number_of_threads(engine, settings, monkeypatch, caplog):
+    """A wave of dead jobs whose hook never returns (an alerting service that never answers):
+    once MAX_HUNG hook threads run past hook_timeout, the runner leases no new call (logged
+    once), so the relay holds MAX_HUNG threads plus at most one round's, not one per call.
+    The calls wait, leased and due again, and are made once the threads end."""
+    monkeypatch.setattr(hook_runner, "MAX_HUNG", 4)
+    monkeypatch.setattr(hook_runner, "RETRY_BASE", 0.05)
+    ob = Outbox()
+    ob.subscriber("t", consumer="c", max_attempts=1)(lambda job: (_ for _ in ()).throw(RuntimeError("boom")))
+    release = threading.Event()
+    started: list[int] = []
+
+    def hangs(failure: JobFailure) -> None:
+        started.append(failure.job_id)
+        release.wait(60)
+
+    ob.on_dead("c")(hangs)
+    publish_events(engine, "t", [{} for _ in range(40)])
+    caplog.set_level(logging.WARNING, logger="outbox.relay.hooks")
+    try:
+        with running_relay(ob, settings(hook_timeout=0.2)) as relay:
+            wait_for(lambda: any("no new hook call" in r.getMessage() for r in caplog.records), timeout=TIMEOUT,
+                     what="the runner to stop leasing")
+            time.sleep(1.5)  # rounds go on meanwhile: each finds no room
+            hung = [t for t in threading.enumerate() if t.name.startswith("outbox-hook-")]
+            assert 4 <= len(hung) <= 4 + hook_runner.BATCH, len(hung)
+            assert len(started) == len(hung)
+            release.set()
+            wait_for(lambda: not hook_rows(engine), timeout=TIMEOUT * 3, what="every call made once the threads ended")
+    finally:
+        release.set()
+    assert len({*started}) == 40
+    assert relay.stats["hook_calls_gave_up"] == 0
+    assert len([r for r in caplog.records if "no new hook call" in r.getMessage()]) >= 1
 
 
 def test_async_hooks_run(engine, settings):
