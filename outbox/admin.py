@@ -969,9 +969,13 @@ def _moment(text: str | None) -> datetime | None:
 class JobDetail(ListedJob):
     """One job (``outbox-relay jobs show``): its row and its event's ``topic`` and ``key`` as
     :func:`list_jobs` gives them, when its current or last attempt began (``started_at``) and
-    its attempts (``history``, oldest first: :func:`history_of`)."""
+    its attempts (``history``, oldest first: :func:`history_of`). ``superseded_by``: for a
+    coalescing consumer, the newer event of its key that superseded the job (status
+    ``superseded``), or that arrived while it ran (then it ended as its attempt did); None
+    otherwise."""
 
     started_at: datetime | None
+    superseded_by: int | None
     history: list[Attempt]
 
 

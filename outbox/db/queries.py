@@ -2410,15 +2410,16 @@ job_get: TextClause = text(
     """
     SELECT j.id, j.event_id, j.consumer, j.status, j.priority, j.run_at, j.attempts, j.max_attempts,
            j.lease_until, j.fence, j.locked_by, j.last_error, j.created_at, j.updated_at, j.finished_at,
-           j.ordering_key, j.snoozes, j.cancel_requested, e.topic, e.key, j.started_at, j.history
+           j.ordering_key, j.snoozes, j.cancel_requested, e.topic, e.key, j.started_at, j.superseded_by, j.history
     FROM outbox_jobs j
     LEFT JOIN outbox_events e ON e.id = j.event_id
     WHERE j.id = :id
     """
 )
 """Job ``:id`` as ``job_list`` shows it, with when its current or last attempt began
-(``started_at``) and its attempt history (``history``, NULL when none was written); no row:
-no such job, or pruned (``outbox-relay jobs show``)."""
+(``started_at``), the newer event of its key that superseded it, or marked it while it ran
+(``superseded_by``, coalescing consumers only) and its attempt history (``history``, NULL
+when none was written); no row: no such job, or pruned (``outbox-relay jobs show``)."""
 
 # ------------------------------------------------------------------------- dashboard
 

@@ -878,6 +878,9 @@ def _job_show(args: argparse.Namespace, engine: Any, schema: str) -> int:
     print(f"created {when(job.created_at)}, run at {when(job.run_at)}, updated {when(job.updated_at)}"
           + (f", finished {when(job.finished_at)}" if job.finished_at else "")
           + (f", lease until {when(job.lease_until)}" if job.lease_until else ""))
+    if job.superseded_by is not None:
+        print(f"superseded by event {job.superseded_by}" if job.status == "superseded" else
+              f"event {job.superseded_by} of its key came while it ran (coalescing): a retry would end superseded")
     if not job.history:
         print("no attempt yet")
         return 0

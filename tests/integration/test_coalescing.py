@@ -8,6 +8,7 @@ row lock (``_blocked``) before the first commits."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,7 @@ from outbox.admin import jobs_page, status
 from outbox.db import queries
 from outbox.db.jobs import claim_jobs, complete_jobs, fail_jobs, release_jobs, snooze_jobs
 from outbox.db.retention import prune
+from outbox.ops.cli import main
 from outbox.relay.maintenance import reap_expired
 from outbox.relay.ordering import promote_finished
 from outbox.relay.outcomes import Failure, Snoozed
@@ -180,6 +182,20 @@ def test_a_marked_running_job_ends_superseded_instead_of_waiting_again(engine, h
             assert reap_expired(conn).superseded == 1
     assert _by_event(engine) == {first: "dead" if how == "dead" else "superseded", newer: "ready"}
     assert [j.event_id for j in _claim(engine)] == [newer]  # the superseded one is never claimed again
+
+
+def test_jobs_show_names_the_event_that_superseded_a_job(engine, db_url, capsys):
+    _declare(engine)
+    a = _publish(engine, "k", 2)
+    _route(engine)
+    job_id = next(j["id"] for j in _jobs(engine) if j["event_id"] == a[0])
+    url = db_url.render_as_string(hide_password=False)
+    assert main(["jobs", "show", str(job_id), "--database-url", url]) == 0
+    out = capsys.readouterr().out
+    assert "status superseded" in out and f"superseded by event {a[1]}" in out
+    assert main(["jobs", "show", str(job_id), "--json", "--database-url", url]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["status"], shown["superseded_by"]) == ("superseded", a[1])
 
 
 def test_a_late_older_event_is_superseded_by_a_newer_live_job_and_runs_after_a_finished_one(engine):
