@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
     if args.runs:
         size = dataclasses.replace(size, runs=args.runs)
+    if args.no_peers:
+        size = dataclasses.replace(size, peers=False)
     results: Path = args.results
     (results / "logs").mkdir(parents=True, exist_ok=True)
     server = server_url()

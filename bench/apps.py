@@ -23,12 +23,16 @@ def fanout() -> Outbox:
     consumers = int(os.environ.get("BENCH_CONSUMERS", "3"))
     record = os.environ.get("BENCH_RECORD")
     ordered = os.environ.get("BENCH_ORDERED") == "1"
+    pause = float(os.environ.get("BENCH_SLEEP", "0"))
     ob = Outbox()
     samples: list[tuple[int, str, float]] = []
     for i in range(1, consumers + 1):
         if record:
             def handler(job, _note=samples.append, _now=time.time) -> None:
                 _note((job.event_id, job.consumer, _now()))
+        elif pause:
+            def handler(job, _sleep=time.sleep, _pause=pause) -> None:
+                _sleep(_pause)
         else:
             def handler(job) -> None:
                 return None

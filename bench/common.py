@@ -45,13 +45,14 @@ class Size:
 
     name: str
     runs: int = 3
+    peers: bool = True                   # False (--no-peers): no peer runs anywhere, no peers' venv
     # 1 raw: the own-statement limit
     pgbench_seconds: float = 2.0          # 0: a fixed 20 script runs per client (smoke size)
     pgbench_pool: int = 150_000          # ready jobs present before a batched run
     loop_seconds: float = 4.0
     # 2 end-to-end fan-out, 3 peers
     events: int = 50_000                 # events published at the best settings; jobs = 3x
-    default_events: int = 6_000          # events published at the relay's defaults (slower)
+    default_events: int = 50_000         # events published at the relay's defaults, with no-op and 5 ms handlers
     sweep_events: int = 6_000            # events per configuration of the short sweep
     # (concurrency, claim_batch, prefetch, dispatchers) of the relay; the first is its defaults.
     # (8, 200, 200) and (16, 100, 100) never led; many workers without a prefetch buffer (no

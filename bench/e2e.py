@@ -8,7 +8,8 @@ from the database clock, so it spans first publish to last job done, routing inc
 
 A short sweep over (concurrency, claim_batch, prefetch, dispatchers) on fewer events (one run each) picks the
 best settings; then the best settings (N events) and the relay's defaults
-(``default_events``, fewer, since they are slower) run ``runs`` times each, interleaved.
+(``default_events``) run ``runs`` times each, interleaved; so do the defaults and the best
+settings with handlers that sleep 5 ms (handlers waiting on I/O: issue 33's second case).
 The best settings also run with ``retention_done = 0`` per repetition: each completion
 deletes its job instead of marking it done (the fastest setting, as graphile-worker and
 PgQueuer do). Those runs leave no ``finished_at`` to read, so their end is the database
@@ -60,6 +61,8 @@ from .common import (
 
 CONSUMERS = 3
 ANALYZE_EVERY = 2.0
+#: Seconds each handler sleeps in the runs with handlers that wait (issue 33: 5 ms).
+HANDLER_SLEEP = 0.005
 #: Seconds between the checks of a run whose completions delete the jobs (its end is read
 #: when the drain is seen): the fence sequence while claims go on, then the last running jobs.
 FENCES_POLL, LAST_JOBS_POLL = 0.05, 0.005
@@ -72,18 +75,21 @@ DELETED_COUNT = ("(SELECT count(*) * %(consumers)s FROM outbox_events WHERE rout
 
 def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path, tag: str,
             consumers: int = CONSUMERS, hooks: Any = None, cap: float = 1800.0,
-            analyze_every: float | None = None) -> dict[str, Any]:
+            analyze_every: float | None = None, handler_sleep: float = 0.0) -> dict[str, Any]:
     """Publish ``events`` events with a relay running ``settings``; measure until drained,
     or for ``cap`` seconds (then the rate is the jobs done so far over the time taken).
     ``hooks`` (optional) has ``started(pid)`` and ``drained(pid)``, called around the load.
     ``analyze_every`` (seconds): the harness runs ``ANALYZE outbox_jobs`` that often while
     the run lasts, keeping the planner's statistics current (see the module notes).
     ``settings`` with ``retention_done`` 0 (done jobs deleted at completion) leave no
-    ``finished_at`` to read: the end is when the drain is seen (module notes)."""
+    ``finished_at`` to read: the end is when the drain is seen (module notes).
+    ``handler_sleep`` (seconds): each handler sleeps that long (a handler waiting on I/O)
+    instead of returning at once."""
     deleting = settings.get("retention_done") == 0
     with dbs.fresh() as url:
         relay = RelayProcess(url, results / "logs" / f"relay-{tag}.log", settings,
-                             env={"BENCH_CONSUMERS": str(consumers)})
+                             env={"BENCH_CONSUMERS": str(consumers),
+                                  **({"BENCH_SLEEP": str(handler_sleep)} if handler_sleep else {})})
         try:
             relay.wait_ready(consumers)
             eng = engine(url)
@@ -117,7 +123,7 @@ def one_run(dbs: Databases, events: int, settings: dict[str, Any], results: Path
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
     out = {
         "events": events, "jobs": jobs, "seconds": elapsed, "jobs_per_s": jobs / elapsed,
-        "publish_seconds": publish_seconds, "settings": settings,
+        "publish_seconds": publish_seconds, "settings": settings, "handler_sleep": handler_sleep,
         "relay_cpu_us_per_job": relay_cpu / jobs * 1e6 if relay_cpu is not None else None,
         "db_cpu_us_per_job": db_cpu / jobs * 1e6, "machine_busy": busy, "relay_rss_mb": rss,
         "relay_exit": code, "capped": not drained,
@@ -190,9 +196,15 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     from .raw import probe
 
     default_runs, best_runs, analyzed_runs, deleting_runs, limits = [], [], [], [], []
+    default_sleep_runs, best_sleep_runs = [], []
     for rep in range(size.runs):
         limits.append(probe(dbs, size))
         default_runs.append(one_run(dbs, size.default_events, {}, results, f"default-{rep}", cap=size.e2e_cap))
+        # Issue 33: the defaults against the best settings with handlers that wait 5 ms (on I/O), in pairs.
+        default_sleep_runs.append(one_run(dbs, size.default_events, {}, results, f"default-sleep-{rep}",
+                                          cap=size.e2e_cap, handler_sleep=HANDLER_SLEEP))
+        best_sleep_runs.append(one_run(dbs, size.default_events, best_settings, results, f"best-sleep-{rep}",
+                                       cap=size.e2e_cap, handler_sleep=HANDLER_SLEEP))
         best_runs.append(one_run(dbs, size.events, best_settings, results, f"best-{rep}", cap=size.e2e_cap))
         analyzed_runs.append(one_run(dbs, size.events, best_settings, results, f"best-analyzed-{rep}",
                                      cap=size.e2e_cap, analyze_every=ANALYZE_EVERY))
@@ -205,6 +217,12 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                    "db_cpu_us_per_job": r["db_cpu_us_per_job"]} for r in sweep],
         "default": summary(default_runs),
         "best": summary(best_runs),
+        "default_over_best": median([d["jobs_per_s"] / b["jobs_per_s"] for d, b in zip(default_runs, best_runs)]),
+        "handler_sleep": HANDLER_SLEEP,
+        "default_sleep": summary(default_sleep_runs),
+        "best_sleep": summary(best_sleep_runs),
+        "default_over_best_sleep": median([d["jobs_per_s"] / b["jobs_per_s"]
+                                           for d, b in zip(default_sleep_runs, best_sleep_runs)]),
         "best_analyzed": summary(analyzed_runs) | {"analyze_every": ANALYZE_EVERY},
         "best_deleting": summary(deleting_runs),
         "paired_limit": {

@@ -16,6 +16,7 @@ are kept in the JSON. With LISTEN off the relay relies on ``poll_interval`` (def
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -93,6 +94,29 @@ def publish_on_schedule(eng: sa.Engine, n: int, rate: float) -> tuple[dict[int, 
     return commits, n / (time.perf_counter() - start)
 
 
+def pgqueuer(dbs: Databases, size: Size) -> dict[str, Any] | None:
+    """PgQueuer's own LISTEN-driven latency in the same shape (``bench/peer_pgqueuer_latency.py``
+    in the peers' venv, on a fresh database of its own): one enqueue of a job per consumer
+    per transaction at ``latency_rate`` for ``latency_seconds``, PgQueuer at its defaults.
+    None with ``--no-peers``, or when the peers' venv cannot be made (logged)."""
+    if not size.peers:
+        return None
+    from .peers import ensure_venv, peer
+
+    try:
+        ensure_venv()
+        with dbs.fresh(migrated=False) as url:
+            out = peer("peer_pgqueuer_latency.py", url, "--rate", str(size.latency_rate),
+                       "--seconds", str(size.latency_seconds), "--consumers", str(CONSUMERS))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        log(f"latency pgqueuer skipped: {exc}")
+        return None
+    log(f"latency pgqueuer: p50 {out['p50_ms']:.1f} ms, p95 {out['p95_ms']:.1f} ms, p99 {out['p99_ms']:.1f} ms"
+        f" ({out['seen']} jobs at {out['rate_achieved']:.0f} enqueues/s)")
+    return out
+
+
 def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
     return {"rate": size.latency_rate, "seconds": size.latency_seconds, "consumers": CONSUMERS,
-            "listen": one_mode(dbs, size, results, True), "poll": one_mode(dbs, size, results, False)}
+            "listen": one_mode(dbs, size, results, True), "poll": one_mode(dbs, size, results, False),
+            "pgqueuer": pgqueuer(dbs, size)}

@@ -23,6 +23,7 @@ validated again); (b) with ``outbox_publish_many`` of the same 1,000 events, and
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,11 @@ class OrderPlaced(BaseModel):
     total_cents: int
 
 
+#: The bare multi-row INSERT of 1,000 events (issue 33's baseline for publish_many): one
+#: statement, the payloads encoded with json.dumps, no validation.
+BARE_MANY = sa.text("INSERT INTO outbox_events (topic, key, payload, headers) SELECT t, k, CAST(p AS jsonb),"
+                    " CAST('{}' AS jsonb) FROM unnest(CAST(:topics AS text[]), CAST(:keys AS text[]),"
+                    " CAST(:payloads AS text[])) AS e(t, k, p)")
 SQL_FUNCTION = sa.text("SELECT outbox_publish(:topic, CAST(:payload AS jsonb), :key)")
 SQL_FUNCTION_MANY = sa.text("SELECT outbox_publish_many(CAST(:events AS jsonb))")
 
@@ -86,11 +92,15 @@ def notify_trigger(eng: sa.Engine, enabled: bool) -> None:
         conn.exec_driver_sql(f"ALTER TABLE outbox_events {'ENABLE' if enabled else 'DISABLE'} TRIGGER outbox_events_notify")
 
 
-def thousand(eng: sa.Engine, txns: int, many: bool, sql: bool = False, typed: bool = False) -> float:
+def thousand(eng: sa.Engine, txns: int, many: bool, sql: bool = False, typed: bool = False,
+             bare: bool = False) -> float:
     start = time.perf_counter()
     for t in range(txns):
         with eng.begin() as conn:
-            if typed:
+            if bare:
+                conn.execute(BARE_MANY, {"topics": [TOPIC] * 1000, "keys": [f"order:{i}" for i in range(1000)],
+                                         "payloads": [json.dumps({"order_id": t * 1000 + i}) for i in range(1000)]})
+            elif typed:
                 publish_many(conn, [(TOPIC, OrderPlaced(order_id=t * 1000 + i, total_cents=i), f"order:{i}")
                                     for i in range(1000)])
             elif sql:
@@ -119,6 +129,7 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
         domain_txns(eng, 100, True, way="psycopg")
         domain_txns(eng, 100, True, way="typed")
         thousand(eng, 1, True, typed=True)
+        thousand(eng, 1, False, bare=True)
         for _rep in range(size.runs):
             plain = with_ = quiet = bare = sql = raw = typed = 0.0
             for _block in range(max(1, size.publish_txns // BLOCK)):
@@ -132,8 +143,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                 quiet += domain_txns(eng, BLOCK, True)
                 notify_trigger(eng, True)
             n = max(1, size.publish_txns // BLOCK) * BLOCK
-            many = loop = sql_many = typed_many = 0.0
+            many = loop = sql_many = typed_many = bare_many = 0.0
             for _ in range(size.publish_many_txns):
+                bare_many += thousand(eng, 1, False, bare=True)
                 many += thousand(eng, 1, True)
                 loop += thousand(eng, 1, False)
                 sql_many += thousand(eng, 1, False, sql=True)
@@ -152,7 +164,9 @@ def run(dbs: Databases, size: Size, results: Path) -> dict[str, Any]:
                  "typed_many_over_publish_many": typed_many / many,
                  "publish_many_events_per_s": k / many, "publish_loop_events_per_s": k / loop,
                  "many_over_loop": loop / many, "encode_events_per_s": k / encode,
-                 "encode_share_of_publish_many": encode / many}
+                 "encode_share_of_publish_many": encode / many,
+                 "bare_many_events_per_s": k / bare_many, "publish_many_over_bare_many": bare_many / many,
+                 "publish_over_bare": with_ / bare}
             runs.append(r)
             log(f"publish: {r['txn_per_s_without']:,.0f} txn/s without, {r['txn_per_s_with']:,.0f} with"
                 f" (+{r['overhead']:.0%}); 1,000 per txn: publish_many {r['publish_many_events_per_s']:,.0f}"

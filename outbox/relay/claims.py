@@ -16,7 +16,10 @@ read and changed under one lock, so each part sees one consistent picture:
   claims never both fill the same room;
 * ``issued``: worker slots taken: jobs handed to a worker whose handler has not returned
   (a hung one included, after its timeout), plus slots reserved by a claim in flight that
-  will hand jobs over, so none is over-issued;
+  will hand jobs over, so none is over-issued. There are ``concurrency`` slots (one per
+  thread) and ``ahead`` more (:mod:`outbox.relay.pacing`: jobs handed to the pool that wait
+  in its queue for the next thread, while handlers are quick); ``finished`` counts the
+  handlers that returned, for the pacing's measure of the workers' rate;
 * ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
   forwarder and not yet acknowledged by their broker. They take no worker slot but a place
   in the forwarding window (``window``: messages in flight at once, the relay's
@@ -85,11 +88,45 @@ class HeldClaims:
         self.buffer: collections.deque[Claim] = collections.deque()
         self.buffered: set[int] = set()
         self.issued = 0
+        self.ahead = 0  # slots beyond the threads, set by outbox.relay.pacing.Pacing
+        self.finished = 0
         self.expected = 0
         self.hung = 0
         self.finishing: set[int] = set()
         self.released: set[int] = set()
         self.reported: set[int] = set()
+
+    def _slots(self) -> int:
+        """(Caller holds the lock.) Worker slots: one per thread, and ``ahead`` more unless a
+        handler is hung past its timeout (its thread may never come back for the queue)."""
+        return self.concurrency + (0 if self.hung else self.ahead)
+
+    def waiting_for_thread(self) -> bool:
+        """Whether jobs wait for a worker thread: more handed to the pool than it has
+        threads, or buffered ones with every thread busy."""
+        with self.lock:
+            return self.issued > self.concurrency or (self.issued >= self.concurrency and bool(self.buffer))
+
+    def add_threads(self, n: int) -> None:
+        """The pool has ``n`` more worker threads (an elastic pool grew)."""
+        with self.changed:
+            self.concurrency += n
+            if self.buffer:
+                self.changed.notify()
+
+    def retire_thread(self, floor: int) -> bool:
+        """An idle thread beyond ``floor`` asks to end: True (and one slot fewer) when the pool
+        has more than ``floor`` threads and one of them is free."""
+        with self.lock:
+            if self.concurrency > floor and self.issued < self.concurrency:
+                self.concurrency -= 1
+                return True
+            return False
+
+    def worker_slots(self) -> int:
+        """Worker slots now: ``concurrency``, plus ``ahead`` while no handler is hung."""
+        with self.lock:
+            return self._slots()
 
     def get(self, fence: int) -> Claim | None:
         """The claim held with ``fence`` (None: not held, or no longer)."""
@@ -109,7 +146,7 @@ class HeldClaims:
 
     def taken(self) -> int:
         """Slots taken, forwarded jobs in flight, jobs buffered and jobs asked for by claims
-        in flight: what counts against ``concurrency + window + prefetch``."""
+        in flight: what counts against the worker slots + ``window`` + ``prefetch``."""
         with self.lock:
             return self._taken()
 
@@ -129,7 +166,7 @@ class HeldClaims:
         with self.lock:
             asked = max(0, min(want, limit - self._taken()))
             self.expected += asked
-            start_now = max(0, min(asked, self.concurrency - self.issued))
+            start_now = max(0, min(asked, self._slots() - self.issued))
             self.issued += start_now
         reservation = Reservation(self, asked, start_now)
         try:
@@ -147,7 +184,7 @@ class HeldClaims:
         """Whether more workers (and places in the forwarding window) are idle than buffered
         jobs wait for them."""
         with self.lock:
-            return self.concurrency - self.issued + self.window - self.forward_issued > len(self.buffer)
+            return self._slots() - self.issued + self.window - self.forward_issued > len(self.buffer)
 
     def is_forwarded(self, claim: Claim) -> bool:
         """Whether ``claim`` belongs to a forwarder (its sink sends it; no worker runs it)."""
@@ -159,7 +196,7 @@ class HeldClaims:
         room."""
         if not self.buffer:
             return False
-        workers = self.issued < self.concurrency
+        workers = self.issued < self._slots()
         if not self.forwarding:
             return workers
         window = self.forward_room() > 0
@@ -242,7 +279,7 @@ class HeldClaims:
         claims: list[Claim] = []
         forwards: list[Claim] = []
         expired: list[Claim] = []
-        free = self.concurrency - self.issued
+        free = self._slots() - self.issued
         room = self.forward_room() if self.forwarding else 0
         kept: collections.deque[Claim] = collections.deque()
         while self.buffer and (free > 0 or room > 0):
@@ -289,6 +326,7 @@ class HeldClaims:
                 self.forward_issued -= 1
             else:
                 self.issued -= 1
+                self.finished += 1
             self.finishing.add(claim.fence)
             # The starter sleeps while the buffer is empty, and needs no wake-up for a place
             # in the window before it is worth a hand-off.

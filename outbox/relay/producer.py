@@ -1,9 +1,10 @@
 """The producer: claims jobs for a runner's workers and feeds them in claim order.
 
-**Room.** A runner holds at most ``concurrency + prefetch`` claims whose handlers have
-not returned: ``concurrency`` running and up to ``prefetch`` in the buffer.
-:meth:`Producer.room` says how many to claim now (at most ``claim_batch``, none while
-claims are paused after a claim that fails for every job).
+**Room.** A runner holds at most ``concurrency + ahead + prefetch`` claims whose handlers
+have not returned: ``concurrency`` running, ``ahead`` handed to the pool and waiting for a
+thread while handlers are quick (:mod:`outbox.relay.pacing`), and up to ``prefetch`` in the
+buffer. :meth:`Producer.room` says how many to claim now (at most the claim batch, none
+while claims are paused after a claim that fails for every job).
 
 **Claim rounds.** :meth:`Producer.claiming` shapes a round's claim (a
 :class:`ClaimRequest`): it reserves idle worker slots for the first ``start_now`` jobs the
@@ -61,6 +62,7 @@ from outbox.relay.claim import Claim
 from outbox.relay.claims import HeldClaims, Reservation
 from outbox.relay.counters import Counters
 from outbox.relay.notify import ClaimKey, Wakeup
+from outbox.relay.pacing import Pacing
 from outbox.settings import OutboxSettings
 from outbox.telemetry.metrics import RelayMetrics
 
@@ -162,8 +164,10 @@ class Producer:
 
     def __init__(self, settings: OutboxSettings, claims: HeldClaims, leases: dict[str, float], worker_id: str,
                  wake: Wakeup, start: Callable[[list[Claim]], None], stats: Counters, *, hint: ClaimHint, quarantine: poison.Quarantine,
-                 subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None) -> None:
+                 subscribers: Mapping[str, Subscriber] | None = None, metrics: RelayMetrics | None = None,
+                 pacing: Pacing | None = None) -> None:
         self.settings = settings
+        self.pacing = pacing or Pacing(settings, claims)  # the runner's, shared by its dispatchers
         self.metrics = metrics
         self.claims = claims
         self.leases = leases
@@ -200,24 +204,28 @@ class Producer:
         return self._leases_without[1]
 
     def room(self) -> int:
-        """How many jobs to claim now: room in the buffer, at most ``claim_batch``; none
+        """How many jobs to claim now: room in the buffer, at most the claim batch (the
+        setting, or :class:`~outbox.relay.pacing.Pacing`'s while it adapts); none
         while claims are paused (:meth:`pause`), or while hung handlers hold every
         worker slot (:mod:`outbox.relay.watchdog`: their slots count as taken, so otherwise the
         room is the same)."""
-        if time.monotonic() < self.claims_paused_until or self.claims.all_hung():
+        now = time.monotonic()
+        if now < self.claims_paused_until or self.claims.all_hung():
             return 0
-        return max(0, min(self.settings.claim_batch, self.limit() - self.claims.taken()))
+        self.pacing.update(now)
+        return max(0, min(self.pacing.claim_batch(), self.limit() - self.claims.taken()))
 
     def limit(self) -> int:
         """Most claims the runner holds whose handlers have not returned (or whose broker has
-        not answered): ``concurrency`` + the forwarding window + ``prefetch``."""
-        return self.settings.concurrency + self.claims.window + self.settings.prefetch
+        not answered): the worker slots (``concurrency``, and the jobs handed ahead to the
+        pool: :mod:`outbox.relay.pacing`) + the forwarding window + ``prefetch``."""
+        return self.claims.worker_slots() + self.claims.window + self.settings.prefetch
 
     def worth_claiming(self, want: int) -> bool:
         """A claim of its own (no completions to carry it) is worth its round trip when it
         can take half a batch, or when a worker would otherwise sit idle."""
         return self.claims.has_idle_worker() or want >= max(
-            1, min(self.settings.claim_batch, self.settings.prefetch) // 2)
+            1, min(self.pacing.claim_batch(), self.settings.prefetch) // 2)
 
     @contextlib.contextmanager
     def claiming(self, want: int) -> Iterator[ClaimRequest]:

@@ -58,7 +58,7 @@ from outbox.db.jobs import RelayInfo, first_ready_before, notify_head, package_v
 from outbox.errors import HandlerTimeoutError
 from outbox.job import Job
 from outbox.registry import FORWARD_TIMEOUT, Outbox, Subscriber
-from outbox.relay import transaction
+from outbox.relay import pacing, transaction
 from outbox.relay.claim import Claim, jobs_of
 from outbox.relay.claims import HeldClaims, Signals
 from outbox.relay.completer import Completer
@@ -69,6 +69,7 @@ from outbox.relay.forwarder import Forwarder
 from outbox.relay.heartbeat import Heartbeater
 from outbox.relay.notify import ClaimKey, Lookout, Wakeup
 from outbox.relay.outcomes import Failure, Outcome
+from outbox.relay.pacing import Pacing
 from outbox.relay.producer import ClaimHint, Producer
 from outbox.relay.reconnect import Reconnector
 from outbox.relay.starter import Starter
@@ -132,6 +133,11 @@ class JobRunner:
             assert sub.sink is not None
             sub.sink.expect_resends(within, f"forwarder {consumer}: {why}")
         self.claims = HeldClaims(settings.concurrency, settings.forward_window if forwarders else 0, forwarders)
+        # Shared by the dispatchers: how far claims run ahead, and (no transactional handler) the elastic pool.
+        elastic = not any(s.transactional and s.sink is None for s in registry)
+        self.pacing = Pacing(settings, self.claims, self._grow if elastic else None)
+        self._workers = 0  # worker threads started, and the lock that counts them
+        self._workers_lock = threading.Lock()
         self.signals = Signals()
         self._todo: queue.SimpleQueue[Claim | None] = queue.SimpleQueue()
         self._outcomes: queue.SimpleQueue[tuple[Claim, Any] | None] = queue.SimpleQueue()
@@ -169,7 +175,8 @@ class JobRunner:
                               subscribers=self.subscribers, wake=self.wake, metrics=self.metrics,
                               keep_done=self.settings.keep_done)
         producer = Producer(self.settings, self.claims, self.leases, self.worker_id, wake, self._start, self.stats,
-                            subscribers=self.subscribers, metrics=self.metrics, hint=hint, quarantine=self.quarantine)
+                            subscribers=self.subscribers, metrics=self.metrics, hint=hint, quarantine=self.quarantine,
+                            pacing=self.pacing)
         return Dispatcher(self.settings, self.claims, producer, completer, connection, self._outcomes, wake,
                           self.signals, self.reconnect)
 
@@ -186,8 +193,7 @@ class JobRunner:
         if self.forwarder is not None:
             self._spawn("outbox-forwarder", self.forwarder.run)
         if any(s.sink is None for s in self.subscribers.values()):
-            for n in range(self.settings.concurrency):
-                self._spawn(f"outbox-worker-{n}", self._work_loop)
+            self._add_workers(self.settings.concurrency)
         self._spawn("outbox-heartbeat", self.heartbeater.run)
         self._spawn("outbox-claim-lookout", Lookout(self.engine, self.look_behind, "claim-lookout",
                                                     self.signals.stop_claiming, self.reconnect).run)
@@ -198,6 +204,22 @@ class JobRunner:
         thread = threading.Thread(target=target, name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _add_workers(self, n: int) -> None:
+        """Start ``n`` worker threads; those beyond ``concurrency`` end after ``IDLE_EXIT``
+        seconds without a job (:mod:`outbox.relay.pacing`)."""
+        with self._workers_lock:
+            first, self._workers = self._workers, self._workers + n
+            self._threads = [t for t in self._threads if t.is_alive()]
+            for k in range(first, first + n):
+                self._spawn(f"outbox-worker-{k}", self._work_loop)
+
+    def _grow(self, n: int) -> None:
+        """The pacing asks for ``n`` more worker threads (an elastic pool: handlers that wait)."""
+        if self.signals.stop_claiming.is_set():
+            return
+        self.claims.add_threads(n)
+        self._add_workers(n)
 
     def look_behind(self, conn: Connection) -> ClaimKey | None:
         """The first due ready job before the claim hint that the main claims take
@@ -246,7 +268,9 @@ class JobRunner:
             for claim in left:
                 claim.job.mark_lease_lost()
             self._release_now(left)
-        for _ in range(self.settings.concurrency):
+        with self._workers_lock:
+            workers = self._workers
+        for _ in range(workers):
             self._todo.put(None)
         for _ in self.dispatchers:
             self._outcomes.put(None)  # one closing marker for each dispatcher
@@ -298,17 +322,27 @@ class JobRunner:
 
     def _work_loop(self) -> None:
         context = WorkerContext(self._async_engine)
+        floor, handled = self.settings.concurrency, self.pacing.handled
         try:
             while True:
-                claim = self._todo.get()
+                try:
+                    claim = self._todo.get(timeout=pacing.IDLE_EXIT)
+                except queue.Empty:
+                    if self.claims.retire_thread(floor):
+                        with self._workers_lock:
+                            self._workers -= 1
+                        break
+                    continue
                 if claim is None:
                     break
                 if self.signals.draining.is_set() or claim.lease_lost:
                     self._post(claim, Outcome.RELEASE)
                     continue
+                cpu = time.thread_time()
                 started = claim.started = time.monotonic()  # for metrics and the job's log lines
                 outcome = self.executor.run(claim.job, self.subscribers[claim.consumer], context)
                 claim.ran = time.monotonic() - started
+                handled(claim.ran, time.thread_time() - cpu)
                 if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
                     hung = self.claims.unhang()
                     log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "

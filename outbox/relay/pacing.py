@@ -1,0 +1,130 @@
+"""Pacing: how far a runner's claims run ahead of its workers, from how fast they finish.
+
+A relay at its defaults must not need tuning to go fast (issue 33): the settings that make
+the end-to-end bench fastest (many worker slots, large claims, no listed buffer) are wrong
+for handlers that take seconds, and the defaults that suit those (8 workers, claims of 50,
+a buffer of 50) leave a quick handler's relay waiting on round trips: each claim of at most
+58 jobs pays the round's fixed cost (about 1.3 ms), and every hand-over from the buffer
+pays a statement of the starter's (performance notes, levers 13 and 21).
+
+:class:`Pacing` measures the rate at which the workers finish jobs (every
+``SAMPLE_EVERY`` seconds or more: a higher rate counts at once, a lower one replaces half
+the figure every ``HALF_LIFE`` seconds) and derives from it:
+
+* ``ahead``: jobs handed to the worker pool beyond its idle threads, waiting in the pool's
+  queue for the next thread to come free: what the workers get through in ``HORIZON``
+  seconds at the measured rate, at most ``AHEAD_MAX``. A job handed to the pool is started
+  as far as the database knows (not listed in the relay's row), like a job handed to one of
+  512 threads the operating system has not run yet: a ``kill -9`` charges its attempt. The
+  horizon bounds that: what a relay's crash charges beyond its running handlers is at most
+  ``HORIZON`` seconds of its workers' work (architecture notes, "Attempts and crashes").
+  0 while any handler is hung past its timeout (its thread may never come back), and 0
+  with one job a minute (the rate decays to nothing: every job goes to an idle thread, as
+  before).
+* ``claim_batch``: the most jobs a claim asks for, ``ahead`` bounded to
+  [``BATCH_MIN``, ``BATCH_MAX``]: a large claim only while the workers get through it.
+
+* **threads** (an elastic pool): handlers that wait (on a socket, a sleep, an API) leave
+  the CPU idle while jobs wait for one of ``concurrency`` threads. While jobs wait for a
+  thread and the handlers spent more than ``WAITING`` of their time off the CPU in the
+  last measure (thread CPU time against wall time), the pool doubles, up to
+  ``THREADS_MAX``; a thread beyond ``concurrency`` that finds no job for ``IDLE_EXIT``
+  seconds ends. Quick handlers that use the CPU never grow it (more threads would only
+  share the same cores), and neither does one job a minute (no job waits).
+
+Explicit settings win: with ``prefetch`` set (env, flag or constructor) nothing is handed
+ahead, with ``claim_batch`` set the batch is that, and with ``concurrency`` set the pool
+has that many threads. A registry with transactional handlers keeps ``concurrency``
+threads too: each holds a connection of the relay's pool, sized from ``concurrency``
+(``pool_size``). The buffer (``prefetch``, 50 by default) stays, for jobs claimed beyond
+``ahead`` while handlers take time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from outbox.relay.claims import HeldClaims
+from outbox.settings import OutboxSettings
+
+#: Seconds of the workers' work that may wait in the pool's queue (and be charged by a crash).
+HORIZON = 0.025
+#: Most jobs handed to the pool beyond its threads: two claims of ``BATCH_MAX``.
+AHEAD_MAX = 500
+#: Bounds of the adaptive claim batch (the default setting, and the bench's best batch).
+BATCH_MIN, BATCH_MAX = 50, 250
+#: Least seconds between two measurements of the workers' rate; a lower rate than the last
+#: figure replaces half of it every ``HALF_LIFE`` seconds (a higher one at once).
+SAMPLE_EVERY, HALF_LIFE = 0.05, 0.1
+#: Most worker threads an elastic pool grows to.
+THREADS_MAX = 128
+#: Share of the handlers' time spent off the CPU above which more threads help.
+WAITING = 0.5
+#: Seconds a thread beyond ``concurrency`` waits for a job before it ends.
+IDLE_EXIT = 30.0
+
+log = logging.getLogger(__name__)
+
+
+class Pacing:
+    """Sizes ``claims``' hand-off to the worker pool and the claims of a runner from the rate
+    its workers finish jobs, unless ``settings`` fix them (see the module notes). Shared by
+    the runner's dispatchers; :meth:`update` is cheap and may be called every round.
+
+    ``grow(n)``, when given, starts ``n`` more worker threads (the runner's): the pool is
+    elastic unless ``settings`` fix ``concurrency``; the runner passes None for a registry
+    with transactional handlers."""
+
+    def __init__(self, settings: OutboxSettings, claims: HeldClaims,
+                 grow: Callable[[int], None] | None = None) -> None:
+        explicit = settings.model_fields_set
+        self.claims = claims
+        self.adapt_ahead = "prefetch" not in explicit
+        self.fixed_batch = settings.claim_batch if "claim_batch" in explicit else None
+        self.grow = grow if "concurrency" not in explicit else None
+        self.rate = 0.0  # jobs finished per second by the workers, smoothed
+        self._lock = threading.Lock()
+        self._at = time.monotonic()
+        self._finished = claims.finished
+        self._wall = self._cpu = 0.0  # the handlers' wall and thread CPU seconds since the last measure
+
+    def handled(self, wall: float, cpu: float) -> None:
+        """A worker ran a job: ``wall`` seconds, ``cpu`` of them on the CPU (its thread's)."""
+        with self._lock:
+            self._wall += wall
+            self._cpu += cpu
+
+    def update(self, now: float | None = None) -> None:
+        """Measure the workers' rate when ``SAMPLE_EVERY`` seconds have passed since the last
+        measurement, and set ``claims.ahead`` from it. ``now``: monotonic seconds."""
+        now = time.monotonic() if now is None else now
+        if now - self._at < SAMPLE_EVERY or not self._lock.acquire(blocking=False):
+            return
+        try:
+            finished = self.claims.finished
+            sample = (finished - self._finished) / (now - self._at)
+            keep = 0.5 ** ((now - self._at) / HALF_LIFE)  # a higher rate counts at once, a lower one by halves
+            self._at, self._finished = now, finished
+            wall, cpu, self._wall, self._cpu = self._wall, self._cpu, 0.0, 0.0
+            self.rate = max(sample, keep * self.rate + (1 - keep) * sample)
+            if self.adapt_ahead:
+                self.claims.ahead = min(AHEAD_MAX, round(self.rate * HORIZON))
+        finally:
+            self._lock.release()
+        if self.grow is not None and wall > 0 and 1 - cpu / wall > WAITING:
+            threads = self.claims.concurrency
+            if threads < THREADS_MAX and self.claims.waiting_for_thread():
+                more = min(threads, THREADS_MAX - threads)
+                log.info("worker threads %d -> %d: handlers wait %.0f %% of their time and jobs wait for a thread",
+                         threads, threads + more, 100 * (1 - cpu / wall))
+                self.grow(more)
+
+    def claim_batch(self) -> int:
+        """Most jobs one claim asks for: the setting when given, else ``ahead`` bounded to
+        [``BATCH_MIN``, ``BATCH_MAX``]."""
+        if self.fixed_batch is not None:
+            return self.fixed_batch
+        return max(BATCH_MIN, min(BATCH_MAX, self.claims.ahead))

@@ -1,0 +1,117 @@
+"""Pacing in a running relay (:mod:`outbox.relay.pacing`), real PostgreSQL: at its defaults a
+relay hands quick handlers' jobs to the pool ahead of its threads and claims more per
+round; an elastic pool grows for handlers that wait and shrinks back when idle; explicit
+settings and transactional handlers keep the threads fixed; a job handed ahead whose
+handler never started is released at SIGTERM with its attempt given back."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from outbox import Job, Outbox
+from outbox.relay import pacing
+from outbox.testing import wait_for
+
+from .helpers import publish_events, running_relay
+
+TIMEOUT = 60
+
+
+def workers() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("outbox-worker-") and t.is_alive())
+
+
+def done(engine: sa.Engine) -> int:
+    with engine.connect() as c:
+        return c.execute(sa.text("SELECT count(*) FROM outbox_jobs WHERE status = 'done'")).scalar_one()
+
+
+def test_quick_handlers_get_jobs_handed_ahead_and_the_threads_stay(engine, settings):
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    seen: list[tuple[int, int]] = []
+    with running_relay(ob, settings()) as relay:
+        runner = relay.runner
+        assert runner is not None and runner.pacing.grow is not None
+        threads = workers()
+        publish_events(engine, "t", [{"n": i} for i in range(6_000)])
+
+        def look() -> bool:
+            seen.append((runner.claims.ahead, runner.pacing.claim_batch()))
+            return done(engine) == 6_000
+
+        wait_for(look, timeout=TIMEOUT, interval=0.01, what="6,000 quick jobs done")
+        assert workers() == threads == 8  # quick handlers use the CPU: no more threads
+    assert max(a for a, _ in seen) > 50, seen  # beyond the fixed prefetch of 50
+    assert max(b for _, b in seen) > 50, seen
+
+
+def test_an_elastic_pool_grows_for_handlers_that_wait_and_shrinks_when_idle(engine, settings, monkeypatch):
+    monkeypatch.setattr(pacing, "IDLE_EXIT", 0.5)
+    ob = Outbox()
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def wait_on_io(job: Job) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+
+    ob.subscriber("t", consumer="a")(wait_on_io)
+    with running_relay(ob, settings()) as relay:
+        assert relay.runner is not None
+        publish_events(engine, "t", [{"n": i} for i in range(3_000)])
+        wait_for(lambda: done(engine) == 3_000, timeout=TIMEOUT, interval=0.05, what="3,000 waiting jobs done")
+        assert most > 8, most  # more handlers at once than the 8 threads of the setting
+        assert relay.runner.claims.concurrency <= pacing.THREADS_MAX
+        wait_for(lambda: relay.runner.claims.concurrency == 8 and workers() == 8, timeout=10, interval=0.1,
+                 what="the pool back to 8 threads once idle")
+
+
+@pytest.mark.parametrize("fixed", ["concurrency", "transactional"])
+def test_an_explicit_concurrency_or_transactional_handlers_keep_the_threads(engine, settings, fixed):
+    ob = Outbox()
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def wait_on_io(job: Job, *session: object) -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+
+    ob.subscriber("t", consumer="a", transactional=fixed == "transactional")(wait_on_io)
+    with running_relay(ob, settings(**({"concurrency": 8} if fixed == "concurrency" else {}))) as relay:
+        assert relay.runner is not None and relay.runner.pacing.grow is None
+        publish_events(engine, "t", [{"n": i} for i in range(600)])
+        wait_for(lambda: done(engine) == 600, timeout=TIMEOUT, interval=0.05, what="600 jobs done")
+        assert most == 8 and relay.runner.claims.concurrency == 8
+
+
+def test_jobs_handed_ahead_and_not_started_get_their_attempt_back_at_sigterm(engine, settings):
+    ob = Outbox()
+    started: set[int] = set()
+    ob.subscriber("t", consumer="a")(lambda job: (started.add(job.id), time.sleep(0.002)))
+    publish_events(engine, "t", [{"n": i} for i in range(20_000)])
+    with running_relay(ob, settings(shutdown_grace=5.0)) as relay:
+        assert relay.runner is not None
+        wait_for(lambda: relay.runner.claims.ahead > 0 and len(started) > 500, timeout=TIMEOUT, interval=0.01,
+                 what="jobs handed ahead")
+    with engine.connect() as c:
+        rows = c.execute(sa.text("SELECT id, status, attempts FROM outbox_jobs")).all()
+    never = [(i, s, a) for i, s, a in rows if i not in started]
+    assert never and all(s == "ready" and a == 0 for _, s, a in never), never[:5]
+    assert all(s == "done" and a == 1 for i, s, a in rows if i in started)

@@ -1,0 +1,135 @@
+"""The runner's pacing on its own (:mod:`outbox.relay.pacing`): the workers' rate, the jobs
+handed to the pool ahead of its threads, the claim batch, the elastic pool's growth, and
+what explicit settings fix. Real :class:`HeldClaims`, a made-up monotonic clock, no threads."""
+
+from __future__ import annotations
+
+import pytest
+
+from outbox.relay import pacing
+from outbox.relay.claims import HeldClaims
+from outbox.relay.pacing import Pacing
+from outbox.settings import OutboxSettings
+
+
+def make(**explicit: int) -> tuple[HeldClaims, Pacing, list[int]]:
+    """A pacing of 8 threads; ``explicit``: settings given (env, flag or constructor)."""
+    held = HeldClaims(concurrency=explicit.get("concurrency", 8))
+    grown: list[int] = []
+    settings = OutboxSettings(_env_file=None, **explicit)
+    return held, Pacing(settings, held, grown.append), grown
+
+
+def finish(held: HeldClaims, n: int) -> None:
+    """``n`` handlers returned (what ``slot_freed`` counts)."""
+    held.finished += n
+
+
+def test_quick_workers_get_jobs_handed_ahead_and_larger_claims():
+    held, p, _ = make()
+    start = p._at
+    assert (held.ahead, p.claim_batch(), held.worker_slots()) == (0, 50, 8)
+    finish(held, 800)  # 800 jobs in 100 ms: 8,000 jobs/s
+    p.update(start + 0.1)
+    assert p.rate == pytest.approx(8_000)
+    assert held.ahead == round(8_000 * pacing.HORIZON) == 200
+    assert p.claim_batch() == 200 and held.worker_slots() == 208
+    finish(held, 4_000)  # 40,000 jobs/s: both bounded
+    p.update(start + 0.2)
+    assert (held.ahead, p.claim_batch()) == (pacing.AHEAD_MAX, pacing.BATCH_MAX)
+
+
+def test_the_rate_decays_by_halves_and_one_job_a_minute_hands_nothing_ahead():
+    held, p, _ = make()
+    start = p._at
+    finish(held, 2_000)
+    p.update(start + 0.1)  # 20,000 jobs/s
+    assert held.ahead == pacing.AHEAD_MAX
+    p.update(start + 0.2)  # none finished: halved
+    assert p.rate == pytest.approx(10_000) and held.ahead == 250
+    finish(held, 1)
+    p.update(start + 60.2)  # one job a minute: the figure is that
+    assert p.rate == pytest.approx(1 / 60) and held.ahead == 0 and p.claim_batch() == pacing.BATCH_MIN
+
+
+def test_measures_closer_than_the_sample_interval_change_nothing():
+    held, p, _ = make()
+    start = p._at
+    finish(held, 1_000)
+    p.update(start + pacing.SAMPLE_EVERY / 2)
+    assert (p.rate, held.ahead) == (0.0, 0)
+
+
+def test_a_hung_handler_takes_the_jobs_ahead_away():
+    held, p, _ = make()
+    finish(held, 2_000)
+    p.update(p._at + 0.1)
+    assert held.worker_slots() == 8 + pacing.AHEAD_MAX
+    held.hang()
+    assert held.worker_slots() == 8
+    with held.reserving(100, limit=1_000) as room:
+        assert room.start_now == 8
+
+
+@pytest.mark.parametrize("explicit", [{"prefetch": 50}, {"prefetch": 0}])
+def test_an_explicit_prefetch_hands_nothing_ahead(explicit):
+    held, p, _ = make(**explicit)
+    finish(held, 2_000)
+    p.update(p._at + 0.1)
+    assert p.rate > 0 and held.ahead == 0 and held.worker_slots() == 8
+
+
+def test_an_explicit_claim_batch_wins():
+    held, p, _ = make(claim_batch=50)
+    finish(held, 2_000)
+    p.update(p._at + 0.1)
+    assert held.ahead == pacing.AHEAD_MAX and p.claim_batch() == 50
+
+
+def busy(held: HeldClaims, waiting: int) -> None:
+    """Every thread busy and ``waiting`` jobs handed to the pool beyond them."""
+    held.issued = held.concurrency + waiting
+
+
+def test_handlers_that_wait_grow_the_pool_by_doubling_up_to_the_bound():
+    held, p, grown = make()
+    held.ahead = 40
+    busy(held, 10)
+    t = p._at
+    for _ in range(6):
+        t += 0.1
+        p.handled(0.005, 0.0001)  # a handler that sleeps 5 ms
+        before = len(grown)
+        p.update(t)
+        if len(grown) > before:
+            held.add_threads(grown[-1])
+            held.issued = held.concurrency + 10
+    assert grown == [8, 16, 32, 64] and held.concurrency == pacing.THREADS_MAX
+
+
+def test_the_pool_does_not_grow_for_handlers_on_the_cpu_nor_without_jobs_waiting():
+    held, p, grown = make()
+    busy(held, 10)
+    p.handled(0.001, 0.0009)  # on the CPU
+    p.update(p._at + 0.1)
+    held.issued = 3  # threads idle
+    p.handled(0.005, 0.0001)
+    p.update(p._at + 0.1)
+    assert grown == []
+
+
+def test_an_explicit_concurrency_fixes_the_pool():
+    held, p, grown = make(concurrency=8)
+    busy(held, 10)
+    p.handled(0.005, 0.0001)
+    p.update(p._at + 0.1)
+    assert grown == [] and p.grow is None
+
+
+def test_only_idle_threads_beyond_the_floor_retire():
+    held = HeldClaims(concurrency=16)
+    held.issued = 16
+    assert not held.retire_thread(floor=8)  # every thread busy
+    held.issued = 4
+    assert [held.retire_thread(floor=8) for _ in range(10)] == [True] * 8 + [False] * 2
+    assert held.concurrency == 8
