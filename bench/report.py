@@ -174,9 +174,9 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             # Issue 33's target, at the defaults and 1,000 events/s: p99 <= 50 ms and p50 <= 10 ms,
             # and no worse than PgQueuer's own LISTEN-driven latency measured beside it.
             pgq = lat.get("pgqueuer") if key == "listen" else None
-            target = "p50 <= 10, p99 <= 50 ms, <= PgQueuer's (issue 33)" if key == "listen" else ""
-            met = _ok(m["p99_ms"] <= 50 and m["p50_ms"] <= 10 and (pgq is None or m["p99_ms"] <= pgq["p99_ms"])) \
-                if key == "listen" else ""
+            target = "p50 <= 10, p99 <= 50 ms, each <= PgQueuer's (issue 33)" if key == "listen" else ""
+            met = _ok(m["p99_ms"] <= 50 and m["p50_ms"] <= 10 and (
+                pgq is None or (m["p50_ms"] <= pgq["p50_ms"] and m["p99_ms"] <= pgq["p99_ms"]))) if key == "listen" else ""
             out.append(("5 latency", f"commit to handler start, {lat['rate']:.0f} events/s x 3 consumers (achieved "
                         f"{m['rate']:,.0f}), {label}",
                         f"p50 {m['p50_ms']:.1f} / p95 {m['p95_ms']:.1f} / p99 {m['p99_ms']:.1f} ms", target, met))
