@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
 
 #: The text format's layout.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+
+#: Characters the text format escapes (``\x1b``, ``\u202e``): C0 and C1 controls but newline
+#: and tab, DEL, and Unicode's line separators and bidirectional overrides, which a handler's
+#: error text, a topic or a header could carry to the reader's terminal (escape sequences
+#: that move the cursor, rewrite the title, or reorder what is shown).
+CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 #: How many job ids a summary line names (:func:`job_summary`).
 SUMMARY_IDS = 5
@@ -121,6 +128,18 @@ def _client_noise(record: logging.LogRecord) -> bool:
             and type(args[2]).__module__.startswith("aiormq"))
 
 
+class TextFormatter(logging.Formatter):
+    """Formats a record as :data:`TEXT_FORMAT`, with the characters of :data:`CONTROLS`
+    escaped as Python writes them (``\\x1b``), tracebacks included; newlines and tabs stay
+    (a traceback spans lines). The JSON format needs none of this: JSON escapes controls."""
+
+    def __init__(self) -> None:
+        super().__init__(TEXT_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        return CONTROLS.sub(lambda m: repr(m.group())[1:-1], super().format(record))
+
+
 class JsonFormatter(logging.Formatter):
     """Formats a record as one line of JSON (see the module notes). A field value that JSON
     cannot encode is written as its ``str()``."""
@@ -152,6 +171,6 @@ def configure(level: str, log_format: str = "text") -> None:
     logger has handlers already (the CLI calls it once, before any other logging). The
     handler carries :class:`ClientNoise`."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     handler.addFilter(ClientNoise())
     logging.basicConfig(level=level, handlers=[handler])

@@ -1,4 +1,4 @@
-"""The JSON log format and the once-a-minute warning about topics with no subscriber."""
+"""The JSON and text log formats and the once-a-minute warning about topics with no subscriber."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import logging
 
 from outbox.relay.router import UnsubscribedTopics
-from outbox.telemetry.logs import JsonFormatter, job_fields
+from outbox.telemetry.logs import JsonFormatter, TextFormatter, job_fields
 from outbox.testing import make_job
 
 
@@ -118,3 +118,20 @@ def test_an_aio_pika_callback_error_is_noise_only_when_the_error_is_aiormqs():
                          AttributeError("x"))
     assert not ClientNoise().filter(closed) and closed.levelno == logging.DEBUG
     assert ClientNoise().filter(bug) and bug.levelno == logging.ERROR
+
+
+def test_the_text_format_escapes_what_could_drive_a_terminal_and_keeps_lines():
+    hostile = "boom\x1b]0;owned\x07\x1b[2J\r\u202e\x9b31m"
+    try:
+        raise ValueError(hostile)
+    except ValueError:
+        import sys
+
+        record = _record("job 7 failed: %s", hostile)
+        record.exc_info = sys.exc_info()
+    line = TextFormatter().format(record)
+    assert "\x1b" not in line and "\x07" not in line and "\r" not in line and "\u202e" not in line
+    assert "\x9b" not in line
+    assert "job 7 failed: boom\\x1b]0;owned\\x07\\x1b[2J\\r\\u202e\\x9b31m" in line
+    assert "\nTraceback (most recent call last):\n" in line  # the traceback keeps its lines
+    assert line.count("\\x1b") == 4  # the message's two and the traceback's two
