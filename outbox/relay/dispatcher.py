@@ -71,6 +71,9 @@ from outbox.settings import OutboxSettings
 
 log = logging.getLogger(__name__)
 
+#: Seconds between a parked standby dispatcher's looks at the backlog.
+STANDBY_POLL = 0.02
+
 
 class RelayRow:
     """Relay ``worker_id``'s row of ``outbox_relays``, shared by the relay's dispatchers: it
@@ -236,6 +239,9 @@ class Dispatcher:
         self.reconnect = reconnect
         self.abandoned = False  # closing, buffered claims could not be released
         self.closed = threading.Event()
+        # A standby dispatcher runs rounds only while this says so (outbox.relay.pacing: the
+        # backlog is deep) or claiming has stopped; None: always.
+        self.standby: Callable[[], bool] | None = None
 
     def run(self) -> None:
         failures = 0
@@ -245,6 +251,8 @@ class Dispatcher:
         signals = self.signals
         cooldown = Cooldown(self.settings.wake_cooldown)
         while True:
+            if self.standby is not None and not carry:
+                self._park()
             # Wake-ups closer than the cooldown share a round, but an outcome waiting (or a
             # stop) ends the cooldown: a finished job's outcome is written at once.
             cooldown.wait(functools.partial(self._until_outcome, carry=carry))
@@ -316,6 +324,13 @@ class Dispatcher:
         # its buffer: then the row stays, for the reaper.
         self.connection.row.leave(self.connection.get, self.abandoned)
         self.connection.close()
+
+    def _park(self) -> None:
+        """A standby dispatcher waits here, taking no outcome and claiming nothing, until the
+        backlog is deep or claiming stops (then it runs to its end like any dispatcher)."""
+        assert self.standby is not None
+        while not self.standby() and not self.signals.stop_claiming.wait(STANDBY_POLL):
+            pass
 
     def _until_outcome(self, seconds: float, carry: list[tuple[Claim, Any]]) -> None:
         """Wait up to ``seconds``, less if outcomes are waiting (posted, or ``carry``: a

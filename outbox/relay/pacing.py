@@ -32,6 +32,13 @@ the figure every ``HALF_LIFE`` seconds) and derives from it:
   seconds ends. Quick handlers that use the CPU never grow it (more threads would only
   share the same cores), and neither does one job a minute (no job waits).
 
+* **a second dispatcher on standby**: with ``dispatchers`` not set (and room in the pool
+  for one more connection), the runner has a second dispatcher that runs rounds only while
+  the backlog is deep: while claims of ``BATCH_MAX`` come back full (each such claim keeps
+  it on for ``DEEP_FOR`` seconds; a claim that comes back short ends it). Two statements in
+  flight pay with large claims and cost with small ones (performance notes, lever 14), so
+  the second one waits, parked, the rest of the time.
+
 Explicit settings win: with ``prefetch`` set (env, flag or constructor) nothing is handed
 ahead, with ``claim_batch`` set the batch is that, and with ``concurrency`` set the pool
 has that many threads. A registry with transactional handlers keeps ``concurrency``
@@ -65,6 +72,8 @@ THREADS_MAX = 128
 WAITING = 0.5
 #: Seconds a thread beyond ``concurrency`` waits for a job before it ends.
 IDLE_EXIT = 30.0
+#: Seconds a full claim of ``BATCH_MAX`` keeps the standby dispatcher running.
+DEEP_FOR = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +90,7 @@ class Pacing:
     def __init__(self, settings: OutboxSettings, claims: HeldClaims,
                  grow: Callable[[int], None] | None = None) -> None:
         explicit = settings.model_fields_set
+        self.settings = settings
         self.claims = claims
         self.adapt_ahead = "prefetch" not in explicit
         self.fixed_batch = settings.claim_batch if "claim_batch" in explicit else None
@@ -90,6 +100,7 @@ class Pacing:
         self._at = time.monotonic()
         self._finished = claims.finished
         self._wall = self._cpu = 0.0  # the handlers' wall and thread CPU seconds since the last measure
+        self._deep_until = 0.0  # monotonic time until which the backlog counts as deep
 
     def handled(self, wall: float, cpu: float) -> None:
         """A worker ran a job: ``wall`` seconds, ``cpu`` of them on the CPU (its thread's)."""
@@ -121,6 +132,32 @@ class Pacing:
                 log.info("worker threads %d -> %d: handlers wait %.0f %% of their time and jobs wait for a thread",
                          threads, threads + more, 100 * (1 - cpu / wall))
                 self.grow(more)
+
+    def claimed(self, asked: int, got: int, now: float | None = None) -> None:
+        """A claim asked for ``asked`` jobs and got ``got``: a full one of ``BATCH_MAX`` or more
+        keeps the backlog deep for ``DEEP_FOR`` seconds, a short one ends it. ``now``:
+        monotonic seconds."""
+        if got < asked:
+            self._deep_until = 0.0
+        elif asked >= BATCH_MAX:
+            self._deep_until = (time.monotonic() if now is None else now) + DEEP_FOR
+
+    def deep(self, now: float | None = None) -> bool:
+        """Whether the backlog is deep (see :meth:`claimed`): the standby dispatcher runs."""
+        return (time.monotonic() if now is None else now) < self._deep_until
+
+    def describe(self, dispatchers: int) -> str:
+        """The runner's sizes for its start line, the paced ones marked as such
+        (``dispatchers``: the runner's, a standby one included)."""
+        settings = self.settings
+        threads = f"concurrency {settings.concurrency}" + (f" (elastic, up to {THREADS_MAX})" if self.grow else "")
+        batch = (f"claim_batch {self.fixed_batch}" if self.fixed_batch is not None
+                 else f"claim_batch paced {BATCH_MIN}-{BATCH_MAX}")
+        ahead = f"prefetch {settings.prefetch}" + (f" (+ up to {AHEAD_MAX} handed ahead, paced)" if self.adapt_ahead
+                                                   else "")
+        standby = dispatchers - settings.dispatchers
+        return (f"{threads}, {batch}, {ahead}, dispatchers {settings.dispatchers}"
+                + (f" (+{standby} on standby for a deep backlog)" if standby else ""))
 
     def claim_batch(self) -> int:
         """Most jobs one claim asks for: the setting when given, else ``ahead`` bounded to

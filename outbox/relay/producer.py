@@ -263,6 +263,7 @@ class Producer:
             self.metrics.claim_round_trip(returned - request.sent)
         if want:
             self.hint.claimed(last)
+            self.pacing.claimed(want, len(claimed))
         self._hand_over(claimed, request.room, request.sent)
         return want > 0 and len(claimed) < want
 

@@ -184,10 +184,11 @@ class Relay:
         # async transactional handlers: each worker thread may hold one connection of its own async engine
         async_tx = self.settings.concurrency if self.runner and any(
             s.transactional and s.is_async for s in self.registry) else 0
-        log.info("relay started: worker %s, consumers %s, concurrency %d, dispatchers %d, prefetch %d, claim_batch %d, "
-                 "database %s, pooler %s, schema %s; at most %d connections (pool %d + overflow %d%s%s); %s",
-                 self.worker_id, self.registry.consumers or "none", self.settings.concurrency, self.settings.dispatchers,
-                 self.settings.prefetch, self.settings.claim_batch, redact(self.url), self.settings.pooler, schema,
+        log.info("relay started: worker %s, consumers %s, %s, database %s, pooler %s, schema %s; at most %d connections "
+                 "(pool %d + overflow %d%s%s); %s",
+                 self.worker_id, self.registry.consumers or "none",
+                 self.runner.pacing.describe(len(self.runner.dispatchers)) if self.runner else "no job runner",
+                 redact(self.url), self.settings.pooler, schema,
                  pool_size + overflow + async_tx + (1 if self.listener else 0), pool_size, overflow,
                  f" + {async_tx} async" if async_tx else "", " + 1 LISTEN" if self.listener else "", listen)
         for sub in self.registry:

@@ -143,10 +143,16 @@ class JobRunner:
         self._outcomes: queue.SimpleQueue[tuple[Claim, Any] | None] = queue.SimpleQueue()
         self.hint = hint = ClaimHint()  # shared: each dispatcher claims after the latest claim of any of them
         self.quarantine = poison.Quarantine("job")  # shared: a poison row found by one is skipped by all
-        row = RelayRow(self.claims, worker_id, self.schema, settings.dispatchers, RelayInfo(
+        # A second dispatcher on standby when the setting is not given (outbox.relay.pacing): it
+        # runs rounds only while the backlog is deep, on a connection the pool has room for.
+        standby = "dispatchers" not in settings.model_fields_set and sum(settings.pool_limits()) > settings.pool_needed()
+        count = settings.dispatchers + (1 if standby else 0)
+        row = RelayRow(self.claims, worker_id, self.schema, count, RelayInfo(
             package_version(), tuple(registry.consumers), settings.concurrency))
-        self.dispatchers = [self._dispatcher(engine, row, hint, wake if settings.dispatchers == 1 else wake.branch())
-                            for _ in range(settings.dispatchers)]
+        self.dispatchers = [self._dispatcher(engine, row, hint, wake if count == 1 else wake.branch())
+                            for _ in range(count)]
+        if standby:
+            self.dispatchers[-1].standby = self.pacing.deep
         self.dispatcher = self.dispatchers[0]
         self.producer, self.completer = self.dispatcher.producer, self.dispatcher.completer
         self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,

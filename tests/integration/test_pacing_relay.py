@@ -115,3 +115,36 @@ def test_jobs_handed_ahead_and_not_started_get_their_attempt_back_at_sigterm(eng
     never = [(i, s, a) for i, s, a in rows if i not in started]
     assert never and all(s == "ready" and a == 0 for _, s, a in never), never[:5]
     assert all(s == "done" and a == 1 for i, s, a in rows if i in started)
+
+
+def test_the_standby_dispatcher_runs_only_while_the_backlog_is_deep(engine, settings):
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    with running_relay(ob, settings()) as relay:
+        runner = relay.runner
+        assert runner is not None and len(runner.dispatchers) == 2
+        standby = runner.dispatchers[-1]
+        assert standby.standby is not None
+        publish_events(engine, "t", [{"n": i} for i in range(30)])
+        wait_for(lambda: done(engine) == 30, timeout=TIMEOUT, interval=0.02, what="30 jobs done")
+        assert standby.connection._conn is None  # a small backlog: parked, never connected
+        deep = []
+        publish_events(engine, "t", [{"n": i} for i in range(30_000)])
+
+        def look() -> bool:
+            deep.append(runner.pacing.deep())
+            return done(engine) == 30_030
+
+        wait_for(look, timeout=TIMEOUT, interval=0.01, what="30,030 jobs done")
+        assert any(deep) and standby.connection._conn is not None  # it ran rounds
+        wait_for(lambda: not runner.pacing.deep(), timeout=5, interval=0.05, what="the backlog no longer deep")
+    with engine.connect() as c:
+        assert c.execute(sa.text("SELECT count(*) FROM outbox_relays")).scalar_one() == 0  # both left the row
+
+
+def test_an_explicit_dispatchers_setting_has_no_standby(engine, settings):
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    with running_relay(ob, settings(dispatchers=1)) as relay:
+        assert relay.runner is not None and len(relay.runner.dispatchers) == 1
+        assert relay.runner.dispatchers[0].standby is None

@@ -133,3 +133,23 @@ def test_only_idle_threads_beyond_the_floor_retire():
     held.issued = 4
     assert [held.retire_thread(floor=8) for _ in range(10)] == [True] * 8 + [False] * 2
     assert held.concurrency == 8
+
+
+def test_full_claims_of_the_largest_batch_keep_the_backlog_deep_for_a_while_and_a_short_one_ends_it():
+    _, p, _ = make()
+    assert not p.deep(100.0)
+    p.claimed(pacing.BATCH_MAX, pacing.BATCH_MAX, now=100.0)
+    assert p.deep(100.0 + pacing.DEEP_FOR - 0.01) and not p.deep(100.0 + pacing.DEEP_FOR)
+    p.claimed(pacing.BATCH_MAX, pacing.BATCH_MAX, now=101.0)
+    p.claimed(50, 50, now=101.5)  # a full small claim changes nothing
+    assert p.deep(101.6)
+    p.claimed(pacing.BATCH_MAX, 3, now=101.7)  # came back short: drained
+    assert not p.deep(101.8)
+
+
+def test_the_start_line_says_what_is_paced_and_what_is_set():
+    _, p, _ = make()
+    assert p.describe(2) == ("concurrency 8 (elastic, up to 128), claim_batch paced 50-250, prefetch 50 "
+                             "(+ up to 500 handed ahead, paced), dispatchers 1 (+1 on standby for a deep backlog)")
+    _, fixed, _ = make(concurrency=16, claim_batch=100, prefetch=0, dispatchers=2)
+    assert fixed.describe(2) == "concurrency 16, claim_batch 100, prefetch 0, dispatchers 2"
