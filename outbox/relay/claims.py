@@ -19,7 +19,8 @@ read and changed under one lock, so each part sees one consistent picture:
   will hand jobs over, so none is over-issued. There are ``concurrency`` slots (one per
   thread) and ``ahead`` more (:mod:`outbox.relay.pacing`: jobs handed to the pool that wait
   in its queue for the next thread, while handlers are quick); ``finished`` counts the
-  handlers that returned, for the pacing's measure of the workers' rate;
+  handlers that returned and ``acknowledged`` the forwarded jobs their broker answered, for
+  the pacing's measures of their rates;
 * ``forward_issued``: jobs of forwarders (:meth:`outbox.Outbox.forward`) handed to the
   forwarder and not yet acknowledged by their broker. They take no worker slot but a place
   in the forwarding window (``window``: messages in flight at once, the relay's
@@ -90,6 +91,7 @@ class HeldClaims:
         self.issued = 0
         self.ahead = 0  # slots beyond the threads, set by outbox.relay.pacing.Pacing
         self.finished = 0
+        self.acknowledged = 0
         self.expected = 0
         self.hung = 0
         self.finishing: set[int] = set()
@@ -324,6 +326,7 @@ class HeldClaims:
             forwarded = claim.consumer in self.forwarding
             if forwarded:
                 self.forward_issued -= 1
+                self.acknowledged += 1
             else:
                 self.issued -= 1
                 self.finished += 1

@@ -21,8 +21,10 @@ the figure every ``HALF_LIFE`` seconds) and derives from it:
   0 while any handler is hung past its timeout (its thread may never come back), and 0
   with one job a minute (the rate decays to nothing: every job goes to an idle thread, as
   before).
-* ``claim_batch``: the most jobs a claim asks for, ``ahead`` bounded to
-  [``BATCH_MIN``, ``BATCH_MAX``]: a large claim only while the workers get through it.
+* ``claim_batch``: the most jobs a claim asks for: what the workers and the forwarders'
+  brokers (their acknowledgements, measured the same way) get through in ``HORIZON``
+  seconds, bounded to [``BATCH_MIN``, ``BATCH_MAX``]: a large claim only while they get
+  through it.
 
 * **threads** (an elastic pool): handlers that wait (on a socket, a sleep, an API) leave
   the CPU idle while jobs wait for one of ``concurrency`` threads. While jobs wait for a
@@ -96,9 +98,10 @@ class Pacing:
         self.fixed_batch = settings.claim_batch if "claim_batch" in explicit else None
         self.grow = grow if "concurrency" not in explicit else None
         self.rate = 0.0  # jobs finished per second by the workers, smoothed
+        self.forward_rate = 0.0  # forwarders' jobs their brokers acknowledged per second, smoothed
         self._lock = threading.Lock()
         self._at = time.monotonic()
-        self._finished = claims.finished
+        self._finished, self._acknowledged = claims.finished, claims.acknowledged
         self._wall = self._cpu = 0.0  # the handlers' wall and thread CPU seconds since the last measure
         self._deep_until = 0.0  # monotonic time until which the backlog counts as deep
 
@@ -115,12 +118,14 @@ class Pacing:
         if now - self._at < SAMPLE_EVERY or not self._lock.acquire(blocking=False):
             return
         try:
-            finished = self.claims.finished
-            sample = (finished - self._finished) / (now - self._at)
-            keep = 0.5 ** ((now - self._at) / HALF_LIFE)  # a higher rate counts at once, a lower one by halves
-            self._at, self._finished = now, finished
-            wall, cpu, self._wall, self._cpu = self._wall, self._cpu, 0.0, 0.0
+            finished, acknowledged, span = self.claims.finished, self.claims.acknowledged, now - self._at
+            keep = 0.5 ** (span / HALF_LIFE)  # a higher rate counts at once, a lower one by halves
+            sample = (finished - self._finished) / span
             self.rate = max(sample, keep * self.rate + (1 - keep) * sample)
+            sample = (acknowledged - self._acknowledged) / span
+            self.forward_rate = max(sample, keep * self.forward_rate + (1 - keep) * sample)
+            self._at, self._finished, self._acknowledged = now, finished, acknowledged
+            wall, cpu, self._wall, self._cpu = self._wall, self._cpu, 0.0, 0.0
             if self.adapt_ahead:
                 self.claims.ahead = min(AHEAD_MAX, round(self.rate * HORIZON))
         finally:
@@ -160,8 +165,9 @@ class Pacing:
                 + (f" (+{standby} on standby for a deep backlog)" if standby else ""))
 
     def claim_batch(self) -> int:
-        """Most jobs one claim asks for: the setting when given, else ``ahead`` bounded to
-        [``BATCH_MIN``, ``BATCH_MAX``]."""
+        """Most jobs one claim asks for: the setting when given, else what the workers and the
+        forwarders' brokers get through in ``HORIZON`` seconds, bounded to [``BATCH_MIN``,
+        ``BATCH_MAX``]."""
         if self.fixed_batch is not None:
             return self.fixed_batch
-        return max(BATCH_MIN, min(BATCH_MAX, self.claims.ahead))
+        return max(BATCH_MIN, min(BATCH_MAX, round((self.rate + self.forward_rate) * HORIZON)))

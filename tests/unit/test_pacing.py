@@ -72,11 +72,21 @@ def test_a_hung_handler_takes_the_jobs_ahead_away():
 
 
 @pytest.mark.parametrize("explicit", [{"prefetch": 50}, {"prefetch": 0}])
-def test_an_explicit_prefetch_hands_nothing_ahead(explicit):
+def test_an_explicit_prefetch_hands_nothing_ahead_and_the_batch_is_still_paced(explicit):
     held, p, _ = make(**explicit)
     finish(held, 2_000)
     p.update(p._at + 0.1)
     assert p.rate > 0 and held.ahead == 0 and held.worker_slots() == 8
+    assert p.claim_batch() == pacing.BATCH_MAX
+
+
+def test_brokers_acknowledgements_size_the_claims_but_hand_no_worker_jobs_ahead():
+    held = HeldClaims(concurrency=8, window=500, forwarding=["fwd"])
+    p = Pacing(OutboxSettings(_env_file=None), held)
+    held.acknowledged += 800  # 8,000 acknowledgements a second
+    p.update(p._at + 0.1)
+    assert p.forward_rate == pytest.approx(8_000) and p.rate == 0
+    assert p.claim_batch() == 200 and held.ahead == 0
 
 
 def test_an_explicit_claim_batch_wins():
