@@ -328,7 +328,8 @@ class JobRunner:
 
     def _work_loop(self) -> None:
         context = WorkerContext(self._async_engine)
-        floor, handled = self.settings.concurrency, self.pacing.handled
+        # Handlers' CPU share is measured only for an elastic pool (the pacing's rule to grow it).
+        floor, handled = self.settings.concurrency, self.pacing.handled if self.pacing.grow else None
         try:
             while True:
                 try:
@@ -344,11 +345,12 @@ class JobRunner:
                 if self.signals.draining.is_set() or claim.lease_lost:
                     self._post(claim, Outcome.RELEASE)
                     continue
-                cpu = time.thread_time()
+                cpu = time.thread_time() if handled else 0.0
                 started = claim.started = time.monotonic()  # for metrics and the job's log lines
                 outcome = self.executor.run(claim.job, self.subscribers[claim.consumer], context)
                 claim.ran = time.monotonic() - started
-                handled(claim.ran, time.thread_time() - cpu)
+                if handled:
+                    handled(claim.ran, time.thread_time() - cpu)
                 if outcome is Outcome.TIMED_OUT:  # the watchdog failed the attempt already
                     hung = self.claims.unhang()
                     log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
