@@ -28,11 +28,13 @@ the figure every ``HALF_LIFE`` seconds) and derives from it:
 
 * **threads** (an elastic pool): handlers that wait (on a socket, a sleep, an API) leave
   the CPU idle while jobs wait for one of ``concurrency`` threads. While jobs wait for a
-  thread and the handlers spent more than ``WAITING`` of their time off the CPU in the
-  last measure (thread CPU time against wall time), the pool doubles, up to
-  ``THREADS_MAX``; a thread beyond ``concurrency`` that finds no job for ``IDLE_EXIT``
-  seconds ends. Quick handlers that use the CPU never grow it (more threads would only
-  share the same cores), and neither does one job a minute (no job waits).
+  thread, the handlers spent more than ``WAITING`` of their time off the CPU in the last
+  measure (thread CPU time against wall time), the whole process used less than
+  ``GIL_BUSY`` of a core (so the time off the CPU is not a wait for Python's GIL), and no
+  handler is hung past its timeout, the pool doubles, up to ``THREADS_MAX``; a thread
+  beyond ``concurrency`` that finds no job for ``IDLE_EXIT`` seconds ends. Handlers that
+  use the CPU never grow it (more threads would only contend for the GIL), and neither
+  does one job a minute (no job waits).
 
 * **a second dispatcher on standby**: with ``dispatchers`` not set (and room in the pool
   for one more connection), the runner has a second dispatcher that runs rounds only while
@@ -72,6 +74,11 @@ SAMPLE_EVERY, HALF_LIFE = 0.05, 0.1
 THREADS_MAX = 128
 #: Share of the handlers' time spent off the CPU above which more threads help.
 WAITING = 0.5
+#: Cores the whole process may use for the pool to grow: a thread waiting for Python's GIL
+#: is off the CPU too, and a process near one core of Python is bound by the GIL, where
+#: more threads only add contention (found by issue 33's adversarial run: a pure-Python loop
+#: grew the pool to 128 threads for nothing).
+GIL_BUSY = 0.75
 #: Seconds a thread beyond ``concurrency`` waits for a job before it ends.
 IDLE_EXIT = 30.0
 #: Seconds a full claim of ``BATCH_MAX`` keeps the standby dispatcher running.
@@ -103,6 +110,7 @@ class Pacing:
         self._at = time.monotonic()
         self._finished, self._acknowledged = claims.finished, claims.acknowledged
         self._wall = self._cpu = 0.0  # the handlers' wall and thread CPU seconds since the last measure
+        self._process_cpu = time.process_time()  # the process's CPU seconds (every thread) at the last measure
         self._deep_until = 0.0  # monotonic time until which the backlog counts as deep
 
     def handled(self, wall: float, cpu: float) -> None:
@@ -124,15 +132,17 @@ class Pacing:
             self.rate = max(sample, keep * self.rate + (1 - keep) * sample)
             sample = (acknowledged - self._acknowledged) / span
             self.forward_rate = max(sample, keep * self.forward_rate + (1 - keep) * sample)
-            self._at, self._finished, self._acknowledged = now, finished, acknowledged
+            process_cpu = time.process_time()
+            busy = (process_cpu - self._process_cpu) / span  # cores the process used
+            self._at, self._finished, self._acknowledged, self._process_cpu = now, finished, acknowledged, process_cpu
             wall, cpu, self._wall, self._cpu = self._wall, self._cpu, 0.0, 0.0
             if self.adapt_ahead:
                 self.claims.ahead = min(AHEAD_MAX, round(self.rate * HORIZON))
         finally:
             self._lock.release()
-        if self.grow is not None and wall > 0 and 1 - cpu / wall > WAITING:
+        if self.grow is not None and wall > 0 and 1 - cpu / wall > WAITING and busy < GIL_BUSY:
             threads = self.claims.concurrency
-            if threads < THREADS_MAX and self.claims.waiting_for_thread():
+            if threads < THREADS_MAX and not self.claims.hung and self.claims.waiting_for_thread():
                 more = min(threads, THREADS_MAX - threads)
                 log.info("worker threads %d -> %d: handlers wait %.0f %% of their time and jobs wait for a thread",
                          threads, threads + more, 100 * (1 - cpu / wall))

@@ -355,7 +355,7 @@ class JobRunner:
                     hung = self.claims.unhang()
                     log.info("the hung handler of job %s (%s) returned; its worker slot is free again (%d of %d "
                              "slots still held by hung handlers)", claim.id, claim.consumer, hung,
-                             self.settings.concurrency, extra=claim.fields())
+                             self.claims.concurrency, extra=claim.fields())
                 else:
                     self._post(claim, outcome)
         finally:
@@ -385,8 +385,8 @@ class JobRunner:
         log.warning("job %s (%s) fence %s: handler still running after its timeout of %gs; attempt %s/%s failed and "
                     "the job handed back. Its thread cannot be stopped and keeps its worker slot: %d of %d slots "
                     "held by hung handlers", job.id, job.consumer, job.fence, seconds, job.attempt, job.max_attempts,
-                    hung, self.settings.concurrency, extra=job_fields(job, outcome="timed_out", timeout_seconds=seconds))
-        if hung >= self.settings.concurrency:
+                    hung, self.claims.concurrency, extra=job_fields(job, outcome="timed_out", timeout_seconds=seconds))
+        if self.claims.all_hung():
             log.error("every worker slot (%d) is held by a hung handler: this relay claims nothing, and hands its "
                       "buffered jobs back, until one returns (restart it to free them)", hung)
         outcome = self.executor.failure(job, HandlerTimeoutError(seconds))

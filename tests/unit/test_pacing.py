@@ -4,6 +4,8 @@ what explicit settings fix. Real :class:`HeldClaims`, a made-up monotonic clock,
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from outbox.relay import pacing
@@ -163,3 +165,21 @@ def test_the_start_line_says_what_is_paced_and_what_is_set():
                              "(+ up to 500 handed ahead, paced), dispatchers 1 (+1 on standby for a deep backlog)")
     _, fixed, _ = make(concurrency=16, claim_batch=100, prefetch=0, dispatchers=2)
     assert fixed.describe(2) == "concurrency 16, claim_batch 100, prefetch 0, dispatchers 2"
+
+
+def test_the_pool_does_not_grow_while_the_process_is_bound_by_the_gil_or_a_handler_hangs():
+    held, p, grown = make()
+    busy(held, 10)
+    p.handled(0.005, 0.0001)  # off the CPU: a wait for the GIL looks the same from the thread
+    spin = time.process_time() + 0.12
+    while time.process_time() < spin:  # the process busy for the whole measure: a core
+        pass
+    p.update(p._at + 0.1)
+    held.hang()
+    p.handled(0.005, 0.0001)
+    p.update(p._at + 0.1)
+    assert grown == []
+    held.unhang()
+    p.handled(0.005, 0.0001)
+    p.update(p._at + 0.1)
+    assert grown == [8]  # the same measure grows the pool once neither holds
