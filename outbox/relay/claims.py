@@ -110,7 +110,8 @@ class HeldClaims:
             return self.issued > self.concurrency or (self.issued >= self.concurrency and bool(self.buffer))
 
     def add_threads(self, n: int) -> None:
-        """The pool has ``n`` more worker threads (an elastic pool grew)."""
+        """The pool has ``n`` more worker threads (an elastic pool grew), or, ``n`` negative,
+        that many fewer (a growth that did not pay is taken back)."""
         with self.changed:
             self.concurrency += n
             if self.buffer:

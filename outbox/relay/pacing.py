@@ -31,10 +31,13 @@ the figure every ``HALF_LIFE`` seconds) and derives from it:
   thread, the handlers spent more than ``WAITING`` of their time off the CPU in the last
   measure (thread CPU time against wall time), the whole process used less than
   ``GIL_BUSY`` of a core (so the time off the CPU is not a wait for Python's GIL), and no
-  handler is hung past its timeout, the pool doubles, up to ``THREADS_MAX``; a thread
-  beyond ``concurrency`` that finds no job for ``IDLE_EXIT`` seconds ends. Handlers that
-  use the CPU never grow it (more threads would only contend for the GIL), and neither
-  does one job a minute (no job waits).
+  handler is hung past its timeout, the pool doubles, up to ``THREADS_MAX``, on trial:
+  unless the workers' rate over the next ``TRIAL`` seconds rose by ``GAIN``, the new
+  threads retire as they finish their jobs and the pool does not grow for ``RETRY_AFTER``
+  seconds (a thread waiting for the GIL, or for a CPU a busy host does not give it, looks
+  like one waiting on I/O; only the rate tells). A thread beyond ``concurrency`` that
+  finds no job for ``IDLE_EXIT`` seconds ends. Handlers bound by the CPU do not keep more
+  threads, and one job a minute never grows it (no job waits).
 
 * **a second dispatcher on standby**: with ``dispatchers`` not set (and room in the pool
   for one more connection), the runner has a second dispatcher that runs rounds only while
@@ -53,6 +56,7 @@ threads too: each holds a connection of the relay's pool, sized from ``concurren
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -79,6 +83,12 @@ WAITING = 0.5
 #: more threads only add contention (found by issue 33's adversarial run: a pure-Python loop
 #: grew the pool to 128 threads for nothing).
 GIL_BUSY = 0.75
+#: Seconds after a growth that its effect is measured over (a trial), the rise in the
+#: workers' rate it must bring to stay, and how long the pool does not try again after one
+#: that did not: a thread waiting for the GIL, or for a CPU a busy host does not give the
+#: process, is off the CPU like one waiting on I/O, and only the rate tells them apart (as
+#: .NET's thread pool climbs: keep a change only if throughput rose).
+TRIAL, GAIN, RETRY_AFTER = 0.3, 1.5, 10.0
 #: Seconds a thread beyond ``concurrency`` waits for a job before it ends.
 IDLE_EXIT = 30.0
 #: Seconds a full claim of ``BATCH_MAX`` keeps the standby dispatcher running.
@@ -92,7 +102,8 @@ class Pacing:
     its workers finish jobs, unless ``settings`` fix them (see the module notes). Shared by
     the runner's dispatchers; :meth:`update` is cheap and may be called every round.
 
-    ``grow(n)``, when given, starts ``n`` more worker threads (the runner's): the pool is
+    ``grow(n)``, when given, starts ``n`` more worker threads (the runner's), or with ``n``
+    negative retires that many as they finish their jobs: the pool is
     elastic unless ``settings`` fix ``concurrency``; the runner passes None for a registry
     with transactional handlers."""
 
@@ -111,6 +122,9 @@ class Pacing:
         self._finished, self._acknowledged = claims.finished, claims.acknowledged
         self._wall = self._cpu = 0.0  # the handlers' wall and thread CPU seconds since the last measure
         self._process_cpu = time.process_time()  # the process's CPU seconds (every thread) at the last measure
+        self._history: collections.deque[tuple[float, int]] = collections.deque(maxlen=64)  # (now, finished)
+        self._trial: tuple[float, int, float, int] | None = None  # (started, finished then, rate before, threads added)
+        self._quiet_until = 0.0  # no growth before this monotonic time (a trial failed)
         self._deep_until = 0.0  # monotonic time until which the backlog counts as deep
 
     def handled(self, wall: float, cpu: float) -> None:
@@ -135,18 +149,52 @@ class Pacing:
             process_cpu = time.process_time()
             busy = (process_cpu - self._process_cpu) / span  # cores the process used
             self._at, self._finished, self._acknowledged, self._process_cpu = now, finished, acknowledged, process_cpu
+            self._history.append((now, finished))
             wall, cpu, self._wall, self._cpu = self._wall, self._cpu, 0.0, 0.0
             if self.adapt_ahead:
                 self.claims.ahead = min(AHEAD_MAX, round(self.rate * HORIZON))
         finally:
             self._lock.release()
-        if self.grow is not None and wall > 0 and 1 - cpu / wall > WAITING and busy < GIL_BUSY:
-            threads = self.claims.concurrency
-            if threads < THREADS_MAX and not self.claims.hung and self.claims.waiting_for_thread():
+        if self.grow is None:
+            return
+        if self._trial is not None:
+            self._judge(now, finished)
+        elif (now >= self._quiet_until and wall > 0 and 1 - cpu / wall > WAITING and busy < GIL_BUSY
+              and self.claims.concurrency < THREADS_MAX and not self.claims.hung and self.claims.waiting_for_thread()):
+            before = self._rate_over(now, TRIAL)
+            if before is not None:
+                threads = self.claims.concurrency
                 more = min(threads, THREADS_MAX - threads)
                 log.info("worker threads %d -> %d: handlers wait %.0f %% of their time and jobs wait for a thread",
                          threads, threads + more, 100 * (1 - cpu / wall))
+                self._trial = (now, finished, before, more)
                 self.grow(more)
+
+    def _rate_over(self, now: float, seconds: float) -> float | None:
+        """The workers' plain rate over the last ``seconds`` (None: not measured that long)."""
+        last_at, last = self._history[-1]
+        for at, finished in reversed(self._history):
+            if now - at >= seconds:
+                return (last - finished) / (last_at - at)
+        return None
+
+    def _judge(self, now: float, finished: int) -> None:
+        """End a trial ``TRIAL`` seconds after its growth: keep the threads if the workers'
+        rate rose by ``GAIN``, else take them back and try again after ``RETRY_AFTER``."""
+        assert self._trial is not None and self.grow is not None
+        started, finished_then, before, added = self._trial
+        if now - started < TRIAL:
+            return
+        self._trial = None
+        after = (finished - finished_then) / (now - started)
+        if after >= before * GAIN:
+            return
+        threads = self.claims.concurrency
+        log.info("worker threads %d -> %d: %d more ran %.0f jobs/s against %.0f before (a wait for the CPU or "
+                 "the GIL, not for I/O); no growth for %gs", threads, threads - added, added, after, before,
+                 RETRY_AFTER)
+        self._quiet_until = now + RETRY_AFTER
+        self.grow(-added)
 
     def claimed(self, asked: int, got: int, now: float | None = None) -> None:
         """A claim asked for ``asked`` jobs and got ``got``: a full one of ``BATCH_MAX`` or more

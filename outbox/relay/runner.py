@@ -221,11 +221,23 @@ class JobRunner:
                 self._spawn(f"outbox-worker-{k}", self._work_loop)
 
     def _grow(self, n: int) -> None:
-        """The pacing asks for ``n`` more worker threads (an elastic pool: handlers that wait)."""
-        if self.signals.stop_claiming.is_set():
+        """The pacing asks for ``n`` more worker threads (an elastic pool: handlers that wait),
+        or, ``n`` negative, for that many fewer: the slots go at once, and threads beyond the
+        pool's size end as they finish their jobs (:meth:`_retire_extra`)."""
+        if n > 0 and self.signals.stop_claiming.is_set():
             return
         self.claims.add_threads(n)
-        self._add_workers(n)
+        if n > 0:
+            self._add_workers(n)
+
+    def _retire_extra(self) -> bool:
+        """Whether this worker thread ends now: more threads run than the pool's slots (it
+        shrank), so one of them, this one, leaves."""
+        with self._workers_lock:
+            if self._workers > self.claims.concurrency:
+                self._workers -= 1
+                return True
+            return False
 
     def look_behind(self, conn: Connection) -> ClaimKey | None:
         """The first due ready job before the claim hint that the main claims take
@@ -335,6 +347,8 @@ class JobRunner:
                 try:
                     claim = self._todo.get(timeout=pacing.IDLE_EXIT)
                 except queue.Empty:
+                    if self._retire_extra():  # the pool shrank meanwhile
+                        break
                     if self.claims.retire_thread(floor):
                         with self._workers_lock:
                             self._workers -= 1
@@ -358,6 +372,8 @@ class JobRunner:
                              self.claims.concurrency, extra=claim.fields())
                 else:
                     self._post(claim, outcome)
+                if self._workers > self.claims.concurrency and self._retire_extra():
+                    break
         finally:
             context.close()
 

@@ -42,19 +42,25 @@ def test_quick_handlers_get_jobs_handed_ahead_and_the_threads_stay(engine, setti
     ob = Outbox()
     ob.subscriber("t", consumer="a")(handler)
     seen: list[tuple[int, int]] = []
+    most: list[int] = []
     with running_relay(ob, settings()) as relay:
         runner = relay.runner
         assert runner is not None and runner.pacing.grow is not None
-        threads = workers()
+        assert workers() == 8
         publish_events(engine, "t", [{"n": i} for i in range(6_000)])
 
         def look() -> bool:
             seen.append((runner.claims.ahead, runner.pacing.claim_batch()))
+            most.append(runner.claims.concurrency)
             return done(engine) == 6_000
 
         wait_for(look, timeout=TIMEOUT, interval=0.01, what="6,000 quick jobs done")
-        assert runner.claims.concurrency == 8
-        assert workers() == threads == 8  # quick handlers use the CPU: no more threads
+        # Handlers on the CPU (or waiting for the GIL) do not keep growing the pool: a growth on
+        # trial that did not raise the rate is taken back (a trial that noise or a burst's ramp-up
+        # fooled may keep a doubling or two on a loaded machine; the first rule went to 128).
+        assert max(most) <= 32, most
+        wait_for(lambda: runner.claims.concurrency <= 32 and workers() == runner.claims.concurrency, timeout=5,
+                 interval=0.05, what="the pool's threads at its size")
     assert max(a for a, _ in seen) > 20, seen  # jobs handed ahead
     assert handler is spin or max(b for _, b in seen) > 50, seen  # no-op: larger claims
 

@@ -103,20 +103,37 @@ def busy(held: HeldClaims, waiting: int) -> None:
     held.issued = held.concurrency + waiting
 
 
-def test_handlers_that_wait_grow_the_pool_by_doubling_up_to_the_bound():
-    held, p, grown = make()
-    held.ahead = 40
-    busy(held, 10)
+def run_pool(held: HeldClaims, p: Pacing, grown: list[int], seconds: float, per_thread: float) -> float:
+    """Drive ``p`` for ``seconds`` in steps of 0.1 s of a made-up clock: every thread busy, 10
+    jobs waiting, handlers off the CPU; ``per_thread(threads)`` jobs finished per thread and
+    step. Applies each growth to ``held`` as the runner would. Returns the clock."""
     t = p._at
-    for _ in range(6):
+    for _ in range(round(seconds / 0.1)):
         t += 0.1
-        p.handled(0.005, 0.0001)  # a handler that sleeps 5 ms
+        held.issued = held.concurrency + 10
+        finish(held, round(per_thread(held.concurrency) * held.concurrency))
+        p.handled(0.005, 0.0001)  # a handler 5 ms off the CPU
         before = len(grown)
         p.update(t)
         if len(grown) > before:
             held.add_threads(grown[-1])
-            held.issued = held.concurrency + 10
+    return t
+
+
+def test_handlers_that_wait_on_io_grow_the_pool_by_trials_up_to_the_bound():
+    held, p, grown = make()
+    run_pool(held, p, grown, 4.0, lambda threads: 20)  # each thread 200 jobs/s: the rate follows the threads
     assert grown == [8, 16, 32, 64] and held.concurrency == pacing.THREADS_MAX
+
+
+def test_a_growth_that_does_not_raise_the_rate_is_taken_back_and_not_tried_again_for_a_while():
+    held, p, grown = make()
+    run_pool(held, p, grown, 2.0, lambda threads: 800 / threads)  # 8,000 jobs/s however many threads: the GIL
+    assert grown == [8, -8] and held.concurrency == 8
+    run_pool(held, p, grown, pacing.RETRY_AFTER - 2.5, lambda threads: 800 / threads)
+    assert grown == [8, -8]  # quiet
+    run_pool(held, p, grown, 2.5, lambda threads: 800 / threads)
+    assert grown == [8, -8, 8, -8]  # tried again once the quiet spell ended
 
 
 def test_the_pool_does_not_grow_for_handlers_on_the_cpu_nor_without_jobs_waiting():
@@ -180,6 +197,7 @@ def test_the_pool_does_not_grow_while_the_process_is_bound_by_the_gil_or_a_handl
     p.update(p._at + 0.1)
     assert grown == []
     held.unhang()
-    p.handled(0.005, 0.0001)
-    p.update(p._at + 0.1)
+    for _ in range(4):  # a trial compares with the rate over the last 0.3 s
+        p.handled(0.005, 0.0001)
+        p.update(p._at + 0.1)
     assert grown == [8]  # the same measure grows the pool once neither holds
