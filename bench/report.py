@@ -118,9 +118,11 @@ def rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                                              + ("*" if s["capped"] else "") for s in a["sweep"]), "", ""))
         if e2e:
             b = e2e["best"]["jobs_per_s"]
+            # Issue 33's target: 2x PgQueuer with the statistics kept current (issue 14's: 1.5x).
+            current = (e2e.get("best_analyzed") or e2e["best"])["jobs_per_s"]
             out.append(("3 peers", "outbox end to end (best) / PgQueuer best",
-                        f"{b / p['jobs_per_s']:.2f}x{_also(e2e, p['jobs_per_s'], '{:.2f}x')}", ">= 1.5x",
-                        _ok(b / p["jobs_per_s"] >= 1.5)))
+                        f"{b / p['jobs_per_s']:.2f}x{_also(e2e, p['jobs_per_s'], '{:.2f}x')}",
+                        ">= 2x with current statistics (issue 33)", _ok(current / p["jobs_per_s"] >= 2)))
             if a:
                 out.append(("3 peers", "outbox end to end (best) / awa-pg best drain",
                             f"{b / a['jobs_per_s']:.2f}x{_also(e2e, a['jobs_per_s'], '{:.2f}x')}", ">= 2.5x",
@@ -359,13 +361,13 @@ def ceiling_rows(data: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         a = e2e.get("best_analyzed")
         also = f" ({a['jobs_per_s'] / p['jobs_per_s']:.0%} with current statistics)" if a else ""
         out.append(("11 ceiling", "outbox end to end (best, scenario 2) / leanest-SQL pipeline limit",
-                    f"{ratio:.0%}{also}", ">= 75 %", _ok(ratio >= 0.75)))
+                    f"{ratio:.0%}{also}", ">= 80 % (issue 33)", _ok(ratio >= 0.8)))
         x = e2e.get("best_deleting")
         if pd and x:
             ratio = x["jobs_per_s"] / pd["jobs_per_s"]
             out.append(("11 ceiling", "outbox end to end, done jobs deleted / leanest-SQL pipeline deleting them",
                         f"{ratio:.0%}; database CPU {_n(x['db_cpu_us_per_job'])} / {_n(pd['db_cpu_us_per_job'])} us "
-                        "per job", ">= 75 %", _ok(ratio >= 0.75)))
+                        "per job", ">= 75 % (issue 33)", _ok(ratio >= 0.75)))
         out.append(("11 ceiling", "database backends CPU per job: outbox end to end (best) / leanest-SQL pipeline",
                     f"{_n(b['db_cpu_us_per_job'])} / {_n(p['db_cpu_us_per_job'])} us", "", ""))
     return out
