@@ -356,7 +356,11 @@ class JobRunner:
                     continue
                 if claim is None:
                     break
-                if self.signals.draining.is_set() or claim.lease_lost:
+                # A job handed ahead waits in the queue: after a pause (SIGSTOP, a starved
+                # process) its lease may have run out and another relay taken it, or a later
+                # job of its ordered key; like the starter's buffered claims, it is released
+                # (fenced: nothing if it was reaped), never started.
+                if self.signals.draining.is_set() or claim.lease_lost or time.monotonic() >= claim.lease_bound:
                     self._post(claim, Outcome.RELEASE)
                     continue
                 cpu = time.thread_time() if handled else 0.0
