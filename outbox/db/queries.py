@@ -15,6 +15,16 @@ Rules every job-changing statement here keeps (architecture notes, "Statements")
   them in id order first, so two of them can never deadlock each other. Every statement
   that finishes a job locks it ``FOR UPDATE`` first, the one mode a router's ``FOR KEY
   SHARE`` on an ordered key's head waits for (``event_route_many``).
+* A locking read (``FOR ... SHARE``/``UPDATE`` without ``SKIP LOCKED``) that finds its rows
+  through another CTE finds them by ``j.id = ANY (ARRAY(SELECT id FROM ...))`` (an
+  InitPlan, computed once) or a join with it, never ``j.id IN (SELECT id FROM ...)``. When a
+  row it locks changed after the statement's snapshot, PostgreSQL re-checks the row's newest
+  version against the query (READ COMMITTED's recheck, PostgreSQL docs 13.2.1); with
+  statistics on a table of a few thousand jobs the planner made the ``IN`` a hash
+  semi-join on the CTE, whose recheck dropped rows that still matched: the router's lock on
+  the ordered keys' heads lost 49 of 50 heads a heartbeat was renewing, and made their next
+  jobs ready while the heads ran (test_ordering.py; the acceptance test that terminates
+  the relays' backends found it).
 
 Arrays are bound as PostgreSQL arrays (``CAST(:ids AS bigint[])``), so a batch costs one
 round trip whatever its size.
@@ -109,7 +119,7 @@ event_route_many: TextClause = text(
     ), held AS MATERIALIZED (
         SELECT j.id, j.status
         FROM outbox_jobs j
-        WHERE j.id IN (SELECT id FROM unfinished UNION ALL SELECT id FROM older)
+        WHERE j.id = ANY (ARRAY(SELECT id FROM unfinished UNION ALL SELECT id FROM older))
         ORDER BY j.id
         FOR KEY SHARE
     ), heads AS (
@@ -123,7 +133,7 @@ event_route_many: TextClause = text(
     ), taken AS MATERIALIZED (
         SELECT j.id
         FROM outbox_jobs j
-        WHERE j.id IN (SELECT id FROM older)
+        WHERE j.id = ANY (ARRAY(SELECT id FROM older))
           AND (SELECT count(*) FROM held) >= 0
         ORDER BY j.id
         FOR NO KEY UPDATE
@@ -1514,7 +1524,7 @@ job_promote_many: TextClause = text(
     ), locked AS (
         SELECT j.id
         FROM outbox_jobs j
-        WHERE j.id IN (SELECT id FROM heads WHERE status = 'pending') AND j.status = 'pending'
+        WHERE j.id = ANY (ARRAY(SELECT id FROM heads WHERE status = 'pending')) AND j.status = 'pending'
         ORDER BY j.id
         FOR NO KEY UPDATE
     )

@@ -85,6 +85,22 @@ class Scenario:
                 " AND locked_by LIKE :p AND (CAST(:c AS text) IS NULL OR consumer = :c) ORDER BY id"),
                 {"p": f"%:{relay.pid}:%", "c": consumer}).all()
 
+    def sessions(self) -> str:
+        """The test database's sessions (pid, application, state, transaction start, the
+        pids blocking it, query) and the row locks held on ``outbox_jobs``: what a failed
+        wait for a reaper or a claim says about who holds what."""
+        with self.engine.connect() as c:
+            sessions = c.execute(sa.text(
+                "SELECT pid, application_name, state, xact_start, pg_blocking_pids(pid), left(query, 160)"
+                " FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid() ORDER BY pid"),
+                {"db": self.url.database}).all()
+            locks = c.execute(sa.text(
+                "SELECT pid, mode, granted, count(*) FROM pg_locks"
+                " WHERE relation = CAST('outbox_jobs' AS regclass) OR locktype = 'transactionid'"
+                " GROUP BY 1, 2, 3 ORDER BY 1")).all()
+        return "sessions:\n" + "\n".join(f"  {tuple(r)}" for r in sessions) + "\nlocks:\n" + "\n".join(
+            f"  {tuple(r)}" for r in locks)
+
     def now(self) -> Any:
         with self.engine.connect() as c:
             return c.execute(sa.text("SELECT clock_timestamp()")).scalar_one()
@@ -262,7 +278,8 @@ def test_sigstop_past_the_lease_then_sigcont(scenario: Scenario) -> None:
         wait_for(lambda: not unfinished(), timeout=LEASE + REAP_INTERVAL + DRAIN, interval=0.1,
                  what="the other relay to re-claim and finish every job of the paused relay")
     except AssertionError as exc:  # say which jobs, as they stand, and what they held before
-        raise AssertionError(f"{exc}; not finished: {unfinished()}; held at SIGSTOP: {held}") from None
+        raise AssertionError(f"{exc}; not finished: {unfinished()}; held at SIGSTOP: {held}\n"
+                             f"{scenario.sessions()}\n{fleet.logs()[-6000:]}") from None
     with scenario.engine.connect() as c:
         rows = c.execute(sa.text("SELECT id, fence, status, last_error FROM outbox_jobs WHERE id = ANY(:ids)"),
                          {"ids": [h.id for h in held]}).all()

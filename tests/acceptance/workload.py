@@ -211,6 +211,25 @@ def _env_ms(name: str, default: float) -> float:
     return float(os.environ.get(name, default)) / 1000.0
 
 
+def _key_story(engine: Engine, key: str) -> str:
+    """What happened to the ordered consumer's jobs of ``key``, for a failed ordering
+    check: each job (event id, n, status, attempts, fence, routed, created, finished, its
+    attempts' history) and each recorded run (attempt,
+    fence, process, phase, database time), in time order."""
+    with engine.connect() as conn:
+        jobs = conn.execute(sa.text(
+            "SELECT j.id, j.event_id, e.payload->>'n' AS n, j.status, j.attempts, j.fence, e.routed_at, j.created_at,"
+            " j.finished_at, j.history"
+            " FROM outbox_jobs j JOIN outbox_events e ON e.id = j.event_id"
+            " WHERE j.consumer = 'sequence' AND e.key = :key ORDER BY j.event_id"), {"key": key}).all()
+        runs_ = conn.execute(sa.text(
+            "SELECT n, job_id, attempt, fence, pid, phase, at FROM wl_runs"
+            " WHERE consumer = 'sequence' AND job_id = ANY(:ids) ORDER BY at, id"), {"ids": [j.id for j in jobs]}).all()
+    lines = [f"key {key}'s sequence jobs:"] + [f"  {tuple(j)}" for j in jobs]
+    lines += ["its runs:"] + [f"  {tuple(r)}" for r in runs_]
+    return "\n".join(lines)
+
+
 def record(job: Job, phase: str) -> None:
     with side_engine().connect() as conn:
         conn.execute(runs.insert().values(
@@ -658,8 +677,10 @@ def check(engine: Engine, published: Published, *, fault_dead_allowed: int = 0,
     for key, seq in by_key.items():
         fail([r.position for r in seq] == list(range(1, len(seq) + 1)),
              f"key {key}: positions {[r.position for r in seq][:12]} have gaps or repeats")
-        fail([r.n for r in seq] == sorted(r.n for r in seq),
-             f"key {key} applied out of commit order: {[r.n for r in seq][:12]}")
+        in_order = [r.n for r in seq] == sorted(r.n for r in seq)
+        fail(in_order, f"key {key} applied out of commit order: {[r.n for r in seq][:12]}")
+        if not in_order:
+            failures.append(_key_story(engine, key))
     sequence_done = {j.event_id for j in jobs if j.consumer == "sequence" and j.status == "done"}
     for key in {f"acct:{e.payload['n'] % KEYS}" for e in events}:
         want = sorted(e.payload["n"] for e in events if f"acct:{e.payload['n'] % KEYS}" == key)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import pytest
@@ -392,6 +392,46 @@ def test_router_sees_a_completion_committing_while_it_routes(engine):
     thread.join(10)
     assert routed and routed[0].jobs == 1
     assert _status(engine) == {1: "done", 2: "ready"}
+
+
+def test_router_sees_heads_a_heartbeat_renews_while_it_routes_with_statistics_kept(engine):
+    """The heads' lock re-reads rows a heartbeat renewed meanwhile (PostgreSQL's recheck of
+    a locked row's newest version): every next job of a running head is ``pending``. With
+    statistics on a table of 3,000 jobs, the planner made the lock's ``IN (SELECT ... FROM
+    the heads)`` a hash semi-join, whose recheck dropped rows: 49 of 50 next jobs were made
+    ready while their heads ran (found by the acceptance test that terminates the relays'
+    backends, where a relay's heartbeat renewed heads it held ahead). The heads are now
+    locked through an array computed once (``j.id = ANY (ARRAY(...))``)."""
+    keys = [f"k{i}" for i in range(50)]
+    ob = Outbox()
+    ob.subscriber("t", consumer="c", ordered=True)(lambda job: None)
+    ob.subscriber("bulk", consumer="other")(lambda job: None)
+    _publish(engine, [(key, 1) for key in keys])
+    with Session(engine) as s, s.begin():
+        publish_many(s, [("bulk", {"n": n}) for n in range(3_000)])
+    drain(engine, ob, consumers=[], settings=_settings())
+    with engine.begin() as c:
+        heads = claim_jobs(c, {"c": 30.0}, 100, "w1")
+        c.execute(sa.text("ANALYZE outbox_jobs"))
+        c.execute(sa.text("ANALYZE outbox_events"))
+    assert len(heads) == len(keys)
+    _publish(engine, [(key, 2) for key in keys])
+    heartbeat = engine.connect()
+    heartbeat.begin()  # as job_heartbeat_many: every head locked FOR UPDATE, its lease renewed
+    heartbeat.execute(sa.text("SELECT id FROM outbox_jobs WHERE id = ANY(:ids) ORDER BY id FOR UPDATE"),
+                      {"ids": [h.id for h in heads]})
+    heartbeat.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() + interval '30 seconds'"
+                              " WHERE id = ANY(:ids)"), {"ids": [h.id for h in heads]})
+    routed: list[Any] = []
+    thread = threading.Thread(target=lambda: routed.append(route_all(engine)))
+    thread.start()
+    wait_for(lambda: _lock_waiters(engine) == 1, what="the router waiting on the heads' rows")
+    heartbeat.commit()
+    heartbeat.close()
+    thread.join(10)
+    assert routed and routed[0].jobs == len(keys)
+    second = [r.status for r in _jobs(engine) if r.ordering_key is not None and r.n == 2]
+    assert second == ["pending"] * 50, Counter(second)
 
 
 # ------------------------------------------------------------------- plan guard
