@@ -72,7 +72,7 @@ def test_readme_is_short():
 def test_readme_keeps_the_two_command_quick_start_and_the_test_command():
     commands = [line.split("#")[0].strip() for block in docs_pages.blocks(README) if block.language == "bash"
                 for line in block.text.splitlines()]
-    assert "pip install -e '.[dev]' && outbox-relay demo" in commands
+    assert "python3 -m venv .venv && . .venv/bin/activate && pip install -e '.[dev]' && outbox-relay demo" in commands
     assert "pytest" in commands  # .ci/run runs "the README's test command"
 
 
