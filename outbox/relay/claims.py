@@ -131,6 +131,12 @@ class HeldClaims:
         with self.lock:
             return self._slots()
 
+    def pool_sizes(self) -> tuple[int, int]:
+        """(threads, slots beyond them) now, read together: ``concurrency`` and what
+        :meth:`worker_slots` adds to it."""
+        with self.lock:
+            return self.concurrency, self._slots() - self.concurrency
+
     def get(self, fence: int) -> Claim | None:
         """The claim held with ``fence`` (None: not held, or no longer)."""
         with self.lock:

@@ -64,6 +64,7 @@ from collections.abc import Callable
 
 from outbox.relay.claims import HeldClaims
 from outbox.settings import OutboxSettings
+from outbox.telemetry.metrics import PacingReading
 
 #: Seconds of the workers' work that may wait in the pool's queue (and be charged by a crash).
 HORIZON = 0.025
@@ -221,6 +222,13 @@ class Pacing:
         standby = dispatchers - settings.dispatchers
         return (f"{threads}, {batch}, {ahead}, dispatchers {settings.dispatchers}"
                 + (f" (+{standby} on standby for a deep backlog)" if standby else ""))
+
+    def reading(self, standby: bool) -> PacingReading:
+        """What the pacing sizes now, for the metrics (``standby``: whether the runner has a
+        standby dispatcher)."""
+        threads, ahead = self.claims.pool_sizes()
+        return PacingReading(threads=threads, ahead=ahead, claim_batch=self.claim_batch(),
+                             standby=self.deep() if standby else None)
 
     def claim_batch(self) -> int:
         """Most jobs one claim asks for: the setting when given, else what the workers and the

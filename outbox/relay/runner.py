@@ -153,6 +153,8 @@ class JobRunner:
                             for _ in range(count)]
         if standby:
             self.dispatchers[-1].standby = self.pacing.deep
+        if metrics is not None:
+            metrics.pacing = lambda: self.pacing.reading(standby)
         self.dispatcher = self.dispatchers[0]
         self.producer, self.completer = self.dispatcher.producer, self.dispatcher.completer
         self.starter = Starter(engine, settings, self.claims, worker_id, self._start, self._post_outcome,

@@ -11,6 +11,9 @@ serves (the table in the operations notes, "Metrics"):
 * **Histograms of this process**: ``outbox_handler_duration_seconds{consumer}``,
   ``outbox_job_start_latency_seconds{consumer}`` (event created -> handler start) and
   ``outbox_claim_round_trip_seconds``.
+* **Gauges of this process's pacing** (:class:`PacingReading`, read at the scrape):
+  ``outbox_relay_worker_threads``, ``outbox_relay_ahead_slots``, ``outbox_relay_claim_batch``
+  and, with a standby dispatcher, ``outbox_relay_standby_dispatcher_running``.
 * **Gauges read from the database** (:class:`GaugeGatherer`) by one relay of the schema at a
   time: ``outbox_jobs_in_status{consumer,status}`` (ready, running, dead), ``outbox_oldest_ready_job_age_seconds``,
   ``outbox_unrouted_events`` and ``outbox_oldest_unrouted_event_age_seconds``. Every relay
@@ -45,7 +48,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -127,6 +130,19 @@ class Histogram:
 
 
 @dataclass(frozen=True, slots=True)
+class PacingReading:
+    """What a runner's pacing (:mod:`outbox.relay.pacing`) sizes now: ``threads`` of its
+    worker pool, ``ahead`` slots beyond them (jobs it may hand to the pool's queue),
+    ``claim_batch`` (most jobs one claim asks for) and ``standby``: whether its standby
+    dispatcher runs rounds (None: it has none)."""
+
+    threads: int
+    ahead: int
+    claim_batch: int
+    standby: bool | None
+
+
+@dataclass(frozen=True, slots=True)
 class GaugeReading:
     """One reading of the database gauges: ``jobs`` maps (consumer, status) to a count (every
     subscribed consumer has all three statuses, 0 included), ``oldest_ready`` maps consumer
@@ -160,6 +176,8 @@ class RelayMetrics:
         #: Whether this relay holds the gatherer's lock; the last reading (None: none, or stale).
         self.gatherer = False
         self.reading: GaugeReading | None = None
+        #: The runner's pacing, read at each scrape (None: no runner, e.g. a router-only relay).
+        self.pacing: Callable[[], PacingReading] | None = None
         _ACTIVE.add(self)
 
     # --------------------------------------------------------------- writers
@@ -309,6 +327,8 @@ class RelayMetrics:
         yield hfamily
         yield GaugeMetricFamily("outbox_metrics_gatherer", "1 on the relay that reads the database gauges (one "
                                 "per schema at a time), else 0.", value=1 if self.gatherer else 0)
+        if self.pacing is not None:
+            yield from pacing_families(self.pacing())
         reading = self.reading if self.gatherer else None
         if reading is None:
             return
@@ -328,6 +348,23 @@ class RelayMetrics:
                                 "(database clock); 0 when none.", value=reading.oldest_unrouted)
         yield GaugeMetricFamily("outbox_gauges_read_duration_seconds", "Time the last reading of the database "
                                 "gauges took.", value=reading.took)
+
+
+def pacing_families(pacing: PacingReading) -> Iterator[Any]:
+    """The gauges of a runner's pacing (:class:`PacingReading`), read at the scrape."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    yield GaugeMetricFamily("outbox_relay_worker_threads", "Threads of this relay's worker pool now: concurrency, "
+                            "or more while the elastic pool has grown (concurrency not set).", value=pacing.threads)
+    yield GaugeMetricFamily("outbox_relay_ahead_slots", "Jobs this relay may hand to its worker pool beyond its "
+                            "threads now, paced from the workers' rate (0 with prefetch set, or while a handler is "
+                            "hung).", value=pacing.ahead)
+    yield GaugeMetricFamily("outbox_relay_claim_batch", "Most jobs one claim of this relay asks for now (paced "
+                            "unless claim_batch is set).", value=pacing.claim_batch)
+    if pacing.standby is not None:
+        yield GaugeMetricFamily("outbox_relay_standby_dispatcher_running", "1 while this relay's standby "
+                                "dispatcher runs rounds (a deep backlog), 0 while it is parked.",
+                                value=1 if pacing.standby else 0)
 
 
 def record_stale_write() -> None:

@@ -216,6 +216,36 @@ def test_one_relay_of_two_reads_the_database_gauges_and_another_takes_over_when_
                 relay.stop()
 
 
+def test_pacing_gauges_show_the_pool_the_claims_and_the_standby(engine, settings):
+    """At the defaults the gauges follow the pacing: 8 threads at rest, claims paced within
+    50..250, jobs handed ahead while quick jobs flow, a standby dispatcher parked (0) once
+    idle. With every size set they are the settings, nothing ahead, and no standby gauge."""
+    ob = Outbox()
+    ob.subscriber("t", consumer="a")(lambda job: None)
+    with running_relay(ob, settings(metrics_port=0)) as relay:
+        assert relay.runner is not None
+        publish_events(engine, "t", [{"n": i} for i in range(3_000)])
+        ahead: list[float] = []
+
+        def drained() -> bool:
+            ahead.append(value(scrape(relay), "outbox_relay_ahead_slots") or 0)
+            return db_counts(engine) == {("a", "done"): 3_000}
+
+        wait_for(drained, timeout=TIMEOUT, interval=0.05, what="3,000 quick jobs done")
+        samples = scrape(relay)
+        assert value(samples, "outbox_relay_worker_threads") == relay.runner.claims.concurrency == 8
+        assert 50 <= (value(samples, "outbox_relay_claim_batch") or 0) <= 250
+        assert max(ahead) > 0, ahead  # quick jobs were handed ahead while they flowed
+        wait_for(lambda: value(scrape(relay), "outbox_relay_standby_dispatcher_running") == 0, timeout=TIMEOUT,
+                 what="the standby dispatcher parked")
+    fixed = settings(metrics_port=0, concurrency=4, claim_batch=30, prefetch=10, dispatchers=1)
+    with running_relay(ob, fixed) as relay:
+        samples = scrape(relay)
+        assert [value(samples, f"outbox_relay_{name}") for name in ("worker_threads", "ahead_slots", "claim_batch")] \
+            == [4, 0, 30]
+        assert "outbox_relay_standby_dispatcher_running" not in samples
+
+
 def test_metrics_port_without_prometheus_client_is_refused(settings, monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if the extra were not installed
     with pytest.raises(ConfigurationError, match=r"outbox-relay\[metrics\]"):

@@ -12,6 +12,7 @@ from outbox.relay import pacing
 from outbox.relay.claims import HeldClaims
 from outbox.relay.pacing import Pacing
 from outbox.settings import OutboxSettings
+from outbox.telemetry.metrics import PacingReading
 
 
 def make(**explicit: int) -> tuple[HeldClaims, Pacing, list[int]]:
@@ -201,3 +202,15 @@ def test_the_pool_does_not_grow_while_the_process_is_bound_by_the_gil_or_a_handl
         p.handled(0.005, 0.0001)
         p.update(p._at + 0.1)
     assert grown == [8]  # the same measure grows the pool once neither holds
+
+
+def test_the_metrics_reading_is_what_the_pacing_sizes_now():
+    held, p, _ = make()
+    start = p._at
+    finish(held, 800)  # 8,000 jobs/s
+    p.update(start + 0.1)
+    assert p.reading(standby=True) == PacingReading(threads=8, ahead=200, claim_batch=200, standby=False)
+    p.claimed(pacing.BATCH_MAX, pacing.BATCH_MAX, now=time.monotonic())  # a full claim of the largest batch
+    assert p.reading(standby=True).standby is True and p.reading(standby=False).standby is None
+    held.hang()  # a hung handler takes the jobs ahead away, and the gauge with them
+    assert p.reading(standby=False) == PacingReading(threads=8, ahead=0, claim_batch=200, standby=None)
