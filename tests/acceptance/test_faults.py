@@ -579,8 +579,10 @@ def test_sigterm_under_heavy_load(scenario: Scenario) -> None:
     lease, grace = 15.0, 2.0
     holds = {n: {"hold": 120} for n in range(1, 60, 9)}  # ledger runs that outlast any grace
     publisher = scenario.publisher(extra=holds)
+    # Its handlers work 100 ms (the second relay's 30): a relay paced for quick handlers (issue
+    # 33) drained the whole backlog at 30 ms before the second relay was up (CI, once).
     first = fleet.start("--concurrency", "12", "--default-lease", str(lease), "--shutdown-grace", str(grace),
-                        env={"WL_HOLD": "1", "WL_WORK_MS": "30"})
+                        env={"WL_HOLD": "1", "WL_WORK_MS": "100"})
     for _ in range(EVENTS // 8 + 1):
         publisher.publish_batch(8)
     hold_ns = sorted(n for n in holds if n in publisher.result.committed)
