@@ -85,6 +85,20 @@ def _lock_waiters(engine: sa.Engine) -> int:
                                  " AND wait_event_type = 'Lock'")).scalar_one()
 
 
+def _route_behind(engine: sa.Engine, holder: sa.Connection, what: str) -> list[Any]:
+    """Route in a thread while ``holder``'s open transaction holds job rows the router's lock
+    waits for; once it waits (``what``), commit and close ``holder``. Returns the router's
+    results (one :class:`RouteResult`, or none if it did not finish within 10 s)."""
+    routed: list[Any] = []
+    thread = threading.Thread(target=lambda: routed.append(route_all(engine)))
+    thread.start()
+    wait_for(lambda: _lock_waiters(engine) == 1, what=what)
+    holder.commit()
+    holder.close()
+    thread.join(10)
+    return routed
+
+
 # ------------------------------------------------------------------- delivery order
 
 
@@ -383,13 +397,7 @@ def test_router_sees_a_completion_committing_while_it_routes(engine):
     completer = engine.connect()
     completer.begin()
     assert len(complete_jobs(completer, [head])) == 1  # done, not committed yet: the row is locked
-    routed: list[Any] = []
-    thread = threading.Thread(target=lambda: routed.append(route_all(engine)))
-    thread.start()
-    wait_for(lambda: _lock_waiters(engine) == 1, what="the router waiting on the head's row")
-    completer.commit()
-    completer.close()
-    thread.join(10)
+    routed = _route_behind(engine, completer, "the router waiting on the head's row")
     assert routed and routed[0].jobs == 1
     assert _status(engine) == {1: "done", 2: "ready"}
 
@@ -422,13 +430,7 @@ def test_router_sees_heads_a_heartbeat_renews_while_it_routes_with_statistics_ke
                       {"ids": [h.id for h in heads]})
     heartbeat.execute(sa.text("UPDATE outbox_jobs SET lease_until = now() + interval '30 seconds'"
                               " WHERE id = ANY(:ids)"), {"ids": [h.id for h in heads]})
-    routed: list[Any] = []
-    thread = threading.Thread(target=lambda: routed.append(route_all(engine)))
-    thread.start()
-    wait_for(lambda: _lock_waiters(engine) == 1, what="the router waiting on the heads' rows")
-    heartbeat.commit()
-    heartbeat.close()
-    thread.join(10)
+    routed = _route_behind(engine, heartbeat, "the router waiting on the heads' rows")
     assert routed and routed[0].jobs == len(keys)
     second = [r.status for r in _jobs(engine) if r.ordering_key is not None and r.n == 2]
     assert second == ["pending"] * 50, Counter(second)
